@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP endpoint: a thin translator onto ``swarm.node``."""

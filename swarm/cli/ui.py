@@ -1,0 +1,94 @@
+"""Terminal output: the only module that imports rich.
+
+Results go to stdout; progress, logs and errors go to stderr. On a TTY progress is a bar; when
+stderr is not a TTY it is plain lines; with ``--quiet`` it is nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+from rich.console import Console
+from rich.logging import RichHandler
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+out = Console(soft_wrap=True)
+err = Console(stderr=True, soft_wrap=True)
+_quiet = False
+
+
+def configure(*, verbose: bool = False, quiet: bool = False) -> None:
+    global _quiet
+    _quiet = quiet
+    level = logging.DEBUG if verbose else (logging.WARNING if quiet else logging.INFO)
+    handler: logging.Handler
+    if err.is_terminal:
+        handler = RichHandler(console=err, show_path=False)
+    else:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger("swarm")
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    root.propagate = False
+
+
+def error(message: str, hint: str | None = None) -> None:
+    err.print(f"[bold red]error:[/] {message}", highlight=False, markup=True)
+    if hint:
+        err.print(f"[dim]hint: {hint}[/]", highlight=False)
+
+
+def notice(message: str) -> None:
+    if not _quiet:
+        err.print(message, highlight=False, markup=False)
+
+
+def print_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2, sort_keys=False) + "\n")
+    sys.stdout.flush()
+
+
+def print_table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
+    table = Table(title=title)
+    for c in columns:
+        table.add_column(c)
+    for r in rows:
+        table.add_row(*[str(x) for x in r])
+    out.print(table)
+
+
+class _Reporter:
+    """Progress callback handed to lower layers: ``report(done, total)``."""
+
+    def __init__(self, progress: Progress | None, task: Any, label: str) -> None:
+        self._progress, self._task, self._label = progress, task, label
+        self._last_pct = -1
+
+    def __call__(self, done: int, total: int) -> None:
+        if self._progress is not None:
+            self._progress.update(self._task, completed=done, total=total)
+        elif not _quiet and total:
+            pct = int(100 * done / total)
+            if pct // 25 != self._last_pct // 25 or done == total:
+                self._last_pct = pct
+                err.print(f"{self._label}: {pct}%", highlight=False)
+
+
+@contextlib.contextmanager
+def progress(label: str) -> Iterator[_Reporter]:
+    """A progress bar on a TTY, plain lines otherwise, nothing under --quiet."""
+    if _quiet or not err.is_terminal:
+        yield _Reporter(None, None, label)
+        return
+    with Progress(
+        TextColumn("{task.description}"), BarColumn(), TimeRemainingColumn(), console=err, transient=True
+    ) as bar:
+        task = bar.add_task(label, total=None)
+        yield _Reporter(bar, task, label)

@@ -1,0 +1,1 @@
+"""Swarm invite manifests and node identity keys: canonical bytes, signing, verification."""

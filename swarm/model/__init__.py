@@ -1,0 +1,16 @@
+"""The model runtime (torch only; imports nothing else from swarm but ``swarm.errors``).
+
+Files (filled in as the runtime grows; keep this list current):
+
+- ``config.py``   ``ModelArgs`` from a checkpoint's config.json (Llama 2/3, Mistral, Qwen2, SmolLM)
+- ``layers.py``   RMSNorm, rotary embeddings, attention (GQA), SwiGLU MLP, one decoder layer
+- ``kvcache.py``  preallocated per-session KV cache with O(1) rollback
+- ``weights.py``  tensor sources: safetensors (single or sharded) and GGUF, read lazily by name
+- ``gguf.py``     GGUF reading/dequantization and conversion to a Hugging Face style directory
+- ``bundled.py``  the bundled SmolLM2-135M-Instruct: locate, convert on first use, cache
+- ``stage.py``    ``Stage(args, start, end)``: a layer range with its own caches; the head part
+- ``tokenizer.py`` tokenizer.json and the chat template
+- ``sampling.py`` greedy, temperature/top-k/top-p with a seeded generator
+- ``speculative.py`` drafters and lossless verification (greedy and rejection sampling)
+- ``generate.py`` in-process generation over N stages (the reference a ring is checked against)
+"""

@@ -1,0 +1,1 @@
+"""Networking: the only subpackage that imports libp2p and zeroconf."""

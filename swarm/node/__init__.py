@@ -1,0 +1,1 @@
+"""A running peer: the trio nursery tree of membership, heartbeats, stage worker, coordinator."""

@@ -1,0 +1,1 @@
+"""Pure, deterministic placement: peers + RTTs + model -> coordinator, ring order, layer blocks."""

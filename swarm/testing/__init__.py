@@ -1,0 +1,1 @@
+"""Fakes shipped with the package: tiny checkpoints, in-memory network, scenarios."""
