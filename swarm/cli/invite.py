@@ -1,7 +1,210 @@
-"""(placeholder until its issue lands: register() adds nothing yet)"""
+"""``shard-swarm invite create|verify|show``: make, check and read swarm invite manifests.
+
+Exit codes: 0 valid / done; 2 usage error (bad flag, bad duration, output exists); 3 the local
+model differs from the invite (``verify --model``); 4 the invite (or the key file) is refused:
+the message names the reason word (see ``manifests/README.md``) and the field.
+The swarm secret is never printed: ``show`` leaves it out and every repr hides it.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+from typing import Any
 
 import typer
 
+from swarm.cli import ui
+from swarm.errors import UsageError
+from swarm.manifest.identity import load_or_create_identity, public_key_from_peer_id
+from swarm.manifest.manifest import (
+    Manifest,
+    ManifestInvalid,
+    new_manifest,
+    read_manifest,
+    sign_manifest,
+    verify_manifest,
+    write_manifest,
+)
+from swarm.manifest.modelcheck import check_model, describe_model
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def parse_duration(text: str) -> int:
+    """'30d', '12h', '90m', '3600s', '2w' -> seconds (UsageError otherwise)."""
+    m = re.fullmatch(r"\s*(\d{1,9})\s*([smhdw])\s*", text)
+    if not m or int(m.group(1)) == 0:
+        raise UsageError(f"--expires {text!r}: expected a positive duration like 30d, 12h, 90m, 2w")
+    return int(m.group(1)) * _UNITS[m.group(2)]
+
+
+def _iso(t: int) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
+
+
+def _status(m: Manifest) -> tuple[str, str]:
+    try:
+        verify_manifest(m)
+    except ManifestInvalid as exc:
+        return exc.reason.value, str(exc)
+    return "valid", ""
+
+
+def create(
+    swarm: str | None = typer.Option(
+        None, "--swarm", help="Swarm name (letters, digits, space, . _ -); required without --from."
+    ),
+    model: Path | None = typer.Option(
+        None, "--model", help="Model directory or file to pin by sha256."
+    ),
+    model_name: str | None = typer.Option(
+        None, "--model-name", help="Name for the model (default: its file/dir name)."
+    ),
+    bootstrap: list[str] = typer.Option(
+        [], "--bootstrap", help="Bootstrap/relay multiaddr (repeatable)."
+    ),
+    expires: str = typer.Option("30d", "--expires", help="Lifetime, e.g. 30d, 12h, 2w."),
+    revoke: list[str] = typer.Option(
+        [], "--revoke", help="Peer ID to exclude from the swarm (repeatable)."
+    ),
+    output: Path = typer.Option(..., "-o", "--output", help="Invite file to write (mode 0600)."),
+    force: bool = typer.Option(False, "--force", help="Overwrite an existing output file."),
+    from_file: Path | None = typer.Option(
+        None,
+        "--from",
+        help="Re-issue this invite (same swarm ID and secret; new expiry; --revoke adds to its list).",
+    ),
+    rotate_secret: bool = typer.Option(
+        False,
+        "--rotate-secret",
+        help="With --from: a new swarm secret (every member needs the new invite).",
+    ),
+) -> None:
+    """Create a signed invite for a new swarm, or re-issue one with --from."""
+    lifetime = parse_duration(expires)
+    if output.exists() and not force:
+        raise UsageError(f"{output} exists; pass --force to overwrite it")
+    if swarm is None and from_file is None:
+        raise UsageError("give --swarm NAME (a new swarm) or --from FILE (re-issue an invite)")
+    if rotate_secret and from_file is None:
+        raise UsageError(
+            "--rotate-secret needs --from FILE (a new swarm always gets a fresh secret)"
+        )
+    identity = load_or_create_identity()
+    old = None
+    if from_file is not None:
+        old = read_manifest(from_file, expected_issuer=identity.public_key, allow_expired=True)
+    spec = old.model if old is not None else None
+    if model is not None:
+        with ui.progress(f"hashing {model.name}") as report:
+            spec = describe_model(model, model_name, report)
+    revoked = tuple(dict.fromkeys([*(old.revoked if old else ()), *revoke]))
+    m = new_manifest(
+        swarm_name=swarm or (old.swarm_name if old else ""),
+        issuer=identity.public_key,
+        model=spec,
+        bootstrap=tuple(bootstrap) or (old.bootstrap if old else ()),
+        lifetime_s=lifetime,
+        revoked=revoked,
+        swarm_id=old.swarm_id if old else None,
+        secret=old.secret if old and not rotate_secret else None,
+    )
+    m = sign_manifest(m, identity)
+    write_manifest(m, output)
+    ui.notice(
+        f"wrote {output} (mode 0600): swarm {m.swarm_name!r} id {m.swarm_id}, issuer {m.issuer_peer_id}, "
+        f"expires {_iso(m.expires)}. It holds the swarm secret: share it only with members."
+    )
+
+
+def verify(
+    file: Path = typer.Argument(..., help="Invite file."),
+    issuer: str | None = typer.Option(None, "--issuer", help="Require this issuer peer ID."),
+    model: Path | None = typer.Option(
+        None, "--model", help="Also check a local model against the invite."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout."),
+) -> None:
+    """Check an invite: exit 0 only when it is well-formed, signed, unexpired (and matches --issuer)."""
+    expected = None
+    if issuer is not None:
+        try:
+            expected = public_key_from_peer_id(issuer)
+        except ValueError as exc:
+            raise UsageError(f"--issuer: {exc}") from None
+    try:
+        m = read_manifest(file, expected_issuer=expected)
+    except ManifestInvalid as exc:
+        if as_json:
+            ui.print_json(
+                {
+                    "valid": False,
+                    "reason": exc.reason.value,
+                    "field": exc.field,
+                    "message": str(exc),
+                }
+            )
+        raise  # main() prints it as one line on stderr and exits 4
+    if model is not None:
+        if m.model is None:
+            raise UsageError(f"{file} pins no model; nothing to check --model against")
+        with ui.progress(f"checking {model.name}") as report:
+            check_model(m.model, model, report)
+    if as_json:
+        ui.print_json(
+            {
+                "valid": True,
+                "swarm": m.swarm_name,
+                "swarm_id": m.swarm_id,
+                "issuer_peer_id": m.issuer_peer_id,
+                "expires": m.expires,
+            }
+        )
+    else:
+        ui.notice(
+            f"{file}: valid invite for swarm {m.swarm_name!r}, issuer {m.issuer_peer_id}, expires {_iso(m.expires)}"
+        )
+
+
+def show(
+    file: Path = typer.Argument(..., help="Invite file."),
+    as_json: bool = typer.Option(False, "--json", help="Print as JSON on stdout."),
+) -> None:
+    """Print an invite without its secret (and whether it verifies)."""
+    m = read_manifest(file, verify=False)
+    status, why = _status(m)
+    data: dict[str, Any] = m.public_dict()
+    data["status"] = status
+    if as_json:
+        ui.print_json(data)
+        return
+    rows: list[list[Any]] = [
+        ["swarm", f"{m.swarm_name} ({m.swarm_id})"],
+        ["issuer", m.issuer_peer_id],
+        ["created", _iso(m.created)],
+        ["expires", _iso(m.expires)],
+        ["status", status if not why else f"{status}: {why}"],
+        ["secret", "(hidden)"],
+    ]
+    if m.model is not None:
+        rows.append(
+            [
+                "model",
+                f"{m.model.name}, {len(m.model.files)} file(s), config {m.model.config_sha256 or '-'}",
+            ]
+        )
+    else:
+        rows.append(["model", "(any)"])
+    rows += [["bootstrap", a] for a in m.bootstrap] or [["bootstrap", "(none: LAN discovery only)"]]
+    rows += [["revoked", p] for p in m.revoked]
+    ui.print_table(f"invite {file}", ["field", "value"], rows)
+
 
 def register(app: typer.Typer) -> None:
-    return None
+    group = typer.Typer(help="Create, verify and show swarm invites.", no_args_is_help=True)
+    group.command("create")(create)
+    group.command("verify")(verify)
+    group.command("show")(show)
+    app.add_typer(group, name="invite")

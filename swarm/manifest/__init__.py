@@ -1,1 +1,47 @@
-"""Swarm invite manifests and node identity keys: canonical bytes, signing, verification."""
+"""Swarm invite manifests and node identity keys: canonical bytes, signing, verification.
+
+Files:
+
+- ``identity.py``   the node's Ed25519 key (32-byte seed, 0600 file in the config dir), peer IDs
+                    (``peer_id_from_public_key``), ``verify_signature``, ``write_private_file``
+- ``manifest.py``   ``Manifest``/``ModelSpec``/``SwarmSecret``, canonical bytes, ``new_manifest``,
+                    ``sign_manifest``, ``parse_manifest``, ``verify_manifest``, ``read_manifest``,
+                    ``write_manifest``; failures are ``ManifestInvalid`` with a ``Reason``
+- ``modelcheck.py`` ``describe_model`` (hash a model for an invite), ``check_model`` (local copy vs invite)
+
+The admission handshake that proves the swarm secret lives in ``swarm/proto/admission.py`` (its
+frames are proto messages); pass it ``manifest.secret.value``, ``manifest.swarm_id`` and
+``frozenset(manifest.revoked)``.
+"""
+
+from swarm.manifest.identity import (
+    Identity,
+    IdentityError,
+    config_dir,
+    default_key_path,
+    load_identity,
+    load_or_create_identity,
+    peer_id_from_public_key,
+    public_key_from_peer_id,
+    verify_signature,
+)
+from swarm.manifest.manifest import (
+    Manifest,
+    ManifestInvalid,
+    ModelSpec,
+    Reason,
+    SwarmSecret,
+    new_manifest,
+    parse_manifest,
+    read_manifest,
+    sign_manifest,
+    verify_manifest,
+    write_manifest,
+)
+
+__all__ = [
+    "Identity", "IdentityError", "Manifest", "ManifestInvalid", "ModelSpec", "Reason", "SwarmSecret",
+    "config_dir", "default_key_path", "load_identity", "load_or_create_identity", "new_manifest",
+    "parse_manifest", "peer_id_from_public_key", "public_key_from_peer_id", "read_manifest",
+    "sign_manifest", "verify_manifest", "verify_signature", "write_manifest",
+]  # fmt: skip

@@ -1,0 +1,524 @@
+"""Swarm invite manifests: the data, canonical bytes, signing, parsing and verification.
+
+Theory of operation
+-------------------
+An invite is a JSON object (see ``manifests/schema.json`` and ``manifests/README.md``)::
+
+    {"version": 1, "swarm": {"name", "id"}, "model": null | {"name", "config_sha256", "files"},
+     "bootstrap": [multiaddr, ...], "secret": b64(32 bytes), "issuer": b64(Ed25519 public key),
+     "created": unix s, "expires": unix s, "revoked": [peer ID, ...] (optional), "signature": b64}
+
+The signature is Ed25519 by ``issuer`` over ``b"shard-swarm/manifest/1\\0" + canonical(body)``,
+where body is the object minus ``signature`` *exactly as parsed* and canonical means sorted keys,
+no whitespace, UTF-8, integers only. So the file may be pretty-printed or re-indented freely, but
+changing, adding or removing any field breaks the signature. Parsing is strict (size cap, UTF-8,
+no duplicate keys, no floats/NaN, every field typed and bounded, unknown fields refused) and
+happens before any cryptography; times are judged only after the signature holds.
+
+Every failure is a :class:`ManifestInvalid` (a ManifestError: CLI exit code 4) carrying a
+``reason`` word from :class:`Reason` (documented in ``manifests/README.md``) and the field.
+The secret is held in a :class:`SwarmSecret`, whose repr and str never show it.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import enum
+import hmac
+import json
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from swarm.errors import ManifestError
+from swarm.manifest.identity import Identity, is_peer_id, peer_id_from_public_key, verify_signature
+
+FORMAT_VERSION = 1
+MAX_MANIFEST_BYTES = 64 * 1024
+SIGN_DOMAIN = b"shard-swarm/manifest/1\0"
+SECRET_BYTES = 32
+CLOCK_SKEW_S = 300  # a manifest "created" up to this far in the future is still accepted
+MAX_BOOTSTRAP = 32
+MAX_FILES = 1024
+MAX_REVOKED = 1024
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+_HEX32 = re.compile(r"[0-9a-f]{32}")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9 ._-]{0,63}")
+_FIELDS = {
+    "version",
+    "swarm",
+    "model",
+    "bootstrap",
+    "secret",
+    "issuer",
+    "created",
+    "expires",
+    "revoked",
+    "signature",
+}
+_OPTIONAL = {"revoked", "signature"}
+
+
+class Reason(enum.Enum):
+    """Why a manifest was refused (stable words, shown by ``invite verify --json``)."""
+
+    MALFORMED = "malformed"  # not JSON, wrong type, missing/unknown field, bad value
+    TOO_LARGE = "too-large"  # file over MAX_MANIFEST_BYTES
+    UNKNOWN_VERSION = "unknown-version"  # "version" is not one this program reads
+    UNSIGNED = "unsigned"  # no signature
+    BAD_SIGNATURE = "bad-signature"  # tampered after signing, or signed by another key
+    WRONG_ISSUER = "wrong-issuer"  # validly signed, but not by the issuer the caller expects
+    NOT_YET_VALID = "not-yet-valid"  # created in the future (beyond the clock skew)
+    EXPIRED = "expired"  # past "expires"
+
+
+class ManifestInvalid(ManifestError):
+    """A manifest failed a check; ``reason`` says which class, ``field`` which field (if one)."""
+
+    def __init__(self, reason: Reason, message: str, field: str | None = None) -> None:
+        super().__init__(f"{message} (reason: {reason.value})")
+        self.reason = reason
+        self.field = field
+
+
+class SwarmSecret:
+    """The 32-byte swarm secret. Shown as ``<hidden>``; read ``.value`` only to use it."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: bytes) -> None:
+        if len(value) != SECRET_BYTES:
+            raise ValueError(f"a swarm secret is {SECRET_BYTES} bytes")
+        self.value = value
+
+    @classmethod
+    def generate(cls) -> SwarmSecret:
+        return cls(os.urandom(SECRET_BYTES))
+
+    def __repr__(self) -> str:
+        return "SwarmSecret(<hidden>)"
+
+    __str__ = __repr__
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, SwarmSecret) and hmac.compare_digest(self.value, other.value)
+
+    def __hash__(self) -> int:
+        return hash(("SwarmSecret", self.value))
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    config_sha256: str | None  # sha256 of config.json; None for single-file checkpoints (GGUF)
+    files: dict[str, str]  # relative POSIX path -> sha256 hex
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "config_sha256": self.config_sha256, "files": dict(self.files)}
+
+
+@dataclass(frozen=True)
+class Manifest:
+    swarm_name: str
+    swarm_id: str  # 32 hex chars, random per swarm
+    model: ModelSpec | None
+    bootstrap: tuple[str, ...]
+    secret: SwarmSecret
+    issuer: bytes  # Ed25519 public key
+    created: int
+    expires: int
+    revoked: tuple[str, ...] = ()
+    signature: bytes | None = None
+    version: int = FORMAT_VERSION
+    # the body exactly as parsed from a file (what the signature covers); None when built here
+    raw_body: dict[str, Any] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def issuer_peer_id(self) -> str:
+        return peer_id_from_public_key(self.issuer)
+
+    def body(self) -> dict[str, Any]:
+        """Everything but the signature (secret included): what is signed."""
+        if self.raw_body is not None:
+            return self.raw_body
+        out: dict[str, Any] = {
+            "version": self.version,
+            "swarm": {"name": self.swarm_name, "id": self.swarm_id},
+            "model": None if self.model is None else self.model.to_json(),
+            "bootstrap": list(self.bootstrap),
+            "secret": _b64e(self.secret.value),
+            "issuer": _b64e(self.issuer),
+            "created": self.created,
+            "expires": self.expires,
+        }
+        if self.revoked:
+            out["revoked"] = list(self.revoked)
+        return out
+
+    def signed_bytes(self) -> bytes:
+        return SIGN_DOMAIN + canonical_bytes(self.body())
+
+    def to_json_bytes(self) -> bytes:
+        """The file form: sorted, indented JSON (whitespace is not covered by the signature)."""
+        obj = dict(self.body())
+        if self.signature is not None:
+            obj["signature"] = _b64e(self.signature)
+        return (json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode(
+            "utf-8"
+        )
+
+    def public_dict(self) -> dict[str, Any]:
+        """For display: everything except the secret."""
+        return {
+            "version": self.version,
+            "swarm": {"name": self.swarm_name, "id": self.swarm_id},
+            "model": None if self.model is None else self.model.to_json(),
+            "bootstrap": list(self.bootstrap),
+            "issuer": _b64e(self.issuer),
+            "issuer_peer_id": self.issuer_peer_id,
+            "created": self.created,
+            "expires": self.expires,
+            "revoked": list(self.revoked),
+            "signed": self.signature is not None,
+        }
+
+
+def canonical_bytes(obj: Any) -> bytes:
+    """Sorted keys, no whitespace, UTF-8; floats refused (integers only)."""
+    stack = [obj]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, float):
+            raise ManifestInvalid(
+                Reason.MALFORMED, "manifest: floats are not allowed (integers only)"
+            )
+        if isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode(
+        "utf-8"
+    )
+
+
+def _b64e(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+# ---------------------------------------------------------------- creating and signing
+
+
+def new_manifest(
+    *,
+    swarm_name: str,
+    issuer: bytes,
+    model: ModelSpec | None = None,
+    bootstrap: tuple[str, ...] = (),
+    lifetime_s: int = 30 * 86400,
+    now: int | None = None,
+    revoked: tuple[str, ...] = (),
+    swarm_id: str | None = None,
+    secret: SwarmSecret | None = None,
+) -> Manifest:
+    """A fresh, unsigned manifest with a random swarm ID and secret (unless given: re-issuing)."""
+    now = int(time.time()) if now is None else now
+    if lifetime_s <= 0:
+        raise ManifestInvalid(
+            Reason.MALFORMED, "manifest: the lifetime must be positive", "expires"
+        )
+    m = Manifest(
+        swarm_name=swarm_name,
+        swarm_id=swarm_id or os.urandom(16).hex(),
+        model=model,
+        bootstrap=tuple(bootstrap),
+        secret=secret or SwarmSecret.generate(),
+        issuer=issuer,
+        created=now,
+        expires=now + lifetime_s,
+        revoked=tuple(revoked),
+    )
+    # round-trip through the strict parser: we never write what we would refuse
+    _parse_obj(json.loads(m.to_json_bytes()), "new manifest")
+    return m
+
+
+def sign_manifest(manifest: Manifest, identity: Identity) -> Manifest:
+    if identity.public_key != manifest.issuer:
+        raise ManifestInvalid(
+            Reason.WRONG_ISSUER, "manifest: signing key is not the manifest's issuer", "issuer"
+        )
+    sig = identity.sign(manifest.signed_bytes())
+    return Manifest(**{**manifest.__dict__, "signature": sig})
+
+
+# ---------------------------------------------------------------- parsing
+
+
+class _Reader:
+    def __init__(self, where: str) -> None:
+        self.where = where
+
+    def bad(self, fld: str, why: str, reason: Reason = Reason.MALFORMED) -> ManifestInvalid:
+        return ManifestInvalid(reason, f"{self.where}: field '{fld}': {why}", fld)
+
+    def get_obj(
+        self, v: Any, fld: str, keys: set[str], optional: frozenset[str] | set[str] = frozenset()
+    ) -> dict[str, Any]:
+        if not isinstance(v, dict):
+            raise self.bad(fld, f"expected an object, got {type(v).__name__}")
+        missing = sorted(keys - optional - set(v))
+        if missing:
+            raise self.bad(f"{fld}.{missing[0]}" if fld else missing[0], "missing")
+        unknown = sorted(set(v) - keys)
+        if unknown:
+            raise self.bad(f"{fld}.{unknown[0][:64]}" if fld else unknown[0][:64], "unknown field")
+        return v
+
+    def get_int(self, v: Any, fld: str) -> int:
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 1 << 62:
+            raise self.bad(fld, f"expected a non-negative integer (unix seconds), got {_show(v)}")
+        return v
+
+    def get_str(
+        self, v: Any, fld: str, max_len: int = 256, pattern: re.Pattern[str] | None = None
+    ) -> str:
+        if not isinstance(v, str) or not 0 < len(v) <= max_len:
+            raise self.bad(fld, f"expected a string of 1..{max_len} chars, got {_show(v)}")
+        if pattern is not None and not pattern.fullmatch(v):
+            raise self.bad(fld, f"{_show(v)} does not match {pattern.pattern}")
+        return v
+
+    def get_b64(self, v: Any, fld: str, length: int) -> bytes:
+        if not isinstance(v, str):
+            raise self.bad(fld, f"expected base64 text, got {_show(v)}")
+        try:
+            raw = base64.b64decode(v.encode("ascii"), validate=True)
+        except (binascii.Error, UnicodeEncodeError, ValueError):
+            raise self.bad(fld, "not valid base64") from None
+        if len(raw) != length:
+            raise self.bad(fld, f"{len(raw)} bytes, expected {length}")
+        return raw
+
+    def get_list(self, v: Any, fld: str, max_len: int) -> list[Any]:
+        if not isinstance(v, list) or len(v) > max_len:
+            raise self.bad(fld, f"expected a list of at most {max_len} items")
+        return v
+
+
+def _show(v: Any) -> str:
+    text = repr(v) if not isinstance(v, dict | list) else type(v).__name__
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _reject_float(text: str) -> Any:
+    raise ValueError(f"number {text[:20]} is not an integer (floats are not allowed)")
+
+
+def _no_dups(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"duplicate key {k[:64]!r}")
+        out[k] = v
+    return out
+
+
+def parse_manifest(data: bytes, where: str = "manifest") -> Manifest:
+    """Strictly parse manifest bytes (no signature or time checks: see :func:`verify_manifest`)."""
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise ManifestInvalid(
+            Reason.TOO_LARGE, f"{where}: {len(data)} bytes, over the limit of {MAX_MANIFEST_BYTES}"
+        )
+    try:
+        text = data.decode("utf-8")
+        obj = json.loads(
+            text,
+            object_pairs_hook=_no_dups,
+            parse_float=_reject_float,
+            parse_constant=_reject_float,
+        )
+    except UnicodeDecodeError as exc:
+        raise ManifestInvalid(
+            Reason.MALFORMED, f"{where}: not UTF-8 text (byte {exc.start})"
+        ) from None
+    except RecursionError:
+        raise ManifestInvalid(Reason.MALFORMED, f"{where}: JSON nested too deeply") from None
+    except ValueError as exc:
+        raise ManifestInvalid(
+            Reason.MALFORMED, f"{where}: not valid JSON ({str(exc)[:120]})"
+        ) from None
+    return _parse_obj(obj, where)
+
+
+def _parse_obj(obj: Any, where: str) -> Manifest:
+    r = _Reader(where)
+    if not isinstance(obj, dict):
+        raise ManifestInvalid(
+            Reason.MALFORMED, f"{where}: expected a JSON object, got {type(obj).__name__}"
+        )
+    if "version" not in obj:
+        raise r.bad("version", "missing")
+    version = obj["version"]
+    if version != FORMAT_VERSION or isinstance(version, bool):
+        raise r.bad(
+            "version",
+            f"{_show(version)} is not a version this program reads ({FORMAT_VERSION})",
+            Reason.UNKNOWN_VERSION,
+        )
+    r.get_obj(obj, "", _FIELDS, _OPTIONAL)
+    swarm = r.get_obj(obj["swarm"], "swarm", {"name", "id"})
+    name = r.get_str(swarm["name"], "swarm.name", 64, _NAME)
+    swarm_id = r.get_str(swarm["id"], "swarm.id", 32, _HEX32)
+    model = None
+    if obj["model"] is not None:
+        mo = r.get_obj(obj["model"], "model", {"name", "config_sha256", "files"})
+        config_sha = None
+        if mo["config_sha256"] is not None:
+            config_sha = r.get_str(mo["config_sha256"], "model.config_sha256", 64, _HEX64)
+        files = mo["files"]
+        if not isinstance(files, dict) or not 0 < len(files) <= MAX_FILES:
+            raise r.bad("model.files", f"expected an object of 1..{MAX_FILES} files")
+        for fname, digest in files.items():
+            if not _safe_relpath(fname):
+                raise r.bad("model.files", f"{_show(fname)} is not a safe relative path")
+            r.get_str(digest, f"model.files['{fname}']", 64, _HEX64)
+        model = ModelSpec(r.get_str(mo["name"], "model.name", 128), config_sha, dict(files))
+    boots = tuple(r.get_list(obj["bootstrap"], "bootstrap", MAX_BOOTSTRAP))
+    for i, a in enumerate(boots):
+        if (
+            not isinstance(a, str)
+            or not a.startswith("/")
+            or not 1 < len(a) <= 256
+            or not a.isprintable()
+        ):
+            raise r.bad(
+                f"bootstrap[{i}]",
+                f"{_show(a)} is not a multiaddr (e.g. /ip4/1.2.3.4/tcp/4001/p2p/12D3...)",
+            )
+    secret = SwarmSecret(r.get_b64(obj["secret"], "secret", SECRET_BYTES))
+    issuer = r.get_b64(obj["issuer"], "issuer", 32)
+    created, expires = r.get_int(obj["created"], "created"), r.get_int(obj["expires"], "expires")
+    if expires <= created:
+        raise r.bad("expires", f"{expires} is not after created ({created})")
+    revoked = tuple(r.get_list(obj.get("revoked", []), "revoked", MAX_REVOKED))
+    for i, p in enumerate(revoked):
+        if not isinstance(p, str) or not is_peer_id(p):
+            raise r.bad(f"revoked[{i}]", f"{_show(p)} is not an Ed25519 libp2p peer ID")
+    signature = None
+    if obj.get("signature") is not None:
+        signature = r.get_b64(obj["signature"], "signature", 64)
+    body = {k: v for k, v in obj.items() if k != "signature"}
+    return Manifest(
+        name,
+        swarm_id,
+        model,
+        boots,
+        secret,
+        issuer,
+        created,
+        expires,
+        revoked,
+        signature,
+        version,
+        body,
+    )
+
+
+def _safe_relpath(name: Any) -> bool:
+    if not isinstance(name, str) or not 0 < len(name) <= 255 or not name.isprintable():
+        return False
+    parts = name.split("/")
+    return (
+        not name.startswith("/")
+        and "\\" not in name
+        and all(p not in ("", ".", "..") for p in parts)
+    )
+
+
+# ---------------------------------------------------------------- verification
+
+
+def verify_manifest(
+    manifest: Manifest,
+    *,
+    now: int | None = None,
+    expected_issuer: bytes | None = None,
+    skew_s: int = CLOCK_SKEW_S,
+    where: str = "manifest",
+) -> None:
+    """ManifestInvalid unless signed by its issuer (and by ``expected_issuer`` if given) and valid at ``now``."""
+    if manifest.signature is None:
+        raise ManifestInvalid(
+            Reason.UNSIGNED,
+            f"{where}: field 'signature': missing (the invite is unsigned)",
+            "signature",
+        )
+    if not verify_signature(manifest.issuer, manifest.signed_bytes(), manifest.signature):
+        raise ManifestInvalid(
+            Reason.BAD_SIGNATURE,
+            f"{where}: field 'signature': does not match the content: the invite was altered after "
+            f"signing or signed by another key; ask the issuer for a fresh one",
+            "signature",
+        )
+    if expected_issuer is not None and expected_issuer != manifest.issuer:
+        raise ManifestInvalid(
+            Reason.WRONG_ISSUER,
+            f"{where}: field 'issuer': signed by {manifest.issuer_peer_id}, not by the expected "
+            f"{peer_id_from_public_key(expected_issuer)}",
+            "issuer",
+        )
+    now = int(time.time()) if now is None else now
+    if manifest.created > now + skew_s:
+        raise ManifestInvalid(
+            Reason.NOT_YET_VALID,
+            f"{where}: field 'created': {_iso(manifest.created)} is in the future (now {_iso(now)}); check the clock",
+            "created",
+        )
+    if now >= manifest.expires:
+        raise ManifestInvalid(
+            Reason.EXPIRED,
+            f"{where}: field 'expires': expired at {_iso(manifest.expires)} (now {_iso(now)}); ask the issuer for a new invite",
+            "expires",
+        )
+
+
+def _iso(t: int) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
+
+
+def read_manifest(
+    path: Path,
+    *,
+    verify: bool = True,
+    now: int | None = None,
+    expected_issuer: bytes | None = None,
+    allow_expired: bool = False,
+) -> Manifest:
+    """Read, parse and (by default) verify a manifest file. Reads at most MAX_MANIFEST_BYTES + 1.
+    ``allow_expired``: accept a validly signed but expired one (for re-issuing it)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_MANIFEST_BYTES + 1)
+    except OSError as exc:
+        raise ManifestInvalid(
+            Reason.MALFORMED, f"cannot read invite {path}: {exc.strerror}"
+        ) from None
+    m = parse_manifest(data, where=str(path))
+    if verify:
+        try:
+            verify_manifest(m, now=now, expected_issuer=expected_issuer, where=str(path))
+        except ManifestInvalid as exc:
+            if not (allow_expired and exc.reason is Reason.EXPIRED):
+                raise
+    return m
+
+
+def write_manifest(manifest: Manifest, path: Path) -> None:
+    """Write the file form with mode 0600 (it holds the swarm secret)."""
+    from swarm.manifest.identity import write_private_file
+
+    write_private_file(path, manifest.to_json_bytes())

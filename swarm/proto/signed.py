@@ -1,0 +1,95 @@
+"""Signing and checking adverts and plans with a node's Ed25519 key; dropping stale adverts.
+
+An advert is signed over ``"shard-swarm/advert/1" \\0 canonical_json(advert.body())``: the swarm ID
+and sequence number are inside the signed body, so an advert can be replayed neither into another
+swarm nor (thanks to :class:`AdvertBook`) after a newer one. Its ``peer_id`` must be the peer ID
+of its ``public_key``, so a member cannot publish under another member's name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from swarm.errors import ProtocolError
+from swarm.proto.messages import Advert, Plan
+from swarm.proto.signing import Signer, peer_id_of, sign_body, verify_body
+
+ADVERT_DOMAIN = "shard-swarm/advert/1"
+PLAN_DOMAIN = "shard-swarm/plan/1"
+
+
+def sign_advert(advert: Advert, signer: Signer) -> Advert:
+    """Return ``advert`` with its key, peer ID and signature filled in from ``signer``."""
+    filled = dataclasses.replace(
+        advert, public_key=signer.public_key, peer_id=peer_id_of(signer.public_key)
+    )
+    return dataclasses.replace(filled, signature=sign_body(signer, ADVERT_DOMAIN, filled.body()))
+
+
+def verify_advert(advert: Advert, swarm_id: str) -> None:
+    """ProtocolError unless the advert is for ``swarm_id``, names its own key's peer ID, and is
+    signed by that key."""
+    if advert.swarm_id != swarm_id:
+        raise ProtocolError(
+            f"advert from {advert.peer_id[:64]} is for another swarm ({advert.swarm_id[:64]!r})"
+        )
+    if len(advert.public_key) != 32 or peer_id_of(advert.public_key) != advert.peer_id:
+        raise ProtocolError(
+            f"advert claims peer {advert.peer_id[:64]} but carries another peer's key"
+        )
+    if not verify_body(advert.public_key, ADVERT_DOMAIN, advert.body(), advert.signature):
+        raise ProtocolError(f"advert from {advert.peer_id[:64]}: forged or corrupted signature")
+
+
+class AdvertBook:
+    """The newest verified advert per peer. ``offer`` returns True when the advert is news."""
+
+    def __init__(self, swarm_id: str, revoked: frozenset[str] = frozenset()) -> None:
+        self.swarm_id = swarm_id
+        self.revoked = revoked
+        self._latest: dict[str, Advert] = {}
+
+    def offer(self, advert: Advert) -> bool:
+        """Verify and keep ``advert``; False for a stale or repeated sequence number (ignored);
+        ProtocolError for a forged one or a revoked peer."""
+        verify_advert(advert, self.swarm_id)
+        if advert.peer_id in self.revoked:
+            raise ProtocolError(f"advert from revoked peer {advert.peer_id}")
+        old = self._latest.get(advert.peer_id)
+        if old is not None and advert.seq <= old.seq:
+            return False
+        self._latest[advert.peer_id] = advert
+        return True
+
+    def get(self, peer_id: str) -> Advert | None:
+        return self._latest.get(peer_id)
+
+    def forget(self, peer_id: str) -> None:
+        self._latest.pop(peer_id, None)
+
+    def peers(self) -> dict[str, Advert]:
+        return dict(self._latest)
+
+
+def _plan_body(plan: Plan) -> dict[str, Any]:
+    return {"epoch": plan.epoch, "plan": plan.plan}
+
+
+def sign_plan(plan: Plan, signer: Signer) -> Plan:
+    body = {"epoch": plan.epoch, "plan": plan.plan}
+    return dataclasses.replace(
+        plan, signer=signer.public_key, signature=sign_body(signer, PLAN_DOMAIN, body)
+    )
+
+
+def verify_plan(plan: Plan, expected_signer: bytes) -> None:
+    """ProtocolError unless ``plan`` is signed by ``expected_signer`` (e.g. the coordinator's key)."""
+    if plan.signer is None or plan.signature is None:
+        raise ProtocolError(f"plan for epoch {plan.epoch} is unsigned")
+    if plan.signer != expected_signer:
+        raise ProtocolError(
+            f"plan for epoch {plan.epoch} is signed by {peer_id_of(plan.signer)}, not the expected peer"
+        )
+    if not verify_body(plan.signer, PLAN_DOMAIN, _plan_body(plan), plan.signature):
+        raise ProtocolError(f"plan for epoch {plan.epoch}: forged or corrupted signature")

@@ -1,0 +1,227 @@
+"""Messages: round trips of every type and the per-type schema checks."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from swarm.errors import FrameError, ProtocolError
+from swarm.proto.control import Control
+from swarm.proto.frame import DType, Frame, MsgType, decode_frame, encode_frame
+from swarm.proto.limits import Limits
+from swarm.proto.messages import (
+    MESSAGE_TYPES,
+    AdmitChallenge,
+    AdmitHello,
+    AdmitResponse,
+    AdmitResult,
+    Advert,
+    Chunk,
+    Error,
+    Heartbeat,
+    Message,
+    Plan,
+    Result,
+    Rollback,
+    SessionEnd,
+    decode_message,
+    parse_message,
+)
+
+PEER = "12D3KooWD527tGVJ6SFGnFEZsR4vuwx2u9xQwf1Dg6WoyHRS1Dgi"
+
+SAMPLES: list[Message] = [
+    AdmitHello("00ff" * 8, PEER, b"n" * 32),
+    AdmitChallenge(PEER, b"n" * 32, b"p" * 32),
+    AdmitResponse(b"p" * 32),
+    AdmitResult(True, ""),
+    AdmitResult(False, "refused"),
+    Advert(
+        PEER,
+        b"k" * 32,
+        "00ff" * 8,
+        5,
+        ("/ip4/127.0.0.1/tcp/4001",),
+        "cuda",
+        "RTX 4090",
+        24 << 30,
+        850,
+        {PEER: 1400},
+        b"s" * 64,
+    ),  # fmt: skip
+    Heartbeat(12, 123456789),
+    Plan(3, {"ring": [PEER], "blocks": [[0, 30]]}),
+    Plan(4, {"ring": []}, b"k" * 32, b"s" * 64),
+    Chunk(1, 2, 0, "prefill", DType.INT32, (5,), bytes(20)),
+    Chunk(1, 3, 5, "verify", DType.INT64, (2, 4), bytes(64), epoch=2, flags=1),
+    Chunk(9, 4, 7, "decode", DType.BF16, (1, 3, 8), bytes(48)),
+    Chunk(9, 5, 7, "decode", DType.FP32, (3, 8), bytes(96)),
+    Result(1, 2, 0, "hidden", DType.FP16, (5, 8), bytes(80)),
+    Result(1, 2, 0, "tokens", DType.INT32, (1, 5), bytes(20)),
+    Rollback(1, 42, epoch=1),
+    SessionEnd(1),
+    Error(1, 2, "bad_tensor", "NaN in hidden states"),
+    Error(0, 0, "overloaded"),
+    Control("gen", {"max_new_tokens": 8}, (1, 2, 3), session=5),
+    Control("status"),
+]
+
+
+def test_every_type_has_a_parser_and_a_sample() -> None:
+    assert set(MESSAGE_TYPES) == set(MsgType)
+    assert {type(m) for m in SAMPLES} == set(MESSAGE_TYPES.values())
+
+
+@pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: type(m).__name__)
+def test_round_trip(msg: Message) -> None:
+    assert decode_message(msg.encode()) == msg
+
+
+def _with_meta(msg: Message, **changes: object) -> Frame:
+    f = msg.to_frame()
+    meta = dict(f.meta)
+    for k, v in changes.items():
+        if v is ...:
+            meta.pop(k)
+        else:
+            meta[k] = v
+    return dataclasses.replace(f, meta=meta)
+
+
+@pytest.mark.parametrize(
+    ("msg", "changes", "match"),
+    [
+        (SAMPLES[0], {"nonce": ...}, "ADMIT_HELLO field 'nonce': missing"),
+        (SAMPLES[0], {"nonce": "AAAA"}, "ADMIT_HELLO field 'nonce': 3 bytes, expected 32"),
+        (SAMPLES[0], {"nonce": "not base64!"}, "'nonce': not valid base64"),
+        (SAMPLES[0], {"extra": 1}, "ADMIT_HELLO field 'extra': unknown field"),
+        (SAMPLES[0], {"peer": 5}, "'peer': expected a string"),
+        (SAMPLES[0], {"peer": "x" * 129}, "'peer': 129 chars over the limit 128"),
+        (SAMPLES[2], {"proof": "QQ=="}, "ADMIT_RESPONSE field 'proof'"),
+        (SAMPLES[3], {"ok": 1}, "'ok': expected true/false"),
+        (SAMPLES[5], {"seq": 6}, "disagrees with the header"),
+        (SAMPLES[5], {"addrs": ["tcp://x"]}, "'addrs'"),
+        (SAMPLES[5], {"device": {"kind": "cpu"}}, "'device'"),
+        (SAMPLES[5], {"memory": -1}, "'memory': -1 outside"),
+        (SAMPLES[5], {"memory": True}, "'memory': expected an integer"),
+        (SAMPLES[5], {"rtt_us": {PEER: 1.5}}, "'rtt_us'"),
+        (SAMPLES[5], {"sig": ...}, "'sig': missing"),
+        (SAMPLES[6], {"t": -5}, "HEARTBEAT field 't'"),
+        (SAMPLES[7], {"plan": [1]}, "PLAN field 'plan': expected a JSON object"),
+        (SAMPLES[8], {"sig": ...}, "signer and sig come together"),
+        (SAMPLES[9], {"mode": "turbo"}, "CHUNK field 'mode': 'turbo' not one of"),
+        (SAMPLES[9], {"pos": -1}, "CHUNK field 'pos'"),
+        (SAMPLES[13], {"kind": "tokens"}, "RESULT field 'kind': tokens does not match dtype FP16"),
+        (SAMPLES[15], {"len": "1"}, "ROLLBACK field 'len'"),
+        (SAMPLES[16], {"x": 1}, "SESSION_END field 'x': unknown"),
+        (SAMPLES[17], {"code": "no spaces"}, "ERROR field 'code'"),
+    ],
+)
+def test_schema_violations_name_the_field(
+    msg: Message, changes: dict[str, object], match: str
+) -> None:
+    frame = _with_meta(msg, **changes)
+    with pytest.raises(ProtocolError, match=match):
+        parse_message(frame)
+    # and the same through the bytes path
+    with pytest.raises(ProtocolError, match=match):
+        decode_message(encode_frame(frame))
+
+
+@pytest.mark.parametrize(
+    ("frame", "match"),
+    [
+        (
+            Frame(
+                MsgType.HEARTBEAT, dtype=DType.INT32, shape=(1,), payload=bytes(4), meta={"t": 1}
+            ),
+            "carries no tensor",
+        ),
+        (Frame(MsgType.ADVERT, session=4, meta={}), "'session': 4, must be 0"),
+        (
+            Frame(MsgType.CHUNK, session=1, meta={"pos": 0, "mode": "decode", "epoch": 0}),
+            "'dtype': NONE",
+        ),
+        (
+            Frame(MsgType.CHUNK, session=0, dtype=DType.INT32, shape=(1,), payload=bytes(4)),
+            "'session': 0 is reserved",
+        ),
+        (Frame(MsgType.ROLLBACK, session=0, meta={"len": 1, "epoch": 0}), "'session': 0"),
+        (
+            Frame(MsgType.CHUNK, 1, 0, 0, DType.INT32, (1, 2, 3), {}, bytes(24)),
+            r"token ids are \(T,\) or \(B, T\)",
+        ),
+        (
+            Frame(MsgType.CHUNK, 1, 0, 0, DType.FP32, (4,), {}, bytes(16)),
+            r"hidden states are \(T, D\)",
+        ),
+        (Frame(MsgType.CHUNK, 1, 0, 0, DType.FP32, (4, 0), {}, b""), "hidden size 0"),
+        (Frame(MsgType.CHUNK, 1, 0, 0, DType.INT32, (0,), {}, b""), "0 tokens outside"),
+    ],
+)
+def test_header_use_per_type(frame: Frame, match: str) -> None:
+    with pytest.raises(ProtocolError, match=match):
+        parse_message(frame)
+
+
+@pytest.mark.parametrize(("t", "ok"), [(7, True), (8, True), (9, False)])
+def test_tokens_per_chunk_at_under_over_limit(t: int, ok: bool) -> None:
+    lim = Limits(max_tokens_per_chunk=8)
+    for msg in (
+        Chunk(1, 1, 0, "verify", DType.INT32, (t,), bytes(4 * t)),
+        Chunk(1, 1, 0, "verify", DType.BF16, (1, t, 4), bytes(8 * t)),
+    ):
+        if ok:
+            assert decode_message(msg.encode(), lim) == msg
+        else:
+            with pytest.raises(ProtocolError, match="max_tokens_per_chunk"):
+                decode_message(msg.encode(), lim)
+
+
+@pytest.mark.parametrize(("b", "ok"), [(3, True), (4, True), (5, False)])
+def test_batch_at_under_over_limit(b: int, ok: bool) -> None:
+    lim = Limits(max_batch=4)
+    msg = Chunk(1, 1, 0, "decode", DType.INT64, (b, 1), bytes(8 * b))
+    if ok:
+        assert decode_message(msg.encode(), lim) == msg
+    else:
+        with pytest.raises(ProtocolError, match="max_batch"):
+            decode_message(msg.encode(), lim)
+
+
+@pytest.mark.parametrize(("pos", "ok"), [(95, True), (96, True), (97, False)])
+def test_position_at_under_over_limit(pos: int, ok: bool) -> None:
+    lim = Limits(max_position=100)
+    msg = Chunk(1, 1, pos, "verify", DType.INT32, (4,), bytes(16))  # covers pos .. pos+3
+    if ok:
+        assert decode_message(msg.encode(), lim) == msg
+    else:
+        with pytest.raises(ProtocolError, match="'pos'"):
+            decode_message(msg.encode(), lim)
+    with pytest.raises(ProtocolError, match="'len'"):
+        decode_message(Rollback(1, 101).encode(), lim)
+
+
+def test_advert_limits() -> None:
+    adv = SAMPLES[5]
+    assert isinstance(adv, Advert)
+    many = dataclasses.replace(adv, addrs=tuple(f"/ip4/10.0.0.{i}/tcp/1" for i in range(3)))
+    assert decode_message(many.encode(), Limits(max_addresses=3)) == many
+    with pytest.raises(ProtocolError, match="at most 2 multiaddrs"):
+        decode_message(many.encode(), Limits(max_addresses=2))
+    rtts = dataclasses.replace(adv, rtt_us={f"p{i}": i for i in range(3)})
+    with pytest.raises(ProtocolError, match="at most 2 peers"):
+        decode_message(rtts.encode(), Limits(max_peers=2))
+
+
+def test_frame_errors_pass_through_decode_message() -> None:
+    with pytest.raises(FrameError):
+        decode_message(b"SW" + bytes(3))
+    with pytest.raises(FrameError):
+        decode_frame(b"")
+
+
+def test_reprs_hide_proofs_and_tensor_bytes() -> None:
+    assert "p" * 32 not in repr(SAMPLES[1]) and "p" * 8 not in repr(SAMPLES[2])
+    assert "\\x00" not in repr(SAMPLES[9]) and "INT32[5]" in repr(SAMPLES[9])

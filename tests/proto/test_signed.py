@@ -1,0 +1,126 @@
+"""Signed adverts and plans; peer IDs agree with py-libp2p and with swarm.manifest."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+
+import pytest
+
+from swarm.errors import ProtocolError
+from swarm.manifest.identity import Identity, peer_id_from_public_key
+from swarm.proto.messages import Advert, Plan, decode_message
+from swarm.proto.signed import AdvertBook, sign_advert, sign_plan, verify_advert, verify_plan
+from swarm.proto.signing import canonical_json, peer_id_of
+
+SWARM = "00112233445566778899aabbccddeeff"
+ALICE = Identity(hashlib.sha256(b"alice").digest())
+MALLORY = Identity(hashlib.sha256(b"mallory").digest())
+
+
+def _advert(who: Identity = ALICE, seq: int = 1, **kw: object) -> Advert:
+    base = Advert(
+        "", b"", SWARM, seq, ("/ip4/127.0.0.1/tcp/4001",), "cpu", "test box", 1 << 30, 600, {}
+    )
+    return sign_advert(dataclasses.replace(base, **kw), who)  # type: ignore[arg-type]
+
+
+def test_peer_id_matches_libp2p_and_manifest() -> None:
+    from libp2p.crypto.ed25519 import create_new_key_pair
+    from libp2p.peer.id import ID
+
+    kp = create_new_key_pair(ALICE.seed)
+    assert kp.public_key.to_bytes() == ALICE.public_key
+    expected = ID.from_pubkey(kp.public_key).to_base58()
+    assert (
+        peer_id_of(ALICE.public_key)
+        == expected
+        == peer_id_from_public_key(ALICE.public_key)
+        == ALICE.peer_id
+    )
+    assert ID(ALICE.peer_id_bytes).to_base58() == expected
+    assert expected.startswith("12D3KooW")
+
+
+def test_signed_advert_round_trips_and_verifies() -> None:
+    adv = _advert()
+    assert adv.peer_id == ALICE.peer_id and adv.public_key == ALICE.public_key
+    got = decode_message(adv.encode())
+    assert isinstance(got, Advert) and got == adv
+    verify_advert(got, SWARM)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"memory_bytes": 2 << 30},
+        {"addrs": ("/ip4/6.6.6.6/tcp/1",)},
+        {"rtt_us": {"x": 1}},
+        {"device_name": "other"},
+        {"seq": 99},
+        {"layer_us": 1},
+    ],
+)
+def test_tampered_advert_is_rejected(change: dict[str, object]) -> None:
+    forged = dataclasses.replace(_advert(), **change)  # type: ignore[arg-type]
+    with pytest.raises(ProtocolError, match="forged or corrupted signature"):
+        verify_advert(decode_message(forged.encode()), SWARM)  # type: ignore[arg-type]
+
+
+def test_advert_under_another_peers_name_is_rejected() -> None:
+    forged = dataclasses.replace(_advert(MALLORY), peer_id=ALICE.peer_id)
+    with pytest.raises(ProtocolError, match="carries another peer's key"):
+        verify_advert(forged, SWARM)
+    resigned = dataclasses.replace(
+        _advert(MALLORY), public_key=ALICE.public_key, peer_id=ALICE.peer_id
+    )
+    with pytest.raises(ProtocolError, match="forged"):
+        verify_advert(resigned, SWARM)
+
+
+def test_advert_for_another_swarm_is_rejected() -> None:
+    with pytest.raises(ProtocolError, match="another swarm"):
+        verify_advert(_advert(), "ff" * 16)
+
+
+def test_book_ignores_stale_and_repeated_seq() -> None:
+    book = AdvertBook(SWARM)
+    assert book.offer(_advert(seq=5))
+    assert not book.offer(_advert(seq=5))
+    assert not book.offer(_advert(seq=4, memory_bytes=7))
+    assert book.get(ALICE.peer_id).seq == 5  # type: ignore[union-attr]
+    assert book.offer(_advert(seq=6))
+    assert set(book.peers()) == {ALICE.peer_id}
+    book.forget(ALICE.peer_id)
+    assert book.get(ALICE.peer_id) is None
+
+
+def test_book_refuses_forged_and_revoked() -> None:
+    book = AdvertBook(SWARM, revoked=frozenset({MALLORY.peer_id}))
+    with pytest.raises(ProtocolError, match="revoked"):
+        book.offer(_advert(MALLORY))
+    with pytest.raises(ProtocolError, match="forged"):
+        book.offer(dataclasses.replace(_advert(), signature=bytes(64)))
+    assert book.peers() == {}
+
+
+def test_plan_signing() -> None:
+    plan = sign_plan(Plan(2, {"ring": [ALICE.peer_id], "blocks": [[0, 30]]}), ALICE)
+    got = decode_message(plan.encode())
+    assert isinstance(got, Plan)
+    verify_plan(got, ALICE.public_key)
+    with pytest.raises(ProtocolError, match="not the expected peer"):
+        verify_plan(got, MALLORY.public_key)
+    with pytest.raises(ProtocolError, match="forged"):
+        verify_plan(dataclasses.replace(got, epoch=3), ALICE.public_key)
+    with pytest.raises(ProtocolError, match="unsigned"):
+        verify_plan(Plan(2, {}), ALICE.public_key)
+
+
+def test_canonical_json_is_deterministic_and_integer_only() -> None:
+    assert (
+        canonical_json({"b": 1, "a": [2, {"d": "é", "c": None}]})
+        == '{"a":[2,{"c":null,"d":"é"}],"b":1}'.encode()
+    )
+    with pytest.raises(ProtocolError, match="integers only"):
+        canonical_json({"a": 1.5})
