@@ -1,7 +1,221 @@
-"""(placeholder until its issue lands: register() adds nothing yet)"""
+"""``shard-swarm plan``: show what a swarm would do, from a peers file, before running anything.
+
+    shard-swarm plan --peers peers.json --model ./SmolLM2-135M-Instruct
+    shard-swarm plan --peers peers.json --layers 80 --layer-gb 0.85 --coordinator-gb 2.1 --json
+
+The peers file is the format a running swarm exports (see swarm/planner/peersfile.py). Exit
+codes: 0 planned; 2 bad flags or a malformed peers file; 3 an unreadable model config;
+5 the swarm cannot hold the model or form a ring (the message says by how much or who).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
 
 import typer
 
+from swarm.cli import ui
+from swarm.errors import UsageError
+from swarm.planner import GB, ModelSpec, Plan, parse_peers_file, plan
+
+SPECULATION_G = (1, 2, 4)  # accepted tokens per traversal shown in the output
+
+
+def read_peers_file(path: Path) -> Any:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UsageError(f"peers file {path}: not found") from None
+    except OSError as exc:
+        raise UsageError(f"peers file {path}: cannot read ({exc.strerror})") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UsageError(
+            f"peers file {path}: not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})"
+        ) from None
+
+
+def model_spec(
+    *,
+    model: Path | None,
+    layers: int | None,
+    layer_gb: float | None,
+    coordinator_gb: float | None,
+    draft_gb: float,
+    kv_kb_per_token: float | None,
+    context: int,
+    dtype_bytes: int,
+) -> ModelSpec:
+    """A ModelSpec from --model (its config.json) or from --layers/--layer-gb."""
+    if context < 0:
+        raise UsageError("--context must be >= 0")
+    if model is not None:
+        if layers is not None or layer_gb is not None:
+            raise UsageError("give either --model or --layers/--layer-gb, not both")
+        from swarm.model.config import ModelArgs
+
+        if model.is_file() and model.suffix == ".gguf":
+            from swarm.model.gguf import config_from_gguf
+
+            args = ModelArgs.from_config(config_from_gguf(model), where=str(model))
+        else:
+            args = ModelArgs.from_dir(model)
+        coord = args.head_bytes(dtype_bytes) if coordinator_gb is None else coordinator_gb * GB
+        kv = (
+            args.kv_bytes_per_token_per_layer(dtype_bytes)
+            if kv_kb_per_token is None
+            else kv_kb_per_token * 1000
+        )
+        return ModelSpec(
+            n_layers=args.n_layers,
+            layer_bytes=args.layer_bytes(dtype_bytes),
+            kv_bytes_per_token_per_layer=int(kv),
+            coordinator_bytes=int(coord + draft_gb * GB),
+            context_tokens=context,
+        )
+    if layers is None or layer_gb is None:
+        raise UsageError("give --model PATH, or --layers N with --layer-gb G")
+    if layers < 1 or layer_gb <= 0:
+        raise UsageError("--layers must be >= 1 and --layer-gb > 0")
+    return ModelSpec(
+        n_layers=layers,
+        layer_bytes=int(round(layer_gb * GB)),
+        kv_bytes_per_token_per_layer=int(round((kv_kb_per_token or 0.0) * 1000)),
+        coordinator_bytes=int(round(((coordinator_gb or 0.0) + draft_gb) * GB)),
+        context_tokens=context,
+    )
+
+
+def plan_json(p: Plan) -> dict[str, Any]:
+    out = p.to_json()
+    out["predicted_tokens_per_s_with_g"] = {
+        str(g): p.predicted_tokens_per_s(g) for g in SPECULATION_G
+    }
+    return out
+
+
+def print_plan(p: Plan, spec: ModelSpec, memory: dict[str, int], speed: dict[str, float]) -> None:
+    rows: list[list[Any]] = []
+    for k, pid in enumerate(p.ring):
+        s, e = p.blocks[pid]
+        used = (e - s) * spec.bytes_per_layer + (
+            spec.coordinator_bytes if pid == p.coordinator else 0
+        )
+        role = "stage+coord" if pid == p.coordinator else "stage"
+        rows.append(
+            [
+                k + 1,
+                pid,
+                role,
+                f"[{s}, {e})",
+                e - s,
+                f"{used / GB:.2f}/{memory[pid] / GB:.2f}",
+                f"{(e - s) * speed[pid]:.2f}",
+                f"{p.hops_ms[k]:.2f}",
+            ]
+        )
+    if p.coordinator not in p.blocks:
+        rows.insert(
+            0,
+            [
+                0,
+                p.coordinator,
+                "coordinator",
+                "-",
+                0,
+                f"{spec.coordinator_bytes / GB:.2f}/{memory[p.coordinator] / GB:.2f}",
+                "0.00",
+                "-",
+            ],
+        )
+    ui.print_table(
+        f"Plan (epoch {p.epoch}): {len(p.ring)} stage(s), coordinator {p.coordinator}",
+        [
+            "#",
+            "peer",
+            "role",
+            "layers",
+            "n",
+            "GB used/offered",
+            "compute ms",
+            "hop in ms",
+        ],
+        rows,
+    )
+    summary: list[list[Any]] = [
+        [
+            "predicted traversal",
+            f"{p.predicted_traversal_ms:.2f} ms "
+            f"(hops {p.predicted_latency_ms:.2f} + compute {p.predicted_compute_ms:.2f}; "
+            f"last hop {p.hops_ms[-1]:.2f} back to the coordinator)",
+        ],
+    ]
+    for g in SPECULATION_G:
+        summary.append(
+            [f"tokens/s, {g} accepted per traversal", f"{p.predicted_tokens_per_s(g):.1f}"]
+        )
+    summary.append(["standbys", ", ".join(p.standbys) or "-"])
+    if p.note:
+        summary.append(["note", p.note])
+    ui.print_table("Prediction", ["", ""], summary)
+
 
 def register(app: typer.Typer) -> None:
-    return None
+    @app.command("plan")
+    def plan_command(
+        peers: Path = typer.Option(
+            ..., "--peers", help="Peers file (JSON) as a running swarm exports it."
+        ),
+        model: Path | None = typer.Option(
+            None, "--model", help="Model directory (config.json) or .gguf file."
+        ),
+        layers: int | None = typer.Option(
+            None, "--layers", help="Number of decoder layers (instead of --model)."
+        ),
+        layer_gb: float | None = typer.Option(None, "--layer-gb", help="GB of weights per layer."),
+        coordinator_gb: float | None = typer.Option(
+            None,
+            "--coordinator-gb",
+            help="GB the coordinator holds (embedding + head); default from --model, else 0.",
+        ),
+        draft_gb: float = typer.Option(
+            0.0, "--draft-gb", help="GB of the draft model (on the coordinator)."
+        ),
+        kv_kb_per_token: float | None = typer.Option(
+            None,
+            "--kv-kb-per-token",
+            help="KV cache kB per token per layer; default from --model, else 0.",
+        ),
+        context: int = typer.Option(
+            4096, "--context", help="Context tokens of KV cache to reserve per layer."
+        ),
+        dtype_bytes: int = typer.Option(
+            2, "--dtype-bytes", help="Bytes per weight when serving (bf16: 2)."
+        ),
+        as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
+    ) -> None:
+        """Show the coordinator, ring order, layer blocks and predicted speed for a set of peers."""
+        spec = model_spec(
+            model=model,
+            layers=layers,
+            layer_gb=layer_gb,
+            coordinator_gb=coordinator_gb,
+            draft_gb=draft_gb,
+            kv_kb_per_token=kv_kb_per_token,
+            context=context,
+            dtype_bytes=dtype_bytes,
+        )
+        pf = parse_peers_file(read_peers_file(peers), where=f"peers file {peers}")
+        p = plan(spec, pf.peers, pf.latency())
+        if as_json:
+            ui.print_json(plan_json(p))
+        else:
+            print_plan(
+                p,
+                spec,
+                {q.id: q.memory_bytes for q in pf.peers},
+                {q.id: q.ms_per_layer for q in pf.peers},
+            )

@@ -1,1 +1,31 @@
-"""Pure, deterministic placement: peers + RTTs + model -> coordinator, ring order, layer blocks."""
+"""Pure, deterministic placement: peers + RTTs + model -> coordinator, ring order, layer blocks.
+
+No I/O, no trio, no torch: every peer runs the same function on the same numbers and gets the
+same plan.
+
+    spec.py      ModelSpec (layers, bytes, KV, coordinator part), Peer, Latency (RTT -> one-way hops)
+    plan.py      Plan (the output; to_json / from_json), check_blocks
+    alloc.py     layer counts per stage: fit memory, minimise compute, balance equal-speed peers
+    search.py    coordinator + subset + ring order: exact Held-Karp up to 10 peers, local search beyond
+    sticky.py    re-planning after loss or join that keeps survivors' blocks; layers moved
+    planner.py   plan(): the entry point, with the error messages and the "fewer peers" note
+    peersfile.py the peers-file JSON format (the one a running swarm exports) -> peers + latencies
+    examples/    friends.json: five machines' peers file to try `shard-swarm plan --peers` on
+"""
+
+from swarm.planner.peersfile import PeersFile, dump_peers_file, parse_peers_file
+from swarm.planner.plan import Plan
+from swarm.planner.planner import plan
+from swarm.planner.spec import GB, Latency, ModelSpec, Peer
+
+__all__ = [
+    "GB",
+    "Latency",
+    "ModelSpec",
+    "Peer",
+    "PeersFile",
+    "Plan",
+    "dump_peers_file",
+    "parse_peers_file",
+    "plan",
+]

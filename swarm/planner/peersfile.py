@@ -1,0 +1,111 @@
+"""The peers-file format: what a running swarm exports and ``shard-swarm plan --peers`` reads.
+
+    {"peers": [{"id": "alice", "memory_gb": 24, "ms_per_layer": 0.7, "coordinator_ok": true,
+                "addresses": ["/ip4/..."]}],
+     "rtt_ms": {"alice": {"bob": 12.5}},          # a missing pair means unreachable
+     "one_way_ms": {"alice": {"bob": 5.9}}}       # optional measured one-way latencies
+
+Parsing is pure (a dict in, numbers out); reading the file is the caller's job.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from swarm.errors import UsageError
+from swarm.planner.spec import GB, Latency, Peer
+
+
+@dataclass(frozen=True)
+class PeersFile:
+    peers: tuple[Peer, ...]
+    rtt_ms: dict[str, dict[str, float]]
+    one_way_ms: dict[str, dict[str, float]]
+
+    def latency(self) -> Latency:
+        return Latency(self.rtt_ms, self.one_way_ms)
+
+
+def _number(v: Any, where: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
+        raise UsageError(f"{where}: expected a finite number >= 0, got {v!r}")
+    return float(v)
+
+
+def _matrix(obj: Any, ids: set[str], where: str) -> dict[str, dict[str, float]]:
+    if obj is None:
+        return {}
+    if not isinstance(obj, Mapping):
+        raise UsageError(f"{where}: expected an object of objects")
+    out: dict[str, dict[str, float]] = {}
+    for a, row in obj.items():
+        if a not in ids:
+            raise UsageError(f"{where}: {a!r} is not a listed peer")
+        if not isinstance(row, Mapping):
+            raise UsageError(f"{where}[{a!r}]: expected an object")
+        for b, v in row.items():
+            if b not in ids:
+                raise UsageError(f"{where}[{a!r}]: {b!r} is not a listed peer")
+            if v is None:
+                continue  # explicit null: unreachable, same as missing
+            out.setdefault(a, {})[b] = _number(v, f"{where}[{a!r}][{b!r}]")
+    return out
+
+
+def parse_peers_file(obj: Any, *, where: str = "peers file") -> PeersFile:
+    """Validate a decoded peers file; UsageError naming the field and entry that is wrong."""
+    if not isinstance(obj, Mapping):
+        raise UsageError(f"{where}: expected a JSON object with a 'peers' list")
+    raw = obj.get("peers")
+    if not isinstance(raw, Sequence) or isinstance(raw, str) or not raw:
+        raise UsageError(f"{where}: 'peers' must be a non-empty list")
+    peers: list[Peer] = []
+    ids: set[str] = set()
+    for k, entry in enumerate(raw):
+        at = f"{where}: peers[{k}]"
+        if not isinstance(entry, Mapping):
+            raise UsageError(f"{at}: expected an object")
+        pid = entry.get("id")
+        if not isinstance(pid, str) or not pid:
+            raise UsageError(f"{at}: 'id' must be a non-empty string")
+        at = f"{where}: peer {pid!r}"
+        if pid in ids:
+            raise UsageError(f"{at} is listed twice")
+        for key in ("memory_gb", "ms_per_layer"):
+            if key not in entry:
+                raise UsageError(f"{at}: missing '{key}'")
+        mem = _number(entry["memory_gb"], f"{at}: memory_gb")
+        speed = _number(entry["ms_per_layer"], f"{at}: ms_per_layer")
+        ok = entry.get("coordinator_ok", True)
+        if not isinstance(ok, bool):
+            raise UsageError(f"{at}: coordinator_ok must be true or false")
+        addrs = entry.get("addresses", [])
+        if not isinstance(addrs, list) or not all(isinstance(a, str) for a in addrs):
+            raise UsageError(f"{at}: addresses must be a list of strings")
+        peers.append(Peer(pid, int(round(mem * GB)), speed, ok, tuple(addrs)))
+        ids.add(pid)
+    rtt = _matrix(obj.get("rtt_ms"), ids, f"{where}: rtt_ms")
+    one = _matrix(obj.get("one_way_ms"), ids, f"{where}: one_way_ms")
+    return PeersFile(tuple(peers), rtt, one)
+
+
+def dump_peers_file(
+    peers: Sequence[Peer], rtt_ms: Mapping[str, Mapping[str, float]]
+) -> dict[str, Any]:
+    """The inverse of parse_peers_file (what a running swarm exports)."""
+    return {
+        "peers": [
+            {
+                "id": p.id,
+                "memory_gb": p.memory_bytes / GB,
+                "ms_per_layer": p.ms_per_layer,
+                "coordinator_ok": p.coordinator_ok,
+                **({"addresses": list(p.addresses)} if p.addresses else {}),
+            }
+            for p in sorted(peers, key=lambda p: p.id)
+        ],
+        "rtt_ms": {a: dict(sorted(row.items())) for a, row in sorted(rtt_ms.items())},
+    }

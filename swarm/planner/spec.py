@@ -1,0 +1,160 @@
+"""The planner's inputs: what the model needs, what each peer offers, and hop latencies.
+
+Everything is plain numbers (bytes, milliseconds) so the planner never touches a file, a socket
+or torch. Peer order is never taken from a dict: callers may pass peers in any order and every
+peer of a swarm still computes the same plan, because the planner sorts by peer ID first.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from swarm.errors import UsageError
+
+GB = 10**9  # decimal gigabytes, as in "memory_gb" of a peers file
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What placing one model costs.
+
+    ``coordinator_bytes`` is what the coordinator holds besides any layers: embedding, final norm,
+    LM head and the draft model. ``context_tokens`` is the KV-cache length reserved per layer.
+    """
+
+    n_layers: int
+    layer_bytes: int
+    kv_bytes_per_token_per_layer: int = 0
+    coordinator_bytes: int = 0
+    context_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.n_layers < 1:
+            raise UsageError(f"model: n_layers must be at least 1, got {self.n_layers}")
+        for name in (
+            "layer_bytes",
+            "kv_bytes_per_token_per_layer",
+            "coordinator_bytes",
+            "context_tokens",
+        ):
+            if getattr(self, name) < 0:
+                raise UsageError(f"model: {name} must not be negative, got {getattr(self, name)}")
+        if self.layer_bytes + self.kv_bytes_per_token_per_layer * self.context_tokens <= 0:
+            raise UsageError("model: a layer must cost some memory (layer_bytes or KV bytes > 0)")
+
+    @property
+    def bytes_per_layer(self) -> int:
+        """Weights plus the reserved KV cache of one layer."""
+        return self.layer_bytes + self.kv_bytes_per_token_per_layer * self.context_tokens
+
+    @property
+    def total_bytes(self) -> int:
+        return self.n_layers * self.bytes_per_layer + self.coordinator_bytes
+
+
+@dataclass(frozen=True)
+class Peer:
+    """One machine as it advertises itself: memory it offers and its measured speed."""
+
+    id: str
+    memory_bytes: int
+    ms_per_layer: float
+    coordinator_ok: bool = True
+    addresses: tuple[str, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if not self.id:
+            raise UsageError("peer: empty peer ID")
+        if self.memory_bytes < 0:
+            raise UsageError(f"peer {self.id}: memory must not be negative")
+        if not (math.isfinite(self.ms_per_layer) and self.ms_per_layer >= 0):
+            raise UsageError(f"peer {self.id}: ms_per_layer must be a finite number >= 0")
+
+    def layer_capacity(self, spec: ModelSpec, *, coordinator: bool = False) -> int:
+        """How many layers fit (with their KV cache); -1 if it cannot even hold the coordinator part."""
+        free = self.memory_bytes - (spec.coordinator_bytes if coordinator else 0)
+        if free < 0:
+            return -1
+        return min(spec.n_layers, free // spec.bytes_per_layer)
+
+
+class Latency:
+    """One-way hop latencies between peers, from an RTT matrix and optional one-way measurements.
+
+    ``hop(a, b)`` uses, in order: a measured one-way ``one_way_ms[a][b]``; ``rtt_ms[a][b] / 2``
+    (the round trip measured by ``a``); ``rtt_ms[b][a] / 2`` (a round trip is the same path seen
+    from the other end). With none of these the pair is unreachable (``inf``). A peer's hop to
+    itself is 0.
+    """
+
+    def __init__(
+        self,
+        rtt_ms: Mapping[str, Mapping[str, float]],
+        one_way_ms: Mapping[str, Mapping[str, float]] | None = None,
+    ) -> None:
+        self._rtt = {a: dict(row) for a, row in rtt_ms.items()}
+        self._one = {a: dict(row) for a, row in (one_way_ms or {}).items()}
+        for table, name in ((self._rtt, "rtt_ms"), (self._one, "one_way_ms")):
+            for a, row in table.items():
+                _check_row(row, name, a)
+        self._cache: dict[tuple[str, str], float] = {}
+
+    def hop(self, a: str, b: str) -> float:
+        if a == b:
+            return 0.0
+        key = (a, b)
+        v = self._cache.get(key)
+        if v is None:
+            v = self._lookup(a, b)
+            self._cache[key] = v
+        return v
+
+    def _lookup(self, a: str, b: str) -> float:
+        one = self._one.get(a)
+        if one is not None and b in one:
+            return float(one[b])
+        row = self._rtt.get(a)
+        if row is not None and b in row:
+            return float(row[b]) / 2.0
+        back = self._rtt.get(b)
+        if back is not None and a in back:
+            return float(back[a]) / 2.0
+        return math.inf
+
+    def reachable(self, a: str, b: str) -> bool:
+        return math.isfinite(self.hop(a, b))
+
+    def nearest(self, a: str, among: Iterable[str], k: int) -> list[str]:
+        """The k peers of ``among`` with the shortest round trip a -> b -> a (ties by ID)."""
+        scored = []
+        for b in among:
+            if b == a:
+                continue
+            rt = self.hop(a, b) + self.hop(b, a)
+            if math.isfinite(rt):
+                scored.append((rt, b))
+        scored.sort()
+        return [b for _, b in scored[:k]]
+
+    def smallest_out(self, a: str, k: int) -> list[float]:
+        """The ``k`` smallest one-way estimates out of ``a`` that are cheap to list (screening)."""
+        vals = [v / 2.0 for v in sorted(self._rtt.get(a, {}).values())[:k]]
+        vals += sorted(self._one.get(a, {}).values())[:k]
+        return sorted(vals)[:k]
+
+
+def _check_row(row: Mapping[str, float], name: str, a: str) -> None:
+    """Every value a finite number >= 0 (fast path in C; the slow scan only to name the culprit)."""
+    vals = row.values()
+    try:
+        ok = not vals or (min(vals) >= 0 and math.isfinite(sum(vals)))
+    except TypeError:
+        ok = False
+    if ok:
+        return
+    for b, v in row.items():
+        if isinstance(v, bool) or not (isinstance(v, int | float) and math.isfinite(v) and v >= 0):
+            raise UsageError(f"{name}[{a}][{b}] must be a finite number >= 0, got {v!r}")
+    raise UsageError(f"{name}[{a}]: values must be finite numbers >= 0")

@@ -1,0 +1,175 @@
+"""``shard-swarm plan``: table and JSON output, --model and --layers, and its exit codes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from swarm.cli.main import main
+from swarm.planner import GB
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "swarm" / "planner" / "examples" / "friends.json"
+
+LLAMA_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "num_hidden_layers": 30,
+    "vocab_size": 49152,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 100000.0,
+    "max_position_embeddings": 8192,
+    "tie_word_embeddings": True,
+    "hidden_act": "silu",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+
+def write(tmp_path: Path, obj: object, name: str = "peers.json") -> Path:
+    path = tmp_path / name
+    path.write_text(json.dumps(obj))
+    return path
+
+
+def run_json(capsys: pytest.CaptureFixture[str], argv: list[str]) -> dict:
+    assert main(argv) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_json_output_has_the_promised_fields(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["plan", "--peers", str(EXAMPLE), "--layers", "80", "--layer-gb", "0.85"]
+    out = run_json(capsys, [*argv, "--coordinator-gb", "2.1", "--json"])
+    for key in (
+        "coordinator",
+        "ring",
+        "blocks",
+        "standbys",
+        "predicted_traversal_ms",
+        "predicted_tokens_per_s",
+    ):
+        assert key in out
+    blocks = out["blocks"]
+    assert [blocks[p] for p in out["ring"]][0][0] == 0
+    assert sum(e - s for s, e in blocks.values()) == 80
+    assert out["predicted_tokens_per_s"] == pytest.approx(1000 / out["predicted_traversal_ms"])
+    assert out["predicted_tokens_per_s_with_g"]["4"] == pytest.approx(
+        4 * out["predicted_tokens_per_s"]
+    )
+    peers = {p["id"]: p for p in json.loads(EXAMPLE.read_text())["peers"]}
+    for pid, (s, e) in blocks.items():
+        used = (e - s) * 0.85 + (2.1 if pid == out["coordinator"] else 0)
+        assert used <= peers[pid]["memory_gb"] + 1e-9
+
+
+def test_table_output(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--peers", str(EXAMPLE), "--layers", "20", "--layer-gb", "0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "Plan (epoch 0)" in out and "predicted traversal" in out and "tokens/s" in out
+
+
+def test_model_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(LLAMA_CONFIG))
+    peers = {
+        "peers": [
+            {"id": "a", "memory_gb": 0.25, "ms_per_layer": 0.6, "coordinator_ok": True},
+            {"id": "b", "memory_gb": 0.25, "ms_per_layer": 0.6, "coordinator_ok": False},
+        ],
+        "rtt_ms": {"a": {"b": 1.0}},
+    }
+    out = run_json(
+        capsys, ["plan", "--peers", str(write(tmp_path, peers)), "--model", str(model), "--json"]
+    )
+    assert out["n_layers"] == 30 and out["coordinator"] == "a"
+    assert set(out["ring"]) == {
+        "a",
+        "b",
+    }  # 30 x (6.6 MB weights + 3.1 MB KV) + 57 MB head: no 0.25 GB peer holds it alone
+
+
+def test_memory_shortfall_exit_code_and_message(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    peers = {"peers": [{"id": "a", "memory_gb": 4, "ms_per_layer": 1.0}], "rtt_ms": {}}
+    code = main(
+        ["plan", "--peers", str(write(tmp_path, peers)), "--layers", "10", "--layer-gb", "1"]
+    )
+    assert code == 5
+    assert "6.00 GB short" in capsys.readouterr().err
+
+
+def test_unreachable_exit_code(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    peers = {
+        "peers": [
+            {"id": "a", "memory_gb": 6, "ms_per_layer": 1.0},
+            {"id": "b", "memory_gb": 6, "ms_per_layer": 1.0},
+        ],
+        "rtt_ms": {"a": {"b": None}},
+    }
+    code = main(
+        ["plan", "--peers", str(write(tmp_path, peers)), "--layers", "10", "--layer-gb", "1"]
+    )
+    assert code == 5
+    assert "a <-> b" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("content", "needle"),
+    [
+        ("{not json", "not valid JSON"),
+        (json.dumps({"peers": []}), "non-empty list"),
+        (json.dumps({"peers": [{"id": "a", "ms_per_layer": 1}]}), "missing 'memory_gb'"),
+        (json.dumps({"peers": [{"id": "a", "memory_gb": -1, "ms_per_layer": 1}]}), "memory_gb"),
+        (
+            json.dumps(
+                {
+                    "peers": [{"id": "a", "memory_gb": 1, "ms_per_layer": 1}],
+                    "rtt_ms": {"a": {"zz": 1}},
+                }
+            ),
+            "'zz' is not a listed peer",
+        ),
+        (
+            json.dumps(
+                {"peers": [{"id": "a", "memory_gb": 1, "ms_per_layer": 1, "coordinator_ok": "yes"}]}
+            ),
+            "coordinator_ok",
+        ),
+    ],
+)
+def test_bad_peers_files(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], content: str, needle: str
+) -> None:
+    path = tmp_path / "peers.json"
+    path.write_text(content)
+    assert main(["plan", "--peers", str(path), "--layers", "2", "--layer-gb", "1"]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "peers.json" in err
+
+
+def test_flag_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--peers", str(EXAMPLE)]) == 2
+    assert "--model" in capsys.readouterr().err
+    assert (
+        main(["plan", "--peers", str(tmp_path / "nope.json"), "--layers", "2", "--layer-gb", "1"])
+        == 2
+    )
+    assert "not found" in capsys.readouterr().err
+    assert main(["plan", "--peers", str(EXAMPLE), "--model", str(tmp_path)]) == 3  # no config.json
+
+
+def test_peers_file_round_trip() -> None:
+    from swarm.planner.peersfile import dump_peers_file, parse_peers_file
+
+    pf = parse_peers_file(json.loads(EXAMPLE.read_text()))
+    again = parse_peers_file(dump_peers_file(pf.peers, pf.rtt_ms))
+    assert again.peers == tuple(sorted(pf.peers, key=lambda p: p.id))
+    assert again.rtt_ms == pf.rtt_ms
+    assert pf.peers[0].memory_bytes == 22 * GB
