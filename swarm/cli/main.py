@@ -29,9 +29,9 @@ def _root(
 
 def _register_commands() -> None:
     # Each module owns one command (group) and exposes register(app).
-    from swarm.cli import invite, join, plan, run
+    from swarm.cli import bootstrap, invite, join, plan, run
 
-    for module in (run, plan, invite, join):
+    for module in (run, plan, invite, join, bootstrap):
         module.register(app)
 
 
@@ -41,7 +41,7 @@ _register_commands()
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; a SwarmError becomes one line on stderr and its documented exit code."""
     try:
-        app(args=argv, standalone_mode=False)
+        code = app(args=argv, standalone_mode=False)
     except SwarmError as exc:
         ui.error(str(exc))
         return exc.exit_code
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         logging.getLogger("swarm").exception("internal error")
         return 1
-    return 0
+    return int(code) if isinstance(code, int) else 0
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from typing import Any
 
 from rich.console import Console
 from rich.logging import RichHandler
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
@@ -40,9 +41,9 @@ def configure(*, verbose: bool = False, quiet: bool = False) -> None:
 
 
 def error(message: str, hint: str | None = None) -> None:
-    err.print(f"[bold red]error:[/] {message}", highlight=False, markup=True)
+    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, markup=True)
     if hint:
-        err.print(f"[dim]hint: {hint}[/]", highlight=False)
+        err.print(f"[dim]hint: {escape(hint)}[/]", highlight=False)
 
 
 def notice(message: str) -> None:

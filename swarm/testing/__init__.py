@@ -1,1 +1,8 @@
-"""Fakes shipped with the package: tiny checkpoints, in-memory network, scenarios."""
+"""Fakes and labs shipped with the package (imported by tests and benchmarks, never by swarm/).
+
+- ``checkpoints.py`` seeded random tiny checkpoints of each supported family, as real HF dirs
+- ``memnet.py``     an in-memory network: links with delay, kill and freeze
+- ``ring.py``       a whole ring (coordinator + stage workers) over memnet, in one task tree
+- ``delayproxy.py`` a delaying TCP proxy on loopback (WAN latency without tc netem)
+- ``netlab.py``     network-namespace labs: bridges, MASQUERADE routers, processes inside
+"""

@@ -1,0 +1,492 @@
+"""Reachability: our own dial-back check, NAT classification, and ``join --diagnose``'s report.
+
+Theory of operation
+-------------------
+py-libp2p 0.8.1's AutoNAT v1 reports PUBLIC even for a dead address, so we ask a helper we are
+already connected to (a bootstrap node serves :data:`DIALBACK_PROTOCOL`) to *dial us back*:
+
+1. The client sends ``{"ports": [...]}`` (its TCP listen ports, at most :data:`MAX_PORTS`) as one
+   JSON line on a fresh stream.
+2. The helper takes the IP address it sees the client's connection come from — and only that IP,
+   so it can never be aimed at a third party — and opens a *new* libp2p connection to
+   ``/ip4/<that ip>/tcp/<port>`` for each port, bounded by a timeout. Noise proves that whoever
+   answers holds the client's key, so a dial-back succeeds only if the client itself is
+   reachable there. The probe connection is closed at once.
+3. It answers one JSON line: the observed address and, per port, whether the dial-back worked.
+
+From the observed address and the results we classify (:class:`Reachability`): PUBLIC when a
+dial-back worked; NAT_RELAYED when none did but we hold a relay reservation; NAT_UNREACHABLE when
+neither (we can dial out, nobody can dial in); OFFLINE when no bootstrap answered. The NAT's
+mapping behaviour is estimated from the observed port: if it equals the local port of our
+connection the NAT preserves ports (hole punching usually works); if not, it rewrites them, which
+is typical of symmetric NATs where DCUtR fails and traffic stays relayed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import json
+import logging
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from enum import StrEnum
+from typing import Any
+
+import multiaddr
+import trio
+from libp2p.custom_types import TProtocol
+from libp2p.peer.id import ID
+
+from swarm.errors import PeerError, PeerTimeout, ProtocolError, UsageError
+from swarm.net.relay import Path, RelayNode, parse_peer_addr, path_to
+
+__all__ = [
+    "DIALBACK_PROTOCOL",
+    "Diagnosis",
+    "DialbackResult",
+    "NatKind",
+    "Reachability",
+    "classify",
+    "diagnose",
+    "dialback_check",
+    "serve_dialback",
+]
+
+log = logging.getLogger("swarm.net.nat")
+
+DIALBACK_PROTOCOL = "/shard-swarm/dialback/1"
+MAX_PORTS = 4
+MAX_LINE = 2048
+DIALBACK_TIMEOUT = 4.0  # per dial-back attempt, on the helper's side
+IO_TIMEOUT = 5.0
+
+
+class Reachability(StrEnum):
+    PUBLIC = "public"
+    NAT_RELAYED = "behind NAT, reachable via relay"
+    NAT_UNREACHABLE = "behind NAT, not reachable"
+    OFFLINE = "no bootstrap node reachable"
+
+
+class NatKind(StrEnum):
+    NONE = "no NAT"
+    PORT_PRESERVING = "port-preserving NAT"
+    PORT_CHANGING = "NAT that changes ports"
+    UNKNOWN = "unknown"
+
+
+# -- wire helpers -----------------------------------------------------------------------------
+
+
+async def _read_line(stream: Any, *, timeout: float, peer: str) -> dict[str, Any]:
+    buf = b""
+    with trio.move_on_after(timeout) as scope:
+        while b"\n" not in buf:
+            chunk = await stream.read(MAX_LINE)
+            if not chunk:
+                raise PeerError(f"peer {peer}: dial-back stream closed before a reply")
+            buf += chunk
+            if len(buf) > MAX_LINE:
+                raise ProtocolError(f"peer {peer}: dial-back message over {MAX_LINE} bytes")
+    if scope.cancelled_caught:
+        raise PeerTimeout(f"peer {peer}: no dial-back message within {timeout:g}s")
+    try:
+        msg = json.loads(buf.split(b"\n", 1)[0])
+    except ValueError as exc:
+        raise ProtocolError(f"peer {peer}: dial-back message is not JSON: {exc}") from None
+    if not isinstance(msg, dict):
+        raise ProtocolError(f"peer {peer}: dial-back message is not a JSON object")
+    return msg
+
+
+async def _write_line(stream: Any, msg: dict[str, Any], *, timeout: float) -> None:
+    data = json.dumps(msg, separators=(",", ":")).encode() + b"\n"
+    with trio.fail_after(timeout):
+        await stream.write(data)
+
+
+def _tcp_ports(addrs: Sequence[Any]) -> list[int]:
+    ports: list[int] = []
+    for a in addrs:
+        text = str(a)
+        if "/p2p-circuit" in text:
+            continue
+        with contextlib.suppress(Exception):
+            port = int(multiaddr.Multiaddr(text).value_for_protocol("tcp"))
+            if port and port not in ports:
+                ports.append(port)
+    return ports[:MAX_PORTS]
+
+
+def _local_port(conn: Any) -> int | None:
+    """The local TCP port of a libp2p connection (best effort: walks the wrapper chain)."""
+    todo: list[Any] = [conn]
+    seen: set[int] = set()
+    while todo:
+        obj = todo.pop()
+        if obj is None or id(obj) in seen or len(seen) > 40:
+            continue
+        seen.add(id(obj))
+        sock = getattr(obj, "socket", None)
+        if sock is not None and hasattr(sock, "getsockname"):
+            with contextlib.suppress(Exception):
+                return int(sock.getsockname()[1])
+        for name in ("muxed_conn", "secured_conn", "conn", "raw_conn", "stream", "_stream"):
+            todo.append(getattr(obj, name, None))
+    return None
+
+
+# -- the helper's side ------------------------------------------------------------------------
+
+
+def serve_dialback(host: Any, *, timeout: float = DIALBACK_TIMEOUT) -> None:
+    """Serve :data:`DIALBACK_PROTOCOL` on a libp2p host (bootstrap nodes do)."""
+
+    async def handler(stream: Any) -> None:
+        peer_id = stream.muxed_conn.peer_id
+        peer = str(peer_id)
+        try:
+            req = await _read_line(stream, timeout=IO_TIMEOUT, peer=peer)
+            remote = stream.get_remote_address()
+            addrs = [str(a) for a in stream.muxed_conn.get_transport_addresses()] if hasattr(
+                stream.muxed_conn, "get_transport_addresses") else []  # fmt: skip
+            if remote is None or any("/p2p-circuit" in a for a in addrs):
+                await _write_line(stream, {"error": "relayed connection: cannot dial back"},
+                                  timeout=IO_TIMEOUT)  # fmt: skip
+                return
+            ip, port = remote[0], int(remote[1])
+            ports = req.get("ports")
+            if not isinstance(ports, list) or not all(
+                isinstance(p, int) and 0 < p < 65536 for p in ports
+            ):
+                raise ProtocolError(f"peer {peer}: dial-back ports must be a list of TCP ports")
+            results = []
+            network = host.get_network()
+            with contextlib.suppress(Exception):
+                network.protect(peer_id, "swarm-dialback")
+            try:
+                for p in ports[:MAX_PORTS]:
+                    results.append(await _probe(host, peer_id, ip, p, timeout))
+            finally:
+                with contextlib.suppress(Exception):
+                    network.unprotect(peer_id, "swarm-dialback")
+            family = "ip6" if ipaddress.ip_address(ip).version == 6 else "ip4"
+            await _write_line(
+                stream, {"observed": f"/{family}/{ip}/tcp/{port}", "results": results},
+                timeout=IO_TIMEOUT,
+            )  # fmt: skip
+        except (PeerError, ProtocolError) as exc:
+            log.info("dial-back for %s: %s", peer, exc)
+        except Exception as exc:  # never let a handler error escape into libp2p
+            log.info("dial-back for %s failed: %s: %s", peer, type(exc).__name__, exc)
+        finally:
+            with (
+                trio.CancelScope(shield=True),
+                trio.move_on_after(1.0),
+                contextlib.suppress(Exception),
+            ):
+                await stream.close()
+
+    host.set_stream_handler(TProtocol(DIALBACK_PROTOCOL), handler)
+
+
+async def _probe(host: Any, peer_id: ID, ip: str, port: int, timeout: float) -> dict[str, Any]:
+    family = "ip6" if ipaddress.ip_address(ip).version == 6 else "ip4"
+    addr = multiaddr.Multiaddr(f"/{family}/{ip}/tcp/{port}")
+    t0 = time.monotonic()
+    conn = None
+    try:
+        with trio.fail_after(timeout):
+            conn = await host.get_network().dial_addr(addr, peer_id)
+        return {"port": port, "ok": True, "ms": round((time.monotonic() - t0) * 1000, 1)}
+    except trio.TooSlowError:
+        return {"port": port, "ok": False, "error": f"no answer within {timeout:g}s"}
+    except Exception as exc:
+        return {"port": port, "ok": False, "error": f"{type(exc).__name__}: {exc}"[:200]}
+    finally:
+        if conn is not None:
+            with (
+                trio.CancelScope(shield=True),
+                trio.move_on_after(1.0),
+                contextlib.suppress(Exception),
+            ):
+                await conn.close()
+
+
+# -- the client's side ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DialbackResult:
+    helper: str  # peer ID of the node that dialed back
+    observed: str  # our address as the helper saw it (/ip4/<ip>/tcp/<port>)
+    local_port: int | None  # local port of our connection to the helper
+    reachable_ports: tuple[int, ...]
+    failed: tuple[tuple[int, str], ...]  # (port, reason)
+
+    @property
+    def reachable(self) -> bool:
+        return bool(self.reachable_ports)
+
+
+async def dialback_check(
+    host: Any, helper_peer: str, *, ports: Sequence[int] | None = None, timeout: float = 15.0
+) -> DialbackResult:
+    """Ask ``helper_peer`` (already connected) to dial us back on our listen ports.
+
+    Raises PeerTimeout / PeerError when the helper does not answer or does not serve the
+    protocol, ProtocolError when it answers nonsense.
+    """
+    pid = ID.from_base58(helper_peer)
+    ports = list(ports) if ports is not None else _tcp_ports(host.get_addrs())
+    if not ports:
+        raise UsageError("dial-back needs a TCP listen port (is the host listening?)")
+    network = host.get_network()
+    # The probe connection is a second one to the helper: protect the helper meanwhile so the
+    # per-peer connection cap does not trim our main connection to it.
+    with contextlib.suppress(Exception):
+        network.protect(pid, "swarm-dialback")
+    try:
+        return await _dialback_exchange(host, pid, helper_peer, ports, timeout)
+    finally:
+        with contextlib.suppress(Exception):
+            network.unprotect(pid, "swarm-dialback")
+
+
+async def _dialback_exchange(
+    host: Any, pid: ID, helper_peer: str, ports: list[int], timeout: float
+) -> DialbackResult:
+    with trio.move_on_after(timeout) as scope:
+        try:
+            stream = await host.new_stream(pid, [TProtocol(DIALBACK_PROTOCOL)])
+        except Exception as exc:
+            raise PeerError(
+                f"peer {helper_peer} does not serve {DIALBACK_PROTOCOL}: {exc}"
+            ) from exc
+        try:
+            local = _local_port(stream.muxed_conn)
+            await _write_line(stream, {"ports": ports[:MAX_PORTS]}, timeout=IO_TIMEOUT)
+            reply = await _read_line(stream, timeout=timeout, peer=helper_peer)
+        finally:
+            with (
+                trio.CancelScope(shield=True),
+                trio.move_on_after(1.0),
+                contextlib.suppress(Exception),
+            ):
+                await stream.close()
+    if scope.cancelled_caught:
+        raise PeerTimeout(f"peer {helper_peer}: no dial-back answer within {timeout:g}s")
+    if "error" in reply:
+        raise PeerError(f"peer {helper_peer} cannot dial back: {str(reply['error'])[:200]}")
+    observed, results = reply.get("observed"), reply.get("results")
+    if not isinstance(observed, str) or not isinstance(results, list):
+        raise ProtocolError(f"peer {helper_peer}: malformed dial-back answer")
+    ok, failed = [], []
+    for r in results:
+        if not isinstance(r, dict) or not isinstance(r.get("port"), int):
+            raise ProtocolError(f"peer {helper_peer}: malformed dial-back result {r!r:.80}")
+        if r.get("ok") is True:
+            ok.append(r["port"])
+        else:
+            failed.append((r["port"], str(r.get("error", "failed"))[:200]))
+    return DialbackResult(helper_peer, observed, local, tuple(ok), tuple(failed))
+
+
+def _observed_ip_port(observed: str) -> tuple[str, int] | None:
+    with contextlib.suppress(Exception):
+        ma = multiaddr.Multiaddr(observed)
+        return ma.value_for_protocol("ip4"), int(ma.value_for_protocol("tcp"))
+    return None
+
+
+def nat_kind(result: DialbackResult, local_ips: Sequence[str]) -> NatKind:
+    """Estimate the NAT from what the helper saw versus our own addresses and port."""
+    parsed = _observed_ip_port(result.observed)
+    if parsed is None:
+        return NatKind.UNKNOWN
+    ip, port = parsed
+    if ip in local_ips:
+        return NatKind.NONE
+    if result.local_port is None:
+        return NatKind.UNKNOWN
+    return NatKind.PORT_PRESERVING if port == result.local_port else NatKind.PORT_CHANGING
+
+
+def classify(dialback: DialbackResult | None, *, relayed: bool, bootstrap_ok: bool) -> Reachability:
+    """Node-level reachability from the dial-back and whether we hold a relay reservation."""
+    if dialback is not None and dialback.reachable:
+        return Reachability.PUBLIC
+    if not bootstrap_ok:
+        return Reachability.OFFLINE
+    return Reachability.NAT_RELAYED if relayed else Reachability.NAT_UNREACHABLE
+
+
+async def _ping(host: Any, pid: ID) -> float:
+    """One libp2p ping (/ipfs/ping/1.0.0) round trip in seconds; the caller bounds the time."""
+    payload = os.urandom(32)
+    stream = await host.new_stream(pid, [TProtocol("/ipfs/ping/1.0.0")])
+    try:
+        t0 = time.monotonic()
+        await stream.write(payload)
+        got = b""
+        while len(got) < len(payload):
+            chunk = await stream.read(len(payload) - len(got))
+            if not chunk:
+                raise PeerError(f"peer {pid}: ping stream closed")
+            got += chunk
+        if got != payload:
+            raise ProtocolError(f"peer {pid}: ping echoed different bytes")
+        return time.monotonic() - t0
+    finally:
+        with trio.CancelScope(shield=True), trio.move_on_after(1.0), contextlib.suppress(Exception):
+            await stream.close()
+
+
+# -- the report -------------------------------------------------------------------------------
+
+
+@dataclass
+class Diagnosis:
+    """What ``shard-swarm join --diagnose`` prints: facts, a verdict and advice."""
+
+    peer_id: str
+    listen_addrs: list[str]
+    bootstrap: list[dict[str, Any]]  # {"addr", "ok", "ms"?, "error"?}
+    observed_addr: str | None
+    dialback_ok_ports: list[int]
+    dialback_failed: list[dict[str, Any]]
+    nat: NatKind
+    relay_addrs: list[str]
+    reachability: Reachability
+    peers: list[dict[str, str]] = field(default_factory=list)  # {"peer", "path"}
+    advice: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["nat"] = self.nat.value
+        d["reachability"] = self.reachability.value
+        return d
+
+    def lines(self) -> list[str]:
+        """Human-readable report, one line per fact, advice last."""
+        out = [f"peer id:       {self.peer_id}", f"reachability:  {self.reachability.value}"]
+        out += [f"listening on:  {a}" for a in self.listen_addrs] or ["listening on:  (nothing)"]
+        for b in self.bootstrap:
+            state = f"ok ({b['ms']} ms)" if b.get("ok") else f"FAILED: {b.get('error')}"
+            out.append(f"bootstrap:     {b['addr']}: {state}")
+        if self.observed_addr:
+            out.append(f"seen from outside as: {self.observed_addr} ({self.nat.value})")
+        if self.dialback_ok_ports:
+            out.append(f"dial-back:     ports {self.dialback_ok_ports} reachable from outside")
+        for f in self.dialback_failed:
+            out.append(f"dial-back:     port {f['port']} NOT reachable ({f['error']})")
+        out += [f"relay address: {a}" for a in self.relay_addrs]
+        out += [f"peer:          {p['peer']}: {p['path']}" for p in self.peers]
+        out += [f"advice:        {a}" for a in self.advice]
+        return out
+
+
+def _advice(d: Diagnosis) -> list[str]:
+    tips: list[str] = []
+    ports = ", ".join(str(f["port"]) for f in d.dialback_failed) or "your listen port"
+    if d.reachability is Reachability.OFFLINE:
+        if not d.bootstrap:
+            tips.append("no bootstrap node is configured: add one to the invite "
+                        "(invite create --bootstrap MULTIADDR) or stay on one LAN (mDNS)")  # fmt: skip
+        else:
+            tips.append("no bootstrap node answered: check your internet connection and that "
+                        "the addresses in the invite are current; peers on this LAN are still "
+                        "found by mDNS")  # fmt: skip
+    elif d.reachability is Reachability.PUBLIC:
+        tips.append("peers can dial you directly; nothing to do")
+    else:
+        if d.reachability is Reachability.NAT_RELAYED:
+            tips.append("peers reach you through the relay (slower); to be dialed directly, "
+                        f"forward TCP port(s) {ports} on your router to this machine")  # fmt: skip
+        else:
+            tips.append("nobody can dial you and you hold no relay slot: the bootstrap node "
+                        "may not be a relay, or refused a reservation; forward TCP port(s) "
+                        f"{ports} on your router")  # fmt: skip
+        if d.nat is NatKind.PORT_PRESERVING:
+            tips.append("your NAT keeps ports: hole punching (direct connections to other "
+                        "NATed peers) should work")  # fmt: skip
+        elif d.nat is NatKind.PORT_CHANGING:
+            tips.append("your NAT changes ports (symmetric NAT?): hole punching will likely "
+                        "fail and traffic to NATed peers stays relayed; port forwarding or "
+                        "UPnP on the router avoids that")  # fmt: skip
+    if any(p["path"] == Path.RELAYED.value for p in d.peers):
+        tips.append("some peers are only relayed: expect higher latency on those hops")
+    return tips
+
+
+async def diagnose(
+    host: Any,
+    *,
+    bootstrap_addrs: Sequence[str],
+    relay: RelayNode | None = None,
+    local_ips: Sequence[str] = (),
+    peers: Sequence[str] = (),
+    timeout: float = 10.0,
+) -> Diagnosis:
+    """Check how this node is reachable and say what to do about it.
+
+    ``host`` is the running libp2p host (``SwarmHost.libp2p``); ``bootstrap_addrs`` the
+    manifest's bootstrap multiaddrs (with /p2p/); ``relay`` the node's :class:`RelayNode` (a
+    reservation is attempted on the first answering bootstrap if it holds none);
+    ``local_ips`` this machine's interface addresses (to tell "no NAT" from "NAT");
+    ``peers`` peer IDs whose current path (direct / hole-punched / relayed) is reported.
+    Never raises for network failures: they become facts in the report.
+    """
+    listen = [str(a) for a in host.get_addrs() if "/p2p-circuit" not in str(a)]
+    boots: list[dict[str, Any]] = []
+    first_ok: tuple[str, str] | None = None
+    for addr in bootstrap_addrs:
+        try:
+            info = parse_peer_addr(addr, what="bootstrap address")
+        except UsageError as exc:
+            boots.append({"addr": addr, "ok": False, "error": str(exc)})
+            continue
+        try:
+            with trio.fail_after(timeout):
+                await host.connect(info)
+                rtt = await _ping(host, info.peer_id)
+            boots.append({"addr": addr, "ok": True, "ms": round(rtt * 1e3, 1)})
+            first_ok = first_ok or (addr, str(info.peer_id))
+        except Exception as exc:
+            reason = f"no answer within {timeout:g}s" if isinstance(exc, trio.TooSlowError) else (
+                f"{type(exc).__name__}: {exc}")  # fmt: skip
+            boots.append({"addr": addr, "ok": False, "error": reason[:200]})
+    dial: DialbackResult | None = None
+    dial_error: str | None = None
+    if first_ok is not None:
+        try:
+            dial = await dialback_check(host, first_ok[1], timeout=timeout)
+        except (PeerError, ProtocolError, UsageError) as exc:
+            dial_error = str(exc)
+        if relay is not None and not relay.circuit_addrs and not (dial and dial.reachable):
+            with contextlib.suppress(PeerError, UsageError):
+                await relay.reserve(first_ok[0], timeout=timeout)
+    relay_addrs = relay.circuit_addrs if relay is not None else []
+    peer_rows = []
+    for p in peers:
+        label = relay.path_label(p) if relay is not None else path_to(host, p).value
+        peer_rows.append({"peer": p, "path": label})
+    d = Diagnosis(
+        peer_id=str(host.get_id()),
+        listen_addrs=listen,
+        bootstrap=boots,
+        observed_addr=dial.observed if dial else None,
+        dialback_ok_ports=list(dial.reachable_ports) if dial else [],
+        dialback_failed=[{"port": p, "error": e} for p, e in dial.failed]
+        if dial
+        else ([{"port": 0, "error": dial_error}] if dial_error else []),  # fmt: skip
+        nat=nat_kind(dial, local_ips) if dial else NatKind.UNKNOWN,
+        relay_addrs=relay_addrs,
+        reachability=classify(dial, relayed=bool(relay_addrs), bootstrap_ok=first_ok is not None),
+        peers=peer_rows,
+    )
+    d.advice = _advice(d)
+    return d

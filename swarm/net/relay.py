@@ -1,0 +1,418 @@
+"""Circuit relay v2 (reservations, relayed dials) and DCUtR hole punching on a libp2p host.
+
+Theory of operation
+-------------------
+A node behind a NAT cannot be dialed. It keeps an outbound connection to a public relay (our
+bootstrap node) and *reserves a slot* there; other peers then dial it through the relay at the
+circuit address ``<relay-addr>/p2p-circuit/p2p/<node>``. A relayed connection is a yamux stream
+on the relay leg, upgraded end-to-end with Noise, so the relay forwards bytes it cannot read.
+
+Once two peers share a relayed connection, DCUtR (Direct Connection Upgrade through Relay) has
+them exchange their observed public addresses over it and dial each other at the same moment,
+each from its listen port. With endpoint-independent, port-preserving NATs (the common home
+router, Linux MASQUERADE) the crossing SYNs open both NAT mappings and a direct TCP connection
+forms; with symmetric NATs (``--random-fully``) it cannot, and the peers stay relayed.
+
+py-libp2p 0.8.1 provides the pieces (``CircuitV2Protocol``, ``CircuitV2Transport``,
+``RelayDiscovery``, ``DCUtRProtocol``) but does not wire them into its host, and a host does not
+reserve a slot by itself: :func:`open_relay` starts the services beside a host and
+:class:`RelayNode` offers the few operations the node needs, each bounded by a timeout and
+raising only :mod:`swarm.errors` exceptions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+import multiaddr
+import trio
+from libp2p.abc import IHost
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import info_from_p2p_addr
+from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole
+from libp2p.relay.circuit_v2.dcutr import PROTOCOL_ID as DCUTR_PROTOCOL
+from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol
+from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID as HOP_PROTOCOL
+from libp2p.relay.circuit_v2.protocol import STOP_PROTOCOL_ID as STOP_PROTOCOL
+from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
+from libp2p.relay.circuit_v2.resources import RelayLimits
+from libp2p.relay.circuit_v2.transport import CircuitV2Transport
+from libp2p.tools.anyio_service import background_trio_service
+
+from swarm.errors import PeerError, PeerTimeout, UsageError
+
+__all__ = [
+    "DCUTR_PROTOCOL",
+    "HOP_PROTOCOL",
+    "STOP_PROTOCOL",
+    "Path",
+    "RelayNode",
+    "RelayPolicy",
+    "circuit_addr",
+    "connection_addrs",
+    "forget_dial_failure",
+    "open_relay",
+    "open_relay_host",
+    "parse_peer_addr",
+    "path_to",
+]
+
+log = logging.getLogger("swarm.net.relay")
+
+# Reservations last an hour on a py-libp2p relay (RelayConfig.reservation_ttl): renew well before.
+REFRESH_S = 600.0
+
+# Called with a peer's address right after a connection to it exists (SwarmHost.dial: it runs
+# admission on the existing connection, which a SwarmHost requires of every peer, relays too).
+Admit = Callable[[str], Awaitable[Any]]
+
+
+class Path(StrEnum):
+    """How we are connected to a peer right now."""
+
+    DIRECT = "direct"  # at least one non-relayed connection (dialed, or hole-punched)
+    RELAYED = "relayed"  # only connections through a relay
+    NONE = "none"  # not connected
+
+
+@dataclass(frozen=True)
+class RelayPolicy:
+    """What a relay grants each reserving peer (circuit-relay v2 "limits").
+
+    The defaults suit a small friends' swarm: a few dozen reservations, circuits long enough to
+    hold a relayed ring if punching fails, and a data cap per circuit so one peer cannot turn
+    the bootstrap node into a free tunnel.
+    """
+
+    max_reservations: int = 64
+    max_circuits_per_peer: int = 16
+    circuit_seconds: int = 3600
+    circuit_bytes: int = 1 << 30
+
+    def limits(self) -> RelayLimits:
+        if min(self.max_reservations, self.max_circuits_per_peer, self.circuit_seconds) <= 0:
+            raise UsageError(f"relay policy values must be positive: {self}")
+        return RelayLimits(
+            duration=self.circuit_seconds,
+            data=self.circuit_bytes,
+            max_circuit_conns=self.max_circuits_per_peer,
+            max_reservations=self.max_reservations,
+        )
+
+
+def parse_peer_addr(addr: str | multiaddr.Multiaddr, *, what: str = "address") -> Any:
+    """A ``.../p2p/<peer>`` multiaddr as libp2p PeerInfo; UsageError naming ``what`` if not."""
+    try:
+        ma = addr if isinstance(addr, multiaddr.Multiaddr) else multiaddr.Multiaddr(addr)
+        return info_from_p2p_addr(ma)
+    except Exception as exc:
+        raise UsageError(
+            f"{what} {str(addr)!r} is not a multiaddr ending in /p2p/<peer-id> "
+            f"(e.g. /ip4/198.51.100.2/tcp/4001/p2p/12D3Koo...): {exc}"
+        ) from exc
+
+
+def circuit_addr(relay_addr: str, peer_id: str) -> str:
+    """The address at which ``peer_id`` is reachable through the relay at ``relay_addr``."""
+    parse_peer_addr(relay_addr, what="relay address")
+    return f"{relay_addr}/p2p-circuit/p2p/{peer_id}"
+
+
+def _as_id(peer: ID | str) -> ID:
+    if isinstance(peer, ID):
+        return peer
+    try:
+        return ID.from_base58(peer)
+    except Exception as exc:
+        raise UsageError(f"{peer!r} is not a libp2p peer ID: {exc}") from exc
+
+
+def _conn_addrs(conn: Any) -> list[str]:
+    try:
+        return [str(a) for a in conn.get_transport_addresses()]
+    except Exception:
+        return []
+
+
+def path_to(host: IHost, peer: ID | str) -> Path:
+    """Whether ``host`` reaches ``peer`` directly, only through a relay, or not at all."""
+    conns = host.get_network().get_connections(_as_id(peer))
+    if not conns:
+        return Path.NONE
+    for conn in conns:
+        addrs = _conn_addrs(conn)
+        if addrs and all("/p2p-circuit" not in a for a in addrs):
+            return Path.DIRECT
+    return Path.RELAYED
+
+
+def forget_dial_failure(host: IHost, peer: ID | str) -> None:
+    """Let the next dial to ``peer`` really happen.
+
+    py-libp2p 0.8.1 refuses to dial a peer for 60 s after all its addresses failed once (a
+    private "negative cache"); a deliberate retry (the relay was still starting, the network
+    came back) must not be refused by that, so callers that retry on purpose clear it first.
+    """
+    cache = getattr(host.get_network(), "_negative_peer_cache", None)
+    if cache is not None:
+        with contextlib.suppress(Exception):
+            cache.evict(str(_as_id(peer)))
+
+
+def connection_addrs(host: IHost, peer: ID | str) -> list[str]:
+    """Transport addresses of every connection to ``peer`` (circuit ones contain /p2p-circuit)."""
+    return [
+        a for conn in host.get_network().get_connections(_as_id(peer)) for a in _conn_addrs(conn)
+    ]
+
+
+class RelayNode:
+    """Relay-related operations of one host; made by :func:`open_relay`."""
+
+    def __init__(
+        self, host: IHost, protocol: CircuitV2Protocol, transport: CircuitV2Transport,
+        dcutr: DCUtRProtocol | None, *, hop: bool, admit: Admit | None = None,
+    ) -> None:  # fmt: skip
+        self.host = host
+        self.hop = hop
+        self._admit = admit
+        self._protocol = protocol
+        self._transport = transport
+        self._dcutr = dcutr
+        self._reservations: dict[str, str] = {}  # relay addr -> our circuit addr
+        self.seen_relayed: set[str] = set()  # peers we have had a relayed connection to
+        self.upgraded: set[str] = set()  # of those, peers now reached directly (DCUtR)
+
+    @property
+    def circuit_addrs(self) -> list[str]:
+        """Our addresses through the relays where we hold a reservation."""
+        return list(self._reservations.values())
+
+    async def reserve(self, relay_addr: str, *, timeout: float = 15.0) -> str:
+        """Connect to the relay at ``relay_addr``, reserve a slot, return our circuit address.
+
+        Raises PeerTimeout if the relay does not answer in ``timeout`` seconds and PeerError if
+        it refuses the reservation or does not speak circuit-relay v2 (hop).
+        """
+        info = parse_peer_addr(relay_addr, what="relay address")
+        discovery = self._transport.discovery
+        forget_dial_failure(self.host, info.peer_id)
+        with trio.move_on_after(timeout) as scope:
+            try:
+                await self.host.connect(info)
+            except Exception as exc:
+                raise PeerError(f"cannot connect to relay {relay_addr}: {exc}") from exc
+            if self._admit is not None:
+                await self._admit(relay_addr)
+            # RelayDiscovery.discover_relays() decides from the peerstore's protocol list, which
+            # is empty until identify finishes, and caches that "no" for good. Decide ourselves
+            # (identify's list, else a probe stream) and register the relay with discovery.
+            if not await self._offers_hop(info.peer_id, wait=min(3.0, timeout / 3)):
+                raise PeerError(
+                    f"{relay_addr} does not offer circuit relay v2 ({HOP_PROTOCOL}); "
+                    "is it a shard-swarm bootstrap node?"
+                )
+            if info.peer_id not in discovery.get_relays():
+                await discovery._add_relay(info.peer_id)  # no auto-reserve: just registers it
+            ok = await discovery.make_reservation(info.peer_id)
+            if not ok:
+                raise PeerError(f"relay {relay_addr} refused a reservation (it may be full)")
+        if scope.cancelled_caught:
+            raise PeerTimeout(f"relay {relay_addr} did not grant a reservation within {timeout}s")
+        addr = circuit_addr(relay_addr, str(self.host.get_id()))
+        self._reservations[relay_addr] = addr
+        log.info("reserved a relay slot: reachable at %s", addr)
+        return addr
+
+    async def _offers_hop(self, peer: ID, *, wait: float) -> bool:
+        """Whether ``peer`` serves the relay hop protocol (identify's answer, else a probe)."""
+        store = self.host.get_peerstore()
+        with trio.move_on_after(wait):
+            while True:
+                with contextlib.suppress(Exception):
+                    protocols = [str(p) for p in store.get_protocols(peer)]
+                    if protocols:
+                        return str(HOP_PROTOCOL) in protocols
+                await trio.sleep(0.05)
+        try:  # identify did not finish in time: ask directly (the relay logs an empty stream)
+            probe = await self.host.new_stream(peer, [HOP_PROTOCOL])
+            await probe.close()
+            return True
+        except (trio.Cancelled, KeyboardInterrupt):
+            raise
+        except Exception:
+            return False
+
+    async def dial(self, addr: str, *, timeout: float = 15.0) -> str:
+        """Connect to a peer at a direct or ``/p2p-circuit`` address; return its peer ID.
+
+        Relayed dials go through :class:`CircuitV2Transport` (the host alone cannot dial them).
+        """
+        info = parse_peer_addr(addr, what="peer address")
+        forget_dial_failure(self.host, info.peer_id)
+        with trio.move_on_after(timeout) as scope:
+            try:
+                if "/p2p-circuit" in addr:
+                    await self._transport.dial(multiaddr.Multiaddr(addr))
+                    self.seen_relayed.add(str(info.peer_id))
+                else:
+                    await self.host.connect(info)
+            except (trio.Cancelled, KeyboardInterrupt):
+                raise
+            except Exception as exc:
+                raise PeerError(f"cannot reach {info.peer_id} at {addr}: {exc}") from exc
+            if self._admit is not None:
+                await self._admit(addr)
+        if scope.cancelled_caught:
+            raise PeerTimeout(f"no connection to {info.peer_id} at {addr} within {timeout}s")
+        return str(info.peer_id)
+
+    async def punch(self, peer: ID | str, *, timeout: float = 30.0) -> bool:
+        """Try to upgrade a relayed connection to ``peer`` to a direct one (DCUtR).
+
+        True if a direct connection exists afterwards. False (never an exception) when the
+        NATs do not allow it, hole punching is off, or ``timeout`` passes: relayed still works.
+        """
+        pid = _as_id(peer)
+        if path_to(self.host, pid) is Path.DIRECT:
+            return True
+        if self._dcutr is None:
+            return False
+        with trio.move_on_after(timeout):
+            try:
+                await self._dcutr.initiate_hole_punch(pid)
+            except (trio.Cancelled, KeyboardInterrupt):
+                raise
+            except Exception as exc:
+                log.info("hole punch to %s failed: %s", pid, exc)
+        return self._observe(pid) is Path.DIRECT
+
+    def _observe(self, peer: ID | str) -> Path:
+        """The current path to ``peer``, remembering relayed-then-direct upgrades."""
+        path = path_to(self.host, peer)
+        key = str(peer)
+        # A relayed connection stays open for a grace period after an upgrade, so a peer whose
+        # direct connection came from DCUtR still shows one here for a while.
+        if path is Path.RELAYED or any(
+            "/p2p-circuit" in a for a in connection_addrs(self.host, peer)
+        ):
+            self.seen_relayed.add(key)
+        if path is Path.DIRECT and key in self.seen_relayed and key not in self.upgraded:
+            self.upgraded.add(key)
+            log.info("connection to %s upgraded from relayed to direct (hole punching)", key)
+        return path
+
+    def path_label(self, peer: ID | str) -> str:
+        """How ``peer`` is reached, for people: "direct", "direct (hole-punched)", "relayed"..."""
+        path = self._observe(peer)
+        if path is Path.DIRECT and str(peer) in self.upgraded:
+            return "direct (hole-punched)"
+        return path.value
+
+    async def watch(self, *, interval: float = 0.5, refresh_s: float = REFRESH_S) -> None:
+        """Track relayed connections and their upgrades to direct ones, and renew reservations
+        before the relay lets them lapse (runs in open_relay's nursery)."""
+        next_refresh = trio.current_time() + refresh_s
+        while True:
+            for peer in list(self.host.get_connected_peers()):
+                self._observe(peer)
+            if trio.current_time() >= next_refresh:
+                next_refresh = trio.current_time() + refresh_s
+                for relay_addr in list(self._reservations):
+                    try:
+                        await self.reserve(relay_addr, timeout=15.0)
+                    except (PeerError, UsageError) as exc:
+                        log.warning("could not renew the relay slot at %s: %s", relay_addr, exc)
+            await trio.sleep(interval)
+
+    async def wait_direct(self, peer: ID | str, *, timeout: float) -> bool:
+        """Wait until ``peer`` is reachable directly (e.g. the other side punched); True if so."""
+        pid = _as_id(peer)
+        with trio.move_on_after(timeout):
+            while self._observe(pid) is not Path.DIRECT:
+                await trio.sleep(0.1)
+            return True
+        return False
+
+
+@contextlib.asynccontextmanager
+async def open_relay(
+    host: IHost,
+    *,
+    hop: bool = False,
+    hole_punch: bool = True,
+    policy: RelayPolicy | None = None,
+    admit: Admit | None = None,
+) -> AsyncIterator[RelayNode]:
+    """Run circuit-relay v2 (and DCUtR) beside a running ``host`` for the ``async with`` body.
+
+    ``hop=True`` makes the host a relay for others (the bootstrap node); every host accepts
+    relayed connections (stop) and can dial and reserve through relays (client). With
+    ``hole_punch`` the host answers and drives DCUtR upgrades of its relayed connections.
+    The services stop, and their stream handlers are removed, when the block exits.
+    With a SwarmHost pass ``host=swarm_host.libp2p, admit=swarm_host.dial`` so the relay and
+    every peer reached through it are admitted (a SwarmHost drops unadmitted connections).
+    """
+    limits = (policy or RelayPolicy()).limits()
+    roles = RelayRole.STOP | RelayRole.CLIENT | (RelayRole.HOP if hop else RelayRole(0))
+    config = RelayConfig(roles=roles, limits=limits)
+    protocol = CircuitV2Protocol(host, limits=limits, allow_hop=hop)
+    async with background_trio_service(protocol), trio.open_nursery() as nursery:
+        transport = CircuitV2Transport(host, protocol, config)
+        if not hole_punch:
+            node = RelayNode(host, protocol, transport, None, hop=hop, admit=admit)
+            nursery.start_soon(node.watch)
+            yield node
+            nursery.cancel_scope.cancel()
+            return
+        dcutr = DCUtRProtocol(host)
+        async with background_trio_service(dcutr):
+            await dcutr.event_started.wait()
+            node = RelayNode(host, protocol, transport, dcutr, hop=hop, admit=admit)
+            nursery.start_soon(node.watch)
+            yield node
+            nursery.cancel_scope.cancel()
+
+
+@contextlib.asynccontextmanager
+async def open_relay_host(
+    seed: bytes,
+    listen: Sequence[str],
+    *,
+    secret: bytes | None = None,
+    swarm_id: str = "",
+    revoked: frozenset[str] = frozenset(),
+) -> AsyncIterator[Any]:
+    """A running libp2p host for a bootstrap/relay node; yields the libp2p host.
+
+    With the swarm ``secret`` (and ``swarm_id``, ``revoked`` from the manifest) it is a SwarmHost (net/host.py: Noise-only, yamux-only, admission
+    of every peer); without one a bare host with the same Noise/yamux-only security and no
+    admission (an open relay).
+    """
+    from swarm.net.host import build_libp2p_host, open_host
+
+    if secret is not None:
+        async with open_host(
+            seed, listen, secret=secret, swarm_id=swarm_id, revoked=revoked
+        ) as swarm_host:
+            yield swarm_host.libp2p
+        return
+    try:
+        addrs = [multiaddr.Multiaddr(a) for a in listen]
+    except Exception as exc:
+        raise UsageError(f"listen address in {list(listen)} is not a multiaddr: {exc}") from exc
+    host = build_libp2p_host(seed, addrs)
+    try:
+        async with host.run(addrs):
+            try:
+                yield host
+            finally:
+                with trio.CancelScope(shield=True), trio.move_on_after(3.0):
+                    await host.close()
+    except OSError as exc:
+        raise PeerError(f"cannot listen on {', '.join(listen)}: {exc}") from None
