@@ -1,7 +1,320 @@
-"""(placeholder until its issue lands: register() adds nothing yet)"""
+"""``shard-swarm join``: run a node that joins a swarm and shows its peers as they appear.
 
+The node reads the invite (``--manifest``, default ``<config dir>/invite.json``), verifies it,
+starts a libp2p host under the node's identity key, dials the invite's bootstrap addresses (and,
+with mDNS on, peers announced on the LAN), is admitted with the swarm secret, and then prints one
+line per membership change on stdout (``--json``: one JSON object per line): peer, address, how it
+was reached (we dialed / it dialed us; direct or relayed) and the measured RTT. Notices go to
+stderr. Ctrl-C (or SIGTERM) leaves cleanly: the host closes every connection and exits 0.
+
+``--diagnose`` checks reachability instead (swarm.net.nat: dial-back through a bootstrap node,
+NAT kind, relay reservation) and prints the report and what to do about it.
+
+Exit codes: 0 left cleanly; 2 bad flags; 4 invite refused; 7 could not listen.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import trio
 import typer
+
+from swarm.cli import ui
+from swarm.errors import SwarmError, UsageError
+from swarm.manifest.identity import config_dir, load_identity, load_or_create_identity
+from swarm.manifest.manifest import Manifest, read_manifest
+from swarm.net.host import SwarmHost, open_host
+from swarm.node.membership import MemberEvent, Membership, MembershipService
+
+log = logging.getLogger("swarm.cli.join")
+
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*", re.IGNORECASE)
+_UNIT = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """'24G', '512M', '1.5GiB', '1000000' -> bytes; 'auto' -> half the available memory."""
+    if text.strip().lower() == "auto":
+        return available_memory() // 2
+    m = _SIZE.fullmatch(text)
+    if not m:
+        raise UsageError(f"--memory {text!r}: expected a size like 24G, 512M or 'auto'")
+    return int(float(m.group(1)) * _UNIT[m.group(2).lower()])
+
+
+def available_memory() -> int:
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    with contextlib.suppress(ValueError, OSError, AttributeError):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return 0
+
+
+def _dialable(addrs: list[str]) -> list[str]:
+    """Our listen addresses as others can dial them: 0.0.0.0 expands to the interface addresses."""
+    out: list[str] = []
+    for a in addrs:
+        if "/ip4/0.0.0.0/" not in a:
+            out.append(a)
+            continue
+        ips: list[str] = ["127.0.0.1"]
+        with contextlib.suppress(Exception):
+            from swarm.net.mdns import interface_table  # net-discovery's; optional
+
+            ips = sorted({ip for v in interface_table().values() for ip in v if ":" not in ip}, key=lambda ip: ip.startswith("127."))
+        out += [a.replace("/ip4/0.0.0.0/", f"/ip4/{ip}/") for ip in ips]
+    return out
+
+
+class _Printer:
+    """Membership changes as stdout lines; RTTs filled in as they are measured."""
+
+    def __init__(self, host: SwarmHost, as_json: bool) -> None:
+        self.host = host
+        self.as_json = as_json
+        self.rtt_shown: dict[str, float] = {}
+        self.relay: Any = None  # net-discovery's RelayNode, when running
+
+    def path(self, peer: str) -> str:
+        if self.relay is not None:
+            with contextlib.suppress(Exception):
+                return str(self.relay.path_label(peer))
+        with contextlib.suppress(Exception):
+            from swarm.net.relay import path_to  # net-discovery's; optional
+
+            return str(path_to(self.host.libp2p, peer).value)
+        return "direct"
+
+    def line(
+        self, kind: str, peer: str, addr: str, how: str, rtt: float | None, reason: str = "", incarnation: int = 0
+    ) -> None:
+        path = self.path(peer) if kind not in ("left", "refused") else ""
+        if self.as_json:
+            obj: dict[str, Any] = {"event": kind, "peer": peer, "addr": addr, "how": how, "path": path,
+                                   "rtt_ms": None if rtt is None else round(rtt, 3)}  # fmt: skip
+            if reason:
+                obj["reason"] = reason
+            if incarnation:
+                obj["incarnation"] = incarnation
+            sys.stdout.write(json.dumps(obj) + "\n")
+        else:
+            rtt_s = "-" if rtt is None else f"{rtt:.2f} ms"
+            extra = f"  ({reason})" if reason else ""
+            sys.stdout.write(f"{kind:<8} {peer}  {addr or '-'}  {how or '-'} {path}  rtt {rtt_s}{extra}\n")
+        sys.stdout.flush()
+
+    def on_event(self, ev: MemberEvent) -> None:
+        if ev.kind in ("joined", "rejoined", "left", "suspect", "refused"):
+            self.line(ev.kind, ev.peer, ev.addr, ev.how, ev.rtt_ms, ev.reason, ev.incarnation)
+            if ev.kind in ("left", "refused"):
+                self.rtt_shown.pop(ev.peer, None)
+
+    def refresh(self, service: MembershipService) -> None:
+        """Print a peer again when its RTT is first known or has moved by more than 25%."""
+        for peer in service.members():
+            rtt = service.rtt_ms(peer)
+            old = self.rtt_shown.get(peer)
+            if rtt is not None and (old is None or abs(rtt - old) > 0.25 * old + 0.5):
+                self.rtt_shown[peer] = rtt
+                info = self.host.admission_info(peer)
+                how = ("dialed" if info.outbound else "inbound") if info else ""
+                self.line("rtt", peer, info.addr if info else "", how, rtt)
+
+
+async def _run_node(
+    manifest: Manifest,
+    seed: bytes,
+    signer: Any,
+    listen: list[str],
+    memory: int,
+    *,
+    mdns: bool,
+    relay: bool,
+    as_json: bool,
+    exit_after: float | None,
+) -> None:
+    async with open_host(
+        seed, listen, secret=manifest.secret.value, swarm_id=manifest.swarm_id, revoked=frozenset(manifest.revoked)
+    ) as host:
+        addrs = _dialable(host.addrs())
+        ui.notice(f"node {host.peer_id} listening on {', '.join(addrs)}")
+        membership = Membership(signer, manifest.swarm_id, addrs=addrs, memory_bytes=memory)
+        printer = _Printer(host, as_json)
+        service = MembershipService(host, membership, on_event=printer.on_event)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(service.run)
+            if relay:
+                nursery.start_soon(_relay_client, service, host, printer, list(manifest.bootstrap))
+            for addr in manifest.bootstrap:
+                try:
+                    service.add_candidate(addr, source="bootstrap")
+                except UsageError as exc:
+                    ui.notice(f"skipping bootstrap address: {exc}")
+            if mdns:
+                nursery.start_soon(_mdns_discovery, service, host, manifest.swarm_id, addrs)
+            nursery.start_soon(_signals, nursery.cancel_scope)
+            if exit_after is not None:
+                nursery.cancel_scope.deadline = trio.current_time() + exit_after
+            if not manifest.bootstrap and not mdns:
+                ui.notice("no bootstrap addresses and mDNS off: waiting for peers to dial us")
+            while True:
+                await trio.sleep(1.0)
+                printer.refresh(service)
+        ui.notice(f"left swarm {manifest.swarm_name!r} ({len(service.members())} peers connected at exit)")
+
+
+async def _signals(scope: trio.CancelScope) -> None:
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for _ in signals:
+            ui.notice("leaving the swarm...")
+            scope.cancel()
+            return
+
+
+async def _relay_client(service: MembershipService, host: SwarmHost, printer: _Printer, bootstrap: list[str]) -> None:
+    """Hook for NAT traversal (net-discovery's swarm/net/relay.py): accept relayed connections,
+    hole-punch them to direct ones, and hold a relay slot on the first bootstrap node that grants
+    one, advertising our circuit address so peers behind other NATs can reach us."""
+    try:
+        from swarm.net.relay import open_relay
+    except ImportError:
+        ui.notice("relay / hole punching unavailable in this build")
+        return
+    try:
+        async with open_relay(host.libp2p, admit=host.dial) as node:
+            printer.relay = node
+            for addr in bootstrap:
+                with contextlib.suppress(SwarmError):
+                    circuit = await node.reserve(addr, timeout=15.0)
+                    ui.notice(f"reachable through relay {circuit}")
+                    addrs = list(service.membership.local.addrs)
+                    if service.membership.update_local(addrs=[*addrs, circuit]):
+                        service.readvertise()
+                    break
+            await trio.sleep_forever()
+    except SwarmError as exc:
+        ui.notice(f"relay off: {exc}")
+    finally:
+        printer.relay = None
+
+
+async def _mdns_discovery(service: MembershipService, host: SwarmHost, swarm_id: str, addrs: list[str]) -> None:
+    """Hook for LAN discovery (net-discovery's swarm/net/mdns.py): feed found peers to the dialer."""
+    try:
+        from swarm.net.mdns import lan_interfaces, open_mdns
+    except ImportError:
+        ui.notice("mDNS discovery unavailable in this build")
+        return
+    interfaces = lan_interfaces()
+    if not interfaces:
+        ui.notice("mDNS: no LAN interface with a private IPv4 address; not announcing")
+        return
+    try:
+        async with open_mdns(peer_id=host.peer_id, swarm_id=swarm_id, listen_addrs=host.addrs(), interfaces=interfaces) as m:
+            async for found in m.discoveries():
+                for addr in found.addrs:
+                    with contextlib.suppress(UsageError):
+                        service.add_candidate(addr, source="mdns")
+    except UsageError as exc:
+        ui.notice(f"mDNS off: {exc}")
+
+
+async def _diagnose(manifest: Manifest, seed: bytes, listen: list[str], as_json: bool) -> None:
+    async with open_host(seed, listen, secret=manifest.secret.value, swarm_id=manifest.swarm_id) as host:
+        try:
+            from swarm.net.nat import diagnose
+        except ImportError:
+            diagnose = None  # type: ignore[assignment]
+        if diagnose is None:
+            ui.print_json({"peer_id": host.peer_id, "listen": host.addrs(), "bootstrap": list(manifest.bootstrap),
+                           "note": "reachability checks unavailable in this build"})  # fmt: skip
+            return
+        local_ips: list[str] = []
+        with contextlib.suppress(Exception):
+            from swarm.net.mdns import interface_table
+
+            local_ips = [ip for v in interface_table().values() for ip in v]
+        report = await diagnose(host.libp2p, bootstrap_addrs=list(manifest.bootstrap), local_ips=local_ips)
+        if as_json:
+            ui.print_json(report.to_dict())
+        else:
+            for line in report.lines():
+                sys.stdout.write(line + "\n")
+
+
+def join(
+    manifest_path: Path | None = typer.Option(None, "--manifest", help="Invite file (default: <config dir>/invite.json)."),
+    model: Path | None = typer.Option(None, "--model", help="Local copy of the swarm's model, checked against the invite."),
+    listen: list[str] = typer.Option(["/ip4/0.0.0.0/tcp/0"], "--listen", help="Multiaddr to listen on (repeatable)."),
+    memory: str = typer.Option("auto", "--memory", help="Memory offered for layers, e.g. 24G (auto: half of free)."),
+    diagnose: bool = typer.Option(False, "--diagnose", help="Check how this node is reachable, then exit."),
+    mdns: bool = typer.Option(True, "--mdns/--no-mdns", help="Announce and discover on the LAN."),
+    relay: bool = typer.Option(True, "--relay/--no-relay", help="Use bootstrap nodes as relays (and hole punch)."),
+    key: Path | None = typer.Option(None, "--key", help="Identity key file (default: <config dir>/identity.key)."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object per line on stdout."),
+    exit_after: float | None = typer.Option(None, "--exit-after", help="Leave after this many seconds."),
+) -> None:
+    """Join a swarm: connect, be admitted, and show peers as they appear."""
+    if logging.getLogger("swarm").getEffectiveLevel() > logging.DEBUG:
+        logging.getLogger("libp2p").setLevel(logging.CRITICAL)  # its dial-retry noise, unless -v
+    path = manifest_path or (config_dir() / "invite.json")
+    if manifest_path is None and not path.exists():
+        raise UsageError(f"no invite given and none at {path}: pass --manifest FILE (create one with `shard-swarm invite create`)")
+    manifest = read_manifest(path)
+    if model is not None:
+        if manifest.model is None:
+            raise UsageError(f"--model given but the invite {path} names no model")
+        from swarm.manifest.modelcheck import check_model
+
+        with ui.progress(f"checking {model.name}") as report:
+            check_model(manifest.model, model, report)
+    identity = load_identity(key) if key is not None and key.exists() else load_or_create_identity(key)
+    mem = parse_size(memory)
+    ui.notice(f"joining swarm {manifest.swarm_name!r} as {identity.peer_id}, offering {mem / (1 << 30):.1f} GiB")
+    if diagnose:
+        trio.run(_diagnose, manifest, identity.seed, listen, as_json)
+        return
+    trio.run(lambda: _run_node(manifest, identity.seed, identity, listen, mem, mdns=mdns, relay=relay, as_json=as_json, exit_after=exit_after))
 
 
 def register(app: typer.Typer) -> None:
-    return None
+    app.command("join")(join)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m swarm.cli.join [OPTIONS]``: the join command alone, without importing the
+    other commands (``shard-swarm`` loads torch for ``run``; a node that only joins needs none)."""
+
+    ui.configure(verbose=bool(os.environ.get("SHARD_SWARM_VERBOSE")))
+    app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+    app.command()(join)
+    try:
+        app(args=argv, standalone_mode=False)
+    except SwarmError as exc:
+        ui.error(str(exc))
+        return exc.exit_code
+    except typer.Exit as exc:
+        return int(exc.exit_code or 0)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # click usage errors
+        if hasattr(exc, "format_message"):
+            ui.error(exc.format_message(), hint="see --help")
+            return 2
+        raise
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,1 +1,14 @@
-"""Networking: the only subpackage that imports libp2p and zeroconf."""
+"""Networking: the only subpackage that imports libp2p and zeroconf (and multiaddr).
+
+Where things live:
+
+    host.py       open_host(seed, listen, secret=, swarm_id=) -> SwarmHost: py-libp2p 0.8.1 with
+                  TCP + Noise only + yamux only; admission (swarm.proto.admission) before any swarm
+                  protocol; handle()/open_stream() for admitted peers; HostEvents; clean close
+    streams.py    FramedStream / open_framed: swarm.proto frames over one stream, a reader task per
+                  stream, a deadline on every read and write, libp2p exceptions mapped to swarm.errors
+    mdns.py       LAN discovery over python-zeroconf (net-discovery)
+    relay.py      circuit-relay v2 and DCUtR hole punching (net-discovery)
+    nat.py        dial-back reachability check, NAT kind, ``join --diagnose`` (net-discovery)
+    channel.py, fastpath.py, ...   the authenticated direct data path (fastpath)
+"""

@@ -1,0 +1,168 @@
+"""Heartbeats on the ctl protocol: liveness evidence for the failure detector, and RTTs.
+
+Theory of operation
+-------------------
+Between two admitted peers each side opens its own outbound ``ctl`` stream. On it, the sender
+writes a HEARTBEAT every ``interval`` seconds carrying its clock (microseconds of
+``trio.current_time()``) and whatever else it has to say (adverts); the other side's inbound
+handler echoes each HEARTBEAT back unchanged. So every peer measures its own round trip to every
+other peer with frames that already flow (our own ping: one frame each way on an open stream,
+~10x cheaper than a libp2p ping, which opens a new stream and negotiates it each time), and every
+frame heard on either stream is evidence that the peer is alive.
+
+:class:`Liveness` joins that evidence to the pure :class:`~swarm.node.failure.FailureDetector`:
+it reads ``trio.current_time()`` (so a test on trio's MockClock controls time) and calls
+``on_transition`` for each alive/suspect/lost/rejoined change. :func:`run_ctl_link` and
+:func:`serve_ctl_inbound` work on any :class:`~swarm.net.streams.FramedStream`, including one over
+an in-memory stream pair, which is how the tests run them on a MockClock without sockets.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from collections import deque
+from collections.abc import Awaitable, Callable
+
+import trio
+
+from swarm.errors import PeerError, ProtocolError, SwarmError
+from swarm.net.streams import FramedStream
+from swarm.node.failure import FailureDetector, PeerState, Transition
+from swarm.proto.frame import Frame, MsgType
+from swarm.proto.messages import Advert, Heartbeat, parse_message
+
+log = logging.getLogger("swarm.node.heartbeat")
+
+DEFAULT_INTERVAL = 0.5  # seconds between heartbeats; with failure.py's defaults: lost within ~3 s
+RTT_SAMPLES = 8
+
+OnTransition = Callable[[Transition], None]
+OnAdvert = Callable[[str, Advert], Awaitable[None]]
+
+
+def _now_us() -> int:
+    return int(trio.current_time() * 1_000_000)
+
+
+class Liveness:
+    """The failure detector on the trio clock, plus per-peer RTT estimates (median of the last
+    :data:`RTT_SAMPLES` heartbeat round trips)."""
+
+    def __init__(self, detector: FailureDetector | None = None, on_transition: OnTransition | None = None) -> None:
+        self.detector = detector or FailureDetector()
+        self._on_transition = on_transition
+        self._rtts: dict[str, deque[float]] = {}
+
+    def _emit(self, transitions: list[Transition]) -> None:
+        for t in transitions:
+            if t.new is PeerState.LOST:
+                self._rtts.pop(t.peer, None)
+            if self._on_transition is not None:
+                self._on_transition(t)
+
+    def heard(self, peer: str) -> None:
+        self._emit(self.detector.heard(peer, trio.current_time()))
+
+    def lost(self, peer: str, reason: str) -> None:
+        self._emit(self.detector.declare_lost(peer, trio.current_time(), reason))
+
+    def tick(self) -> None:
+        self._emit(self.detector.tick(trio.current_time()))
+
+    def state(self, peer: str) -> PeerState | None:
+        return self.detector.state(peer)
+
+    def rtt_sample(self, peer: str, seconds: float) -> None:
+        if seconds >= 0:
+            self._rtts.setdefault(peer, deque(maxlen=RTT_SAMPLES)).append(seconds)
+
+    def rtt_ms(self, peer: str) -> float | None:
+        samples = self._rtts.get(peer)
+        return statistics.median(samples) * 1000.0 if samples else None
+
+    def rtts_ms(self) -> dict[str, float]:
+        return {p: statistics.median(s) * 1000.0 for p, s in self._rtts.items() if s}
+
+    async def watch(self, period: float = DEFAULT_INTERVAL / 2) -> None:
+        """Tick the detector forever (run in a nursery)."""
+        while True:
+            self.tick()
+            await trio.sleep(period)
+
+
+async def run_ctl_link(
+    fs: FramedStream,
+    liveness: Liveness,
+    outbox: trio.MemoryReceiveChannel[Frame],
+    *,
+    interval: float = DEFAULT_INTERVAL,
+) -> None:
+    """Our outbound ctl stream to ``fs.peer``: heartbeats every ``interval``, frames from
+    ``outbox`` as they come, and RTT samples from the echoes. Returns never; raises PeerError
+    when the stream dies (PeerLost) or a write stalls (PeerTimeout)."""
+    peer = fs.peer
+
+    async def sender() -> None:
+        beat = 0
+        next_beat = trio.current_time()
+        while True:
+            frame: Frame | None = None
+            with trio.move_on_at(next_beat):  # never cancel a send half-way: only the wait
+                frame = await outbox.receive()
+            if frame is not None:
+                await fs.send(frame, timeout=interval * 4)
+                continue
+            beat += 1
+            await fs.send(Heartbeat(beat, _now_us()).to_frame(), timeout=interval * 4)
+            next_beat = trio.current_time() + interval
+
+    async def receiver() -> None:
+        while True:
+            # Silence is the failure detector's business; this deadline only reaps dead streams.
+            frame = await fs.receive(timeout=max(60.0, interval * 20))
+            liveness.heard(peer)
+            if frame.msg_type is MsgType.HEARTBEAT:
+                echo = parse_message(frame, fs.limits)
+                assert isinstance(echo, Heartbeat)
+                liveness.rtt_sample(peer, (_now_us() - echo.time_us) / 1_000_000)
+            else:
+                raise ProtocolError(f"peer {peer} sent {frame.msg_type.name} on our ctl stream (echoes only)")
+
+    failures: list[SwarmError] = []
+
+    async def guarded(part: Callable[[], Awaitable[None]], nursery: trio.Nursery) -> None:
+        try:
+            await part()
+        except SwarmError as exc:  # the first failure ends the link; raised bare below
+            failures.append(exc)
+            nursery.cancel_scope.cancel()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(guarded, sender, nursery)
+        nursery.start_soon(guarded, receiver, nursery)
+    if failures:
+        raise failures[0]
+
+
+async def serve_ctl_inbound(
+    fs: FramedStream,
+    liveness: Liveness,
+    on_advert: OnAdvert,
+) -> None:
+    """The peer's ctl stream to us: echo heartbeats, hand adverts to ``on_advert``. Returns when
+    the peer closes the stream (PeerLost is swallowed: the link task reports deaths)."""
+    peer = fs.peer
+    while True:
+        try:
+            frame = await fs.receive(timeout=3600.0)
+        except PeerError:
+            return
+        liveness.heard(peer)
+        msg = parse_message(frame, fs.limits)
+        if isinstance(msg, Heartbeat):
+            await fs.send(frame)
+        elif isinstance(msg, Advert):
+            await on_advert(peer, msg)
+        else:
+            raise ProtocolError(f"peer {peer} sent {frame.msg_type.name} on ctl (adverts and heartbeats only)")

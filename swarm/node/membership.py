@@ -1,0 +1,445 @@
+"""Membership: who is in the swarm, what each peer offers, and how far apart they are.
+
+Theory of operation
+-------------------
+Every peer publishes one signed :class:`~swarm.proto.messages.Advert` about itself: peer ID,
+addresses, device kind and name, memory offered for layers, measured time per layer and its
+measured RTTs to the others. Each change bumps the advert's sequence number and re-signs it.
+The first sequence number is the wall clock in milliseconds, so a restarted node's adverts are
+newer than anything its previous run published even though it kept no state.
+
+:class:`Membership` is the *view*: the latest valid advert per peer
+(:class:`~swarm.proto.signed.AdvertBook` checks the swarm ID, that the key matches the peer ID,
+and the signature; a stale or repeated sequence number is ignored, a forged advert refused). The
+view exports the planner's peers-file format.
+
+:class:`MembershipService` runs it on a :class:`~swarm.net.host.SwarmHost`. For each admitted
+peer it opens an outbound ctl stream (heartbeats, adverts: see ``heartbeat.py``) and serves the
+peer's inbound one. Adverts are gossiped: a new advert heard from one peer is forwarded to the
+others (signatures make relaying safe), so a node that dialed only the bootstrap learns every
+member and dials it (the lower peer ID dials first; either dials after a grace period). When the
+failure detector declares a peer lost, its advert is dropped and its connection closed; if it
+comes back it is admitted again and rejoins as a new incarnation.
+
+Discovery hooks: :meth:`MembershipService.add_candidate` takes a dialable multiaddr from any
+source (mDNS, a relay, the manifest's bootstrap list).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import platform
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from swarm.errors import AdmissionError, PeerError, PeerLost, ProtocolError, SwarmError, UsageError
+from swarm.net.host import HostEvent, SwarmHost
+from swarm.net.streams import FramedStream
+from swarm.node.failure import PeerState, Transition
+from swarm.node.heartbeat import DEFAULT_INTERVAL, Liveness, run_ctl_link, serve_ctl_inbound
+from swarm.planner.peersfile import dump_peers_file
+from swarm.planner.spec import Peer
+from swarm.proto.frame import Frame
+from swarm.proto.limits import DEFAULT_LIMITS, PROTO_CTL
+from swarm.proto.messages import Advert
+from swarm.proto.signed import AdvertBook, sign_advert
+from swarm.proto.signing import Signer, peer_id_of
+
+log = logging.getLogger("swarm.node.membership")
+
+READVERT_PERIOD = 2.0  # seconds between checks whether our RTTs changed enough to re-advertise
+DIAL_PERIOD = 0.5
+DIAL_GRACE = 2.0  # a higher peer ID waits this long for the lower one to dial it
+MAX_BACKOFF = 5.0
+
+
+# ---------------------------------------------------------------------------- device detection
+
+
+def detect_device() -> tuple[str, str]:
+    """(kind, name) of the best accelerator, found cheaply (no torch import, no subprocess).
+
+    ``cuda`` when an NVIDIA driver lists a GPU (or an already-imported torch sees one), ``mps`` on
+    Apple silicon, otherwise ``cpu`` with the CPU model name.
+    """
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        with contextlib.suppress(Exception):
+            if torch.cuda.is_available():
+                return "cuda", str(torch.cuda.get_device_name(0))[:128]
+    with contextlib.suppress(OSError):
+        for info in sorted(Path("/proc/driver/nvidia/gpus").glob("*/information")):
+            for line in info.read_text().splitlines():
+                if line.startswith("Model:"):
+                    return "cuda", line.split(":", 1)[1].strip()[:128]
+    if sys.platform == "darwin" and platform.machine() == "arm64":
+        return "mps", "Apple silicon"
+    name = ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    return "cpu", (name or platform.processor() or platform.machine() or "cpu")[:128]
+
+
+# ---------------------------------------------------------------------------- the view
+
+
+class Membership:
+    """Our own signed advert and the latest valid advert of every other peer."""
+
+    def __init__(
+        self,
+        signer: Signer,
+        swarm_id: str,
+        *,
+        addrs: Sequence[str] = (),
+        device: tuple[str, str] | None = None,
+        memory_bytes: int = 0,
+        ms_per_layer: float = 0.0,
+        revoked: frozenset[str] = frozenset(),
+        first_seq: int | None = None,
+    ) -> None:
+        if memory_bytes < 0:
+            raise UsageError(f"memory offered must be >= 0 bytes, got {memory_bytes}")
+        self.signer = signer
+        self.swarm_id = swarm_id
+        self.peer_id = peer_id_of(signer.public_key)
+        self._book = AdvertBook(swarm_id, revoked)
+        kind, name = device if device is not None else detect_device()
+        seq = int(time.time() * 1000) if first_seq is None else first_seq
+        self._local = sign_advert(
+            Advert(
+                peer_id=self.peer_id, public_key=signer.public_key, swarm_id=swarm_id, seq=seq,
+                addrs=tuple(addrs)[: DEFAULT_LIMITS.max_addresses], device_kind=kind, device_name=name,
+                memory_bytes=int(memory_bytes), layer_us=_us(ms_per_layer / 1000.0),
+            ),
+            signer,
+        )  # fmt: skip
+
+    @property
+    def local(self) -> Advert:
+        return self._local
+
+    def update_local(
+        self,
+        *,
+        addrs: Sequence[str] | None = None,
+        memory_bytes: int | None = None,
+        ms_per_layer: float | None = None,
+        rtt_ms: dict[str, float] | None = None,
+    ) -> bool:
+        """Change our advert; re-signs with the next sequence number. False if nothing changed."""
+        changes: dict[str, object] = {}
+        if addrs is not None:
+            changes["addrs"] = tuple(addrs)[: DEFAULT_LIMITS.max_addresses]
+        if memory_bytes is not None:
+            if memory_bytes < 0:
+                raise UsageError(f"memory offered must be >= 0 bytes, got {memory_bytes}")
+            changes["memory_bytes"] = int(memory_bytes)
+        if ms_per_layer is not None:
+            changes["layer_us"] = _us(ms_per_layer / 1000.0)
+        if rtt_ms is not None:
+            changes["rtt_us"] = {p: _us(v / 1000.0) for p, v in sorted(rtt_ms.items()) if p != self.peer_id}
+        new = dataclasses.replace(self._local, **changes)  # type: ignore[arg-type]
+        if new == self._local:
+            return False
+        self._local = sign_advert(dataclasses.replace(new, seq=self._local.seq + 1), self.signer)
+        return True
+
+    def offer(self, advert: Advert) -> bool:
+        """True if ``advert`` is news (kept); False if stale or our own; ProtocolError if forged."""
+        if advert.peer_id == self.peer_id:
+            return False
+        return self._book.offer(advert)
+
+    def forget(self, peer: str) -> None:
+        self._book.forget(peer)
+
+    def get(self, peer: str) -> Advert | None:
+        return self._local if peer == self.peer_id else self._book.get(peer)
+
+    def view(self) -> dict[str, Advert]:
+        """Every member's latest advert, ourselves included."""
+        out = self._book.peers()
+        out[self.peer_id] = self._local
+        return dict(sorted(out.items()))
+
+    def peers_file(self) -> dict[str, object]:
+        """The planner's peers-file (``{"peers": [...], "rtt_ms": {...}}``) of the current view.
+        RTTs are as each peer measured them, limited to peers in the view."""
+        view = self.view()
+        peers = [
+            Peer(p, a.memory_bytes, a.layer_us / 1000.0, True, tuple(a.addrs)) for p, a in view.items()
+        ]
+        rtt = {
+            p: {q: us / 1000.0 for q, us in a.rtt_us.items() if q in view and q != p} for p, a in view.items()
+        }
+        return dump_peers_file(peers, {p: row for p, row in rtt.items() if row})
+
+
+def _us(seconds: float) -> int:
+    return max(0, min(10**9, int(round(seconds * 1_000_000))))
+
+
+# ---------------------------------------------------------------------------- the service
+
+
+@dataclass(frozen=True)
+class MemberEvent:
+    """For the UI: ``kind`` is joined, rejoined, suspect, alive, left, refused or updated."""
+
+    kind: str
+    peer: str
+    addr: str = ""
+    how: str = ""  # "dialed", "inbound"
+    rtt_ms: float | None = None
+    reason: str = ""
+    incarnation: int = 0
+
+
+@dataclass
+class _Candidate:
+    addr: str
+    peer: str
+    source: str
+    first_seen: float
+    next_try: float = 0.0
+    backoff: float = 0.5
+
+
+class MembershipService:
+    """Runs membership, heartbeats and gossip on a host; see the module docstring."""
+
+    def __init__(
+        self,
+        host: SwarmHost,
+        membership: Membership,
+        *,
+        liveness: Liveness | None = None,
+        interval: float = DEFAULT_INTERVAL,
+        on_event: Callable[[MemberEvent], None] | None = None,
+    ) -> None:
+        if host.peer_id != membership.peer_id:
+            raise UsageError("the host's peer ID and the membership signer's peer ID differ (one seed for both)")
+        self.host = host
+        self.membership = membership
+        self.interval = interval
+        self.liveness = liveness or Liveness()
+        self.liveness._on_transition = self._on_transition
+        self._on_event = on_event
+        self._outboxes: dict[str, trio.MemorySendChannel[Frame]] = {}
+        self._links: dict[str, trio.CancelScope] = {}
+        self._candidates: dict[str, _Candidate] = {}
+        self._nursery: trio.Nursery | None = None
+        self.events_log: list[MemberEvent] = []
+
+    # -- public ------------------------------------------------------------------------------
+
+    def add_candidate(self, addr: str, source: str = "manual") -> None:
+        """A multiaddr (with ``/p2p/<id>``) worth dialing: bootstrap, mDNS, relay circuit."""
+        i = addr.find("/p2p/")
+        if i < 0:
+            raise UsageError(f"{source} address {addr!r} lacks /p2p/<peer id>")
+        peer = addr[i + 5 :].split("/")[0]
+        if peer == self.host.peer_id or addr in self._candidates:
+            return
+        self._candidates[addr] = _Candidate(addr, peer, source, trio.current_time())
+
+    def members(self) -> list[str]:
+        """Live members (alive or suspect) other than us, sorted."""
+        return [p for p in self.liveness.detector.live_peers() if self.host.is_admitted(p)]
+
+    def rtt_ms(self, peer: str) -> float | None:
+        return self.liveness.rtt_ms(peer)
+
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """Serve until cancelled. Start with ``await nursery.start(service.run)``."""
+        events = self.host.subscribe()
+        self.host.handle(PROTO_CTL, self._serve_inbound)
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            nursery.start_soon(self._watch_host, events)
+            nursery.start_soon(self.liveness.watch, self.interval / 2)
+            nursery.start_soon(self._dialer)
+            nursery.start_soon(self._readvertiser)
+            for peer in self.host.admitted_peers():  # admitted before we started
+                self._admitted(HostEvent("admitted", peer))
+            task_status.started()
+
+    # -- host events and links ---------------------------------------------------------------
+
+    async def _watch_host(self, events: trio.MemoryReceiveChannel[HostEvent]) -> None:
+        async for ev in events:
+            if ev.kind == "admitted":
+                self._admitted(ev)
+            elif ev.kind == "disconnected":
+                self.liveness.lost(ev.peer, "connection closed")
+            elif ev.kind == "refused":
+                self._emit(MemberEvent("refused", ev.peer, ev.addr, reason=ev.reason))
+
+    def _admitted(self, ev: HostEvent) -> None:
+        if self._nursery is None or ev.peer in self._links:
+            return
+        self.liveness.heard(ev.peer)
+        self._start_link(ev.peer)
+
+    def _start_link(self, peer: str) -> None:
+        """Open our outbound ctl link to ``peer``: our advert and every advert we know go first."""
+        assert self._nursery is not None
+        send, recv = trio.open_memory_channel[Frame](256)
+        self._outboxes[peer] = send
+        send.send_nowait(self.membership.local.to_frame())
+        for other, advert in self.membership.view().items():
+            if other not in (peer, self.host.peer_id):
+                send.send_nowait(advert.to_frame())
+        scope = trio.CancelScope()
+        self._links[peer] = scope
+        self._nursery.start_soon(self._link, peer, scope, recv)
+
+    async def _link(self, peer: str, scope: trio.CancelScope, outbox: trio.MemoryReceiveChannel[Frame]) -> None:
+        try:
+            with scope:
+                async with self.host.open_stream(peer, PROTO_CTL, timeout=self.interval * 6) as fs:
+                    await run_ctl_link(fs, self.liveness, outbox, interval=self.interval)
+        except (PeerLost, AdmissionError) as exc:  # gone (EOF, reset) or dropped: lost at once
+            reason = str(exc)
+            log.debug("ctl link to %s ended: %s", peer, exc)
+            self.liveness.lost(peer, reason)
+        except PeerError as exc:  # a stalled write: silence is the failure detector's call
+            log.debug("ctl link to %s stalled: %s; reopening", peer, exc)
+            if self._links.get(peer) is scope and self._nursery is not None:
+                del self._links[peer]
+                self._outboxes.pop(peer, None)
+                self._nursery.start_soon(self._relink, peer)
+        except SwarmError as exc:
+            reason = str(exc)
+            log.warning("ctl link to %s failed: %s", peer, exc)
+            self.liveness.lost(peer, reason)
+        finally:
+            if self._links.get(peer) is scope:
+                del self._links[peer]
+                self._outboxes.pop(peer, None)
+
+    async def _relink(self, peer: str) -> None:
+        """Reopen a stalled link after a beat, unless the peer was lost or dropped meanwhile."""
+        await trio.sleep(self.interval)
+        if self.host.is_admitted(peer) and peer not in self._links and self.liveness.state(peer) is not PeerState.LOST:
+            self._start_link(peer)
+
+    async def _serve_inbound(self, peer: str, fs: FramedStream) -> None:
+        await serve_ctl_inbound(fs, self.liveness, self._on_advert)
+
+    async def _on_advert(self, from_peer: str, advert: Advert) -> None:
+        try:
+            news = self.membership.offer(advert)
+        except ProtocolError as exc:
+            log.warning("ignored an advert relayed by %s: %s", from_peer, exc)
+            return
+        if not news:
+            return
+        self._emit(MemberEvent("updated", advert.peer_id, advert.addrs[0] if advert.addrs else ""))
+        for addr in advert.addrs:
+            if "/p2p/" in addr:
+                with contextlib.suppress(UsageError):
+                    self.add_candidate(addr, source=f"advert via {from_peer[-8:]}")
+        frame = advert.to_frame()
+        for peer, box in list(self._outboxes.items()):
+            if peer not in (from_peer, advert.peer_id):
+                with contextlib.suppress(trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+                    box.send_nowait(frame)
+
+    def _on_transition(self, t: Transition) -> None:
+        info = self.host.admission_info(t.peer)
+        addr = info.addr if info else ""
+        how = ("dialed" if info.outbound else "inbound") if info else ""
+        if t.new is PeerState.LOST:
+            self.membership.forget(t.peer)
+            for cand in self._candidates.values():  # try to reach it again promptly
+                if cand.peer == t.peer:
+                    cand.backoff, cand.next_try = 0.5, 0.0
+            scope = self._links.pop(t.peer, None)
+            self._outboxes.pop(t.peer, None)
+            if scope is not None:
+                scope.cancel()
+            if self._nursery is not None and self.host.is_admitted(t.peer):
+                self._nursery.start_soon(self.host.disconnect, t.peer)
+            self._emit(MemberEvent("left", t.peer, addr, how, reason=t.reason, incarnation=t.incarnation))
+        elif t.new is PeerState.SUSPECT:
+            self._emit(MemberEvent("suspect", t.peer, addr, how, reason=t.reason, incarnation=t.incarnation))
+        elif t.old is None:
+            self._emit(MemberEvent("joined", t.peer, addr, how, incarnation=t.incarnation))
+        elif t.rejoined:
+            self._emit(MemberEvent("rejoined", t.peer, addr, how, reason=t.reason, incarnation=t.incarnation))
+        else:
+            self._emit(MemberEvent("alive", t.peer, addr, how, incarnation=t.incarnation))
+
+    def _emit(self, ev: MemberEvent) -> None:
+        if ev.rtt_ms is None:
+            ev = dataclasses.replace(ev, rtt_ms=self.liveness.rtt_ms(ev.peer))
+        self.events_log.append(ev)
+        del self.events_log[:-1000]
+        if self._on_event is not None:
+            try:
+                self._on_event(ev)
+            except Exception:
+                log.exception("membership event callback failed")
+
+    # -- background loops --------------------------------------------------------------------
+
+    async def _dialer(self) -> None:
+        while True:
+            now = trio.current_time()
+            for cand in list(self._candidates.values()):
+                if self.host.is_admitted(cand.peer) or now < cand.next_try:
+                    continue
+                learned = cand.source.startswith("advert")
+                if learned and self.host.peer_id > cand.peer and now - cand.first_seen < DIAL_GRACE:
+                    continue  # let the lower peer ID dial; avoids two dials crossing
+                cand.next_try = now + cand.backoff
+                cand.backoff = min(MAX_BACKOFF, cand.backoff * 2)
+                assert self._nursery is not None
+                self._nursery.start_soon(self._dial, cand)
+            await trio.sleep(DIAL_PERIOD)
+
+    async def _dial(self, cand: _Candidate) -> None:
+        try:
+            await self.host.dial(cand.addr)
+            cand.backoff = 0.5
+        except (PeerError, UsageError) as exc:
+            log.debug("dial %s (%s) failed: %s", cand.addr, cand.source, exc)
+
+    async def _readvertiser(self) -> None:
+        last: dict[str, float] = {}
+        while True:
+            await trio.sleep(READVERT_PERIOD)
+            rtts = {p: v for p, v in self.liveness.rtts_ms().items() if self.host.is_admitted(p)}
+            if _rtts_changed(last, rtts) and self.membership.update_local(rtt_ms=rtts):
+                last = rtts
+                frame = self.membership.local.to_frame()
+                for box in list(self._outboxes.values()):
+                    with contextlib.suppress(trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+                        box.send_nowait(frame)
+
+    def readvertise(self) -> None:
+        """Send our current advert to every peer now (after update_local)."""
+        frame = self.membership.local.to_frame()
+        for box in list(self._outboxes.values()):
+            with contextlib.suppress(trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+                box.send_nowait(frame)
+
+
+def _rtts_changed(old: dict[str, float], new: dict[str, float]) -> bool:
+    """Re-advertise when the set of peers changes or any RTT moves by > 20% and > 0.2 ms."""
+    if set(old) != set(new):
+        return True
+    return any(abs(new[p] - old[p]) > max(0.2, 0.2 * old[p]) for p in new)

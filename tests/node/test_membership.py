@@ -1,0 +1,156 @@
+"""Membership: the signed-advert view, and the service on real libp2p hosts on loopback."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import AsyncIterator
+
+import pytest
+import trio
+
+from swarm.errors import ProtocolError, UsageError
+from swarm.manifest.identity import Identity
+from swarm.net.host import open_host
+from swarm.node.membership import MemberEvent, Membership, MembershipService, detect_device
+from swarm.planner.peersfile import parse_peers_file
+from swarm.proto.signed import sign_advert, verify_advert
+
+SWARM = "0123456789abcdef0123456789abcdef"
+SECRET = b"k" * 32
+IDS = [Identity(bytes([i + 1]) * 32) for i in range(4)]
+pytestmark = pytest.mark.timeout(60)
+
+
+def _m(i: int, **kw: object) -> Membership:
+    return Membership(IDS[i], SWARM, addrs=[f"/ip4/127.0.0.1/tcp/{4000 + i}/p2p/{IDS[i].peer_id}"],
+                      device=("cpu", "test cpu"), memory_bytes=(i + 1) << 30, ms_per_layer=1.5, first_seq=10, **kw)  # type: ignore[arg-type]  # fmt: skip
+
+
+def test_local_advert_is_signed_and_updates_bump_the_sequence() -> None:
+    m = _m(0)
+    verify_advert(m.local, SWARM)
+    assert (m.local.peer_id, m.local.seq, m.local.memory_bytes, m.local.layer_us) == (IDS[0].peer_id, 10, 1 << 30, 1500)
+    assert not m.update_local(memory_bytes=1 << 30)  # no change, no new advert
+    assert m.update_local(rtt_ms={IDS[1].peer_id: 2.5, IDS[0].peer_id: 0.0})
+    assert m.local.seq == 11 and m.local.rtt_us == {IDS[1].peer_id: 2500}
+    verify_advert(m.local, SWARM)
+    with pytest.raises(UsageError, match="memory"):
+        m.update_local(memory_bytes=-1)
+
+
+def test_view_keeps_latest_valid_advert_and_ignores_stale_and_forged() -> None:
+    a, b = _m(0), _m(1)
+    assert a.offer(b.local)
+    old = b.local
+    b.update_local(memory_bytes=5 << 30)
+    assert a.offer(b.local)
+    assert not a.offer(old)  # stale: lower sequence number
+    assert not a.offer(b.local)  # repeated
+    assert a.get(IDS[1].peer_id).memory_bytes == 5 << 30  # type: ignore[union-attr]
+    forged = dataclasses.replace(b.local, seq=b.local.seq + 1, memory_bytes=1 << 50)
+    with pytest.raises(ProtocolError, match="forged"):
+        a.offer(forged)
+    c = _m(2)
+    impostor = sign_advert(dataclasses.replace(c.local, seq=99), IDS[2])
+    impostor = dataclasses.replace(impostor, peer_id=IDS[1].peer_id)  # claims to be B
+    with pytest.raises(ProtocolError, match="another peer's key"):
+        a.offer(impostor)
+    other_swarm = Membership(IDS[3], "f" * 32, device=("cpu", "x"), first_seq=1)
+    with pytest.raises(ProtocolError, match="another swarm"):
+        a.offer(other_swarm.local)
+    assert not a.offer(a.local)  # our own advert relayed back
+    assert a.get(IDS[1].peer_id).memory_bytes == 5 << 30  # type: ignore[union-attr]
+    a.forget(IDS[1].peer_id)
+    assert list(a.view()) == [IDS[0].peer_id]
+
+
+def test_peers_file_export_is_what_the_planner_reads() -> None:
+    a, b = _m(0), _m(1)
+    a.update_local(rtt_ms={IDS[1].peer_id: 3.0, "someone-gone": 9.0})
+    b.update_local(rtt_ms={IDS[0].peer_id: 3.2})
+    a.offer(b.local)
+    out = a.peers_file()
+    pf = parse_peers_file(out)
+    assert sorted(p.id for p in pf.peers) == sorted([IDS[0].peer_id, IDS[1].peer_id])
+    assert pf.rtt_ms == {IDS[0].peer_id: {IDS[1].peer_id: 3.0}, IDS[1].peer_id: {IDS[0].peer_id: 3.2}}
+    peer_a = next(p for p in pf.peers if p.id == IDS[0].peer_id)
+    assert peer_a.memory_bytes == 1 << 30 and peer_a.ms_per_layer == 1.5
+
+
+def test_detect_device_is_cheap_and_named() -> None:
+    kind, name = detect_device()
+    assert kind in ("cuda", "mps", "cpu") and 0 < len(name) <= 128
+
+
+# ---------------------------------------------------------------- the service on real hosts
+
+
+@contextlib.asynccontextmanager
+async def _node(i: int, nursery: trio.Nursery, events: list[MemberEvent]) -> AsyncIterator[MembershipService]:
+    async with open_host(IDS[i].seed, ["/ip4/127.0.0.1/tcp/0"], secret=SECRET, swarm_id=SWARM) as host:
+        m = Membership(IDS[i], SWARM, addrs=host.addrs(), device=("cpu", f"node{i}"), memory_bytes=1 << 30)
+        svc = MembershipService(host, m, on_event=events.append)
+        async with trio.open_nursery() as inner:
+            await inner.start(svc.run)
+            try:
+                yield svc
+            finally:
+                inner.cancel_scope.cancel()
+
+
+async def _until(pred, timeout: float) -> None:  # type: ignore[no-untyped-def]
+    with trio.fail_after(timeout):
+        while not pred():
+            await trio.sleep(0.05)
+
+
+async def test_three_nodes_converge_then_a_dead_one_is_lost_and_rejoins_as_new_incarnation() -> None:
+    ev: list[list[MemberEvent]] = [[], [], []]
+    async with trio.open_nursery() as nursery, _node(0, nursery, ev[0]) as a, _node(1, nursery, ev[1]) as b:
+        boot = a.host.addrs()[0]
+        b.add_candidate(boot, "bootstrap")
+        c_scope = trio.CancelScope()
+        c_ready = trio.Event()
+        c_box: list[MembershipService] = []
+
+        async def run_c() -> None:
+            with c_scope:
+                async with _node(2, nursery, ev[2]) as c:
+                    c.add_candidate(boot, "bootstrap")  # C knows only A: it learns B by gossip
+                    c_box.append(c)
+                    c_ready.set()
+                    await trio.sleep_forever()
+
+        nursery.start_soon(run_c)
+        await c_ready.wait()
+        c = c_box[0]
+        svcs = (a, b, c)
+        await _until(lambda: all(len(s.members()) == 2 and len(s.membership.view()) == 3 for s in svcs), 20)
+        await _until(lambda: all(len(s.membership.peers_file()["rtt_ms"]) == 3 for s in svcs), 15)  # type: ignore[arg-type]
+        pf = parse_peers_file(a.membership.peers_file())
+        assert {p.id for p in pf.peers} == {s.host.peer_id for s in svcs}
+        assert all(0 < v < 1000 for row in pf.rtt_ms.values() for v in row.values())
+        assert any(e.kind == "joined" and e.peer == b.host.peer_id for e in ev[2])  # via gossip, then dialed
+
+        # C dies (its host closes, like a killed process): A and B drop it within ~3 s.
+        c_id = c.host.peer_id
+        t0 = trio.current_time()
+        c_scope.cancel()
+        await _until(lambda: c_id not in a.members() and c_id not in b.members(), 5)
+        assert trio.current_time() - t0 < 3.5
+        assert c_id not in a.membership.view() and c_id not in b.membership.view()
+        assert any(e.kind == "left" and e.peer == c_id for e in ev[0])
+
+        # C comes back with the same key: a new incarnation everywhere.
+        ev[2].clear()
+        c_ready = trio.Event()
+        c_box.clear()
+        c_scope = trio.CancelScope()
+        nursery.start_soon(run_c)
+        await c_ready.wait()
+        await _until(lambda: c_id in a.members() and c_id in b.members() and c_id in a.membership.view(), 30)
+        rejoin = [e for e in ev[0] if e.kind == "rejoined" and e.peer == c_id]
+        assert rejoin and rejoin[-1].incarnation == 1
+        assert a.liveness.detector.incarnation(c_id) == 1
+        nursery.cancel_scope.cancel()
