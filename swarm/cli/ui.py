@@ -93,3 +93,47 @@ def progress(label: str) -> Iterator[_Reporter]:
     ) as bar:
         task = bar.add_task(label, total=None)
         yield _Reporter(bar, task, label)
+
+
+def print_receipt_summary(receipt: dict[str, Any]) -> None:
+    """The end-of-run summary on stderr: peers and blocks, ring with per-hop RTT, speed."""
+    if _quiet:
+        return
+    peers = {p["id"]: p for p in receipt.get("peers", [])}
+    rtt = receipt.get("rtt_ms", {})
+    coord = receipt.get("coordinator", "")
+    path = [coord, *receipt.get("ring", []), coord]
+
+    def short(pid: str) -> str:
+        return pid[:8] + "…" + pid[-4:] if len(pid) > 14 else pid
+
+    def hop_ms(a: str, b: str) -> str:
+        if a == b:
+            return "local"
+        v = rtt.get(a, {}).get(b, rtt.get(b, {}).get(a))
+        return f"{v:.2f} ms RTT" if isinstance(v, int | float) else "?"
+
+    table = Table(title="swarm")
+    for c in ("peer", "role", "block", "device", "ms/layer"):
+        table.add_column(c)
+    for pid, p in peers.items():
+        block = p.get("block")
+        ms = p.get("ms_per_layer")
+        table.add_row(short(pid), p.get("role", ""), f"[{block[0]}, {block[1]})" if block else "-",
+                      p.get("device", ""), f"{ms:.2f}" if isinstance(ms, int | float) else "?")
+    err.print(table)
+    hops = " -> ".join(
+        f"{short(a)} ({hop_ms(a, b)})" for a, b in zip(path[:-1], path[1:], strict=True)
+    )
+    err.print(f"ring: {hops} -> {short(coord)}", highlight=False, markup=False)
+    tps = receipt.get("tokens_per_s") or 0.0
+    trav = receipt.get("traversal_ms")
+    acc = receipt.get("accepted_per_traversal")
+    err.print(
+        f"{len(receipt.get('output_token_ids', []))} tokens, {tps:.1f} tok/s, traversal "
+        + (f"{trav:.1f} ms" if isinstance(trav, int | float) else "?")
+        + ", tokens per traversal "
+        + (f"{acc:.2f}" if isinstance(acc, int | float) else "?")
+        + f", output sha256 {receipt.get('output_sha256', '')[:16]}…",
+        highlight=False, markup=False,
+    )

@@ -1,0 +1,128 @@
+"""``shard-swarm demo`` and ``shard-swarm generate``: the ring's main job from the command line.
+
+``demo`` starts N local node processes on loopback with the bundled model (an invite made on the
+spot; discovery by the bootstrap address only, never multicast), waits for the ring, streams one
+generation to stdout and ends with a summary (or the run receipt with ``--json``).
+``generate`` runs one generation on a swarm that is already running.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import trio
+import typer
+
+from swarm.cli import ui
+from swarm.errors import UsageError
+from swarm.manifest.manifest import read_manifest
+from swarm.model.bundled import default_model_dir
+from swarm.node import client
+from swarm.node.launch import start_local_swarm
+
+DEFAULT_PROMPT = "Explain in two sentences why the sky is blue."
+
+
+def register(app: typer.Typer) -> None:
+    app.command("demo")(demo)
+    app.command("generate")(generate)
+
+
+def demo(
+    nodes: int = typer.Option(3, "--nodes", "-n", min=1, max=8, help="Local node processes to start."),
+    prompt: str = typer.Option(DEFAULT_PROMPT, "--prompt", "-p"),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=1, max=4096),
+    model: Path | None = typer.Option(None, "--model", help="Model directory (default: the bundled SmolLM2)."),
+    dtype: str = typer.Option("bf16", "--dtype", help="bf16 or fp32."),
+    draft: str = typer.Option("ngram", "--draft", help="ngram or none."),
+    chat: bool = typer.Option(True, "--chat/--no-chat", help="Wrap the prompt in the model's chat template."),
+    temperature: float = typer.Option(0.0, "--temperature"),
+    top_p: float = typer.Option(1.0, "--top-p"),
+    seed: int | None = typer.Option(None, "--seed"),
+    delay_ms: float = typer.Option(0.0, "--delay-ms", help="Emulated one-way latency per hop (a WAN)."),
+    json_out: bool = typer.Option(False, "--json", help="Print the run receipt as JSON."),
+    receipt: Path | None = typer.Option(None, "--receipt", help="Also write the receipt here."),
+    timeout: float = typer.Option(300.0, "--timeout", help="Seconds to wait for the ring to form."),
+) -> None:
+    """Start a local swarm of NODES processes on the bundled model and run one generation."""
+    if dtype not in ("bf16", "fp32"):
+        raise UsageError(f"--dtype must be bf16 or fp32, got {dtype}")
+    with ui.progress("converting the bundled model (first run only)") as report:
+        model_dir = model or default_model_dir(progress=report)
+    ui.notice(f"starting {nodes} node processes on loopback ({model_dir.name}, {dtype})")
+    with start_local_swarm(nodes, model_dir, dtype=dtype, draft=draft, delay_ms=delay_ms) as swarm:
+        try:
+            result = trio.run(
+                _run_one, swarm.addrs[-1], swarm.secret, swarm.swarm_id, timeout,
+                dict(text=prompt, chat=chat, max_new_tokens=max_new_tokens, temperature=temperature,
+                     top_p=top_p, seed=seed, draft=draft),
+                json_out,
+            )  # fmt: skip
+        except BaseException:
+            for i in range(nodes):
+                tail = swarm.log(i).strip().splitlines()[-5:]
+                ui.notice(f"--- node {i} log (last lines):\n" + "\n".join(tail))
+            raise
+    _finish(result, json_out, receipt)
+
+
+def generate(
+    prompt: str = typer.Option(..., "--prompt", "-p"),
+    manifest: Path | None = typer.Option(None, "--manifest", help="Invite of the swarm (secret, bootstrap)."),
+    peer: str | None = typer.Option(None, "--peer", help="Multiaddr of a peer (default: the invite's bootstrap)."),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=1, max=4096),
+    chat: bool = typer.Option(True, "--chat/--no-chat"),
+    temperature: float = typer.Option(0.0, "--temperature"),
+    top_k: int = typer.Option(0, "--top-k"),
+    top_p: float = typer.Option(1.0, "--top-p"),
+    seed: int | None = typer.Option(None, "--seed"),
+    draft: str | None = typer.Option(None, "--draft", help="ngram or none (default: the node's)."),
+    json_out: bool = typer.Option(False, "--json"),
+    receipt: Path | None = typer.Option(None, "--receipt"),
+    timeout: float = typer.Option(60.0, "--timeout"),
+) -> None:
+    """Run one generation on a running swarm."""
+    if manifest is None:
+        raise UsageError("give --manifest (the swarm's invite: it holds the secret admission needs)")
+    m = read_manifest(manifest)
+    addr = peer or (m.bootstrap[0] if m.bootstrap else None)
+    if addr is None:
+        raise UsageError("the invite names no bootstrap peer: give --peer MULTIADDR")
+    result = trio.run(
+        _run_one, addr, m.secret.value, m.swarm_id, timeout,
+        dict(text=prompt, chat=chat, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+             top_p=top_p, seed=seed, draft=draft),
+        json_out,
+    )  # fmt: skip
+    _finish(result, json_out, receipt)
+
+
+async def _run_one(addr: str, secret: bytes, swarm_id: str, timeout: float, req: dict[str, Any], quiet_stream: bool) -> dict[str, Any]:
+    net_log = logging.getLogger("swarm.net")
+    if net_log.getEffectiveLevel() > logging.DEBUG:
+        net_log.setLevel(logging.WARNING)  # our client's connection chatter is not the user's news
+    async with client.open_client(addr, secret=secret, swarm_id=swarm_id, timeout=timeout) as (host, peer):
+        await client.wait_ready(host, peer, timeout=timeout)
+
+        def show(ids: list[int], text: str) -> None:
+            if not quiet_stream:
+                sys.stdout.write(text)
+                sys.stdout.flush()
+
+        receipt = await client.generate(host, peer, on_tokens=show, timeout=timeout, **req)
+        if not quiet_stream:
+            sys.stdout.write("\n")
+        return receipt
+
+
+def _finish(receipt: dict[str, Any], json_out: bool, path: Path | None) -> None:
+    if path is not None:
+        path.write_text(json.dumps(receipt, indent=2) + "\n")
+    if json_out:
+        ui.print_json(receipt)
+        return
+    ui.print_receipt_summary(receipt)

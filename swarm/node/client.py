@@ -1,0 +1,149 @@
+"""Talking to a running swarm as a client: status, waiting for the ring, one generation.
+
+A client is a libp2p host with a throwaway identity that proves the swarm secret (admission) but
+never advertises, so the planner never counts it as a member. It dials one peer and sends
+requests on ``/shard-swarm/gen/1``; any peer relays generations to the coordinator.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import trio
+
+from swarm.errors import PeerError, PeerTimeout, ProtocolError
+from swarm.net.host import SwarmHost, open_host
+from swarm.node.heartbeat import Liveness, serve_ctl_inbound
+from swarm.proto.control import Control
+from swarm.proto.limits import PROTO_CTL
+from swarm.proto.messages import parse_message
+
+PROTO_GEN = "/shard-swarm/gen/1"
+
+
+@contextlib.asynccontextmanager
+async def open_client(addr: str, *, secret: bytes, swarm_id: str, timeout: float = 60.0) -> AsyncIterator[tuple[SwarmHost, str]]:
+    """A client host connected and admitted to the peer at ``addr`` (a multiaddr with /p2p/)."""
+    async with open_host(os.urandom(32), ("/ip4/127.0.0.1/tcp/0",), secret=secret, swarm_id=swarm_id) as host:
+        liveness = Liveness()
+
+        async def ignore_advert(peer: str, advert: Any) -> None:
+            return None
+
+        # echo the peers' heartbeats so they keep us connected; we never advertise
+        host.handle(PROTO_CTL, lambda peer, fs: serve_ctl_inbound(fs, liveness, ignore_advert))
+        peer = await _dial_retrying(host, addr, timeout)
+        yield host, peer
+
+
+async def _dial_retrying(host: SwarmHost, addr: str, timeout: float) -> str:
+    """Dial until it works or ``timeout`` passes (a node that is still starting refuses)."""
+    deadline = trio.current_time() + timeout
+    parts = addr.split("/")
+    if len(parts) > 4 and parts[1] in ("ip4", "ip6") and parts[3] == "tcp":
+        # libp2p remembers a failed dial for a while (its negative cache): wait until the
+        # node's port answers before the first libp2p dial
+        while True:
+            try:
+                with trio.fail_after(1.0):
+                    stream = await trio.open_tcp_stream(parts[2], int(parts[4]))
+                await stream.aclose()
+                break
+            except (OSError, trio.TooSlowError):
+                if trio.current_time() >= deadline:
+                    raise PeerTimeout(f"nothing listens at {addr} after {timeout:.0f} s") from None
+                await trio.sleep(0.25)
+    while True:
+        try:
+            return await host.dial(addr, timeout=max(0.5, deadline - trio.current_time()))
+        except PeerError:
+            if trio.current_time() + 0.5 >= deadline:
+                raise
+            await trio.sleep(0.5)
+
+
+async def request(host: SwarmHost, peer: str, msg: Control, *, timeout: float = 15.0) -> Control:
+    async with host.open_stream(peer, PROTO_GEN, timeout=timeout) as fs:
+        await fs.send(msg.to_frame())
+        reply = parse_message(await fs.receive(timeout=timeout))
+    if not isinstance(reply, Control):
+        raise ProtocolError(f"peer {peer}: expected a CONTROL reply, got {reply!r}")
+    if reply.op == "fail":
+        raise PeerError(f"peer {peer}: {reply.body.get('message', 'request failed')}")
+    return reply
+
+
+async def status(host: SwarmHost, peer: str) -> dict[str, Any]:
+    return (await request(host, peer, Control("status", {}))).body
+
+
+async def wait_ready(host: SwarmHost, peer: str, *, timeout: float, on_status: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Poll the coordinator's status (relayed by ``peer``) until the ring serves."""
+    last: dict[str, Any] = {}
+    with trio.move_on_after(timeout):
+        while True:
+            try:
+                last = (await request(host, peer, Control("status", {"coordinator": True}))).body
+            except PeerError as exc:
+                last = {"error": str(exc)}
+            if on_status is not None:
+                on_status(last)
+            if last.get("serving"):
+                return last
+            await trio.sleep(0.25)
+    raise PeerTimeout(f"the swarm was not ready within {timeout:.0f} s (last status: {_describe(last)})")
+
+
+async def generate(
+    host: SwarmHost,
+    peer: str,
+    *,
+    text: str | None = None,
+    prompt_ids: list[int] | None = None,
+    chat: bool = False,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    draft: str | None = None,
+    wait_s: float = 0.0,
+    timeout: float = 60.0,
+    on_tokens: Callable[[list[int], str], None] | None = None,
+) -> dict[str, Any]:
+    """Run one generation; returns the receipt. ``on_tokens(ids, text)`` streams as they commit."""
+    body: dict[str, Any] = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k,
+                            "top_p": top_p, "chat": chat, "wait_s": wait_s}
+    if seed is not None:
+        body["seed"] = seed
+    if draft is not None:
+        body["draft"] = draft
+    if prompt_ids is None:
+        if text is None:
+            raise ValueError("give text or prompt_ids")
+        body["text"] = text
+    msg = Control("gen", body, tuple(prompt_ids or ()))
+    async with host.open_stream(peer, PROTO_GEN, timeout=timeout) as fs:
+        await fs.send(msg.to_frame())
+        while True:
+            reply = parse_message(await fs.receive(timeout=timeout + wait_s))
+            if not isinstance(reply, Control):
+                raise ProtocolError(f"peer {peer}: expected CONTROL, got {reply!r}")
+            if reply.op == "tokens":
+                if on_tokens is not None:
+                    on_tokens(list(reply.ids), str(reply.body.get("text", "")))
+            elif reply.op == "done":
+                return reply.body
+            elif reply.op == "fail":
+                raise PeerError(f"generation failed: {reply.body.get('message', '')}")
+            else:
+                raise ProtocolError(f"peer {peer}: unexpected {reply.op} during a generation")
+
+
+def _describe(st: dict[str, Any]) -> str:
+    if "error" in st:
+        return str(st["error"])
+    return f"epoch {st.get('epoch')}, {len(st.get('members') or [])} members, serving {st.get('serving')}"

@@ -1,0 +1,278 @@
+"""The coordinator's side of the ring: embed, send verify chunks, take results, commit tokens.
+
+Theory of operation
+-------------------
+The coordinator holds the embedding, the final norm and LM head, and (optionally) a drafter. For
+each generation it runs a ``SpeculativeDecoder`` (swarm/model/speculative.py), the same sans-IO
+state machine the in-process reference uses, and pumps it over two links: ``first`` (to ring[0])
+and the result link from the tail, read by one reader task that dispatches RESULT/ERROR frames to
+the session they belong to.
+
+Schedule (this is what makes the ring exactly reproducible): the decoder is polled once at the
+start and once after every result received, live or stale, and chunks are sent in the order
+polled. Results come back in send order (every hop is FIFO), so the sequence of chunks issued
+depends only on the results, never on timing; ``swarm.model.generate`` drives the decoder with
+the same rule, so the ring and one box compute the same chunks, hence the same numbers.
+
+Several chunks may be in flight (the decoder's depth policy). A rejection discards later chunks:
+stages still compute them, and their results are skipped here (no LM head work). Each wait for a
+result has a deadline; an ERROR from any stage, a lost link or a missed deadline fails the
+generation with an error naming the peer, and the session is closed on every stage.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import itertools
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import trio
+
+from swarm.errors import PeerError, PeerLost, PeerTimeout, ProtocolError, SwarmError, UsageError
+from swarm.model.sampling import SamplingParams
+from swarm.model.speculative import Committed, DraftSource, KPolicy, SpeculativeDecoder, VerifyChunk
+from swarm.model.stage import Head
+from swarm.node.links import Link
+from swarm.node.wire import decode_hidden, encode_hidden
+from swarm.proto.frame import Frame
+from swarm.proto.limits import DEFAULT_LIMITS, Limits
+from swarm.proto.messages import Chunk, Error, Result, SessionEnd, parse_message
+
+log = logging.getLogger("swarm.node.coordinator")
+
+DEFAULT_CHUNK_TIMEOUT_S = 30.0
+SEND_TIMEOUT_S = 10.0
+
+
+def output_sha256(ids: Sequence[int]) -> str:
+    """sha256 of the output IDs as comma-separated decimal text (the receipts' checksum)."""
+    return hashlib.sha256(",".join(str(int(t)) for t in ids).encode()).hexdigest()
+
+
+@dataclass
+class RingGeneration:
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    finish_reason: str
+    prefill_s: float
+    decode_s: float
+    rounds: int
+    proposed: int
+    accepted: int
+    chunks: list[tuple[int, int]] = field(default_factory=list)  # (base, tokens) sent, in order
+    traversal_ms: list[float] = field(default_factory=list)  # send -> result, per live chunk
+
+    @property
+    def tokens_per_s(self) -> float:
+        total = self.prefill_s + self.decode_s
+        return len(self.output_token_ids) / total if total > 0 else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        n = max(len(self.output_token_ids) - 1, 0)
+        return n / self.decode_s if self.decode_s > 0 else 0.0
+
+    @property
+    def accepted_per_round(self) -> float | None:
+        return self.accepted / self.rounds if self.rounds else None
+
+    @property
+    def tokens_per_traversal(self) -> float | None:
+        """Committed tokens per live decode chunk (1.0 without drafting)."""
+        n = len([c for c in self.chunks if c[1] > 0]) - self._prefill_chunks
+        return len(self.output_token_ids) / n if n > 0 else None
+
+    _prefill_chunks: int = 0
+
+    @property
+    def output_sha256(self) -> str:
+        return output_sha256(self.output_token_ids)
+
+
+class Coordinator:
+    """Serves generations over one ring (one plan epoch)."""
+
+    _session_ids = itertools.count(1)
+
+    def __init__(
+        self,
+        head: Head,
+        *,
+        epoch: int,
+        first_hop: str,
+        chunk_timeout: float = DEFAULT_CHUNK_TIMEOUT_S,
+        limiter: trio.CapacityLimiter | None = None,
+        limits: Limits = DEFAULT_LIMITS,
+    ) -> None:
+        self.head = head
+        self.args = head.args
+        self.epoch = epoch
+        self.first_hop = first_hop
+        self.chunk_timeout = chunk_timeout
+        self.limiter = limiter or trio.CapacityLimiter(1)
+        self.limits = limits
+        self.dtype = next(head.parameters()).dtype
+        self._sessions: dict[int, trio.MemorySendChannel[Frame | SwarmError]] = {}
+        self._send_lock = trio.Lock()
+        self._first: Link | None = None
+        self._tail_peer = "?"
+        self._broken: SwarmError | None = None
+
+    # -- the result reader -----------------------------------------------------------------
+
+    async def serve_results(self, inbound: Link, *, tail_peer: str) -> None:
+        """Read RESULT/ERROR frames from the tail and hand them to their sessions."""
+        self._tail_peer = tail_peer
+        try:
+            while True:
+                try:
+                    frame = await inbound.receive(timeout=5.0)
+                except PeerTimeout:
+                    continue
+                chan = self._sessions.get(frame.session)
+                if chan is None:
+                    continue  # a session that already ended (its discarded chunks drain here)
+                with contextlib.suppress(trio.WouldBlock):  # unbounded buffer: never blocks
+                    chan.send_nowait(frame)
+        except PeerLost as exc:
+            self._fail_all(PeerLost(f"tail {tail_peer}: result link closed ({exc})"))
+            raise
+
+    def _fail_all(self, exc: SwarmError) -> None:
+        self._broken = exc
+        for chan in self._sessions.values():
+            with contextlib.suppress(trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+                chan.send_nowait(exc)
+
+    def attach(self, first: Link) -> None:
+        self._first = first
+
+    # -- one generation -------------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt_ids: Sequence[int],
+        *,
+        params: SamplingParams | None = None,
+        max_new_tokens: int = 64,
+        drafter: DraftSource | None = None,
+        policy: KPolicy | None = None,
+        eos_token_ids: Sequence[int] | None = None,
+        prefill_chunk: int | None = None,
+        on_tokens: Callable[[Sequence[int]], None] | None = None,
+    ) -> RingGeneration:
+        if self._first is None:
+            raise UsageError("coordinator has no ring attached")
+        if self._broken is not None:
+            raise self._broken
+        params = params or SamplingParams()
+        prompt = [int(t) for t in prompt_ids]
+        bad = [t for t in prompt if not 0 <= t < self.args.vocab_size]
+        if bad:
+            raise UsageError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.args.vocab_size})")
+        eos = self.args.eos_token_ids if eos_token_ids is None else tuple(eos_token_ids)
+        kw = {} if prefill_chunk is None else {"prefill_chunk": prefill_chunk}
+        dec = SpeculativeDecoder(
+            prompt, params=params, max_new_tokens=max_new_tokens, eos_token_ids=eos,
+            drafter=drafter, policy=policy, max_len=self.args.max_seq_len, **kw,
+        )
+        session = next(self._session_ids)
+        send_chan, recv_chan = trio.open_memory_channel[Frame | SwarmError](math.inf)
+        self._sessions[session] = send_chan
+        sent: dict[int, tuple[VerifyChunk, float]] = {}
+        gen = RingGeneration(prompt, [], "length", 0.0, 0.0, 0, 0, 0)
+        t0 = time.perf_counter()
+        t_first: float | None = None
+        try:
+            await self._send(dec.poll(), session, sent, gen, dec)
+            gen._prefill_chunks = len(gen.chunks)
+            while not dec.done:
+                if not sent:
+                    raise AssertionError("speculative decoder idle with nothing in flight")
+                item = await self._next_result(recv_chan, session)
+                chunk_id, h = item
+                entry = sent.pop(chunk_id, None)
+                if entry is None:
+                    raise ProtocolError(f"tail {self._tail_peer}: result for unknown chunk {chunk_id}")
+                chunk, t_sent = entry
+                if dec.is_live(chunk_id):
+                    gen.traversal_ms.append(1000 * (time.perf_counter() - t_sent))
+                    rows = h[chunk.logits_from:]
+                    if rows.shape[0]:
+                        logits = await trio.to_thread.run_sync(self.head.logits, rows, limiter=self.limiter)
+                    else:
+                        logits = torch.empty(0, self.args.vocab_size)
+                    for ev in dec.feed(chunk_id, logits):
+                        if isinstance(ev, Committed):
+                            if t_first is None:
+                                t_first = time.perf_counter()
+                            if on_tokens is not None:
+                                on_tokens(ev.tokens)
+                if not dec.done:
+                    await self._send(dec.poll(), session, sent, gen, dec)
+        finally:
+            del self._sessions[session]
+            with trio.move_on_after(SEND_TIMEOUT_S) as scope:
+                scope.shield = True
+                try:
+                    async with self._send_lock:
+                        await self._first.send(SessionEnd(session).to_frame(), timeout=SEND_TIMEOUT_S)
+                except SwarmError as exc:
+                    log.info("session %d: could not send SESSION_END: %s", session, exc)
+        t_end = time.perf_counter()
+        t_first = t_first if t_first is not None else t_end
+        st = dec.stats
+        gen.output_token_ids = dec.output_ids
+        gen.finish_reason = dec.finish_reason or "length"
+        gen.prefill_s, gen.decode_s = t_first - t0, t_end - t_first
+        gen.rounds, gen.proposed, gen.accepted = st.rounds, st.proposed, st.accepted
+        return gen
+
+    async def _send(
+        self,
+        chunks: list[VerifyChunk],
+        session: int,
+        sent: dict[int, tuple[VerifyChunk, float]],
+        gen: RingGeneration,
+        dec: SpeculativeDecoder,
+    ) -> None:
+        assert self._first is not None
+        for chunk in chunks:
+            ids = torch.tensor(chunk.tokens, dtype=torch.long)
+            h = await trio.to_thread.run_sync(self.head.embed, ids, limiter=self.limiter)  # (T, D)
+            dt, shape, data = encode_hidden(h)
+            mode = "prefill" if chunk.prefill else ("verify" if len(chunk.tokens) > 1 else "decode")
+            frame = Chunk(session, chunk.chunk_id, chunk.base, mode, dt, shape, data, self.epoch).to_frame()
+            sent[chunk.chunk_id] = (chunk, time.perf_counter())
+            gen.chunks.append((chunk.base, len(chunk.tokens)))
+            async with self._send_lock:
+                await self._first.send(frame, timeout=SEND_TIMEOUT_S)
+
+    async def _next_result(
+        self, chan: trio.MemoryReceiveChannel[Frame | SwarmError], session: int
+    ) -> tuple[int, torch.Tensor]:
+        with trio.move_on_after(self.chunk_timeout):
+            item = await chan.receive()
+            if isinstance(item, SwarmError):
+                raise item
+            msg = parse_message(item, self.limits)
+            if isinstance(msg, Error):
+                raise PeerError(f"ring error on session {session} chunk {msg.chunk_id}: {msg.code}: {msg.message}")
+            if not isinstance(msg, Result) or msg.kind != "hidden":
+                raise ProtocolError(f"tail {self._tail_peer}: expected RESULT(hidden), got {msg!r}")
+            if msg.epoch != self.epoch:
+                raise ProtocolError(f"tail {self._tail_peer}: result for epoch {msg.epoch}, serving {self.epoch}")
+            h = decode_hidden(
+                msg.dtype, msg.shape, msg.data, dim=self.args.dim, expect=self.dtype, peer=self._tail_peer
+            )
+            return msg.chunk_id, h
+        raise PeerTimeout(
+            f"session {session}: no result from the ring within {self.chunk_timeout:.0f} s "
+            f"(first hop {self.first_hop}, tail {self._tail_peer})"
+        )

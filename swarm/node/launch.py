@@ -1,0 +1,187 @@
+"""Start a swarm of local node processes on loopback (the demo, multi-process tests, benchmarks).
+
+Each node is a real ``python -m swarm.node`` process with its own identity, libp2p host and
+torch threads; they find each other through node 0 (the bootstrap address) and form the ring
+through the real stack. Nothing multicasts: discovery is by the bootstrap address only.
+
+Memory: to show a ring on one machine, each node offers just over 1/N of the model (so the
+planner must use every node), unless ``memory_bytes`` says otherwise. WAN: with ``delay_ms``, a
+delaying proxy process sits in front of every node and each node advertises the proxy's port,
+so every hop costs ``delay_ms`` one way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from swarm.manifest.identity import Identity
+from swarm.manifest.manifest import new_manifest, sign_manifest, write_manifest
+from swarm.model.config import ModelArgs
+from swarm.node.runtime import model_spec
+
+DTYPE_NAMES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def free_ports(n: int) -> list[int]:
+    socks, ports = [], []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+        ports.append(s.getsockname()[1])
+    for s in socks:
+        s.close()
+    return ports
+
+
+@dataclass
+class LocalSwarm:
+    workdir: Path
+    swarm_id: str  # the invite is workdir / "invite.json"
+    secret: bytes
+    peer_ids: list[str]
+    addrs: list[str]  # dialable multiaddr of each node (through its proxy when delayed)
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    proxy: subprocess.Popen[bytes] | None = None
+    _tmp: tempfile.TemporaryDirectory[str] | None = None
+
+    def log(self, i: int) -> str:
+        return (self.workdir / f"node{i}.log").read_text(errors="replace")
+
+    def alive(self) -> list[bool]:
+        return [p.poll() is None for p in self.procs]
+
+    def kill(self, i: int, sig: int = signal.SIGKILL) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            self.procs[i].send_signal(sig)
+
+    def stop(self, grace: float = 5.0) -> None:
+        """SIGTERM every node (they leave cleanly), SIGKILL what is left after ``grace`` s."""
+        for p in self.procs:
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    p.send_signal(signal.SIGCONT)
+                    p.terminate()
+        deadline = time.monotonic() + grace
+        for p in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=5)
+        if self.proxy is not None and self.proxy.poll() is None:
+            self.proxy.kill()
+            self.proxy.wait(timeout=5)
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self) -> LocalSwarm:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def start_local_swarm(
+    n: int,
+    model_dir: Path,
+    *,
+    dtype: str = "bf16",
+    threads: int = 1,
+    memory_bytes: list[int] | None = None,
+    delay_ms: float = 0.0,
+    draft: str = "ngram",
+    context_tokens: int = 1024,
+    chunk_timeout: float = 30.0,
+    workdir: Path | None = None,
+) -> LocalSwarm:
+    if n < 1:
+        raise ValueError("a swarm needs at least one node")
+    tmp = None
+    if workdir is None:
+        tmp = tempfile.TemporaryDirectory(prefix="shard-swarm-")
+        workdir = Path(tmp.name)
+    workdir.mkdir(parents=True, exist_ok=True)
+    seeds = [os.urandom(32) for _ in range(n)]
+    peer_ids = [Identity(s).peer_id for s in seeds]
+    ports = free_ports(2 * n if delay_ms > 0 else n)
+    listen_ports, public_ports = ports[:n], (ports[n:] if delay_ms > 0 else ports[:n])
+    addrs = [f"/ip4/127.0.0.1/tcp/{public_ports[i]}/p2p/{peer_ids[i]}" for i in range(n)]
+    # an invite made on the spot: node 0 is the bootstrap, a throwaway issuer signs it
+    issuer = Identity(os.urandom(32))
+    manifest = sign_manifest(
+        new_manifest(swarm_name="demo", issuer=issuer.public_key, bootstrap=(addrs[0],), lifetime_s=86400),
+        issuer,
+    )
+    manifest_file = workdir / "invite.json"
+    write_manifest(manifest, manifest_file)
+    secret, swarm_id = manifest.secret.value, manifest.swarm_id
+    if memory_bytes is None:
+        args = ModelArgs.from_dir(model_dir)
+        spec = model_spec(args, DTYPE_NAMES[dtype], context_tokens)
+        per = math.ceil(args.n_layers / n) * spec.bytes_per_layer + spec.coordinator_bytes
+        memory_bytes = [int(per * 1.02)] * n
+    swarm = LocalSwarm(workdir, swarm_id, secret, peer_ids, addrs, _tmp=tmp)
+    try:
+        if delay_ms > 0:
+            pairs = [f"{public_ports[i]}:{listen_ports[i]}" for i in range(n)]
+            swarm.proxy = subprocess.Popen(
+                [sys.executable, "-m", "swarm.testing.delayproxy", str(delay_ms), *pairs],
+                stdout=subprocess.DEVNULL, stderr=_log_file(workdir / "proxy.log"),
+            )  # fmt: skip
+        for i in range(n):
+            seed_file = workdir / f"node{i}.seed"
+            _write_private(seed_file, seeds[i].hex())
+            cfg = {
+                "seed_file": str(seed_file),
+                "manifest": str(manifest_file),
+                "model_dir": str(model_dir),
+                "listen": [f"/ip4/127.0.0.1/tcp/{listen_ports[i]}"],
+                "announce": [addrs[i]] if delay_ms > 0 else [],
+                "memory_bytes": memory_bytes[i],
+                "dtype": dtype,
+                "threads": threads,
+                "expect_peers": n,
+                "context_tokens": context_tokens,
+                "draft": draft,
+                "chunk_timeout": chunk_timeout,
+            }
+            cfg_file = workdir / f"node{i}.json"
+            cfg_file.write_text(json.dumps(cfg, indent=2))
+            env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+            swarm.procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "swarm.node", str(cfg_file)],
+                    stdout=subprocess.DEVNULL, stderr=_log_file(workdir / f"node{i}.log"), env=env,
+                    start_new_session=True,
+                )  # fmt: skip
+            )
+    except BaseException:
+        swarm.stop()
+        raise
+    return swarm
+
+
+def _log_file(path: Path) -> int:
+    """A file descriptor for a child's stderr (the child keeps it; we close ours after Popen)."""
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+
+
+def _write_private(path: Path, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)

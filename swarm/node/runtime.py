@@ -1,0 +1,577 @@
+"""A running peer: host, membership, the plan for each epoch, its stage, and the coordinator role.
+
+Theory of operation
+-------------------
+Agreement. Every admitted member publishes signed adverts (membership.py). One member, the
+*leader*, turns them into a plan: the live member with the smallest peer ID (every peer can tell
+who that is from its own view, and a peer that sees a smaller live ID than the signer of a plan
+it receives refuses the plan). The leader signs {epoch, plan} with its identity key and drives
+the epoch's set-up over ``/shard-swarm/ring/1``, one phase at a time, each bounded by a timeout:
+
+1. PLAN -> every peer in the plan loads its block (and the coordinator its head and drafter),
+   replies ``loaded``;
+2. ``connect`` -> each sends a ``hop`` hello on a new ``/shard-swarm/act/1`` stream to its next hop
+   (the coordinator to ring[0]; stage i to stage i+1; the tail to the coordinator), replies
+   ``linked`` once its outbound stream is open;
+3. ``serve`` -> the coordinator waits for its result link and starts taking generations.
+
+We chose leader-signs-and-distributes over "everyone computes the plan from one snapshot": RTTs
+are measured by each peer and change all the time, so identical snapshots would need a consensus
+round anyway; with a leader, a plan is computed once and every peer can check who signed it.
+
+When. The leader plans once the expected number of members is present (``expect_peers``, used by
+the demo) or, without it, once membership has been stable for ``settle_s`` and the members can
+hold the model. A peer that joins later becomes a standby: the ring is never re-planned while it
+serves. A lost ring member ends the epoch: its generations fail with a clear error (fault
+tolerance with replay is the recovery issue's work) and the leader plans the next epoch from the
+survivors.
+
+Data path: see stage_worker.py and coordinator.py. Hops whose two ends are this process use an
+in-process LocalLink; the others are libp2p streams (Noise-encrypted, admission-gated).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import trio
+
+from swarm.errors import PeerError, PlanningError, ProtocolError, SwarmError
+from swarm.manifest.identity import Identity
+from swarm.model.config import ModelArgs
+from swarm.model.stage import Head, Stage
+from swarm.model.tokenizer import Tokenizer
+from swarm.model.weights import Checkpoint, open_checkpoint
+from swarm.net.host import SwarmHost, open_host
+from swarm.net.streams import FramedStream
+from swarm.node.coordinator import Coordinator
+from swarm.node.errors_util import first_leaf, unwrap
+from swarm.node.links import Link, LocalLink
+from swarm.node.membership import MemberEvent, Membership, MembershipService
+from swarm.node.stage_worker import StageWorker
+from swarm.planner import ModelSpec, Peer, Plan, parse_peers_file
+from swarm.planner import plan as make_plan
+from swarm.proto.control import Control
+from swarm.proto.messages import Message, parse_message
+from swarm.proto.messages import Plan as PlanMsg
+from swarm.proto.signed import sign_plan, verify_plan
+
+log = logging.getLogger("swarm.node")
+
+PROTO_RING = "/shard-swarm/ring/1"
+PROTO_ACT = "/shard-swarm/act/1"
+PROTO_GEN = "/shard-swarm/gen/1"
+
+LOAD_TIMEOUT_S = 600.0
+LINK_TIMEOUT_S = 20.0
+RPC_TIMEOUT_S = 20.0
+
+
+@dataclass
+class NodeSettings:
+    seed: bytes
+    swarm_id: str
+    secret: bytes
+    model_dir: Path
+    listen: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
+    announce: tuple[str, ...] = ()  # addresses to advertise instead of the listen ones (e.g. behind a proxy)
+    bootstrap: tuple[str, ...] = ()
+    memory_bytes: int = 0  # offered for layers; 0 = what the machine has free
+    dtype: torch.dtype = torch.bfloat16
+    device: str = "cpu"
+    threads: int = 1
+    coordinator_ok: bool = True
+    expect_peers: int = 0  # plan once this many members (us included) are present
+    settle_s: float = 3.0
+    context_tokens: int = 2048
+    draft: str = "ngram"
+    chunk_timeout: float = 30.0
+    revoked: frozenset[str] = frozenset()
+
+
+@dataclass
+class Epoch:
+    """What this node does in one plan epoch."""
+
+    plan: Plan
+    signer: bytes
+    stage: Stage | None = None
+    worker: StageWorker | None = None
+    coordinator: Coordinator | None = None
+    inbound: dict[int, Link] = field(default_factory=dict)  # hop index -> link into this node
+    inbound_ready: dict[int, trio.Event] = field(default_factory=dict)
+    outbound: Link | None = None
+    done: trio.Event = field(default_factory=trio.Event)
+    serving: trio.Event = field(default_factory=trio.Event)
+    started: float = field(default_factory=time.time)
+
+    def wait_inbound(self, hop: int) -> trio.Event:
+        return self.inbound_ready.setdefault(hop, trio.Event())
+
+
+def model_spec(args: ModelArgs, dtype: torch.dtype, context_tokens: int) -> ModelSpec:
+    nbytes = torch.empty(0, dtype=dtype).element_size()
+    return ModelSpec(
+        n_layers=args.n_layers,
+        layer_bytes=args.layer_bytes(nbytes),
+        kv_bytes_per_token_per_layer=args.kv_bytes_per_token_per_layer(nbytes),
+        coordinator_bytes=args.head_bytes(nbytes),
+        context_tokens=context_tokens,
+    )
+
+
+def measure_ms_per_layer(args: ModelArgs, dtype: torch.dtype, device: str, *, repeats: int = 15) -> float:
+    """Median time of one decoder layer on one token, with random weights of the model's shapes."""
+    stage = Stage(args, 0, 1, dtype=dtype, device=device)
+    stage = stage.to_empty(device=device).to(dtype)
+    with torch.no_grad():
+        for p in stage.parameters():
+            p.normal_(0.0, 0.02)
+    stage.requires_grad_(False)
+    stage.open_session("probe", repeats + 2)
+    h = torch.randn(1, args.dim, dtype=dtype, device=device)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        stage.forward("probe", h)
+        times.append(time.perf_counter() - t0)
+    stage.close_session("probe")
+    times.sort()
+    return 1000.0 * times[len(times) // 2]
+
+
+class Node:
+    """One peer of a swarm. ``await nursery.start(node.run)``; see the module docstring."""
+
+    def __init__(self, settings: NodeSettings, *, on_event: Callable[[str], None] | None = None) -> None:
+        self.settings = settings
+        self.identity = Identity(settings.seed)
+        self.peer_id = self.identity.peer_id
+        self.ckpt: Checkpoint = open_checkpoint(settings.model_dir)
+        self.args = self.ckpt.args
+        self.spec = model_spec(self.args, settings.dtype, settings.context_tokens)
+        self.tokenizer: Tokenizer | None = None
+        self.limiter = trio.CapacityLimiter(1)
+        self._on_event = on_event or (lambda text: None)
+        self.host: SwarmHost | None = None
+        self.service: MembershipService | None = None
+        self.epoch: Epoch | None = None
+        self.epochs_planned = 0
+        self.replans: list[dict[str, Any]] = []
+        self._plan_changed = trio.Event()
+        self._membership_changed = trio.Event()
+        self._nursery: trio.Nursery | None = None
+        self._stage_cache: dict[tuple[int, int], Stage] = {}
+        self._head: Head | None = None
+        self.ms_per_layer = 0.0
+
+    def __repr__(self) -> str:
+        return f"Node({self.peer_id[:12]}…)"
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        s = self.settings
+        torch.set_num_threads(max(1, s.threads))
+        self.ms_per_layer = await trio.to_thread.run_sync(
+            measure_ms_per_layer, self.args, s.dtype, s.device, limiter=self.limiter
+        )
+        memory = s.memory_bytes or _free_memory_bytes()
+        async with open_host(s.seed, s.listen, secret=s.secret, swarm_id=s.swarm_id, revoked=s.revoked) as host:
+            self.host = host
+            membership = Membership(
+                self.identity, s.swarm_id, addrs=_announce(s.announce, host), memory_bytes=memory, ms_per_layer=self.ms_per_layer,
+                revoked=s.revoked,
+            )  # fmt: skip
+            self.service = MembershipService(host, membership, on_event=self._member_event)
+            host.handle(PROTO_RING, self._serve_ring)
+            host.handle(PROTO_ACT, self._serve_act)
+            host.handle(PROTO_GEN, self._serve_gen)
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                await nursery.start(self.service.run)
+                for addr in s.bootstrap:
+                    if self.peer_id not in addr:
+                        self.service.add_candidate(addr, "bootstrap")
+                nursery.start_soon(self._leader_loop)
+                self._on_event(f"node {self.peer_id} listening on {', '.join(host.addrs())}")
+                task_status.started(self)
+                await trio.sleep_forever()
+
+    def _member_event(self, ev: MemberEvent) -> None:
+        self._membership_changed.set()
+        self._membership_changed = trio.Event()
+        self._on_event(f"peer {ev.peer[:16]}… {ev.kind}" + (f" ({ev.reason})" if ev.reason else ""))
+        if ev.kind in ("left", "lost") and self.epoch is not None:
+            ring = {*self.epoch.plan.ring, self.epoch.plan.coordinator}
+            if ev.peer in ring:
+                self._end_epoch(f"ring member {ev.peer} {ev.kind}")
+
+    def members(self) -> list[str]:
+        """Live members that have advertised (clients that only ask for generations never do)."""
+        assert self.service is not None
+        view = self.service.membership.view()
+        return sorted({self.peer_id, *(p for p in self.service.members() if p in view)})
+
+    def leader(self) -> str:
+        return self.members()[0]
+
+    # -- leader: plan and drive set-up ------------------------------------------------------
+
+    async def _leader_loop(self) -> None:
+        s = self.settings
+        last_members: list[str] = []
+        stable_since = trio.current_time()
+        while True:
+            with trio.move_on_after(0.5):
+                await self._membership_changed.wait()
+            members = self.members()
+            if members != last_members:
+                last_members, stable_since = members, trio.current_time()
+            if self.leader() != self.peer_id or (self.epoch is not None and not self.epoch.done.is_set()):
+                continue
+            if s.expect_peers and len(members) < s.expect_peers:
+                continue
+            if not s.expect_peers and trio.current_time() - stable_since < s.settle_s:
+                continue
+            try:
+                await self._plan_and_start(members)
+            except PlanningError as exc:
+                self._on_event(f"cannot plan yet: {exc}")
+                await trio.sleep(2.0)
+            except SwarmError as exc:
+                self._on_event(f"epoch set-up failed: {exc}; retrying")
+                if self.epoch is not None:
+                    self._end_epoch(str(exc))
+                await trio.sleep(1.0)
+
+    def peers_file(self) -> dict[str, Any]:
+        assert self.service is not None
+        return self.service.membership.peers_file()
+
+    def compute_plan(self, members: list[str]) -> Plan:
+        pf = parse_peers_file(self.peers_file(), where="membership view")
+        peers = [p for p in pf.peers if p.id in members]
+        peers = [Peer(p.id, p.memory_bytes, p.ms_per_layer, self.settings.coordinator_ok if p.id == self.peer_id else p.coordinator_ok, p.addresses) for p in peers]
+        previous = self.epoch.plan if self.epoch is not None else None
+        epoch = (previous.epoch + 1) if previous is not None else 1
+        return make_plan(self.spec, peers, pf.latency(), previous=previous, epoch=epoch)
+
+    async def _plan_and_start(self, members: list[str]) -> None:
+        plan = self.compute_plan(members)
+        participants = sorted({plan.coordinator, *plan.ring})
+        msg = sign_plan(PlanMsg(plan.epoch, _plan_body(plan)), self.identity)
+        self._on_event(
+            f"plan epoch {plan.epoch}: coordinator {plan.coordinator[:16]}…, ring "
+            + " -> ".join(f"{p[:10]}…{list(plan.blocks[p])}" for p in plan.ring)
+        )
+        await self._phase(participants, "plan", lambda: msg.to_frame(), "loaded", LOAD_TIMEOUT_S)
+        await self._phase(participants, "connect", lambda: Control("connect", {"epoch": plan.epoch}).to_frame(), "linked", LINK_TIMEOUT_S)
+        await self._phase([plan.coordinator], "serve", lambda: Control("serve", {"epoch": plan.epoch}).to_frame(), "serving", LINK_TIMEOUT_S)
+        self.epochs_planned += 1
+
+    async def _phase(self, peers: list[str], name: str, make: Callable[[], Any], want: str, timeout: float) -> None:
+        async def one(peer: str) -> None:
+            reply: Message
+            if peer == self.peer_id:
+                reply = await self._ring_request(self.peer_id, make())
+            else:
+                assert self.host is not None
+                async with self.host.open_stream(peer, PROTO_RING, timeout=RPC_TIMEOUT_S) as fs:
+                    await fs.send(make())
+                    frame = await fs.receive(timeout=timeout)
+                reply = parse_message(frame)
+            if not isinstance(reply, Control) or reply.op != want:
+                detail = reply.body.get("message", "") if isinstance(reply, Control) else repr(reply)
+                raise PeerError(f"peer {peer} answered {name} with {getattr(reply, 'op', reply)}: {detail}")
+
+        try:
+            with trio.fail_after(timeout + 5):
+                async with trio.open_nursery() as nursery:
+                    for p in peers:
+                        nursery.start_soon(one, p)
+        except trio.TooSlowError:
+            raise PeerError(f"{name}: no answer from every peer within {timeout:.0f} s") from None
+        except BaseExceptionGroup as eg:
+            err = first_leaf(eg, SwarmError)
+            if err is None:
+                raise
+            raise err from None
+
+    # -- every peer: the ring protocol ------------------------------------------------------
+
+    async def _serve_ring(self, peer: str, fs: FramedStream) -> None:
+        frame = await fs.receive(timeout=RPC_TIMEOUT_S)
+        reply = await self._ring_request(peer, frame)
+        await fs.send(reply.to_frame())
+
+    async def _ring_request(self, peer: str, frame: Any) -> Control:
+        try:
+            msg = parse_message(frame)
+            if isinstance(msg, PlanMsg):
+                await self._accept_plan(peer, msg)
+                return Control("loaded", {"epoch": msg.epoch})
+            if isinstance(msg, Control) and msg.op == "connect":
+                await self._connect(msg.body_reader().int("epoch", 0, 1 << 62))
+                return Control("linked", {})
+            if isinstance(msg, Control) and msg.op == "serve":
+                await self._start_serving(msg.body_reader().int("epoch", 0, 1 << 62))
+                return Control("serving", {})
+            raise ProtocolError(f"unexpected {msg!r} on {PROTO_RING}")
+        except SwarmError as exc:
+            log.warning("ring request from %s failed: %s", peer, exc)
+            return Control("fail", {"code": type(exc).__name__, "message": str(exc)[:900]})
+
+    async def _accept_plan(self, sender: str, msg: PlanMsg) -> None:
+        if msg.signer is None:
+            raise ProtocolError(f"plan epoch {msg.epoch} from {sender} is unsigned")
+        verify_plan(msg, msg.signer)
+        from swarm.proto.signing import peer_id_of
+
+        signer_id = peer_id_of(msg.signer)
+        if signer_id != self.leader():
+            raise ProtocolError(f"plan epoch {msg.epoch} signed by {signer_id}, but the leader here is {self.leader()}")
+        try:
+            plan = plan_from_body(msg.epoch, msg.plan)
+        except (KeyError, TypeError) as exc:
+            raise ProtocolError(f"plan epoch {msg.epoch} from {sender}: missing field {exc}") from None
+        if self.epoch is not None and plan.epoch <= self.epoch.plan.epoch and not self.epoch.done.is_set():
+            raise ProtocolError(f"plan epoch {plan.epoch} is not newer than the serving epoch {self.epoch.plan.epoch}")
+        if self.epoch is not None:
+            self._end_epoch(f"replaced by epoch {plan.epoch}")
+        ep = Epoch(plan, msg.signer)
+        self.epoch = ep
+        s = self.settings
+        if self.peer_id in plan.blocks:
+            a, b = plan.blocks[self.peer_id]
+            ep.stage = await self._load_stage(a, b)
+        if plan.coordinator == self.peer_id:
+            head = await self._load_head()
+            first = plan.ring[0]
+            ep.coordinator = Coordinator(head, epoch=plan.epoch, first_hop=first, chunk_timeout=s.chunk_timeout, limiter=self.limiter)
+            if self.tokenizer is None:
+                with contextlib.suppress(SwarmError):
+                    self.tokenizer = Tokenizer.from_dir(s.model_dir)
+
+    async def _load_stage(self, a: int, b: int) -> Stage:
+        cached = self._stage_cache.get((a, b))
+        if cached is not None:
+            return cached
+        self._stage_cache.clear()  # free the old block before loading the new one
+        self._on_event(f"loading layers [{a}, {b})")
+        s = self.settings
+        stage = await trio.to_thread.run_sync(
+            lambda: Stage.load(self.args, self.ckpt.source, a, b, dtype=s.dtype, device=s.device), limiter=self.limiter
+        )
+        self._stage_cache[(a, b)] = stage
+        return stage
+
+    async def _load_head(self) -> Head:
+        if self._head is None:
+            s = self.settings
+            self._head = await trio.to_thread.run_sync(
+                lambda: Head.load(self.args, self.ckpt.source, dtype=s.dtype, device=s.device), limiter=self.limiter
+            )
+        return self._head
+
+    async def _connect(self, epoch: int) -> None:
+        """Open every hop that leaves this node; start our stage worker."""
+        ep = self._current(epoch)
+        assert self._nursery is not None
+        for i, (src, dst) in enumerate(hops(ep.plan)):
+            if src != self.peer_id:
+                continue
+            if dst == self.peer_id:
+                link = LocalLink(f"{self.peer_id[:8]} hop {i}")
+                self._set_inbound(ep, i, link)
+                self._set_outbound(ep, i, link)
+            else:
+                ready = trio.Event()
+                self._nursery.start_soon(self._hold_outbound, ep, i, dst, ready)
+                with trio.fail_after(LINK_TIMEOUT_S):
+                    await ready.wait()
+        if ep.stage is not None:
+            idx = ep.plan.ring.index(self.peer_id)
+            upstream = ep.plan.ring[idx - 1] if idx > 0 else ep.plan.coordinator
+            ep.worker = StageWorker(
+                ep.stage, epoch=epoch, upstream=upstream, is_tail=idx == len(ep.plan.ring) - 1,
+                max_len=min(self.settings.context_tokens, self.args.max_seq_len), limiter=self.limiter,
+            )  # fmt: skip
+            self._nursery.start_soon(self._run_worker, ep, idx)
+
+    def _set_outbound(self, ep: Epoch, hop: int, link: Link) -> None:
+        """Hop 0 is the coordinator's send link; hop i + 1 is ring[i]'s downstream."""
+        if hop == 0 and ep.coordinator is not None:
+            ep.coordinator.attach(link)
+        if ep.stage is not None and hop == ep.plan.ring.index(self.peer_id) + 1:
+            ep.outbound = link
+
+    def _set_inbound(self, ep: Epoch, hop: int, link: Link) -> None:
+        ep.inbound[hop] = link
+        ep.wait_inbound(hop).set()
+
+    async def _hold_outbound(self, ep: Epoch, hop: int, dst: str, ready: trio.Event) -> None:
+        assert self.host is not None
+        try:
+            async with self.host.open_stream(dst, PROTO_ACT, timeout=LINK_TIMEOUT_S) as fs:
+                await fs.send(Control("hop", {"epoch": ep.plan.epoch, "hop": hop}).to_frame())
+                self._set_outbound(ep, hop, fs)
+                ready.set()
+                await ep.done.wait()
+        except SwarmError as exc:
+            log.warning("activation link to %s (epoch %d) ended: %s", dst, ep.plan.epoch, exc)
+            self._end_epoch(f"link to {dst} failed: {exc}")
+
+    async def _serve_act(self, peer: str, fs: FramedStream) -> None:
+        hello = parse_message(await fs.receive(timeout=RPC_TIMEOUT_S))
+        if not isinstance(hello, Control) or hello.op != "hop":
+            raise ProtocolError(f"peer {peer}: activation stream must start with a hop hello")
+        epoch = hello.body_reader().int("epoch", 0, 1 << 62)
+        hop = hello.body_reader().int("hop", 0, 1 << 16)
+        ep = self._current(epoch)
+        path = hops(ep.plan)
+        if hop >= len(path) or path[hop] != (peer, self.peer_id):
+            raise ProtocolError(f"peer {peer} does not send hop {hop} to {self.peer_id} in epoch {epoch}")
+        self._set_inbound(ep, hop, fs)
+        await ep.done.wait()
+
+    async def _run_worker(self, ep: Epoch, idx: int) -> None:
+        worker = ep.worker
+        assert worker is not None
+
+        async def run() -> None:
+            with trio.fail_after(LINK_TIMEOUT_S):
+                await ep.wait_inbound(idx).wait()
+                while ep.outbound is None:
+                    await trio.sleep(0.01)
+            await worker.serve(ep.inbound[idx], ep.outbound)
+
+        try:
+            await _until_done(ep, run)
+        except (SwarmError, trio.TooSlowError) as exc:
+            self._end_epoch(f"stage worker: {exc}")
+
+    async def _start_serving(self, epoch: int) -> None:
+        ep = self._current(epoch)
+        if ep.coordinator is None:
+            raise ProtocolError(f"{self.peer_id} is not the coordinator of epoch {epoch}")
+        with trio.fail_after(LINK_TIMEOUT_S):
+            await ep.wait_inbound(len(ep.plan.ring)).wait()
+        assert self._nursery is not None
+        tail = ep.plan.ring[-1]
+        self._nursery.start_soon(self._run_results, ep, tail)
+        ep.serving.set()
+        self._on_event(f"serving epoch {epoch}: ring ready")
+
+    async def _run_results(self, ep: Epoch, tail: str) -> None:
+        coord = ep.coordinator
+        assert coord is not None
+        try:
+            await _until_done(ep, lambda: coord.serve_results(ep.inbound[len(ep.plan.ring)], tail_peer=tail))
+        except SwarmError as exc:
+            self._end_epoch(f"result link: {exc}")
+
+    def _current(self, epoch: int) -> Epoch:
+        ep = self.epoch
+        if ep is None or ep.plan.epoch != epoch or ep.done.is_set():
+            have = None if ep is None else ep.plan.epoch
+            raise ProtocolError(f"epoch {epoch} is not current here (current: {have})")
+        return ep
+
+    def _end_epoch(self, reason: str) -> None:
+        ep = self.epoch
+        if ep is None or ep.done.is_set():
+            return
+        log.info("epoch %d ends: %s", ep.plan.epoch, reason)
+        self.replans.append({"epoch": ep.plan.epoch, "ended": time.time(), "reason": reason})
+        if ep.coordinator is not None:
+            ep.coordinator._fail_all(PeerError(f"epoch {ep.plan.epoch} ended: {reason}"))
+        ep.done.set()
+        self._membership_changed.set()
+
+    # -- generation service ---------------------------------------------------------------
+
+    async def _serve_gen(self, peer: str, fs: FramedStream) -> None:
+        from swarm.node.service import serve_generation
+
+        await serve_generation(self, peer, fs)
+
+
+def _plan_body(plan: Plan) -> dict[str, Any]:
+    """The signed part of a plan: integers and strings only (canonical JSON has no floats)."""
+    return {
+        "n_layers": plan.n_layers,
+        "coordinator": plan.coordinator,
+        "ring": list(plan.ring),
+        "blocks": {p: [a, b] for p, (a, b) in plan.blocks.items()},
+        "standbys": list(plan.standbys),
+        "predicted_latency_us": int(round(plan.predicted_latency_ms * 1000)),
+        "predicted_compute_us": int(round(plan.predicted_compute_ms * 1000)),
+        "layers_moved": plan.layers_moved,
+    }
+
+
+def plan_from_body(epoch: int, body: dict[str, Any]) -> Plan:
+    return Plan.from_json(
+        {
+            "epoch": epoch,
+            "n_layers": body["n_layers"],
+            "coordinator": body["coordinator"],
+            "ring": body["ring"],
+            "blocks": body["blocks"],
+            "standbys": body.get("standbys", []),
+            "predicted_latency_ms": body.get("predicted_latency_us", 0) / 1000,
+            "predicted_compute_ms": body.get("predicted_compute_us", 0) / 1000,
+            "layers_moved": body.get("layers_moved", 0),
+        }
+    )
+
+
+async def _until_done(ep: Epoch, fn: Callable[[], Awaitable[None]]) -> None:
+    """Run ``fn`` until it returns or the epoch ends; its own error comes out unwrapped."""
+    try:
+        async with trio.open_nursery() as nursery:
+
+            async def watch() -> None:
+                await ep.done.wait()
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(watch)
+            await fn()
+            nursery.cancel_scope.cancel()
+    except BaseExceptionGroup as eg:
+        raise unwrap(eg) from None
+
+
+def hops(plan: Plan) -> list[tuple[str, str]]:
+    """The traversal's hops in order: coordinator -> ring[0] -> ... -> ring[-1] -> coordinator.
+    Hop i enters ring[i]; the last hop enters the coordinator."""
+    path = [plan.coordinator, *plan.ring, plan.coordinator]
+    return [(path[i], path[i + 1]) for i in range(len(path) - 1)]
+
+
+def _announce(announce: tuple[str, ...], host: SwarmHost) -> list[str]:
+    if not announce:
+        return host.addrs()
+    return [a if "/p2p/" in a else f"{a}/p2p/{host.peer_id}" for a in announce]
+
+
+def _free_memory_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024 // 2
+    except OSError:
+        pass
+    return 4 * 10**9
+
+
+__all__ = ["Node", "NodeSettings", "PROTO_ACT", "PROTO_GEN", "PROTO_RING", "hops"]

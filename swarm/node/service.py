@@ -1,0 +1,215 @@
+"""The generation service on ``/shard-swarm/gen/1``: requests in, tokens and a receipt out.
+
+A client (``shard-swarm generate``, the demo, the API) opens one stream per request to any peer
+and sends a CONTROL ``gen`` (prompt ids, or text that the coordinator tokenizes, with or without
+the chat template) or ``status``. The coordinator answers ``gen`` with ``tokens`` frames as
+tokens commit (ids plus their text) and one ``done`` frame carrying the run receipt; a peer that
+is not the coordinator relays the request to it, so users can point their tools at their own
+machine. Anything that cannot be served is answered with ``fail`` (code + message), never by
+silence: every wait here has a deadline.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import time
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from swarm import __version__
+from swarm.errors import PeerError, ProtocolError, SwarmError, UsageError
+from swarm.model.drafters import NgramDrafter
+from swarm.model.sampling import SamplingParams
+from swarm.model.speculative import DraftSource, KPolicy
+from swarm.net.streams import FramedStream
+from swarm.node.coordinator import RingGeneration
+from swarm.node.errors_util import unwrap
+from swarm.proto.control import Body, Control
+from swarm.proto.messages import parse_message
+
+if TYPE_CHECKING:
+    from swarm.node.runtime import Node
+
+log = logging.getLogger("swarm.node.service")
+
+REQUEST_TIMEOUT_S = 20.0
+MAX_NEW_TOKENS = 4096
+MAX_TEXT = 64 * 1024
+
+
+async def serve_generation(node: Node, peer: str, fs: FramedStream) -> None:
+    frame = await fs.receive(timeout=REQUEST_TIMEOUT_S)
+    try:
+        msg = parse_message(frame)
+        if not isinstance(msg, Control) or msg.op not in ("gen", "status"):
+            raise ProtocolError(f"expected a gen or status request, got {msg!r}")
+        if msg.op == "status":
+            ep = node.epoch
+            want_coord = msg.body_reader().bool("coordinator", default=False)
+            if want_coord and ep is not None and not ep.done.is_set() and ep.plan.coordinator != node.peer_id:
+                await _relay(node, ep.plan.coordinator, frame, fs)
+            else:
+                await fs.send(Control("status_reply", status(node)).to_frame())
+            return
+        wait_s = msg.body_reader().float("wait_s", 0.0, 600.0, default=0.0)
+        ep = await _serving_epoch(node, wait_s)
+        if ep.plan.coordinator != node.peer_id:
+            await _relay(node, ep.plan.coordinator, frame, fs)
+            return
+        await _generate(node, ep, msg, fs)
+    except SwarmError as exc:
+        log.info("request from %s failed: %s", peer, exc)
+        code = "bad_request" if isinstance(exc, UsageError | ProtocolError) else "unavailable"
+        await fs.send(Control("fail", {"code": code, "message": str(exc)[:900]}).to_frame())
+
+
+async def _serving_epoch(node: Node, wait_s: float) -> Any:
+    deadline = trio.current_time() + wait_s
+    while True:
+        ep = node.epoch
+        if ep is not None and not ep.done.is_set() and (ep.plan.coordinator != node.peer_id or ep.serving.is_set()):
+            return ep
+        if trio.current_time() >= deadline:
+            state = "no plan yet" if ep is None else f"epoch {ep.plan.epoch} not serving"
+            raise PeerError(f"the swarm is not ready ({state}); retry in a few seconds")
+        await trio.sleep(0.1)
+
+
+async def _relay(node: Node, coordinator: str, frame: Any, fs: FramedStream) -> None:
+    assert node.host is not None
+    async with node.host.open_stream(coordinator, "/shard-swarm/gen/1", timeout=REQUEST_TIMEOUT_S) as up:
+        await up.send(frame)
+        while True:
+            reply = await up.receive(timeout=node.settings.chunk_timeout + 5)
+            await fs.send(reply)
+            msg = parse_message(reply)
+            if isinstance(msg, Control) and msg.op in ("done", "fail", "status_reply"):
+                return
+
+
+def sampling_from(body: Body) -> SamplingParams:
+    seed = body.optional("seed")
+    return SamplingParams(
+        temperature=body.float("temperature", 0.0, 100.0, default=0.0),
+        top_k=body.int("top_k", 0, 1 << 20, default=0),
+        top_p=body.float("top_p", 0.0, 1.0, default=1.0),
+        seed=body.int("seed", 0, (1 << 63) - 1) if seed is not None else 0,
+    )
+
+
+def make_drafter(node: Node, name: str) -> tuple[DraftSource | None, KPolicy | None]:
+    if name == "none":
+        return None, None
+    if name == "ngram":
+        return NgramDrafter(), KPolicy(max_depth=2)
+    raise UsageError(f"unknown draft {name!r}: choose ngram or none")
+
+
+async def _generate(node: Node, ep: Any, msg: Control, fs: FramedStream) -> None:
+    body = msg.body_reader()
+    coord = ep.coordinator
+    tok = node.tokenizer
+    if msg.ids:
+        prompt = list(msg.ids)
+    else:
+        text = body.str("text", MAX_TEXT)
+        if tok is None:
+            raise UsageError("this coordinator has no tokenizer: send prompt token ids")
+        if body.bool("chat", default=False):
+            text = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        prompt = tok.encode(text, add_special_tokens=False)
+    max_new = body.int("max_new_tokens", 1, MAX_NEW_TOKENS, default=64)
+    params = sampling_from(body)
+    drafter, policy = make_drafter(node, body.str("draft", 16, default=node.settings.draft))
+    send, recv = trio.open_memory_channel[list[int]](math.inf)
+    all_ids: list[int] = []
+    shown = ""
+
+    async def stream_out() -> None:
+        nonlocal shown
+        async for ids in recv:
+            all_ids.extend(ids)
+            text = tok.decode(all_ids) if tok is not None else ""
+            piece = ""
+            if not text.endswith("\ufffd"):  # hold back half a UTF-8 character
+                piece, shown = text[len(shown):], text
+            await fs.send(Control("tokens", {"text": piece}, tuple(ids)).to_frame())
+
+    t0 = time.time()
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(stream_out)
+            try:
+                gen = await coord.generate(
+                    prompt, params=params, max_new_tokens=max_new, drafter=drafter, policy=policy,
+                    on_tokens=lambda ids: send.send_nowait(list(ids)),
+                )  # fmt: skip
+            finally:
+                send.close()
+    except BaseExceptionGroup as eg:
+        raise unwrap(eg) from None
+    receipt = build_receipt(node, ep, gen, params, started=t0)
+    await fs.send(Control("done", receipt).to_frame())
+
+
+def build_receipt(node: Node, ep: Any, gen: RingGeneration, params: SamplingParams, *, started: float) -> dict[str, Any]:
+    plan = ep.plan
+    view = node.service.membership.view() if node.service is not None else {}
+    pf = node.peers_file()
+    peers = []
+    for pid in sorted({plan.coordinator, *plan.ring, *plan.standbys}):
+        adv = view.get(pid)
+        peers.append({
+            "id": pid,
+            "addresses": list(adv.addrs) if adv else [],
+            "device": f"{adv.device_kind}:{adv.device_name}" if adv else "",
+            "memory_bytes": adv.memory_bytes if adv else 0,
+            "ms_per_layer": adv.layer_us / 1000 if adv else None,
+            "block": list(plan.blocks[pid]) if pid in plan.blocks else None,
+            "role": "coordinator" if pid == plan.coordinator else ("stage" if pid in plan.blocks else "standby"),
+        })  # fmt: skip
+    tms = gen.traversal_ms
+    return {
+        "version": __version__,
+        "model": {"name": node.settings.model_dir.name, "config_sha256": node.ckpt.config_sha256},
+        "peers": peers,
+        "coordinator": plan.coordinator,
+        "ring": list(plan.ring),
+        "epoch": plan.epoch,
+        "rtt_ms": pf.get("rtt_ms", {}),
+        "prompt_token_ids": gen.prompt_token_ids,
+        "output_token_ids": gen.output_token_ids,
+        "output_sha256": gen.output_sha256,
+        "finish_reason": gen.finish_reason,
+        "sampling": {"temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p, "seed": params.seed},
+        "tokens_per_s": gen.tokens_per_s,
+        "decode_tokens_per_s": gen.decode_tokens_per_s,
+        "traversal_ms": statistics.median(tms) if tms else None,
+        "accepted_per_traversal": gen.tokens_per_traversal,
+        "accepted_per_round": gen.accepted_per_round,
+        "chunks": len(gen.chunks),
+        "predicted_traversal_ms": plan.predicted_traversal_ms,
+        "replans": list(node.replans),
+        "started_unix": started,
+    }
+
+
+def status(node: Node) -> dict[str, Any]:
+    ep = node.epoch
+    plan = ep.plan if ep is not None and not ep.done.is_set() else None
+    return {
+        "peer_id": node.peer_id,
+        "members": node.members() if node.service is not None else [],
+        "leader": node.leader() if node.service is not None else None,
+        "epoch": plan.epoch if plan else None,
+        "serving": bool(ep is not None and ep.serving.is_set() and not ep.done.is_set()),
+        "plan": {"coordinator": plan.coordinator, "ring": list(plan.ring),
+                 "blocks": {p: list(b) for p, b in plan.blocks.items()}, "standbys": list(plan.standbys)}
+        if plan else None,
+        "peers_file": node.peers_file() if node.service is not None else None,
+        "ms_per_layer": node.ms_per_layer,
+        "replans": list(node.replans),
+    }

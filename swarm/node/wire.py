@@ -1,0 +1,54 @@
+"""Tensors <-> activation-path messages, with the checks that bytes from another peer need.
+
+A hidden state travels as raw bytes in the serving dtype (bf16 as its int16 bit pattern, fp16,
+fp32): exactly the values the next stage would have received in one process, so a ring computes
+the same numbers as the in-process reference. Everything that arrives is checked before use:
+dtype, rank, hidden size, token count and finiteness. A violation is a ProtocolError that names
+the peer and the field; the caller treats that peer as faulty.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from swarm.errors import ProtocolError
+from swarm.proto.frame import DType
+
+_TO_WIRE = {torch.bfloat16: DType.BF16, torch.float16: DType.FP16, torch.float32: DType.FP32}
+_FROM_WIRE = {DType.BF16: torch.bfloat16, DType.FP16: torch.float16, DType.FP32: torch.float32}
+_NP = {DType.BF16: np.int16, DType.FP16: np.float16, DType.FP32: np.float32}
+
+
+def wire_dtype(dtype: torch.dtype) -> DType:
+    try:
+        return _TO_WIRE[dtype]
+    except KeyError:
+        raise ProtocolError(f"dtype {dtype} cannot travel on the activation path") from None
+
+
+def encode_hidden(h: torch.Tensor) -> tuple[DType, tuple[int, ...], bytes]:
+    """(T, D) tensor -> (wire dtype, shape, raw little-endian bytes)."""
+    h = h.detach().contiguous().cpu()
+    dt = wire_dtype(h.dtype)
+    raw = h.view(torch.int16) if h.dtype == torch.bfloat16 else h
+    return dt, tuple(h.shape), raw.numpy().tobytes()
+
+
+def decode_hidden(
+    dtype: DType, shape: tuple[int, ...], data: bytes, *, dim: int, expect: torch.dtype, peer: str
+) -> torch.Tensor:
+    """Raw bytes from ``peer`` -> a (T, dim) tensor of ``expect`` dtype, or ProtocolError."""
+    if dtype not in _FROM_WIRE or _FROM_WIRE[dtype] != expect:
+        raise ProtocolError(
+            f"peer {peer}: hidden states of dtype {dtype.name}, this ring serves {expect}"
+        )
+    if len(shape) != 2 or shape[1] != dim or shape[0] < 1:
+        raise ProtocolError(f"peer {peer}: hidden states of shape {shape}, expected (T, {dim})")
+    arr = np.frombuffer(data, dtype=_NP[dtype]).reshape(shape).copy()
+    t = torch.from_numpy(arr)
+    if dtype is DType.BF16:
+        t = t.view(torch.bfloat16)
+    if not bool(torch.isfinite(t).all()):
+        raise ProtocolError(f"peer {peer}: hidden states contain NaN or Inf (shape {shape})")
+    return t

@@ -1,0 +1,130 @@
+"""The ring's data path (coordinator + stage workers) over the in-memory network, checked
+against the in-process reference: same tokens, same chunk schedule, sessions kept apart."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import trio
+
+from swarm.errors import PeerError, PeerTimeout
+from swarm.model.drafters import NgramDrafter
+from swarm.model.generate import LocalModel, generate
+from swarm.model.sampling import SamplingParams
+from swarm.model.speculative import KPolicy
+from swarm.node.coordinator import Coordinator, output_sha256
+from swarm.testing.checkpoints import TinySpec, write_checkpoint
+from swarm.testing.ring import run_memory_ring
+
+PROMPT = [5, 17, 99, 3, 42, 7, 5, 17, 99, 3, 42]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    torch.set_num_threads(1)
+    spec = TinySpec(n_layers=6, row_gain_spread=1.0)
+    return write_checkpoint(tmp_path_factory.mktemp("tiny"), spec, seed=3)
+
+
+def _model(ckpt: Path, blocks: list[tuple[int, int]], dtype: torch.dtype = torch.float32) -> LocalModel:
+    return LocalModel.load(ckpt, stages=blocks, dtype=dtype)
+
+
+@pytest.mark.parametrize("blocks", [[(0, 6)], [(0, 2), (2, 4), (4, 6)], [(0, 1), (1, 5), (5, 6)]])
+@pytest.mark.parametrize("drafted", [False, True])
+async def test_ring_greedy_matches_reference(ckpt: Path, blocks: list[tuple[int, int]], drafted: bool) -> None:
+    ref_model = _model(ckpt, blocks)
+    policy = (lambda: KPolicy(fixed_k=3, max_depth=3)) if drafted else (lambda: None)
+    drafter = (lambda: NgramDrafter()) if drafted else (lambda: None)
+    ref = generate(ref_model, PROMPT, max_new_tokens=40, drafter=drafter(), policy=policy(), eos_token_ids=())
+
+    ring_model = _model(ckpt, blocks)
+
+    async def job(c: Coordinator):  # type: ignore[no-untyped-def]
+        return await c.generate(PROMPT, max_new_tokens=40, drafter=drafter(), policy=policy(), eos_token_ids=())
+
+    (res,), ring = await run_memory_ring(ring_model, [job], delay=0.001)
+    assert not isinstance(res, BaseException), res
+    assert res.output_token_ids == ref.output_token_ids
+    assert res.output_sha256 == output_sha256(ref.output_token_ids)
+    assert len(res.output_token_ids) == 40
+    if drafted:
+        assert res.rounds > 0 and res.accepted > 0
+    # every stage saw traffic, and every session was freed at the end
+    assert all(w.stats.chunks > 0 for w in ring.workers)
+    assert all(not w.stage.sessions() for w in ring.workers)
+
+
+async def test_concurrent_sessions_do_not_mix(ckpt: Path) -> None:
+    blocks = [(0, 3), (3, 6)]
+    ref_model = _model(ckpt, blocks)
+    prompts = [PROMPT, [1, 2, 3, 4], [200, 100, 50, 25, 12, 6]]
+    refs = [generate(ref_model, p, max_new_tokens=24, eos_token_ids=()).output_token_ids for p in prompts]
+    ring_model = _model(ckpt, blocks)
+    def job_for(prompt: list[int]):  # type: ignore[no-untyped-def]
+        return lambda c: c.generate(prompt, max_new_tokens=24, eos_token_ids=(), drafter=NgramDrafter(),
+                                    policy=KPolicy(fixed_k=2, max_depth=2))
+
+    jobs = [job_for(p) for p in prompts]
+    results, _ = await run_memory_ring(ring_model, jobs, delay=0.002)
+    for res, want in zip(results, refs, strict=True):
+        assert not isinstance(res, BaseException), res
+        assert res.output_token_ids == want
+
+
+async def test_sampling_reproducible_by_seed(ckpt: Path) -> None:
+    blocks = [(0, 3), (3, 6)]
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234)
+    ref = generate(_model(ckpt, blocks), PROMPT, params=params, max_new_tokens=24, eos_token_ids=())
+
+    async def job(c: Coordinator):  # type: ignore[no-untyped-def]
+        return await c.generate(PROMPT, params=params, max_new_tokens=24, eos_token_ids=())
+
+    (a, b), _ = await run_memory_ring(_model(ckpt, blocks), [job, job])
+    assert not isinstance(a, BaseException) and not isinstance(b, BaseException)
+    assert a.output_token_ids == b.output_token_ids == ref.output_token_ids
+
+
+async def test_killed_stage_fails_generation_with_named_error(ckpt: Path) -> None:
+    async def job(c: Coordinator):  # type: ignore[no-untyped-def]
+        return await c.generate(PROMPT, max_new_tokens=200, eos_token_ids=())
+
+    async def kill_middle(ring):  # type: ignore[no-untyped-def]
+        while ring.workers[1].stats.chunks < 5:
+            await trio.sleep(0.001)
+        ring.links[2].cut("kill")
+
+    (res,), _ = await run_memory_ring(_model(ckpt, [(0, 2), (2, 4), (4, 6)]), [job], during=kill_middle, chunk_timeout=2.0)
+    assert isinstance(res, PeerError), res
+
+
+async def test_frozen_stage_times_out(ckpt: Path) -> None:
+    async def job(c: Coordinator):  # type: ignore[no-untyped-def]
+        return await c.generate(PROMPT, max_new_tokens=200, eos_token_ids=())
+
+    async def freeze(ring):  # type: ignore[no-untyped-def]
+        while ring.workers[0].stats.chunks < 5:
+            await trio.sleep(0.001)
+        ring.links[1].cut("freeze")
+
+    with trio.fail_after(10):
+        (res,), _ = await run_memory_ring(_model(ckpt, [(0, 3), (3, 6)]), [job], during=freeze, chunk_timeout=0.5)
+    assert isinstance(res, PeerTimeout), res
+    assert "no result from the ring" in str(res)
+
+
+async def test_nan_activation_is_refused_and_named(ckpt: Path) -> None:
+    model = _model(ckpt, [(0, 3), (3, 6)])
+    # a faulty first stage: its layers produce NaN
+    with torch.no_grad():
+        for p in model.stages[0].parameters():
+            p.fill_(float("nan"))
+
+    async def job(c: Coordinator):  # type: ignore[no-untyped-def]
+        return await c.generate(PROMPT, max_new_tokens=8, eos_token_ids=())
+
+    (res,), ring = await run_memory_ring(model, [job], chunk_timeout=5.0)
+    assert isinstance(res, PeerError) and "NaN" in str(res), res
+    assert ring.workers[1].stats.errors >= 1
