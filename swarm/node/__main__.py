@@ -42,6 +42,9 @@ def settings_from_file(path: Path) -> NodeSettings:
         context_tokens=int(cfg.get("context_tokens", 2048)),
         draft=cfg.get("draft", "ngram"),
         chunk_timeout=float(cfg.get("chunk_timeout", 30.0)),
+        fastpath=bool(cfg.get("fastpath", True)),
+        fastpath_port=int(cfg.get("fastpath_port", 0)),
+        fastpath_advertise=tuple(cfg.get("fastpath_advertise", [])),
     )
 
 

@@ -107,6 +107,7 @@ def start_local_swarm(
     draft: str = "ngram",
     context_tokens: int = 1024,
     chunk_timeout: float = 30.0,
+    fastpath: bool = True,
     workdir: Path | None = None,
 ) -> LocalSwarm:
     if n < 1:
@@ -118,8 +119,9 @@ def start_local_swarm(
     workdir.mkdir(parents=True, exist_ok=True)
     seeds = [os.urandom(32) for _ in range(n)]
     peer_ids = [Identity(s).peer_id for s in seeds]
-    ports = free_ports(2 * n if delay_ms > 0 else n)
-    listen_ports, public_ports = ports[:n], (ports[n:] if delay_ms > 0 else ports[:n])
+    ports = free_ports(4 * n if delay_ms > 0 else 2 * n)
+    listen_ports, fast_ports = ports[:n], ports[n : 2 * n]
+    public_ports, fast_public = (ports[2 * n : 3 * n], ports[3 * n :]) if delay_ms > 0 else (listen_ports, fast_ports)
     addrs = [f"/ip4/127.0.0.1/tcp/{public_ports[i]}/p2p/{peer_ids[i]}" for i in range(n)]
     # an invite made on the spot: node 0 is the bootstrap, a throwaway issuer signs it
     issuer = Identity(os.urandom(32))
@@ -139,6 +141,7 @@ def start_local_swarm(
     try:
         if delay_ms > 0:
             pairs = [f"{public_ports[i]}:{listen_ports[i]}" for i in range(n)]
+            pairs += [f"{fast_public[i]}:{fast_ports[i]}" for i in range(n)]
             swarm.proxy = subprocess.Popen(
                 [sys.executable, "-m", "swarm.testing.delayproxy", str(delay_ms), *pairs],
                 stdout=subprocess.DEVNULL, stderr=_log_file(workdir / "proxy.log"),
@@ -152,6 +155,9 @@ def start_local_swarm(
                 "model_dir": str(model_dir),
                 "listen": [f"/ip4/127.0.0.1/tcp/{listen_ports[i]}"],
                 "announce": [addrs[i]] if delay_ms > 0 else [],
+                "fastpath": fastpath,
+                "fastpath_port": fast_ports[i],
+                "fastpath_advertise": [f"127.0.0.1:{fast_public[i]}"],
                 "memory_bytes": memory_bytes[i],
                 "dtype": dtype,
                 "threads": threads,

@@ -49,10 +49,12 @@ from swarm.model.config import ModelArgs
 from swarm.model.stage import Head, Stage
 from swarm.model.tokenizer import Tokenizer
 from swarm.model.weights import Checkpoint, open_checkpoint
+from swarm.net.fastpath_host import FastpathService, open_fastpath_service
 from swarm.net.host import SwarmHost, open_host
 from swarm.net.streams import FramedStream
 from swarm.node.coordinator import Coordinator
 from swarm.node.errors_util import first_leaf, unwrap
+from swarm.node.fastlink import FrameLink
 from swarm.node.links import Link, LocalLink
 from swarm.node.membership import MemberEvent, Membership, MembershipService
 from swarm.node.stage_worker import StageWorker
@@ -94,6 +96,9 @@ class NodeSettings:
     draft: str = "ngram"
     chunk_timeout: float = 30.0
     revoked: frozenset[str] = frozenset()
+    fastpath: bool = True  # activations over a direct sealed socket when one can be opened
+    fastpath_port: int = 0
+    fastpath_advertise: tuple[str, ...] = ()  # "ip:port" to announce (e.g. behind a proxy or NAT)
 
 
 @dataclass
@@ -171,6 +176,8 @@ class Node:
         self._stage_cache: dict[tuple[int, int], Stage] = {}
         self._head: Head | None = None
         self.ms_per_layer = 0.0
+        self.fastpath: FastpathService | None = None
+        self.hop_paths: dict[int, str] = {}  # hop index -> "direct" | "libp2p" | "local", for status
 
     def __repr__(self) -> str:
         return f"Node({self.peer_id[:12]}…)"
@@ -194,8 +201,16 @@ class Node:
             host.handle(PROTO_RING, self._serve_ring)
             host.handle(PROTO_ACT, self._serve_act)
             host.handle(PROTO_GEN, self._serve_gen)
-            async with trio.open_nursery() as nursery:
+            async with contextlib.AsyncExitStack() as stack, trio.open_nursery() as nursery:
                 self._nursery = nursery
+                if s.fastpath:
+                    self.fastpath = await stack.enter_async_context(
+                        open_fastpath_service(
+                            host, listen_host=_listen_ip(s.listen), port=s.fastpath_port,
+                            advertise=list(s.fastpath_advertise) or None,
+                        )
+                    )  # fmt: skip
+                    nursery.start_soon(self._accept_fast)
                 await nursery.start(self.service.run)
                 for addr in s.bootstrap:
                     if self.peer_id not in addr:
@@ -390,6 +405,7 @@ class Node:
                 continue
             if dst == self.peer_id:
                 link = LocalLink(f"{self.peer_id[:8]} hop {i}")
+                self.hop_paths[i] = "local"
                 self._set_inbound(ep, i, link)
                 self._set_outbound(ep, i, link)
             else:
@@ -419,17 +435,45 @@ class Node:
 
     async def _hold_outbound(self, ep: Epoch, hop: int, dst: str, ready: trio.Event) -> None:
         assert self.host is not None
+        hello = Control("hop", {"epoch": ep.plan.epoch, "hop": hop}).to_frame()
         try:
-            async with self.host.open_stream(dst, PROTO_ACT, timeout=LINK_TIMEOUT_S) as fs:
-                await fs.send(Control("hop", {"epoch": ep.plan.epoch, "hop": hop}).to_frame())
-                self._set_outbound(ep, hop, fs)
-                ready.set()
-                await ep.done.wait()
+            if self.fastpath is not None:
+                link = FrameLink(await self.fastpath.dial(dst, timeout=LINK_TIMEOUT_S))
+                try:
+                    await link.send(hello, timeout=LINK_TIMEOUT_S)
+                    self.hop_paths[hop] = link.path
+                    self._set_outbound(ep, hop, link)
+                    ready.set()
+                    await ep.done.wait()
+                finally:
+                    with trio.CancelScope(shield=True), trio.move_on_after(2):
+                        await link.close()
+            else:
+                async with self.host.open_stream(dst, PROTO_ACT, timeout=LINK_TIMEOUT_S) as fs:
+                    await fs.send(hello)
+                    self.hop_paths[hop] = "libp2p"
+                    self._set_outbound(ep, hop, fs)
+                    ready.set()
+                    await ep.done.wait()
         except SwarmError as exc:
             log.warning("activation link to %s (epoch %d) ended: %s", dst, ep.plan.epoch, exc)
             self._end_epoch(f"link to {dst} failed: {exc}")
 
-    async def _serve_act(self, peer: str, fs: FramedStream) -> None:
+    async def _accept_fast(self) -> None:
+        assert self.fastpath is not None and self._nursery is not None
+        async for channel in self.fastpath.incoming:
+            self._nursery.start_soon(self._serve_fast_act, FrameLink(channel))
+
+    async def _serve_fast_act(self, link: FrameLink) -> None:
+        try:
+            await self._serve_act(link.peer, link)
+        except SwarmError as exc:
+            log.warning("activation channel from %s: %s", link.peer, exc)
+        finally:
+            with trio.CancelScope(shield=True), trio.move_on_after(2):
+                await link.close()
+
+    async def _serve_act(self, peer: str, fs: Link) -> None:
         hello = parse_message(await fs.receive(timeout=RPC_TIMEOUT_S))
         if not isinstance(hello, Control) or hello.op != "hop":
             raise ProtocolError(f"peer {peer}: activation stream must start with a hop hello")
@@ -555,6 +599,15 @@ def hops(plan: Plan) -> list[tuple[str, str]]:
     Hop i enters ring[i]; the last hop enters the coordinator."""
     path = [plan.coordinator, *plan.ring, plan.coordinator]
     return [(path[i], path[i + 1]) for i in range(len(path) - 1)]
+
+
+def _listen_ip(listen: tuple[str, ...]) -> str:
+    """The IP of the first /ip4 listen address (the fast path's direct socket binds there)."""
+    for a in listen:
+        parts = a.split("/")
+        if len(parts) > 2 and parts[1] == "ip4":
+            return parts[2]
+    return "127.0.0.1"
 
 
 def _announce(announce: tuple[str, ...], host: SwarmHost) -> list[str]:

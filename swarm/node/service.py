@@ -211,5 +211,6 @@ def status(node: Node) -> dict[str, Any]:
         if plan else None,
         "peers_file": node.peers_file() if node.service is not None else None,
         "ms_per_layer": node.ms_per_layer,
+        "hop_paths": {str(k): v for k, v in node.hop_paths.items()},
         "replans": list(node.replans),
     }

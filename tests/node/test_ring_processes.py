@@ -41,6 +41,8 @@ async def test_three_node_ring_matches_one_box(ckpt: Path) -> None:
         async with client.open_client(swarm.addrs[1], secret=swarm.secret, swarm_id=swarm.swarm_id) as (h, peer):
             st = await client.wait_ready(h, peer, timeout=90)
             plan = st["plan"]
+            # the coordinator's first hop goes over the sealed direct socket (or stays in-process)
+            assert st["hop_paths"].get("0") in ("direct", "local"), st["hop_paths"]
             assert len(plan["ring"]) + (plan["coordinator"] not in plan["ring"]) >= 2, plan
             got = await client.generate(h, peer, prompt_ids=PROMPT, max_new_tokens=40, draft="ngram", timeout=60)
             assert got["output_token_ids"] == want_greedy[: len(got["output_token_ids"])]

@@ -1,0 +1,37 @@
+"""A ring hop over a fast-path channel: proto frames in whole sealed messages.
+
+``swarm.net.fastpath`` moves whole byte messages over a direct, AEAD-sealed TCP socket (or the
+libp2p stream when no direct socket can be opened). Each message here is exactly one encoded
+frame, decoded with the same limits as any other stream, so a hop is the same :class:`Link` to
+the stage worker and the coordinator whichever path carries it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from swarm.proto.frame import Frame, decode_frame, encode_frame
+from swarm.proto.limits import DEFAULT_LIMITS, Limits
+
+
+class FrameLink:
+    def __init__(self, channel: Any, *, limits: Limits = DEFAULT_LIMITS) -> None:
+        self.channel = channel
+        self.limits = limits
+        self.peer: str = channel.remote_peer
+
+    def __repr__(self) -> str:
+        return f"FrameLink({self.peer}, path={self.path})"
+
+    @property
+    def path(self) -> str:
+        return str(self.channel.path)
+
+    async def send(self, frame: Frame, timeout: float | None = None) -> None:
+        await self.channel.send(encode_frame(frame, self.limits), timeout=timeout)
+
+    async def receive(self, timeout: float | None = None) -> Frame:
+        return decode_frame(await self.channel.receive(timeout=timeout), self.limits)
+
+    async def close(self) -> None:
+        await self.channel.aclose()
