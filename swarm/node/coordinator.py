@@ -30,6 +30,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import trio
@@ -95,6 +96,22 @@ class RingGeneration:
         return output_sha256(self.output_token_ids)
 
 
+REPLAY_ID_BASE = 1 << 48  # chunk ids of replayed chunks (the decoder's own ids stay far below)
+
+
+@dataclass
+class RingRun:
+    """One generation's state across rings: the decoder, what it fed, its timing."""
+
+    decoder: SpeculativeDecoder
+    gen: RingGeneration
+    on_tokens: Callable[[Sequence[int]], None] | None = None
+    fed_log: list[VerifyChunk] = field(default_factory=list)  # live chunks fed, in order
+    t0: float | None = None
+    t_first: float | None = None
+    t_last: float | None = None
+
+
 class Coordinator:
     """Serves generations over one ring (one plan epoch)."""
 
@@ -155,7 +172,7 @@ class Coordinator:
 
     # -- one generation -------------------------------------------------------------------
 
-    async def generate(
+    def new_run(
         self,
         prompt_ids: Sequence[int],
         *,
@@ -166,11 +183,8 @@ class Coordinator:
         eos_token_ids: Sequence[int] | None = None,
         prefill_chunk: int | None = None,
         on_tokens: Callable[[Sequence[int]], None] | None = None,
-    ) -> RingGeneration:
-        if self._first is None:
-            raise UsageError("coordinator has no ring attached")
-        if self._broken is not None:
-            raise self._broken
+    ) -> RingRun:
+        """The state of one generation; it outlives the epoch it started in (see drive)."""
         params = params or SamplingParams()
         prompt = [int(t) for t in prompt_ids]
         bad = [t for t in prompt if not 0 <= t < self.args.vocab_size]
@@ -181,26 +195,49 @@ class Coordinator:
         dec = SpeculativeDecoder(
             prompt, params=params, max_new_tokens=max_new_tokens, eos_token_ids=eos,
             drafter=drafter, policy=policy, max_len=self.args.max_seq_len, **kw,
-        )
+        )  # fmt: skip
+        return RingRun(dec, RingGeneration(prompt, [], "length", 0.0, 0.0, 0, 0, 0), on_tokens)
+
+    async def generate(self, prompt_ids: Sequence[int], **kw: Any) -> RingGeneration:
+        """One generation on this ring from start to end (no recovery: see drive)."""
+        return await self.drive(self.new_run(prompt_ids, **kw))
+
+    async def drive(self, run: RingRun) -> RingGeneration:
+        """Run ``run`` on this ring until it finishes, or raise when the ring fails.
+
+        A run that already made progress on an earlier ring resumes exactly: the chunks it fed
+        before are replayed first, with the same shapes in the same order, so every stage's cache
+        holds bit-for-bit what it held before (results ignored), then the chunks that were in
+        flight are sent again, then decoding goes on. Tokens are never lost or repeated: only
+        fed results commit tokens, and each chunk is fed once.
+        """
+        if self._first is None:
+            raise UsageError("coordinator has no ring attached")
+        if self._broken is not None:
+            raise self._broken
+        dec, gen = run.decoder, run.gen
         session = next(self._session_ids)
         send_chan, recv_chan = trio.open_memory_channel[Frame | SwarmError](math.inf)
         self._sessions[session] = send_chan
-        sent: dict[int, tuple[VerifyChunk, float]] = {}
-        gen = RingGeneration(prompt, [], "length", 0.0, 0.0, 0, 0, 0)
-        t0 = time.perf_counter()
-        t_first: float | None = None
+        sent: dict[int, tuple[VerifyChunk | None, float]] = {}
+        if run.t0 is None:
+            run.t0 = time.perf_counter()
         try:
-            await self._send(dec.poll(), session, sent, gen, dec)
-            gen._prefill_chunks = len(gen.chunks)
+            if run.fed_log:
+                await self._replay(run.fed_log, session, sent)
+            await self._send(list(dec.inflight) or dec.poll(), session, sent, gen, dec)
+            if gen._prefill_chunks == 0:
+                gen._prefill_chunks = len(gen.chunks)
             while not dec.done:
                 if not sent:
                     raise AssertionError("speculative decoder idle with nothing in flight")
-                item = await self._next_result(recv_chan, session)
-                chunk_id, h = item
+                chunk_id, h = await self._next_result(recv_chan, session)
                 entry = sent.pop(chunk_id, None)
                 if entry is None:
                     raise ProtocolError(f"tail {self._tail_peer}: result for unknown chunk {chunk_id}")
                 chunk, t_sent = entry
+                if chunk is None:
+                    continue  # a replayed chunk: it only rebuilt the caches
                 if dec.is_live(chunk_id):
                     gen.traversal_ms.append(1000 * (time.perf_counter() - t_sent))
                     rows = h[chunk.logits_from:]
@@ -208,12 +245,14 @@ class Coordinator:
                         logits = await trio.to_thread.run_sync(self.head.logits, rows, limiter=self.limiter)
                     else:
                         logits = torch.empty(0, self.args.vocab_size)
+                    run.fed_log.append(chunk)
                     for ev in dec.feed(chunk_id, logits):
                         if isinstance(ev, Committed):
-                            if t_first is None:
-                                t_first = time.perf_counter()
-                            if on_tokens is not None:
-                                on_tokens(ev.tokens)
+                            run.t_last = time.perf_counter()
+                            if run.t_first is None:
+                                run.t_first = run.t_last
+                            if run.on_tokens is not None:
+                                run.on_tokens(ev.tokens)
                 if not dec.done:
                     await self._send(dec.poll(), session, sent, gen, dec)
         finally:
@@ -226,19 +265,31 @@ class Coordinator:
                 except SwarmError as exc:
                     log.info("session %d: could not send SESSION_END: %s", session, exc)
         t_end = time.perf_counter()
-        t_first = t_first if t_first is not None else t_end
+        t_first = run.t_first if run.t_first is not None else t_end
         st = dec.stats
         gen.output_token_ids = dec.output_ids
         gen.finish_reason = dec.finish_reason or "length"
-        gen.prefill_s, gen.decode_s = t_first - t0, t_end - t_first
+        gen.prefill_s, gen.decode_s = t_first - run.t0, t_end - t_first
         gen.rounds, gen.proposed, gen.accepted = st.rounds, st.proposed, st.accepted
         return gen
+
+    async def _replay(self, chunks: list[VerifyChunk], session: int, sent: dict[int, tuple[VerifyChunk | None, float]]) -> None:
+        assert self._first is not None
+        for i, chunk in enumerate(chunks):
+            ids = torch.tensor(chunk.tokens, dtype=torch.long)
+            h = await trio.to_thread.run_sync(self.head.embed, ids, limiter=self.limiter)
+            dt, shape, data = encode_hidden(h)
+            cid = REPLAY_ID_BASE + i
+            sent[cid] = (None, time.perf_counter())
+            frame = Chunk(session, cid, chunk.base, "prefill", dt, shape, data, self.epoch).to_frame()
+            async with self._send_lock:
+                await self._first.send(frame, timeout=SEND_TIMEOUT_S)
 
     async def _send(
         self,
         chunks: list[VerifyChunk],
         session: int,
-        sent: dict[int, tuple[VerifyChunk, float]],
+        sent: dict[int, tuple[VerifyChunk | None, float]],
         gen: RingGeneration,
         dec: SpeculativeDecoder,
     ) -> None:

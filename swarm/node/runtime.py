@@ -33,6 +33,7 @@ in-process LocalLink; the others are libp2p streams (Noise-encrypted, admission-
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -72,6 +73,7 @@ PROTO_ACT = "/shard-swarm/act/1"
 PROTO_GEN = "/shard-swarm/gen/1"
 
 LOAD_TIMEOUT_S = 600.0
+REPLAN_SETTLE_S = 0.3  # after a loss: re-plan as soon as membership stops changing
 LINK_TIMEOUT_S = 20.0
 RPC_TIMEOUT_S = 20.0
 
@@ -169,6 +171,7 @@ class Node:
         self.service: MembershipService | None = None
         self.epoch: Epoch | None = None
         self.epochs_planned = 0
+        self._last_epoch = 0  # the highest epoch this node has proposed (never reused)
         self.replans: list[dict[str, Any]] = []
         self._plan_changed = trio.Event()
         self._membership_changed = trio.Event()
@@ -220,6 +223,11 @@ class Node:
                 task_status.started(self)
                 await trio.sleep_forever()
 
+    def notice(self, text: str) -> None:
+        """A one-line notice for the user (and the log)."""
+        log.info("%s", text)
+        self._on_event(text)
+
     def _member_event(self, ev: MemberEvent) -> None:
         self._membership_changed.set()
         self._membership_changed = trio.Event()
@@ -252,9 +260,11 @@ class Node:
                 last_members, stable_since = members, trio.current_time()
             if self.leader() != self.peer_id or (self.epoch is not None and not self.epoch.done.is_set()):
                 continue
-            if s.expect_peers and len(members) < s.expect_peers:
+            first = self.epoch is None
+            if first and s.expect_peers and len(members) < s.expect_peers:
                 continue
-            if not s.expect_peers and trio.current_time() - stable_since < s.settle_s:
+            settle = s.settle_s if first and not s.expect_peers else REPLAN_SETTLE_S
+            if trio.current_time() - stable_since < settle:
                 continue
             try:
                 await self._plan_and_start(members)
@@ -272,11 +282,26 @@ class Node:
         return self.service.membership.peers_file()
 
     def compute_plan(self, members: list[str]) -> Plan:
+        """The next epoch's plan from our membership view, sticky with the previous one.
+
+        The coordinator is kept whenever it survives and can still be one (its generations in
+        flight live on it: moving it would fail them); otherwise the planner's centroid rule picks.
+        """
         pf = parse_peers_file(self.peers_file(), where="membership view")
-        peers = [p for p in pf.peers if p.id in members]
-        peers = [Peer(p.id, p.memory_bytes, p.ms_per_layer, self.settings.coordinator_ok if p.id == self.peer_id else p.coordinator_ok, p.addresses) for p in peers]
+        peers = [
+            Peer(p.id, p.memory_bytes, p.ms_per_layer,
+                 self.settings.coordinator_ok if p.id == self.peer_id else p.coordinator_ok, p.addresses)
+            for p in pf.peers if p.id in members
+        ]  # fmt: skip
         previous = self.epoch.plan if self.epoch is not None else None
-        epoch = (previous.epoch + 1) if previous is not None else 1
+        epoch = max(previous.epoch if previous is not None else 0, self._last_epoch) + 1
+        self._last_epoch = epoch
+        if previous is not None and previous.coordinator in members:
+            keep = [dataclasses.replace(p, coordinator_ok=p.coordinator_ok and p.id == previous.coordinator) for p in peers]
+            try:
+                return make_plan(self.spec, keep, pf.latency(), previous=previous, epoch=epoch)
+            except PlanningError:
+                pass
         return make_plan(self.spec, peers, pf.latency(), previous=previous, epoch=epoch)
 
     async def _plan_and_start(self, members: list[str]) -> None:
@@ -287,12 +312,25 @@ class Node:
             f"plan epoch {plan.epoch}: coordinator {plan.coordinator[:16]}…, ring "
             + " -> ".join(f"{p[:10]}…{list(plan.blocks[p])}" for p in plan.ring)
         )
-        await self._phase(participants, "plan", lambda: msg.to_frame(), "loaded", LOAD_TIMEOUT_S)
+        others = [p for p in members if p not in participants]
+        # every member learns the plan (a standby can then relay requests to the coordinator);
+        # only the participants' answers gate the epoch
+        await self._phase(participants, "plan", lambda: msg.to_frame(), "loaded", LOAD_TIMEOUT_S, best_effort=others)
         await self._phase(participants, "connect", lambda: Control("connect", {"epoch": plan.epoch}).to_frame(), "linked", LINK_TIMEOUT_S)
         await self._phase([plan.coordinator], "serve", lambda: Control("serve", {"epoch": plan.epoch}).to_frame(), "serving", LINK_TIMEOUT_S)
         self.epochs_planned += 1
 
-    async def _phase(self, peers: list[str], name: str, make: Callable[[], Any], want: str, timeout: float) -> None:
+    async def _phase(
+        self, peers: list[str], name: str, make: Callable[[], Any], want: str, timeout: float,
+        best_effort: list[str] = (),  # type: ignore[assignment]
+    ) -> None:
+        async def maybe(peer: str) -> None:
+            try:
+                with trio.move_on_after(RPC_TIMEOUT_S):
+                    await one(peer)
+            except SwarmError as exc:
+                log.info("standby %s did not take %s: %s", peer, name, exc)
+
         async def one(peer: str) -> None:
             reply: Message
             if peer == self.peer_id:
@@ -312,6 +350,8 @@ class Node:
                 async with trio.open_nursery() as nursery:
                     for p in peers:
                         nursery.start_soon(one, p)
+                    for p in best_effort:
+                        nursery.start_soon(maybe, p)
         except trio.TooSlowError:
             raise PeerError(f"{name}: no answer from every peer within {timeout:.0f} s") from None
         except BaseExceptionGroup as eg:

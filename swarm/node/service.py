@@ -15,17 +15,18 @@ import logging
 import math
 import statistics
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import trio
 
 from swarm import __version__
-from swarm.errors import PeerError, ProtocolError, SwarmError, UsageError
+from swarm.errors import PeerError, PeerLost, PeerTimeout, ProtocolError, SwarmError, UsageError
 from swarm.model.drafters import NgramDrafter
 from swarm.model.sampling import SamplingParams
 from swarm.model.speculative import DraftSource, KPolicy
 from swarm.net.streams import FramedStream
-from swarm.node.coordinator import RingGeneration
+from swarm.node.coordinator import RingGeneration, RingRun
 from swarm.node.errors_util import unwrap
 from swarm.proto.control import Body, Control
 from swarm.proto.messages import parse_message
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("swarm.node.service")
 
 REQUEST_TIMEOUT_S = 20.0
+RECOVERY_TIMEOUT_S = 120.0  # a re-plan may include loading a block
 MAX_NEW_TOKENS = 4096
 MAX_TEXT = 64 * 1024
 
@@ -139,20 +141,86 @@ async def _generate(node: Node, ep: Any, msg: Control, fs: FramedStream) -> None
             await fs.send(Control("tokens", {"text": piece}, tuple(ids)).to_frame())
 
     t0 = time.time()
+    replans: list[dict[str, Any]] = []
+
+    def on_tokens(ids: Sequence[int]) -> None:
+        now = time.time()
+        if replans and "pause_s" not in replans[-1]:
+            replans[-1]["pause_s"] = round(now - replans[-1]["last_token_unix"], 3)
+        last_token[0] = now
+        send.send_nowait(list(ids))
+
+    last_token = [time.time()]
+
+    run = coord.new_run(prompt, params=params, max_new_tokens=max_new, drafter=drafter, policy=policy, on_tokens=on_tokens)
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(stream_out)
             try:
-                gen = await coord.generate(
-                    prompt, params=params, max_new_tokens=max_new, drafter=drafter, policy=policy,
-                    on_tokens=lambda ids: send.send_nowait(list(ids)),
-                )  # fmt: skip
+                ep = await _drive_with_recovery(node, ep, run, replans, last_token)
             finally:
                 send.close()
     except BaseExceptionGroup as eg:
         raise unwrap(eg) from None
+    gen = run.gen
     receipt = build_receipt(node, ep, gen, params, started=t0)
+    receipt["replans"] = replans
     await fs.send(Control("done", receipt).to_frame())
+
+
+async def _drive_with_recovery(
+    node: Node, ep: Any, run: RingRun, replans: list[dict[str, Any]], last_token: list[float]
+) -> Any:
+    """Drive ``run`` to the end, moving it to the next epoch's ring whenever its ring fails.
+
+    The coordinator keeps the run (decoder, committed tokens, the log of fed chunks); the swarm
+    re-plans around the lost peer (the leader's job, see runtime.py); the run then resumes on the
+    new ring by replaying its fed chunks (coordinator.drive), so no token is lost or changed.
+    """
+    while True:
+        try:
+            await ep.coordinator.drive(run)
+            return ep
+        except (PeerLost, PeerTimeout, PeerError) as exc:
+            if isinstance(exc, PeerError) and "bad_request" in str(exc):
+                raise
+            failed_at = time.time()
+            old = ep.plan
+            node.notice(f"ring failed during a generation ({exc}); waiting for the swarm to re-plan")
+            ep = await _next_epoch(node, old.epoch, RECOVERY_TIMEOUT_S)
+            if ep.plan.coordinator != node.peer_id:
+                raise PeerError(
+                    f"the coordinator moved to {ep.plan.coordinator} after a failure; retry the request"
+                ) from None
+            moved = {p: list(b) for p, b in ep.plan.blocks.items() if old.blocks.get(p) != b}
+            replans.append({
+                "reason": str(exc)[:300],
+                "lost": sorted({*old.ring, old.coordinator} - {*ep.plan.ring, ep.plan.coordinator}),
+                "detected_unix": round(failed_at, 3),
+                "last_token_unix": round(last_token[0], 3),
+                "from_epoch": old.epoch,
+                "to_epoch": ep.plan.epoch,
+                "layers_moved": ep.plan.layers_moved,
+                "blocks_changed": moved,
+                "replayed_chunks": len(run.fed_log),
+                "resumed_at_token": len(run.decoder.output_ids),
+            })  # fmt: skip
+            node.notice(
+                f"resuming on epoch {ep.plan.epoch} after {time.time() - failed_at:.1f} s "
+                f"({ep.plan.layers_moved} layers moved, replaying {len(run.fed_log)} chunks)"
+            )
+
+
+async def _next_epoch(node: Node, after: int, timeout: float) -> Any:
+    with trio.move_on_after(timeout):
+        while True:
+            ep = node.epoch
+            if ep is not None and ep.plan.epoch > after and not ep.done.is_set() and (
+                ep.serving.is_set() or ep.plan.coordinator != node.peer_id
+            ):
+                return ep
+            await trio.sleep(0.05)
+    raise PeerError(f"the swarm did not recover within {timeout:.0f} s (no new plan); see the nodes' logs")
 
 
 def build_receipt(node: Node, ep: Any, gen: RingGeneration, params: SamplingParams, *, started: float) -> dict[str, Any]:
