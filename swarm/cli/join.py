@@ -143,7 +143,14 @@ async def _run_node(
     relay: bool,
     as_json: bool,
     exit_after: float | None,
+    model_dir: Path | None = None,
+    dtype: str = "bf16",
+    threads: int = 0,
 ) -> None:
+    if model_dir is not None:
+        await _serve_layers(manifest, seed, listen, memory, model_dir, dtype=dtype, threads=threads,
+                            mdns=mdns, relay=relay, as_json=as_json, exit_after=exit_after)
+        return
     async with open_host(
         seed, listen, secret=manifest.secret.value, swarm_id=manifest.swarm_id, revoked=frozenset(manifest.revoked)
     ) as host:
@@ -172,6 +179,48 @@ async def _run_node(
                 await trio.sleep(1.0)
                 printer.refresh(service)
         ui.notice(f"left swarm {manifest.swarm_name!r} ({len(service.members())} peers connected at exit)")
+
+
+async def _serve_layers(
+    manifest: Manifest, seed: bytes, listen: list[str], memory: int, model_dir: Path, *,
+    dtype: str, threads: int, mdns: bool, relay: bool, as_json: bool, exit_after: float | None,
+) -> None:
+    """A full node: membership as above, plus the ring (its block, or the coordinator role)."""
+    import torch
+
+    from swarm.node.runtime import Node, NodeSettings
+
+    dialable = _dialable([a for a in listen])
+    first_ip = next((a.split("/")[2] for a in dialable if a.startswith("/ip4/") and not a.startswith("/ip4/127.")),
+                    "127.0.0.1")
+    settings = NodeSettings(
+        seed=seed, swarm_id=manifest.swarm_id, secret=manifest.secret.value, model_dir=model_dir,
+        listen=tuple(listen), bootstrap=tuple(manifest.bootstrap), memory_bytes=memory,
+        dtype={"bf16": torch.bfloat16, "fp32": torch.float32}[dtype],
+        threads=threads or max(1, (os.cpu_count() or 2)), revoked=frozenset(manifest.revoked),
+        fastpath_host=first_ip,
+    )  # fmt: skip
+    printer: _Printer | None = None
+
+    def on_member(ev: MemberEvent) -> None:
+        if printer is not None:
+            printer.on_event(ev)
+
+    async with trio.open_nursery() as nursery:
+        node = await nursery.start(Node(settings, on_event=ui.notice, on_member=on_member).run)
+        host, service = node.host, node.service
+        printer = _Printer(host, as_json)
+        if relay:
+            nursery.start_soon(_relay_client, service, host, printer, list(manifest.bootstrap))
+        if mdns:
+            nursery.start_soon(_mdns_discovery, service, host, manifest.swarm_id, _dialable(host.addrs()))
+        nursery.start_soon(_signals, nursery.cancel_scope)
+        if exit_after is not None:
+            nursery.cancel_scope.deadline = trio.current_time() + exit_after
+        while True:
+            await trio.sleep(1.0)
+            printer.refresh(service)
+    ui.notice(f"left swarm {manifest.swarm_name!r}")
 
 
 async def _signals(scope: trio.CancelScope) -> None:
@@ -264,6 +313,9 @@ def join(
     key: Path | None = typer.Option(None, "--key", help="Identity key file (default: <config dir>/identity.key)."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object per line on stdout."),
     exit_after: float | None = typer.Option(None, "--exit-after", help="Leave after this many seconds."),
+    serve: bool = typer.Option(True, "--serve/--no-serve", help="Hold layers (or coordinate) for the swarm; --no-serve only shows peers."),
+    dtype: str = typer.Option("bf16", "--dtype", help="bf16 or fp32 for the layers this node holds."),
+    threads: int = typer.Option(0, "--threads", help="torch threads (0: every core)."),
 ) -> None:
     """Join a swarm: connect, be admitted, and show peers as they appear."""
     if logging.getLogger("swarm").getEffectiveLevel() > logging.DEBUG:
@@ -285,7 +337,17 @@ def join(
     if diagnose:
         trio.run(_diagnose, manifest, identity.seed, listen, as_json)
         return
-    trio.run(lambda: _run_node(manifest, identity.seed, identity, listen, mem, mdns=mdns, relay=relay, as_json=as_json, exit_after=exit_after))
+    model_dir: Path | None = None
+    if serve:
+        if model is not None:
+            model_dir = model
+        else:
+            from swarm.model.bundled import default_model_dir
+
+            with ui.progress("converting the bundled model (first run only)") as report:
+                model_dir = default_model_dir(progress=report)
+    trio.run(lambda: _run_node(manifest, identity.seed, identity, listen, mem, mdns=mdns, relay=relay, as_json=as_json,
+                               exit_after=exit_after, model_dir=model_dir, dtype=dtype, threads=threads))
 
 
 def register(app: typer.Typer) -> None:

@@ -100,6 +100,7 @@ class NodeSettings:
     revoked: frozenset[str] = frozenset()
     fastpath: bool = True  # activations over a direct sealed socket when one can be opened
     fastpath_port: int = 0
+    fastpath_host: str = ""  # IP the direct socket binds (default: the first /ip4 listen address)
     fastpath_advertise: tuple[str, ...] = ()  # "ip:port" to announce (e.g. behind a proxy or NAT)
 
 
@@ -157,7 +158,13 @@ def measure_ms_per_layer(args: ModelArgs, dtype: torch.dtype, device: str, *, re
 class Node:
     """One peer of a swarm. ``await nursery.start(node.run)``; see the module docstring."""
 
-    def __init__(self, settings: NodeSettings, *, on_event: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        settings: NodeSettings,
+        *,
+        on_event: Callable[[str], None] | None = None,
+        on_member: Callable[[MemberEvent], None] | None = None,
+    ) -> None:
         self.settings = settings
         self.identity = Identity(settings.seed)
         self.peer_id = self.identity.peer_id
@@ -167,6 +174,7 @@ class Node:
         self.tokenizer: Tokenizer | None = None
         self.limiter = trio.CapacityLimiter(1)
         self._on_event = on_event or (lambda text: None)
+        self._on_member = on_member
         self.host: SwarmHost | None = None
         self.service: MembershipService | None = None
         self.epoch: Epoch | None = None
@@ -209,7 +217,7 @@ class Node:
                 if s.fastpath:
                     self.fastpath = await stack.enter_async_context(
                         open_fastpath_service(
-                            host, listen_host=_listen_ip(s.listen), port=s.fastpath_port,
+                            host, listen_host=s.fastpath_host or _listen_ip(s.listen), port=s.fastpath_port,
                             advertise=list(s.fastpath_advertise) or None,
                         )
                     )  # fmt: skip
@@ -231,7 +239,10 @@ class Node:
     def _member_event(self, ev: MemberEvent) -> None:
         self._membership_changed.set()
         self._membership_changed = trio.Event()
-        self._on_event(f"peer {ev.peer[:16]}… {ev.kind}" + (f" ({ev.reason})" if ev.reason else ""))
+        if self._on_member is not None:
+            self._on_member(ev)
+        elif ev.kind != "updated":
+            self._on_event(f"peer {ev.peer[:16]}… {ev.kind}" + (f" ({ev.reason})" if ev.reason else ""))
         if ev.kind in ("left", "lost") and self.epoch is not None:
             ring = {*self.epoch.plan.ring, self.epoch.plan.coordinator}
             if ev.peer in ring:
