@@ -1,7 +1,194 @@
-"""(placeholder until its issue lands: register() adds nothing yet)"""
+"""``shard-swarm run``: one generation with the model split into N stages in this process.
 
+This is the one-box reference: a ring's receipt for the same model, prompt and settings must
+match its ``output_token_ids`` / ``output_sha256``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
 import typer
+
+from swarm.cli import ui
+from swarm.errors import ConfigError, TokenizerError, UsageError
+from swarm.model.bundled import BUNDLED_NAME, default_model_dir
+from swarm.model.drafters import ModelDrafter, NgramDrafter, self_draft_layers, self_drafter
+from swarm.model.generate import DTYPES, LocalModel, generate
+from swarm.model.sampling import SamplingParams
+from swarm.model.speculative import DraftSource, KPolicy
+from swarm.model.tokenizer import Tokenizer
+
+
+def output_sha256(ids: Sequence[int]) -> str:
+    """sha256 of the IDs as comma-separated decimal text (the receipts' definition)."""
+    return hashlib.sha256(",".join(str(int(i)) for i in ids).encode()).hexdigest()
+
+
+def parse_prompt_ids(text: str) -> list[int]:
+    try:
+        ids = [int(x) for x in text.replace(" ", "").split(",") if x != ""]
+    except ValueError:
+        raise UsageError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise UsageError("--prompt-ids is empty")
+    return ids
+
+
+def _load_tokenizer(model_dir: Path) -> Tokenizer | None:
+    if model_dir.is_dir() and (model_dir / "tokenizer.json").is_file():
+        return Tokenizer.from_dir(model_dir)
+    return None
+
+
+def _make_drafter(spec: str, model: LocalModel, dtype: torch.dtype, max_len: int) -> tuple[
+        DraftSource | None, str | None]:
+    if spec == "none":
+        return None, None
+    if spec == "ngram":
+        return NgramDrafter(), "ngram"
+    if spec == "self":
+        blocks = self_draft_layers(model.args.n_layers)
+        return self_drafter(model.head, model.ckpt, dtype=dtype, max_len=max_len), f"self{blocks}"
+    path = Path(spec)
+    if not path.exists():
+        raise UsageError(f"--draft {spec!r}: not 'none', 'ngram', 'self' or an existing checkpoint path")
+    drafter = ModelDrafter.load(path, dtype=dtype, max_len=max_len)
+    if drafter.head.args.vocab_size != model.args.vocab_size:
+        raise ConfigError(
+            f"draft {path} has a vocabulary of {drafter.head.args.vocab_size} tokens but the target "
+            f"has {model.args.vocab_size}: a draft must share the target's tokenizer"
+        )
+    return drafter, str(path)
+
+
+class _Streamer:
+    """Prints text as tokens are committed (decoding the whole output keeps multi-byte
+    characters split across tokens intact)."""
+
+    def __init__(self, tok: Tokenizer) -> None:
+        self.tok, self.shown = tok, ""
+        self.ids: list[int] = []
+
+    def __call__(self, tokens: Sequence[int]) -> None:
+        self.ids.extend(tokens)
+        text = self.tok.decode(self.ids)
+        if text.endswith("\ufffd"):
+            return  # an incomplete UTF-8 sequence: wait for the next token
+        if text.startswith(self.shown):
+            sys.stdout.write(text[len(self.shown):])
+            sys.stdout.flush()
+            self.shown = text
+
+
+def run_command(
+    model: str | None = typer.Option(None, "--model", help="Model directory or .gguf (default: the bundled SmolLM2-135M-Instruct)."),
+    stages: int = typer.Option(1, "--stages", help="Split the model into N in-process stages."),
+    prompt: str | None = typer.Option(None, "--prompt", help="Prompt text."),
+    prompt_ids: str | None = typer.Option(None, "--prompt-ids", help="Prompt as token IDs, e.g. 1,2,3."),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="Stop after this many new tokens."),
+    temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy."),
+    top_k: int = typer.Option(0, "--top-k", help="0 = off."),
+    top_p: float = typer.Option(1.0, "--top-p", help="1.0 = off."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the sampling generators."),
+    draft: str = typer.Option("none", "--draft", help="Drafter: none, ngram, self (layer-skipped target) or a checkpoint PATH."),
+    draft_k: int | None = typer.Option(None, "--draft-k", help="Fixed draft length (default: adaptive)."),
+    dtype: str = typer.Option("bf16", "--dtype", help="bf16 or fp32."),
+    threads: int | None = typer.Option(None, "--threads", help="torch threads (default: all cores)."),
+    chat: bool = typer.Option(True, "--chat/--no-chat", help="Wrap --prompt in the chat template."),
+    as_json: bool = typer.Option(False, "--json", help="Print a JSON result instead of streaming text."),
+) -> None:
+    """Generate with the model split into N stages in this process (the one-box reference)."""
+    if (prompt is None) == (prompt_ids is None):
+        raise UsageError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
+    if dtype not in DTYPES:
+        raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if threads is not None and threads < 1:
+        raise UsageError(f"--threads must be >= 1, got {threads}")
+    if max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    torch.set_num_threads(threads or os.cpu_count() or 1)
+    torch_dtype = DTYPES[dtype]
+
+    if model is None:
+        with ui.progress("converting the bundled model (first use only)") as report:
+            model_path = default_model_dir(report)
+        name = BUNDLED_NAME
+    else:
+        model_path = Path(model)
+        name = model_path.name
+    with ui.progress(f"loading {name} in {stages} stage(s)") as report:
+        lm = LocalModel.load(model_path, stages=stages, dtype=torch_dtype, progress=report)
+    tok = _load_tokenizer(model_path)
+
+    if prompt_ids is not None:
+        ids = parse_prompt_ids(prompt_ids)
+    else:
+        assert prompt is not None
+        if tok is None:
+            raise TokenizerError(f"{model_path}: no tokenizer.json; give the prompt as --prompt-ids")
+        text = prompt
+        if chat and tok.chat_template is not None:
+            text = tok.apply_chat_template([{"role": "user", "content": prompt}])
+        ids = tok.encode(text)
+        if not ids:
+            raise UsageError("the prompt encodes to no tokens")
+    eos = tok.eos_token_ids if tok is not None and tok.eos_token_ids else None
+
+    max_len = len(ids) + max_new_tokens
+    drafter, draft_name = _make_drafter(draft, lm, torch_dtype, max_len + 16)
+    # Drafting cost steers the adaptive K: a model draft costs what its weights cost to read.
+    cost = drafter.relative_cost(lm.args) if isinstance(drafter, ModelDrafter) else 0.0
+    policy = KPolicy(fixed_k=draft_k, draft_cost=cost)
+    streamer = _Streamer(tok) if (tok is not None and not as_json) else None
+    result = generate(lm, ids, params=params, max_new_tokens=max_new_tokens, drafter=drafter,
+                      policy=policy, eos_token_ids=eos, on_tokens=streamer)
+    out_ids = result.output_token_ids
+    out_text = tok.decode(out_ids) if tok is not None else None
+    if not as_json:
+        if streamer is None:
+            sys.stdout.write(",".join(map(str, out_ids)))
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        line = (f"{len(out_ids)} tokens, {result.tokens_per_s:.1f} tok/s "
+                f"({result.decode_tokens_per_s:.1f} decode), {stages} stage(s) {lm.blocks}")
+        if result.accepted_per_round is not None:
+            line += f", {result.accepted_per_round:.2f} drafted tokens accepted per round"
+        ui.notice(line)
+        return
+    obj: dict[str, Any] = {
+        "model": {"name": name, "path": str(model_path), "config_sha256": lm.ckpt.config_sha256},
+        "dtype": dtype,
+        "threads": torch.get_num_threads(),
+        "stages": len(lm.stages),
+        "blocks": [list(b) for b in lm.blocks],
+        "sampling": params.to_dict(),
+        "draft": draft_name,
+        "prompt_token_ids": ids,
+        "output_token_ids": out_ids,
+        "output_text": out_text,
+        "output_sha256": output_sha256(out_ids),
+        "finish_reason": result.finish_reason,
+        "tokens_per_s": round(result.tokens_per_s, 3),
+        "decode_tokens_per_s": round(result.decode_tokens_per_s, 3),
+        "prefill_s": round(result.prefill_s, 4),
+        "decode_s": round(result.decode_s, 4),
+    }
+    if drafter is not None:
+        obj["accepted_per_round"] = (round(result.accepted_per_round, 3)
+                                     if result.accepted_per_round is not None else 0.0)
+        obj["acceptance_rate"] = (round(result.acceptance_rate, 3)
+                                  if result.acceptance_rate is not None else 0.0)
+        obj["rounds"] = result.rounds
+    ui.print_json(obj)
 
 
 def register(app: typer.Typer) -> None:
-    return None
+    app.command("run")(run_command)

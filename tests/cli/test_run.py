@@ -1,0 +1,82 @@
+"""`shard-swarm run`: JSON result, streaming, errors and exit codes."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from swarm.cli.main import main
+from swarm.cli.run import output_sha256, parse_prompt_ids
+from swarm.errors import UsageError
+from swarm.testing.checkpoints import TinySpec, write_checkpoint
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_checkpoint(tmp_path_factory.mktemp("run"), TinySpec(family="qwen2", n_layers=4),
+                            seed=7)
+
+
+def run_json(capsys: pytest.CaptureFixture[str], argv: list[str]) -> dict[str, object]:
+    code = main(["run", *argv, "--json", "--threads", "1"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    return json.loads(out)  # type: ignore[no-any-return]
+
+
+def test_output_sha256_and_prompt_ids() -> None:
+    assert output_sha256([1, 22, 333]) == hashlib.sha256(b"1,22,333").hexdigest()
+    assert parse_prompt_ids("1, 2,3") == [1, 2, 3]
+    for bad in ("", "1,x"):
+        with pytest.raises(UsageError):
+            parse_prompt_ids(bad)
+
+
+def test_run_json_on_a_tiny_checkpoint(tiny: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["--model", str(tiny), "--prompt-ids", "3,14,15,92,65", "--max-new-tokens", "12",
+            "--dtype", "fp32"]
+    one = run_json(capsys, base)
+    ids = one["output_token_ids"]
+    assert isinstance(ids, list) and len(ids) == 12
+    assert one["prompt_token_ids"] == [3, 14, 15, 92, 65]
+    assert one["output_sha256"] == output_sha256(ids)
+    assert one["stages"] == 1 and one["blocks"] == [[0, 4]]
+    assert one["model"]["config_sha256"] == hashlib.sha256((tiny / "config.json").read_bytes()).hexdigest()  # type: ignore[index]
+    assert "accepted_per_round" not in one and one["output_text"] is None
+    split = run_json(capsys, [*base, "--stages", "3", "--draft", "ngram"])
+    assert split["output_token_ids"] == ids and split["blocks"] == [[0, 2], [2, 3], [3, 4]]
+    assert "accepted_per_round" in split
+    drafted = run_json(capsys, [*base, "--stages", "2", "--draft", str(tiny), "--draft-k", "3"])
+    assert drafted["output_token_ids"] == ids and drafted["acceptance_rate"] == 1.0
+    s1 = run_json(capsys, [*base, "--temperature", "0.8", "--top-p", "0.9", "--seed", "4"])
+    s2 = run_json(capsys, [*base, "--temperature", "0.8", "--top-p", "0.9", "--seed", "4"])
+    assert s1["output_token_ids"] == s2["output_token_ids"]
+
+
+def test_run_errors_have_exit_codes(tiny: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "--model", str(tiny), "--prompt", "hello", "--threads", "1"]) == 3  # no tokenizer
+    assert main(["run", "--model", str(tiny), "--threads", "1"]) == 2  # no prompt
+    assert main(["run", "--model", str(tiny), "--prompt-ids", "1", "--dtype", "fp8"]) == 2
+    assert main(["run", "--model", str(tiny), "--prompt-ids", "1", "--draft", "/no/such"]) == 2
+    assert main(["run", "--model", str(tiny / "missing"), "--prompt-ids", "1"]) == 3
+    assert main(["run", "--model", str(tiny), "--prompt-ids", "1", "--stages", "9"]) == 2
+    err = capsys.readouterr().err
+    assert "--prompt-ids" in err and "--stages" in err
+
+
+@pytest.mark.slow
+def test_run_on_the_bundled_model(capsys: pytest.CaptureFixture[str]) -> None:
+    obj = run_json(capsys, ["--prompt", "What is 2+2?", "--max-new-tokens", "8", "--stages", "3"])
+    assert obj["model"]["name"] == "SmolLM2-135M-Instruct"  # type: ignore[index]
+    assert len(obj["output_token_ids"]) >= 1  # type: ignore[arg-type]
+    assert isinstance(obj["output_text"], str) and obj["output_text"]
+    assert obj["blocks"] == [[0, 10], [10, 20], [20, 30]]
+    # Streaming mode prints the same text on stdout.
+    torch.set_num_threads(1)
+    assert main(["run", "--prompt", "What is 2+2?", "--max-new-tokens", "8", "--stages", "1",
+                 "--threads", "1"]) == 0
+    assert capsys.readouterr().out.strip() == str(obj["output_text"]).strip()
