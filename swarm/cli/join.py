@@ -214,7 +214,7 @@ async def _serve_layers(
             nursery.start_soon(_relay_client, service, host, printer, list(manifest.bootstrap))
         if mdns:
             nursery.start_soon(_mdns_discovery, service, host, manifest.swarm_id, _dialable(host.addrs()))
-        nursery.start_soon(_signals, nursery.cancel_scope)
+        nursery.start_soon(_signals, nursery.cancel_scope, node)
         if exit_after is not None:
             nursery.cancel_scope.deadline = trio.current_time() + exit_after
         while True:
@@ -223,10 +223,12 @@ async def _serve_layers(
     ui.notice(f"left swarm {manifest.swarm_name!r}")
 
 
-async def _signals(scope: trio.CancelScope) -> None:
+async def _signals(scope: trio.CancelScope, node: Any = None) -> None:
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async for _ in signals:
             ui.notice("leaving the swarm...")
+            if node is not None:
+                await node.leave()  # the swarm re-plans without us first (bounded)
             scope.cancel()
             return
 

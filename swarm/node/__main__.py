@@ -54,9 +54,10 @@ async def _main(settings: NodeSettings) -> None:
 
     async with trio.open_nursery() as nursery:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            nursery.start_soon(Node(settings, on_event=event).run)
+            node = await nursery.start(Node(settings, on_event=event).run)
             async for _ in signals:
                 event("leaving")
+                await node.leave()  # the swarm re-plans without us first (bounded)
                 nursery.cancel_scope.cancel()
                 return
 

@@ -73,7 +73,8 @@ PROTO_ACT = "/shard-swarm/act/1"
 PROTO_GEN = "/shard-swarm/gen/1"
 
 LOAD_TIMEOUT_S = 600.0
-REPLAN_SETTLE_S = 0.3  # after a loss: re-plan as soon as membership stops changing
+REPLAN_SETTLE_S = 0.3
+LEAVE_TIMEOUT_S = 60.0  # after a loss: re-plan as soon as membership stops changing
 LINK_TIMEOUT_S = 20.0
 RPC_TIMEOUT_S = 20.0
 
@@ -180,6 +181,7 @@ class Node:
         self.epoch: Epoch | None = None
         self.epochs_planned = 0
         self._last_epoch = 0  # the highest epoch this node has proposed (never reused)
+        self._leaving: set[str] = set()
         self.replans: list[dict[str, Any]] = []
         self._plan_changed = trio.Event()
         self._membership_changed = trio.Event()
@@ -254,6 +256,10 @@ class Node:
         view = self.service.membership.view()
         return sorted({self.peer_id, *(p for p in self.service.members() if p in view)})
 
+    def plannable(self) -> list[str]:
+        """Members a plan may use: not the ones leaving."""
+        return [p for p in self.members() if p not in self._leaving]
+
     def leader(self) -> str:
         return self.members()[0]
 
@@ -278,7 +284,7 @@ class Node:
             if trio.current_time() - stable_since < settle:
                 continue
             try:
-                await self._plan_and_start(members)
+                await self._plan_and_start(self.plannable())
             except PlanningError as exc:
                 self._on_event(f"cannot plan yet: {exc}")
                 await trio.sleep(2.0)
@@ -387,6 +393,9 @@ class Node:
             if isinstance(msg, Control) and msg.op == "connect":
                 await self._connect(msg.body_reader().int("epoch", 0, 1 << 62))
                 return Control("linked", {})
+            if isinstance(msg, Control) and msg.op == "leave":
+                await self._handle_leave(peer)
+                return Control("serving", {})
             if isinstance(msg, Control) and msg.op == "serve":
                 await self._start_serving(msg.body_reader().int("epoch", 0, 1 << 62))
                 return Control("serving", {})
@@ -394,6 +403,45 @@ class Node:
         except SwarmError as exc:
             log.warning("ring request from %s failed: %s", peer, exc)
             return Control("fail", {"code": type(exc).__name__, "message": str(exc)[:900]})
+
+    # -- leaving on purpose ----------------------------------------------------------------
+
+    async def leave(self, timeout: float = LEAVE_TIMEOUT_S) -> None:
+        """Ask the leader to re-plan without us and wait until the new ring serves, so the
+        generations in flight move to it (a short pause) instead of failing when we go."""
+        ep = self.epoch
+        if ep is None or ep.done.is_set() or self.peer_id not in {*ep.plan.ring, ep.plan.coordinator}:
+            return
+        if len(self.members()) < 2:
+            return
+        self.notice("leaving: asking the swarm to re-plan without this node")
+        try:
+            with trio.fail_after(timeout):
+                if self.leader() == self.peer_id:
+                    await self._handle_leave(self.peer_id)
+                else:
+                    assert self.host is not None
+                    async with self.host.open_stream(self.leader(), PROTO_RING, timeout=RPC_TIMEOUT_S) as fs:
+                        await fs.send(Control("leave", {}).to_frame())
+                        reply = parse_message(await fs.receive(timeout=timeout))
+                    if not isinstance(reply, Control) or reply.op != "serving":
+                        raise PeerError(f"the leader refused our leave: {reply!r}")
+        except (SwarmError, trio.TooSlowError) as exc:
+            self.notice(f"leaving without a hand-over ({exc})")
+
+    async def _handle_leave(self, peer: str) -> None:
+        """Leader: re-plan without ``peer``; return once an epoch without it serves."""
+        if self.leader() != self.peer_id:
+            raise ProtocolError(f"{self.peer_id} is not the leader; ask {self.leader()}")
+        self._leaving.add(peer)
+        ep = self.epoch
+        if ep is not None and peer in {*ep.plan.ring, ep.plan.coordinator}:
+            self._end_epoch(f"peer {peer} is leaving")
+        while True:
+            ep = self.epoch
+            if ep is not None and not ep.done.is_set() and peer not in {*ep.plan.ring, ep.plan.coordinator}:
+                return
+            await trio.sleep(0.05)
 
     async def _accept_plan(self, sender: str, msg: PlanMsg) -> None:
         if msg.signer is None:

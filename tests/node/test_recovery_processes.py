@@ -8,6 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
+import trio
+
+from swarm.errors import PeerError
 
 from swarm.model.config import ModelArgs
 from swarm.node import client
@@ -66,3 +69,53 @@ async def test_stage_lost_mid_generation(ckpt: Path, sig: int) -> None:
         assert rp["pause_s"] < 30, rp
         if sig == signal.SIGSTOP:
             swarm.kill(victim, signal.SIGCONT)
+
+
+async def test_graceful_leave_and_tail_loss(ckpt: Path) -> None:
+    """A stage that leaves on purpose (SIGTERM) hands over first: its generation pauses but never
+    fails. Then the tail is killed: the next generation resumes after a re-plan. Both outputs
+    equal the uninterrupted run's."""
+    with start_local_swarm(5, ckpt, dtype="bf16", memory_bytes=[_memory(ckpt, 3)] * 5, chunk_timeout=3.0) as swarm:
+        async with client.open_client(swarm.addrs[0], secret=swarm.secret, swarm_id=swarm.swarm_id) as (h, peer):
+            st = await client.wait_ready(h, peer, timeout=90)
+        plan = st["plan"]
+        coord = swarm.peer_ids.index(plan["coordinator"])
+        stages = [swarm.peer_ids.index(p) for p in plan["ring"] if p != plan["coordinator"]]
+        reference = await _run(swarm, coord, None, signal.SIGKILL, 0)
+        leaver = stages[0]
+        got = await _run(swarm, coord, leaver, signal.SIGTERM, 30)
+        assert got["output_token_ids"] == reference["output_token_ids"]
+        assert len(got["replans"]) == 1 and "leaving" in got["replans"][0]["reason"], got["replans"]
+        assert swarm.procs[leaver].wait(timeout=30) == 0  # it left cleanly after the hand-over
+        async with client.open_client(swarm.addrs[coord], secret=swarm.secret, swarm_id=swarm.swarm_id) as (h, peer):
+            st = await client.wait_ready(h, peer, timeout=60)
+        tail = swarm.peer_ids.index(st["plan"]["ring"][-1])
+        if tail != coord:
+            got = await _run(swarm, coord, tail, signal.SIGKILL, 30)
+            assert got["output_token_ids"] == reference["output_token_ids"]
+            assert swarm.peer_ids[tail] in got["replans"][0]["lost"]
+
+
+async def test_coordinator_loss_fails_fast_then_swarm_serves_again(ckpt: Path) -> None:
+    with start_local_swarm(4, ckpt, dtype="bf16", memory_bytes=[_memory(ckpt, 4)] * 4, chunk_timeout=3.0) as swarm:
+        async with client.open_client(swarm.addrs[0], secret=swarm.secret, swarm_id=swarm.swarm_id) as (h, peer):
+            st = await client.wait_ready(h, peer, timeout=90)
+        coord = swarm.peer_ids.index(st["plan"]["coordinator"])
+        other = next(i for i in range(4) if i != coord)
+        reference = await _run(swarm, coord, None, signal.SIGKILL, 0)
+        async with client.open_client(swarm.addrs[other], secret=swarm.secret, swarm_id=swarm.swarm_id) as (h, peer):
+            seen: list[int] = []
+
+            def on_tokens(ids: list[int], text: str) -> None:
+                if len(seen) < 30 <= len(seen) + len(ids):
+                    swarm.kill(coord)
+                seen.extend(ids)
+
+            with pytest.raises(PeerError):  # a clear error through the relaying peer, not a hang
+                with trio.fail_after(30):
+                    await client.generate(h, peer, prompt_ids=PROMPT, max_new_tokens=N_NEW, draft="ngram",
+                                          timeout=20, on_tokens=on_tokens)
+            st2 = await client.wait_ready(h, peer, timeout=90)
+            assert st2["plan"]["coordinator"] != swarm.peer_ids[coord]
+            again = await client.generate(h, peer, prompt_ids=PROMPT, max_new_tokens=N_NEW, draft="ngram", timeout=60)
+            assert again["output_token_ids"] == reference["output_token_ids"]

@@ -164,3 +164,21 @@ async def test_resume_after_lost_stage_is_token_identical(ckpt: Path, dtype: tor
     assert not isinstance(res2, BaseException), res2
     assert res2.output_token_ids == ref.output_token_ids
     assert seen == ref.output_token_ids  # streamed: nothing lost, nothing repeated
+
+
+async def test_ring_and_one_box_agree_in_bf16_with_chunks_in_flight(ckpt: Path) -> None:
+    """bf16 numerics depend on chunk shapes: the ring and swarm.model.generate must issue the same
+    chunks (poll after every result), so their outputs agree token for token."""
+    blocks = [(0, 2), (2, 4), (4, 6)]
+    kw = dict(max_new_tokens=60, eos_token_ids=(), prefill_chunk=4)
+    ref = generate(_model(ckpt, blocks, torch.bfloat16), PROMPT, drafter=NgramDrafter(),
+                   policy=KPolicy(max_depth=3), **kw)
+
+    async def job(c: Coordinator):  # type: ignore[no-untyped-def]
+        return await c.generate(PROMPT, drafter=NgramDrafter(), policy=KPolicy(max_depth=3), **kw)
+
+    (res,), _ = await run_memory_ring(_model(ckpt, blocks, torch.bfloat16), [job], delay=0.002)
+    assert not isinstance(res, BaseException), res
+    assert res.output_token_ids == ref.output_token_ids
+    live = [c for c in res.chunks]  # every chunk the ring sent; the reference ran the live ones
+    assert [c for c in ref.chunks if c in live] == ref.chunks
