@@ -21,6 +21,7 @@ from swarm.cli import ui
 from swarm.errors import UsageError
 from swarm.manifest.manifest import read_manifest
 from swarm.model.bundled import default_model_dir
+from swarm.model.dtypes import dtype_name, resolve_dtype
 from swarm.node import client
 from swarm.node.launch import start_local_swarm
 
@@ -37,7 +38,7 @@ def demo(
     prompt: str = typer.Option(DEFAULT_PROMPT, "--prompt", "-p"),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=1, max=4096),
     model: Path | None = typer.Option(None, "--model", help="Model directory (default: the bundled SmolLM2)."),
-    dtype: str = typer.Option("bf16", "--dtype", help="bf16 or fp32."),
+    dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 where the hardware has it, else fp32), bf16, fp16 or fp32."),
     draft: str = typer.Option("ngram", "--draft", help="ngram or none."),
     chat: bool = typer.Option(True, "--chat/--no-chat", help="Wrap the prompt in the model's chat template."),
     temperature: float = typer.Option(0.0, "--temperature"),
@@ -49,11 +50,10 @@ def demo(
     timeout: float = typer.Option(300.0, "--timeout", help="Seconds to wait for the ring to form."),
 ) -> None:
     """Start a local swarm of NODES processes on the bundled model and run one generation."""
-    if dtype not in ("bf16", "fp32"):
-        raise UsageError(f"--dtype must be bf16 or fp32, got {dtype}")
+    resolve_dtype(dtype)  # refuse a bad name before starting anything
     with ui.progress("converting the bundled model (first run only)") as report:
         model_dir = model or default_model_dir(progress=report)
-    ui.notice(f"starting {nodes} node processes on loopback ({model_dir.name}, {dtype})")
+    ui.notice(f"starting {nodes} node processes on loopback ({model_dir.name}, {dtype_name(resolve_dtype(dtype))})")
     with start_local_swarm(nodes, model_dir, dtype=dtype, draft=draft, delay_ms=delay_ms) as swarm:
         try:
             result = trio.run(

@@ -186,8 +186,7 @@ async def _serve_layers(
     dtype: str, threads: int, mdns: bool, relay: bool, as_json: bool, exit_after: float | None,
 ) -> None:
     """A full node: membership as above, plus the ring (its block, or the coordinator role)."""
-    import torch
-
+    from swarm.model.dtypes import resolve_dtype
     from swarm.node.runtime import Node, NodeSettings
 
     dialable = _dialable([a for a in listen])
@@ -196,7 +195,7 @@ async def _serve_layers(
     settings = NodeSettings(
         seed=seed, swarm_id=manifest.swarm_id, secret=manifest.secret.value, model_dir=model_dir,
         listen=tuple(listen), bootstrap=tuple(manifest.bootstrap), memory_bytes=memory,
-        dtype={"bf16": torch.bfloat16, "fp32": torch.float32}[dtype],
+        dtype=resolve_dtype(dtype),
         threads=threads or max(1, (os.cpu_count() or 2)), revoked=frozenset(manifest.revoked),
         fastpath_host=first_ip,
     )  # fmt: skip
@@ -316,7 +315,7 @@ def join(
     as_json: bool = typer.Option(False, "--json", help="One JSON object per line on stdout."),
     exit_after: float | None = typer.Option(None, "--exit-after", help="Leave after this many seconds."),
     serve: bool = typer.Option(True, "--serve/--no-serve", help="Hold layers (or coordinate) for the swarm; --no-serve only shows peers."),
-    dtype: str = typer.Option("bf16", "--dtype", help="bf16 or fp32 for the layers this node holds."),
+    dtype: str = typer.Option("auto", "--dtype", help="auto, bf16, fp16 or fp32 for the layers this node holds."),
     threads: int = typer.Option(0, "--threads", help="torch threads (0: every core)."),
 ) -> None:
     """Join a swarm: connect, be admitted, and show peers as they appear."""

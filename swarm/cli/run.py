@@ -20,7 +20,8 @@ from swarm.cli import ui
 from swarm.errors import ConfigError, TokenizerError, UsageError
 from swarm.model.bundled import BUNDLED_NAME, default_model_dir
 from swarm.model.drafters import ModelDrafter, NgramDrafter, self_draft_layers, self_drafter
-from swarm.model.generate import DTYPES, LocalModel, generate
+from swarm.model.dtypes import dtype_name, resolve_dtype
+from swarm.model.generate import LocalModel, generate
 from swarm.model.sampling import SamplingParams
 from swarm.model.speculative import DraftSource, KPolicy
 from swarm.model.tokenizer import Tokenizer
@@ -99,7 +100,7 @@ def run_command(
     seed: int = typer.Option(0, "--seed", help="Seed of the sampling generators."),
     draft: str = typer.Option("none", "--draft", help="Drafter: none, ngram, self (layer-skipped target) or a checkpoint PATH."),
     draft_k: int | None = typer.Option(None, "--draft-k", help="Fixed draft length (default: adaptive)."),
-    dtype: str = typer.Option("bf16", "--dtype", help="bf16 or fp32."),
+    dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 where the hardware has it, else fp32), bf16 or fp32."),
     threads: int | None = typer.Option(None, "--threads", help="torch threads (default: all cores)."),
     chat: bool = typer.Option(True, "--chat/--no-chat", help="Wrap --prompt in the chat template."),
     as_json: bool = typer.Option(False, "--json", help="Print a JSON result instead of streaming text."),
@@ -107,15 +108,14 @@ def run_command(
     """Generate with the model split into N stages in this process (the one-box reference)."""
     if (prompt is None) == (prompt_ids is None):
         raise UsageError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
-    if dtype not in DTYPES:
-        raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    torch_dtype = resolve_dtype(dtype)
+    dtype = dtype_name(torch_dtype)
     if threads is not None and threads < 1:
         raise UsageError(f"--threads must be >= 1, got {threads}")
     if max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     torch.set_num_threads(threads or os.cpu_count() or 1)
-    torch_dtype = DTYPES[dtype]
 
     if model is None:
         with ui.progress("converting the bundled model (first use only)") as report:

@@ -13,13 +13,11 @@ import signal
 import sys
 from pathlib import Path
 
-import torch
 import trio
 
 from swarm.manifest.manifest import read_manifest
+from swarm.model.dtypes import resolve_dtype
 from swarm.node.runtime import Node, NodeSettings
-
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def settings_from_file(path: Path) -> NodeSettings:
@@ -35,7 +33,7 @@ def settings_from_file(path: Path) -> NodeSettings:
         announce=tuple(cfg.get("announce", [])),
         bootstrap=tuple(manifest.bootstrap),
         memory_bytes=int(cfg.get("memory_bytes", 0)),
-        dtype=DTYPES[cfg.get("dtype", "bf16")],
+        dtype=resolve_dtype(cfg.get("dtype", "auto")),
         threads=int(cfg.get("threads", 1)),
         coordinator_ok=bool(cfg.get("coordinator_ok", True)),
         expect_peers=int(cfg.get("expect_peers", 0)),

@@ -25,14 +25,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from swarm.manifest.identity import Identity
 from swarm.manifest.manifest import new_manifest, sign_manifest, write_manifest
 from swarm.model.config import ModelArgs
+from swarm.model.dtypes import resolve_dtype
 from swarm.node.runtime import model_spec
-
-DTYPE_NAMES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def free_ports(n: int) -> list[int]:
@@ -100,7 +97,7 @@ def start_local_swarm(
     n: int,
     model_dir: Path,
     *,
-    dtype: str = "bf16",
+    dtype: str = "auto",
     threads: int = 1,
     memory_bytes: list[int] | None = None,
     delay_ms: float = 0.0,
@@ -134,7 +131,7 @@ def start_local_swarm(
     secret, swarm_id = manifest.secret.value, manifest.swarm_id
     if memory_bytes is None:
         args = ModelArgs.from_dir(model_dir)
-        spec = model_spec(args, DTYPE_NAMES[dtype], context_tokens)
+        spec = model_spec(args, resolve_dtype(dtype), context_tokens)
         per = math.ceil(args.n_layers / n) * spec.bytes_per_layer + spec.coordinator_bytes
         memory_bytes = [int(per * 1.02)] * n
     swarm = LocalSwarm(workdir, swarm_id, secret, peer_ids, addrs, _tmp=tmp)
