@@ -71,7 +71,8 @@ def demo(
 
 
 def generate(
-    prompt: str = typer.Option(..., "--prompt", "-p"),
+    prompt: str | None = typer.Option(None, "--prompt", "-p"),
+    prompt_ids: str | None = typer.Option(None, "--prompt-ids", help="Comma-separated token ids instead of text."),
     manifest: Path | None = typer.Option(None, "--manifest", help="Invite of the swarm (secret, bootstrap)."),
     peer: str | None = typer.Option(None, "--peer", help="Multiaddr of a peer (default: the invite's bootstrap)."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=1, max=4096),
@@ -88,14 +89,22 @@ def generate(
     """Run one generation on a running swarm."""
     if manifest is None:
         raise UsageError("give --manifest (the swarm's invite: it holds the secret admission needs)")
+    if (prompt is None) == (prompt_ids is None):
+        raise UsageError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
+    ids: list[int] | None = None
+    if prompt_ids is not None:
+        try:
+            ids = [int(t) for t in prompt_ids.split(",") if t.strip()]
+        except ValueError:
+            raise UsageError(f"--prompt-ids must be comma-separated integers, got {prompt_ids!r}") from None
     m = read_manifest(manifest)
     addr = peer or (m.bootstrap[0] if m.bootstrap else None)
     if addr is None:
         raise UsageError("the invite names no bootstrap peer: give --peer MULTIADDR")
     result = trio.run(
         _run_one, addr, m.secret.value, m.swarm_id, timeout,
-        dict(text=prompt, chat=chat, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-             top_p=top_p, seed=seed, draft=draft),
+        dict(text=prompt, prompt_ids=ids, chat=chat and ids is None, max_new_tokens=max_new_tokens,
+             temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, draft=draft),
         json_out,
     )  # fmt: skip
     _finish(result, json_out, receipt)
