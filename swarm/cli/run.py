@@ -100,6 +100,7 @@ def run_command(
     seed: int = typer.Option(0, "--seed", help="Seed of the sampling generators."),
     draft: str = typer.Option("none", "--draft", help="Drafter: none, ngram, self (layer-skipped target) or a checkpoint PATH."),
     draft_k: int | None = typer.Option(None, "--draft-k", help="Fixed draft length (default: adaptive)."),
+    depth: int = typer.Option(1, "--depth", min=1, max=8, help="Verify chunks in flight (a ring receipt's draft.max_depth reproduces it)."),
     dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 where the hardware has it, else fp32), bf16 or fp32."),
     threads: int | None = typer.Option(None, "--threads", help="torch threads (default: all cores)."),
     chat: bool = typer.Option(True, "--chat/--no-chat", help="Wrap --prompt in the chat template."),
@@ -146,7 +147,7 @@ def run_command(
     drafter, draft_name = _make_drafter(draft, lm, torch_dtype, max_len + 16)
     # Drafting cost steers the adaptive K: a model draft costs what its weights cost to read.
     cost = drafter.relative_cost(lm.args) if isinstance(drafter, ModelDrafter) else 0.0
-    policy = KPolicy(fixed_k=draft_k, draft_cost=cost)
+    policy = KPolicy(fixed_k=draft_k, draft_cost=cost, max_depth=depth)
     streamer = _Streamer(tok) if (tok is not None and not as_json) else None
     result = generate(lm, ids, params=params, max_new_tokens=max_new_tokens, drafter=drafter,
                       policy=policy, eos_token_ids=eos, on_tokens=streamer)

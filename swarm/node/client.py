@@ -110,6 +110,8 @@ async def generate(
     top_p: float = 1.0,
     seed: int | None = None,
     draft: str | None = None,
+    depth: int | None = None,
+    draft_k: int | None = None,
     wait_s: float = 0.0,
     timeout: float = 60.0,
     on_tokens: Callable[[list[int], str], None] | None = None,
@@ -121,6 +123,10 @@ async def generate(
         body["seed"] = seed
     if draft is not None:
         body["draft"] = draft
+    if depth is not None:
+        body["depth"] = depth
+    if draft_k is not None:
+        body["draft_k"] = draft_k
     if prompt_ids is None:
         if text is None:
             raise ValueError("give text or prompt_ids")

@@ -102,11 +102,32 @@ def sampling_from(body: Body) -> SamplingParams:
     )
 
 
-def make_drafter(node: Node, name: str) -> tuple[DraftSource | None, KPolicy | None]:
+MAX_DEPTH = 4  # verify chunks in flight at most
+
+
+def ring_depth(node: Node, plan: Any) -> int:
+    """Chunks worth keeping in flight on this ring: one traversal over its slowest stage.
+
+    A chunk occupies one stage at a time, so a ring whose traversal is T with a slowest stage of
+    S can usefully hold about T / S chunks (more only queue). Both come from the plan's
+    predictions (measured RTTs and ms per layer), fixed for the epoch so a generation's chunk
+    schedule, hence its output, does not depend on timing; the receipt records the depth, and
+    ``shard-swarm run --depth`` reproduces it on one box."""
+    view = node.service.membership.view() if node.service is not None else {}
+    stage_ms = [
+        (b - a) * (view[p].layer_us / 1000 if p in view else node.ms_per_layer) for p, (a, b) in plan.blocks.items()
+    ]
+    slowest = max([*stage_ms, 0.05])
+    return max(1, min(MAX_DEPTH, math.ceil(plan.predicted_traversal_ms / slowest)))
+
+
+def make_drafter(name: str, *, depth: int, draft_k: int | None) -> tuple[DraftSource | None, KPolicy | None]:
+    """The drafter and K/depth policy for a request; ``shard-swarm run`` builds the same ones
+    from the same flags (prompt lookup costs nothing next to a target pass: draft_cost 0)."""
     if name == "none":
         return None, None
     if name == "ngram":
-        return NgramDrafter(), KPolicy(max_depth=2)
+        return NgramDrafter(), KPolicy(max_depth=depth, fixed_k=draft_k, draft_cost=0.0)
     raise UsageError(f"unknown draft {name!r}: choose ngram or none")
 
 
@@ -125,7 +146,10 @@ async def _generate(node: Node, ep: Any, msg: Control, fs: FramedStream) -> None
         prompt = tok.encode(text, add_special_tokens=False)
     max_new = body.int("max_new_tokens", 1, MAX_NEW_TOKENS, default=64)
     params = sampling_from(body)
-    drafter, policy = make_drafter(node, body.str("draft", 16, default=node.settings.draft))
+    draft_name = body.str("draft", 16, default=node.settings.draft)
+    depth = body.int("depth", 1, MAX_DEPTH) if body.optional("depth") is not None else ring_depth(node, ep.plan)
+    draft_k = body.int("draft_k", 1, 32) if body.optional("draft_k") is not None else None
+    drafter, policy = make_drafter(draft_name, depth=depth, draft_k=draft_k)
     send, recv = trio.open_memory_channel[list[int]](math.inf)
     all_ids: list[int] = []
     shown = ""
@@ -165,6 +189,7 @@ async def _generate(node: Node, ep: Any, msg: Control, fs: FramedStream) -> None
     gen = run.gen
     receipt = build_receipt(node, ep, gen, params, started=t0)
     receipt["replans"] = replans
+    receipt["draft"] = {"name": draft_name, "max_depth": depth if drafter is not None else 1, "draft_k": draft_k}
     await fs.send(Control("done", receipt).to_frame())
 
 

@@ -57,3 +57,27 @@ async def test_three_node_ring_matches_one_box(ckpt: Path) -> None:
                                             top_p=0.9, seed=7, draft="none", timeout=60)
             assert sampled["output_token_ids"] == want_sampled[: len(sampled["output_token_ids"])]
         assert all(swarm.alive()), [swarm.log(i)[-2000:] for i in range(3)]
+
+
+async def test_ring_receipt_and_run_json_agree_in_bf16(ckpt: Path) -> None:
+    """Anyone can check a swarm against one box: `shard-swarm run --json` with the receipt's
+    settings gives the same tokens, in bf16 with drafted chunks in flight."""
+    import json
+    import subprocess
+    import sys
+
+    with start_local_swarm(3, ckpt, dtype="bf16") as swarm:
+        async with client.open_client(swarm.addrs[0], secret=swarm.secret, swarm_id=swarm.swarm_id) as (h, peer):
+            await client.wait_ready(h, peer, timeout=90)
+            receipt = await client.generate(h, peer, prompt_ids=PROMPT, max_new_tokens=48, draft="ngram", timeout=60)
+    depth = receipt["draft"]["max_depth"]
+    out = subprocess.run(
+        [sys.executable, "-m", "swarm.cli.main", "run", "--model", str(ckpt), "--stages", "2", "--dtype", "bf16",
+         "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", "48", "--draft", "ngram",
+         "--depth", str(depth), "--threads", "1", "--json"],
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    local = json.loads(out.stdout)
+    assert local["output_token_ids"] == receipt["output_token_ids"]
+    assert local["output_sha256"] == receipt["output_sha256"]
