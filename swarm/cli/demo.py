@@ -20,10 +20,6 @@ import typer
 from swarm.cli import ui
 from swarm.errors import UsageError
 from swarm.manifest.manifest import read_manifest
-from swarm.model.bundled import default_model_dir
-from swarm.model.dtypes import dtype_name, resolve_dtype
-from swarm.node import client
-from swarm.node.launch import start_local_swarm
 
 DEFAULT_PROMPT = "Explain in two sentences why the sky is blue."
 
@@ -50,6 +46,10 @@ def demo(
     timeout: float = typer.Option(300.0, "--timeout", help="Seconds to wait for the ring to form."),
 ) -> None:
     """Start a local swarm of NODES processes on the bundled model and run one generation."""
+    from swarm.model.bundled import default_model_dir
+    from swarm.model.dtypes import dtype_name, resolve_dtype
+    from swarm.node.launch import start_local_swarm
+
     resolve_dtype(dtype)  # refuse a bad name before starting anything
     with ui.progress("converting the bundled model (first run only)") as report:
         model_dir = model or default_model_dir(progress=report)
@@ -111,6 +111,8 @@ def generate(
 
 
 async def _run_one(addr: str, secret: bytes, swarm_id: str, timeout: float, req: dict[str, Any], quiet_stream: bool) -> dict[str, Any]:
+    from swarm.node import client
+
     net_log = logging.getLogger("swarm.net")
     if net_log.getEffectiveLevel() > logging.DEBUG:
         net_log.setLevel(logging.WARNING)  # our client's connection chatter is not the user's news

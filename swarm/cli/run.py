@@ -11,20 +11,19 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 import typer
 
 from swarm.cli import ui
 from swarm.errors import ConfigError, TokenizerError, UsageError
-from swarm.model.bundled import BUNDLED_NAME, default_model_dir
-from swarm.model.drafters import ModelDrafter, NgramDrafter, self_draft_layers, self_drafter
-from swarm.model.dtypes import dtype_name, resolve_dtype
-from swarm.model.generate import LocalModel, generate
-from swarm.model.sampling import SamplingParams
-from swarm.model.speculative import DraftSource, KPolicy
-from swarm.model.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # torch and the model load in the command, so other commands start fast
+    import torch
+
+    from swarm.model.generate import LocalModel
+    from swarm.model.speculative import DraftSource
+    from swarm.model.tokenizer import Tokenizer
 
 
 def output_sha256(ids: Sequence[int]) -> str:
@@ -43,6 +42,8 @@ def parse_prompt_ids(text: str) -> list[int]:
 
 
 def _load_tokenizer(model_dir: Path) -> Tokenizer | None:
+    from swarm.model.tokenizer import Tokenizer
+
     if model_dir.is_dir() and (model_dir / "tokenizer.json").is_file():
         return Tokenizer.from_dir(model_dir)
     return None
@@ -50,6 +51,8 @@ def _load_tokenizer(model_dir: Path) -> Tokenizer | None:
 
 def _make_drafter(spec: str, model: LocalModel, dtype: torch.dtype, max_len: int) -> tuple[
         DraftSource | None, str | None]:
+    from swarm.model.drafters import ModelDrafter, NgramDrafter, self_draft_layers, self_drafter
+
     if spec == "none":
         return None, None
     if spec == "ngram":
@@ -107,6 +110,15 @@ def run_command(
     as_json: bool = typer.Option(False, "--json", help="Print a JSON result instead of streaming text."),
 ) -> None:
     """Generate with the model split into N stages in this process (the one-box reference)."""
+    import torch
+
+    from swarm.model.bundled import BUNDLED_NAME, default_model_dir
+    from swarm.model.drafters import ModelDrafter
+    from swarm.model.dtypes import dtype_name, resolve_dtype
+    from swarm.model.generate import LocalModel, generate
+    from swarm.model.sampling import SamplingParams
+    from swarm.model.speculative import KPolicy
+
     if (prompt is None) == (prompt_ids is None):
         raise UsageError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
     torch_dtype = resolve_dtype(dtype)
