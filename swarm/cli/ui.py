@@ -137,3 +137,31 @@ def print_receipt_summary(receipt: dict[str, Any]) -> None:
         + f", output sha256 {receipt.get('output_sha256', '')[:16]}…",
         highlight=False, markup=False,
     )
+
+
+def stdout_is_tty() -> bool:
+    return bool(out.is_terminal)
+
+
+@contextlib.contextmanager
+def live_status() -> Iterator[Any]:
+    """A live view on stdout for ``shard-swarm status``: yields ``show(headline, columns, rows)``,
+    which replaces the frame (headline lines above a table)."""
+    from rich.console import Group
+    from rich.live import Live
+    from rich.text import Text
+
+    def frame(lines: list[str], columns: list[str], rows: list[list[str]]) -> Group:
+        table = Table(box=None, pad_edge=False)
+        for c in columns:
+            table.add_column(c)
+        for r in rows:
+            table.add_row(*[escape(str(x)) for x in r])
+        return Group(*[Text(line, style="bold" if i == 0 else "") for i, line in enumerate(lines)], table)
+
+    with Live(console=out, auto_refresh=False, transient=False) as live:
+
+        def show(lines: list[str], columns: list[str], rows: list[list[str]]) -> None:
+            live.update(frame(lines, columns, rows), refresh=True)
+
+        yield show

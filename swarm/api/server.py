@@ -1,0 +1,317 @@
+"""The OpenAI-compatible HTTP server: Starlette routes on Hypercorn's trio worker.
+
+Theory of operation
+-------------------
+``serve_api`` runs Hypercorn inside the caller's ``trio.run`` (beside the libp2p host), started
+with ``nursery.start``; it reports the URL it bound. Routes: ``GET /v1/models``,
+``GET /v1/models/{id}``, ``POST /v1/chat/completions``, ``POST /v1/completions``.
+
+Every generation runs under a *disconnect watch*: one task waits for ASGI's ``http.disconnect``
+while another produces the answer, and whichever ends first cancels the other. A client that
+hangs up (mid-stream, or while waiting for a non-streamed answer) therefore cancels the
+generation at once, and ``open_generation`` resets the gen stream so the swarm frees the
+session (see backend.py). Stop sequences end a generation the same way, from our side.
+
+Security: bound to 127.0.0.1 by default. Binding anything else needs a bearer token, which every
+``/v1`` request must then present (compared in constant time); a token given for a loopback
+bind is enforced too. The token never appears in logs or errors.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import json
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import trio
+from hypercorn.config import Config
+from hypercorn.trio import serve
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from swarm.api.backend import Backend, open_generation
+from swarm.api.requests import ApiError, GenSpec, parse_chat, parse_completion
+from swarm.api.stops import TextAssembler
+from swarm.errors import UsageError
+
+log = logging.getLogger("swarm.api")
+
+DEFAULT_BIND = "127.0.0.1:8000"
+MAX_BODY = 1 << 20
+CREATED = int(time.time())
+
+
+def parse_bind(bind: str) -> tuple[str, int]:
+    """'127.0.0.1:8000', '[::1]:8000', 'localhost:0' -> (host, port)."""
+    host, sep, port = bind.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise UsageError(f"API address {bind!r}: expected HOST:PORT, e.g. 127.0.0.1:8000")
+    return host.strip("[]"), int(port)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def error_response(err: ApiError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+class _Auth:
+    """ASGI middleware: a bearer token on every /v1 request, when a token is set."""
+
+    def __init__(self, app: ASGIApp, token: str | None) -> None:
+        self.app, self.token = app, token
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.token is not None and scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            scheme, _, value = given.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(), self.token.encode()):
+                err = ApiError("missing or wrong API key: send 'Authorization: Bearer <token>'", status=401,
+                               code="invalid_api_key")  # fmt: skip
+                await error_response(err)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def _until_disconnect(receive: Receive, work: Callable[[], Awaitable[None]]) -> bool:
+    """Run ``work`` until it returns or the client hangs up; True if the client hung up."""
+    gone = False
+    async with trio.open_nursery() as nursery:
+
+        async def watch() -> None:
+            nonlocal gone
+            while True:
+                msg = await receive()
+                if msg["type"] == "http.disconnect":
+                    gone = True
+                    nursery.cancel_scope.cancel()
+                    return
+
+        nursery.start_soon(watch)
+        await work()
+        nursery.cancel_scope.cancel()
+    return gone
+
+
+class _SSE(Response):
+    """Server-sent events produced by ``produce(emit)``, cancelled when the client hangs up."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, produce: Callable[[Callable[[Any], Awaitable[None]]], Awaitable[None]]) -> None:
+        # no super().__init__: it would declare a Content-Length for an empty body
+        self.status_code, self.background = 200, None
+        self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+                            (b"x-accel-buffering", b"no")]  # fmt: skip
+        self.produce = produce
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+
+        async def emit(obj: Any) -> None:
+            data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
+            await send({"type": "http.response.body", "body": f"data: {data}\n\n".encode(), "more_body": True})
+
+        async def work() -> None:
+            await self.produce(emit)
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        if await _until_disconnect(receive, work):
+            log.info("client hung up mid-stream; generation cancelled")
+
+
+class Api:
+    """The routes, bound to one backend."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+
+    def model_card(self) -> dict[str, Any]:
+        return {"id": self.backend.model_name, "object": "model", "created": CREATED, "owned_by": "shard-swarm"}
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [self.model_card()]})
+
+    async def model(self, request: Request) -> Response:
+        if request.path_params["model"] != self.backend.model_name:
+            return error_response(ApiError(f"The model {request.path_params['model']!r} does not exist", status=404,
+                                           param="model", code="model_not_found"))  # fmt: skip
+        return JSONResponse(self.model_card())
+
+    async def chat(self, request: Request) -> Response:
+        return await self._handle(request, "chat")
+
+    async def completions(self, request: Request) -> Response:
+        return await self._handle(request, "completion")
+
+    async def _handle(self, request: Request, kind: str) -> Response:
+        try:
+            body = await _read_json(request)
+            b = self.backend
+            if kind == "chat":
+                spec = parse_chat(body, b.tokenizer, b.model_name, b.context_tokens)
+            else:
+                spec = parse_completion(body, b.tokenizer, b.model_name, b.context_tokens, b.vocab_size)
+        except ApiError as err:
+            return error_response(err)
+        if spec.stream:
+            return _SSE(lambda emit: self._stream(spec, emit))
+        result: dict[str, Any] = {}
+
+        async def work() -> None:
+            try:
+                result["body"] = await self._complete(spec)
+            except ApiError as err:
+                result["error"] = err
+
+        if await _until_disconnect(request.receive, work):
+            log.info("client hung up before the answer; generation cancelled")
+            return Response(status_code=499)
+        if "error" in result:
+            return error_response(result["error"])
+        return JSONResponse(result["body"])
+
+    # -- one generation -----------------------------------------------------------------------
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.backend.tokenizer.decode(ids)
+
+    async def _run(self, spec: GenSpec, on_piece: Callable[[str], Awaitable[None]]) -> tuple[TextAssembler, str]:
+        """Generate, feeding text pieces to ``on_piece``; return the assembler and finish reason."""
+        text = TextAssembler(self._decode, spec.stops)
+        async with open_generation(self.backend, spec) as gen:
+            async for ids in gen:
+                piece = text.feed(ids)
+                if piece:
+                    await on_piece(piece)
+                if text.stopped:
+                    return text, "stop"  # leaving the block cancels the generation
+            receipt = gen.receipt or {}
+        rest = text.finish()
+        if rest:
+            await on_piece(rest)
+        return text, "stop" if receipt.get("finish_reason") == "eos" else "length"
+
+    def _usage(self, spec: GenSpec, text: TextAssembler) -> dict[str, int]:
+        p, c = len(spec.prompt_ids), text.completion_tokens
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+    async def _complete(self, spec: GenSpec) -> dict[str, Any]:
+        async def ignore(piece: str) -> None:
+            return None
+
+        text, finish = await self._run(spec, ignore)
+        rid, head = _ids(spec)
+        if spec.kind == "chat":
+            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text.shown},
+                                      "logprobs": None, "finish_reason": finish}  # fmt: skip
+        else:
+            choice = {"index": 0, "text": text.shown, "logprobs": None, "finish_reason": finish}
+        return {**head, "id": rid, "choices": [choice], "usage": self._usage(spec, text)}
+
+    async def _stream(self, spec: GenSpec, emit: Callable[[Any], Awaitable[None]]) -> None:
+        rid, head = _ids(spec, chunk=True)
+        chat = spec.kind == "chat"
+
+        def chunk(delta: str | None, finish: str | None, role: bool = False) -> dict[str, Any]:
+            if chat:
+                d: dict[str, Any] = {"role": "assistant", "content": ""} if role else ({} if delta is None else {"content": delta})
+                c: dict[str, Any] = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
+            else:
+                c = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
+            out = {**head, "id": rid, "choices": [c]}
+            if spec.include_usage:
+                out["usage"] = None
+            return out
+
+        if chat:
+            await emit(chunk(None, None, role=True))
+
+        async def piece(p: str) -> None:
+            await emit(chunk(p, None))
+
+        try:
+            text, finish = await self._run(spec, piece)
+        except ApiError as err:
+            await emit(err.body())  # headers are gone: the error travels as an event
+            await emit("[DONE]")
+            return
+        await emit(chunk(None, finish))
+        if spec.include_usage:
+            await emit({**head, "id": rid, "choices": [], "usage": self._usage(spec, text)})
+        await emit("[DONE]")
+
+
+def _ids(spec: GenSpec, *, chunk: bool = False) -> tuple[str, dict[str, Any]]:
+    if spec.kind == "chat":
+        obj = "chat.completion.chunk" if chunk else "chat.completion"
+        return f"chatcmpl-{uuid.uuid4().hex}", {"object": obj, "created": int(time.time()), "model": spec.model,
+                                                "system_fingerprint": None}  # fmt: skip
+    return f"cmpl-{uuid.uuid4().hex}", {"object": "text_completion", "created": int(time.time()), "model": spec.model,
+                                        "system_fingerprint": None}  # fmt: skip
+
+
+async def _read_json(request: Request) -> Any:
+    if request.headers.get("content-length", "0").isdigit() and int(request.headers.get("content-length", "0")) > MAX_BODY:
+        raise ApiError(f"the request body is over {MAX_BODY} bytes", status=413, code="request_too_large")
+    raw = b""
+    async for part in request.stream():
+        raw += part
+        if len(raw) > MAX_BODY:
+            raise ApiError(f"the request body is over {MAX_BODY} bytes", status=413, code="request_too_large")
+    try:
+        return json.loads(raw)
+    except ValueError as exc:
+        raise ApiError(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+
+
+def build_app(backend: Backend, *, token: str | None = None) -> ASGIApp:
+    api = Api(backend)
+    app = Starlette(routes=[
+        Route("/v1/models", api.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", api.model, methods=["GET"]),
+        Route("/v1/chat/completions", api.chat, methods=["POST"]),
+        Route("/v1/completions", api.completions, methods=["POST"]),
+    ])  # fmt: skip
+    return _Auth(app, token)
+
+
+def check_bind(bind: str, token: str | None) -> tuple[str, int]:
+    host, port = parse_bind(bind)
+    if not is_loopback(host) and not token:
+        raise UsageError(f"the API would listen on {host}, beyond this machine: give it a token "
+                         "(--api-token or api.token in the config file), or bind 127.0.0.1")  # fmt: skip
+    return host, port
+
+
+async def serve_api(
+    backend: Backend, bind: str = DEFAULT_BIND, *, token: str | None = None, task_status: Any = trio.TASK_STATUS_IGNORED
+) -> None:
+    """Serve the endpoint until cancelled; ``task_status.started(url)`` once it listens."""
+    check_bind(bind, token)
+    config = Config()
+    config.bind = [bind]
+    config.accesslog = None
+    config.errorlog = logging.getLogger("swarm.api.http")
+    config.graceful_timeout = 1.0
+    async with trio.open_nursery() as nursery:
+        app: Any = build_app(backend, token=token)  # starlette's ASGI types vs hypercorn's: the same protocol
+        binds = await nursery.start(lambda task_status: serve(app, config, task_status=task_status))
+        url = str(binds[0]) if binds else f"http://{bind}"
+        log.info("OpenAI-compatible endpoint on %s/v1", url)
+        task_status.started(url)

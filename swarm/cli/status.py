@@ -1,0 +1,201 @@
+"""``shard-swarm status``: the ring as the coordinator sees it, live on a TTY, text or JSON otherwise.
+
+The command joins as a client (the invite's secret; it never advertises), asks one peer for the
+coordinator's status (``--peer``, else the invite's bootstrap addresses in turn) and turns it into
+a *view*: the coordinator, the stages in ring order with their blocks, device, memory used and
+offered, ms per layer, RTT to the next hop, heartbeat age and how each peer is reached, plus the
+swarm's recent tok/s and tokens accepted per traversal. ``build_view`` is a pure function of the
+status dict, so the JSON (``--json``), the plain text (not a TTY) and the live table (a TTY,
+refreshed every ``--interval`` s until Ctrl-C; ``--once`` for one frame) all show the same thing.
+
+Fields the node does not report (yet) are shown as "-" (None in JSON), never guessed. The status
+dict is swarm/node/service.py ``status()``; optional keys read here: ``peer_info`` (peer ->
+``device``, ``memory_used_bytes``, ``heartbeat_age_s``, ``path``) and ``recent``
+(``tokens_per_s``, ``accepted_per_traversal``).
+
+Exit codes: 0 shown; 2 bad flags; 4 invite refused; 7 no peer answered.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import trio
+import typer
+
+from swarm.cli import ui
+from swarm.errors import PeerError, SwarmError, UsageError
+from swarm.manifest.identity import config_dir
+from swarm.manifest.manifest import read_manifest
+from swarm.node import client
+from swarm.proto.control import Control
+
+GB = 1e9
+
+
+def _rtt(rtt: dict[str, dict[str, float]], a: str, b: str) -> float | None:
+    v = rtt.get(a, {}).get(b)
+    if v is None:
+        v = rtt.get(b, {}).get(a)
+    return None if v is None else float(v)
+
+
+def build_view(st: dict[str, Any]) -> dict[str, Any]:
+    """The status dict of a peer -> what the status command shows (JSON-ready)."""
+    plan = st.get("plan") or {}
+    coord = plan.get("coordinator")
+    ring: list[str] = list(plan.get("ring") or [])
+    blocks = plan.get("blocks") or {}
+    pf = st.get("peers_file") or {}
+    adverts = {p.get("id"): p for p in pf.get("peers") or [] if isinstance(p, dict)}
+    rtt = pf.get("rtt_ms") or {}
+    info = st.get("peer_info") or {}
+
+    def row(peer: str, role: str, nxt: str | None) -> dict[str, Any]:
+        adv, extra = adverts.get(peer, {}), info.get(peer, {})
+        blk = blocks.get(peer)
+        offered = adv.get("memory_gb")
+        used = extra.get("memory_used_bytes")
+        return {
+            "peer": peer, "role": role, "block": list(blk) if blk else None,
+            "layers": (blk[1] - blk[0]) if blk else 0, "device": extra.get("device"),
+            "memory_used_gb": None if used is None else used / GB,
+            "memory_offered_gb": None if offered is None else float(offered),
+            "ms_per_layer": adv.get("ms_per_layer"),
+            "next": nxt, "rtt_next_ms": _rtt(rtt, peer, nxt) if nxt else None,
+            "heartbeat_age_s": extra.get("heartbeat_age_s"), "path": extra.get("path"),
+        }  # fmt: skip
+
+    rows: list[dict[str, Any]] = []
+    if coord is not None:
+        hops = [coord, *ring, coord]
+        if coord not in ring:
+            rows.append(row(coord, "coordinator", hops[1]))
+        for i, peer in enumerate(ring):
+            rows.append(row(peer, "coordinator+stage" if peer == coord else "stage", hops[i + 2]))
+    placed = {r["peer"] for r in rows}
+    standbys = set(plan.get("standbys") or [])
+    others = [row(p, "standby" if p in standbys else "member", None) for p in st.get("members") or [] if p not in placed]
+    hop_rtts = [r["rtt_next_ms"] for r in rows]
+    recent = st.get("recent") or {}
+    return {
+        "asked": st.get("peer_id"), "epoch": st.get("epoch"), "serving": bool(st.get("serving")),
+        "leader": st.get("leader"), "coordinator": coord, "ring": rows, "others": others,
+        "ring_rtt_ms": sum(hop_rtts) if rows and all(v is not None for v in hop_rtts) else None,
+        "tokens_per_s": recent.get("tokens_per_s"), "accepted_per_traversal": recent.get("accepted_per_traversal"),
+        "replans": len(st.get("replans") or []),
+    }  # fmt: skip
+
+
+def _num(v: Any, fmt: str, unit: str = "") -> str:
+    return "-" if v is None else f"{v:{fmt}}{unit}"
+
+
+def short(peer: str | None) -> str:
+    return "-" if not peer else (peer if len(peer) <= 16 else peer[:14] + "…")
+
+
+COLUMNS = ["#", "peer", "role", "layers", "device", "memory used/offered", "ms/layer", "rtt→next", "heartbeat",
+           "reached"]  # fmt: skip
+
+
+def table_rows(view: dict[str, Any]) -> list[list[str]]:
+    out = []
+    for i, r in enumerate([*view["ring"], *view["others"]]):
+        blk = r["block"]
+        mem = f"{_num(r['memory_used_gb'], '.2f')}/{_num(r['memory_offered_gb'], '.2f')} GB"
+        out.append([str(i) if i < len(view["ring"]) else "", short(r["peer"]), r["role"],
+                    f"[{blk[0]}, {blk[1]})" if blk else "-", r["device"] or "-", mem, _num(r["ms_per_layer"], ".2f"),
+                    _num(r["rtt_next_ms"], ".1f", " ms"), _num(r["heartbeat_age_s"], ".1f", " s"),
+                    r["path"] or "-"])  # fmt: skip
+    return out
+
+
+def headline(view: dict[str, Any]) -> list[str]:
+    state = "serving" if view["serving"] else "not serving"
+    lines = [f"swarm epoch {_num(view['epoch'], 'd')} · {state} · coordinator {short(view['coordinator'])} · "
+             f"leader {short(view['leader'])} · asked {short(view['asked'])}"]  # fmt: skip
+    lines.append(f"ring: {_num(view['ring_rtt_ms'], '.1f', ' ms')} of hops per traversal · recent "
+                 f"{_num(view['tokens_per_s'], '.1f', ' tok/s')} · "
+                 f"{_num(view['accepted_per_traversal'], '.2f')} tokens per traversal · {view['replans']} replans")  # fmt: skip
+    return lines
+
+
+def format_text(view: dict[str, Any]) -> str:
+    """Plain text (no colour, no box drawing): for pipes, logs and non-TTY terminals."""
+    rows = [COLUMNS, *table_rows(view)]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
+    body = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    return "\n".join([*headline(view), *body]) + "\n"
+
+
+async def fetch_status(host: Any, peer: str) -> dict[str, Any]:
+    """The coordinator's status (relayed by ``peer``), or ``peer``'s own when no ring serves."""
+    try:
+        return (await client.request(host, peer, Control("status", {"coordinator": True}))).body
+    except PeerError:
+        return await client.status(host, peer)
+
+
+async def _cancel_on_signal(scope: trio.CancelScope) -> None:
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for _ in signals:
+            scope.cancel()
+            return
+
+
+async def _run(addrs: list[str], secret: bytes, swarm_id: str, *, as_json: bool, live: bool, interval: float,
+               timeout: float) -> None:  # fmt: skip
+    last: SwarmError | None = None
+    for addr in addrs:
+        try:
+            async with client.open_client(addr, secret=secret, swarm_id=swarm_id, timeout=timeout) as (host, peer):
+                view = build_view(await fetch_status(host, peer))
+                if as_json:
+                    ui.print_json(view)
+                elif not live:
+                    sys.stdout.write(format_text(view))
+                    sys.stdout.flush()
+                else:
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(_cancel_on_signal, nursery.cancel_scope)
+                        with ui.live_status() as show:
+                            while True:
+                                show(headline(view), COLUMNS, table_rows(view))
+                                await trio.sleep(interval)
+                                view = build_view(await fetch_status(host, peer))
+                return
+        except PeerError as exc:
+            last = exc
+            ui.notice(f"{addr}: {exc}")
+    raise PeerError(f"no peer answered ({len(addrs)} tried){': ' + str(last) if last else ''}")
+
+
+def status(
+    manifest_path: Path | None = typer.Option(None, "--manifest", help="Invite file (default: <config dir>/invite.json)."),
+    peer: str | None = typer.Option(None, "--peer", help="Ask this peer (a multiaddr ending in /p2p/ID)."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object on stdout."),
+    once: bool = typer.Option(False, "--once", help="On a TTY, print one frame instead of a live view."),
+    interval: float = typer.Option(1.0, "--interval", min=0.2, help="Seconds between refreshes of the live view."),
+    timeout: float = typer.Option(15.0, "--timeout", min=1.0, help="Seconds to reach a peer."),
+) -> None:
+    """Show the ring: coordinator, stages, blocks, memory, RTTs, recent speed."""
+    path = manifest_path or (config_dir() / "invite.json")
+    if manifest_path is None and not path.exists():
+        raise UsageError(f"no invite given and none at {path}: pass --manifest FILE (the swarm's invite)")
+    manifest = read_manifest(path)
+    if peer is not None and "/p2p/" not in peer:
+        raise UsageError(f"--peer {peer!r}: expected a multiaddr ending in /p2p/<peer ID>")
+    addrs = [peer] if peer else list(manifest.bootstrap)
+    if not addrs:
+        raise UsageError(f"the invite {path} lists no bootstrap address: pass --peer MULTIADDR")
+    live = not as_json and not once and ui.stdout_is_tty()
+    trio.run(lambda: _run(addrs, manifest.secret.value, manifest.swarm_id, as_json=as_json, live=live,
+                          interval=interval, timeout=timeout))  # fmt: skip
+
+
+def register(app: typer.Typer) -> None:
+    app.command("status")(status)

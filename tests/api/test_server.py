@@ -1,0 +1,161 @@
+"""The endpoint inside a node process (NodeBackend), with plain HTTP: answers match the one-box
+reference, OpenAI-style errors for what is not supported, the bearer token, the bind rule."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import torch
+import trio
+
+from swarm.api.backend import NodeBackend
+from swarm.api.server import check_bind, serve_api
+from swarm.errors import UsageError
+from swarm.model.generate import LocalModel, generate
+from swarm.model.tokenizer import Tokenizer
+from swarm.node.runtime import Node, NodeSettings
+
+MODEL = "tiny-chat"
+TOKEN = "s3cret-token"
+
+
+def _settings(model_dir: Path) -> NodeSettings:
+    return NodeSettings(seed=os.urandom(32), swarm_id="api-test", secret=os.urandom(32), model_dir=model_dir,
+                        dtype=torch.float32, expect_peers=1, context_tokens=512)  # fmt: skip
+
+
+async def _serving(node: Node) -> None:
+    with trio.fail_after(30):
+        while node.epoch is None or not node.epoch.serving.is_set():
+            await trio.sleep(0.05)
+
+
+async def _api(nursery: trio.Nursery, model_dir: Path, token: str | None = None) -> tuple[str, Node]:
+    node = await nursery.start(Node(_settings(model_dir)).run)
+    await _serving(node)
+    url: str = await nursery.start(lambda task_status: serve_api(NodeBackend(node), "127.0.0.1:0", token=token,
+                                                                 task_status=task_status))  # fmt: skip
+    return url, node
+
+
+@pytest.fixture
+async def served(tiny_chat_dir: Path) -> AsyncIterator[tuple[str, Node]]:
+    async with trio.open_nursery() as nursery:
+        yield await _api(nursery, tiny_chat_dir)
+        nursery.cancel_scope.cancel()
+
+
+@pytest.fixture
+def node_api(served: tuple[str, Node]) -> str:
+    return served[0]
+
+
+async def test_node_backend_answers_like_one_box(node_api: str, tiny_chat_dir: Path) -> None:
+    tok = Tokenizer.from_dir(tiny_chat_dir)
+    msgs = [{"role": "user", "content": "Hello there"}]
+    async with httpx.AsyncClient(base_url=node_api, timeout=60) as http:
+        r = await http.post("/v1/chat/completions", json={"model": MODEL, "messages": msgs, "max_tokens": 10,
+                                                          "temperature": 0})  # fmt: skip
+    assert r.status_code == 200, r.text
+    ids = tok.encode(tok.apply_chat_template(msgs, add_generation_prompt=True))
+    torch.set_num_threads(1)
+    want = generate(LocalModel.load(tiny_chat_dir, dtype=torch.float32), ids, max_new_tokens=10, eos_token_ids=())
+    body = r.json()
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": tok.decode(want.output_token_ids)}
+    assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 10, "total_tokens": len(ids) + 10}
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+
+
+BAD: list[tuple[str, dict[str, Any], int, str | None]] = [
+    ("/v1/chat/completions", {"n": 2}, 400, "n"),
+    ("/v1/chat/completions", {"logprobs": True}, 400, "logprobs"),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("/v1/chat/completions", {"presence_penalty": 0.5}, 400, "presence_penalty"),
+    ("/v1/chat/completions", {"frobnicate": 1}, 400, "frobnicate"),
+    ("/v1/chat/completions", {"temperature": 3}, 400, "temperature"),
+    ("/v1/chat/completions", {"model": "gpt-4"}, 404, "model"),
+    ("/v1/chat/completions", {"max_tokens": 600}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
+     "messages[0].content"),
+    ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [1, 99999]}, 400, "prompt"),
+    ("/v1/completions", {"echo": True}, 400, "echo"),
+]
+
+
+async def test_unsupported_parameters_get_openai_errors(node_api: str) -> None:
+    async with httpx.AsyncClient(base_url=node_api, timeout=30) as http:
+        for path, extra, status, param in BAD:
+            base: dict[str, Any] = {"model": MODEL, "max_tokens": 2}
+            base.update({"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"})
+            r = await http.post(path, json={**base, **extra})
+            assert r.status_code == status, (extra, r.text)
+            err = r.json()["error"]
+            assert err["param"] == param and err["message"] and err["type"] == "invalid_request_error", err
+        r = await http.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+        assert (await http.get("/v1/models/gpt-4")).status_code == 404
+    aio = openai.AsyncOpenAI(base_url=node_api + "/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as info:
+        await aio.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], n=3)
+    assert info.value.code == "unsupported_parameter"
+    await aio.close()
+
+
+async def test_bearer_token(tiny_chat_dir: Path) -> None:
+    async with trio.open_nursery() as nursery:
+        url, _ = await _api(nursery, tiny_chat_dir, token=TOKEN)
+        async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+            assert (await http.get("/v1/models")).status_code == 401
+            wrong = await http.get("/v1/models", headers={"authorization": "Bearer nope"})
+            assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+            assert TOKEN not in wrong.text
+            ok = await http.get("/v1/models", headers={"authorization": f"Bearer {TOKEN}"})
+            assert ok.status_code == 200 and ok.json()["data"][0]["id"] == MODEL
+        aio = openai.AsyncOpenAI(base_url=url + "/v1", api_key=TOKEN, max_retries=0)
+        done = await aio.completions.create(model=MODEL, prompt="abc", max_tokens=3, temperature=0)
+        assert done.usage is not None and done.usage.completion_tokens == 3
+        await aio.close()
+        nursery.cancel_scope.cancel()
+
+
+def test_bind_beyond_loopback_needs_a_token() -> None:
+    assert check_bind("127.0.0.1:8000", None) == ("127.0.0.1", 8000)
+    assert check_bind("[::1]:0", None) == ("::1", 0)
+    assert check_bind("localhost:8000", None) == ("localhost", 8000)
+    with pytest.raises(UsageError, match="token"):
+        check_bind("0.0.0.0:8000", None)
+    with pytest.raises(UsageError, match="token"):
+        check_bind("192.168.1.5:8000", "")
+    assert check_bind("0.0.0.0:8000", TOKEN) == ("0.0.0.0", 8000)
+    with pytest.raises(UsageError, match="HOST:PORT"):
+        check_bind("8000", None)
+
+
+async def test_hang_up_frees_the_session_inside_the_node(served: tuple[str, Node]) -> None:
+    url, node = served
+    assert node.epoch is not None and node.epoch.coordinator is not None
+    sessions = node.epoch.coordinator._sessions  # the coordinator's live generations
+    body = {"model": MODEL, "prompt": "go", "max_tokens": 480, "temperature": 0, "stream": True}
+    async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+        seen = 0
+        async with http.stream("POST", "/v1/completions", json=body) as resp:
+            async for line in resp.aiter_lines():
+                seen += line.startswith("data: ")
+                if seen >= 3:
+                    assert len(sessions) == 1
+                    break
+        t0 = trio.current_time()
+        while sessions:  # 480 tokens take seconds; a freed session goes at once
+            assert trio.current_time() - t0 < 1.0, "the generation outlived its client"
+            await trio.sleep(0.01)
+        r = await http.post("/v1/completions", json={**body, "stream": False, "max_tokens": 3})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3

@@ -1,0 +1,99 @@
+"""The configuration file: defaults, the file, flags over both, clear errors, ``config show``."""
+
+from __future__ import annotations
+
+import json
+import stat
+from pathlib import Path
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from swarm.cli import config as config_cmd
+from swarm.cli.settings import TEMPLATE, config_path, load_config, write_template
+from swarm.errors import UsageError
+
+
+def app() -> typer.Typer:
+    a = typer.Typer()
+
+    @a.callback()
+    def root() -> None:
+        pass
+
+    config_cmd.register(a)
+    return a
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "config.toml"
+    p.write_text(text)
+    return p
+
+
+def test_defaults_when_there_is_no_file(tmp_path: Path) -> None:
+    cfg = load_config(env={"SHARD_SWARM_CONFIG": str(tmp_path)})
+    assert cfg.path == tmp_path / "config.toml" and not cfg.loaded
+    assert cfg.get("node.memory") == "auto" and cfg.get("api.address") == "" and cfg.source("node.memory") == "default"
+    assert config_path({"XDG_CONFIG_HOME": "/x"}) == Path("/x/shard-swarm/config.toml")
+
+
+def test_file_then_flags(tmp_path: Path) -> None:
+    p = write(tmp_path, '[node]\nmemory = "24G"\ndevice = "cuda:1"\nlisten = ["/ip4/0.0.0.0/tcp/4001"]\n'
+                        '[api]\naddress = "0.0.0.0:8000"\ntoken = "hunter2"\n[model]\npath = "/models/m"\n')  # fmt: skip
+    cfg = load_config(p)
+    assert (cfg.get("node.memory"), cfg.get("node.device"), cfg.get("model.path")) == ("24G", "cuda:1", "/models/m")
+    assert cfg.source("node.device") == "file" and cfg.source("node.threads") == "default"
+    over = cfg.with_flags({"node.memory": "8G", "node.device": None, "node.listen": ("/ip4/127.0.0.1/tcp/0",)})
+    assert over.get("node.memory") == "8G" and over.source("node.memory") == "flag"
+    assert over.get("node.device") == "cuda:1" and over.source("node.device") == "file"
+    assert over.get("node.listen") == ["/ip4/127.0.0.1/tcp/0"]
+    assert "hunter2" not in repr(over)
+    with pytest.raises(UsageError, match="--memory"):
+        cfg.with_flags({"node.memory": "lots"})
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ('[node]\nmemroy = "1G"\n', "unknown key 'memroy' in \\[node\\]"),
+        ('[nodes]\nmemory = "1G"\n', "unknown section \\[nodes\\]"),
+        ('[node]\nmemory = 24\n', "memory = 24: expected a size"),
+        ('[node]\ndevice = "gpu"\n', "device = 'gpu': expected cpu, mps, cuda"),
+        ('[node]\nthreads = true\n', "threads = True: expected a int"),
+        ('[node]\nlisten = "/ip4/0.0.0.0/tcp/1"\n', "expected a list of multiaddrs"),
+        ('[api]\naddress = "8000"\n', "expected HOST:PORT"),
+        ('[api]\ntoken = 5\n', "token = \\*\\*\\*"),
+        ("[node\n", "not valid TOML"),
+    ],
+)
+def test_bad_files_name_the_file_and_key(tmp_path: Path, text: str, match: str) -> None:
+    p = write(tmp_path, text)
+    with pytest.raises(UsageError, match=match) as info:
+        load_config(p)
+    assert str(p) in str(info.value)
+
+
+def test_template_is_valid_and_private(tmp_path: Path) -> None:
+    p = write_template(tmp_path / "sub" / "config.toml")
+    assert stat.S_IMODE(p.stat().st_mode) == 0o600 and p.read_text() == TEMPLATE
+    assert load_config(p).loaded and all(s == "default" for s in load_config(p).sources.values())
+    with pytest.raises(UsageError, match="already exists"):
+        write_template(p)
+
+
+def test_config_show(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SHARD_SWARM_CONFIG", str(tmp_path))
+    write(tmp_path, '[node]\nmemory = "2G"\n[api]\ntoken = "hunter2"\n')
+    r = CliRunner().invoke(app(), ["config", "show", "--json"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    rows = {row["key"]: row for row in out["settings"]}
+    assert out["exists"] and rows["node.memory"]["value"] == "2G" and rows["node.memory"]["source"] == "file"
+    assert rows["api.token"]["value"] == "(set)" and "hunter2" not in r.output
+    table = CliRunner().invoke(app(), ["config", "show"])
+    assert table.exit_code == 0 and "node.memory" in table.stdout and "2G" in table.stdout
+    assert "hunter2" not in table.output
+    init = CliRunner().invoke(app(), ["config", "init", "--file", str(tmp_path / "new.toml")])
+    assert init.exit_code == 0 and (tmp_path / "new.toml").read_text() == TEMPLATE
