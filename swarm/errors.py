@@ -83,5 +83,14 @@ class PeerLost(PeerError):
     """A peer closed its connection or was declared dead by the failure detector."""
 
 
+class FaultyPeer(PeerError):
+    """A peer sent something it must not (NaN activations, malformed tensors): it is to be
+    dropped from the ring, not merely waited for."""
+
+    def __init__(self, peer: str, message: str) -> None:
+        super().__init__(message)
+        self.peer = peer
+
+
 class AdmissionError(PeerError):
     """A peer could not prove it holds the swarm secret, or is revoked."""

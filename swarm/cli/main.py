@@ -29,9 +29,9 @@ def _root(
 
 def _register_commands() -> None:
     # Each module owns one command (group) and exposes register(app).
-    from swarm.cli import bootstrap, demo, invite, join, plan, run
+    from swarm.cli import bootstrap, config, demo, invite, join, plan, run, status
 
-    for module in (run, demo, plan, invite, join, bootstrap):
+    for module in (run, demo, plan, invite, join, bootstrap, status, config):
         module.register(app)
 
 

@@ -16,8 +16,8 @@ numbers on the same kind of device; greedy output with fp32 matches whatever the
 from __future__ import annotations
 
 import itertools
-from collections import deque
 import time
+from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path

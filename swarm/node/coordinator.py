@@ -35,7 +35,15 @@ from typing import Any
 import torch
 import trio
 
-from swarm.errors import PeerError, PeerLost, PeerTimeout, ProtocolError, SwarmError, UsageError
+from swarm.errors import (
+    FaultyPeer,
+    PeerError,
+    PeerLost,
+    PeerTimeout,
+    ProtocolError,
+    SwarmError,
+    UsageError,
+)
 from swarm.model.sampling import SamplingParams
 from swarm.model.speculative import Committed, DraftSource, KPolicy, SpeculativeDecoder, VerifyChunk
 from swarm.model.stage import Head
@@ -314,14 +322,20 @@ class Coordinator:
                 raise item
             msg = parse_message(item, self.limits)
             if isinstance(msg, Error):
-                raise PeerError(f"ring error on session {session} chunk {msg.chunk_id}: {msg.code}: {msg.message}")
+                text = f"ring error on session {session} chunk {msg.chunk_id}: {msg.code}: {msg.message}"
+                if msg.code == "bad_input" and msg.message.startswith("upstream="):
+                    raise FaultyPeer(msg.message.split()[0].removeprefix("upstream="), text)
+                raise PeerError(text)
             if not isinstance(msg, Result) or msg.kind != "hidden":
                 raise ProtocolError(f"tail {self._tail_peer}: expected RESULT(hidden), got {msg!r}")
             if msg.epoch != self.epoch:
                 raise ProtocolError(f"tail {self._tail_peer}: result for epoch {msg.epoch}, serving {self.epoch}")
-            h = decode_hidden(
-                msg.dtype, msg.shape, msg.data, dim=self.args.dim, expect=self.dtype, peer=self._tail_peer
-            )
+            try:
+                h = decode_hidden(
+                    msg.dtype, msg.shape, msg.data, dim=self.args.dim, expect=self.dtype, peer=self._tail_peer
+                )
+            except ProtocolError as exc:
+                raise FaultyPeer(self._tail_peer, str(exc)) from None
             return msg.chunk_id, h
         raise PeerTimeout(
             f"session {session}: no result from the ring within {self.chunk_timeout:.0f} s "

@@ -74,7 +74,8 @@ PROTO_GEN = "/shard-swarm/gen/1"
 
 LOAD_TIMEOUT_S = 600.0
 REPLAN_SETTLE_S = 0.3
-LEAVE_TIMEOUT_S = 60.0  # after a loss: re-plan as soon as membership stops changing
+LEAVE_TIMEOUT_S = 60.0
+EXCLUDE_S = 300.0  # a peer caught sending bad activations stays out of plans this long  # after a loss: re-plan as soon as membership stops changing
 LINK_TIMEOUT_S = 20.0
 RPC_TIMEOUT_S = 20.0
 
@@ -182,6 +183,8 @@ class Node:
         self.epochs_planned = 0
         self._last_epoch = 0  # the highest epoch this node has proposed (never reused)
         self._leaving: set[str] = set()
+        self._excluded: dict[str, float] = {}  # peer -> trio time until which plans skip it
+        self.corrupt = False  # fault injection (chaos tests, SIGUSR1 in python -m swarm.node)
         self.replans: list[dict[str, Any]] = []
         self._plan_changed = trio.Event()
         self._membership_changed = trio.Event()
@@ -257,8 +260,9 @@ class Node:
         return sorted({self.peer_id, *(p for p in self.service.members() if p in view)})
 
     def plannable(self) -> list[str]:
-        """Members a plan may use: not the ones leaving."""
-        return [p for p in self.members() if p not in self._leaving]
+        """Members a plan may use: not the ones leaving, nor those recently caught misbehaving."""
+        now = trio.current_time()
+        return [p for p in self.members() if p not in self._leaving and self._excluded.get(p, 0.0) <= now]
 
     def leader(self) -> str:
         return self.members()[0]
@@ -396,6 +400,10 @@ class Node:
             if isinstance(msg, Control) and msg.op == "leave":
                 await self._handle_leave(peer)
                 return Control("serving", {})
+            if isinstance(msg, Control) and msg.op == "fault":
+                body = msg.body_reader()
+                self._exclude(body.str("peer", 128), f"reported by {peer}: {body.str('reason', 1000)}")
+                return Control("serving", {})
             if isinstance(msg, Control) and msg.op == "serve":
                 await self._start_serving(msg.body_reader().int("epoch", 0, 1 << 62))
                 return Control("serving", {})
@@ -428,6 +436,36 @@ class Node:
                         raise PeerError(f"the leader refused our leave: {reply!r}")
         except (SwarmError, trio.TooSlowError) as exc:
             self.notice(f"leaving without a hand-over ({exc})")
+
+    def start_corrupting(self) -> None:
+        """Fault injection for chaos tests: from now on our stage's outputs are NaN."""
+        self.notice("fault injection: this node now sends NaN activations")
+        self.corrupt = True
+        if self.epoch is not None and self.epoch.worker is not None:
+            self.epoch.worker.corrupt_after = 0
+
+    async def report_fault(self, peer: str, reason: str) -> None:
+        """Tell the leader that ``peer`` misbehaved (bounded; best effort)."""
+        self.notice(f"peer {peer} sent bad activations: dropping it from the ring ({reason[:200]})")
+        if self.leader() == self.peer_id:
+            self._exclude(peer, reason)
+            return
+        assert self.host is not None
+        try:
+            with trio.fail_after(RPC_TIMEOUT_S):
+                async with self.host.open_stream(self.leader(), PROTO_RING, timeout=RPC_TIMEOUT_S) as fs:
+                    await fs.send(Control("fault", {"peer": peer, "reason": reason[:900]}).to_frame())
+                    await fs.receive(timeout=RPC_TIMEOUT_S)
+        except (SwarmError, trio.TooSlowError) as exc:
+            log.warning("could not report %s to the leader: %s", peer, exc)
+
+    def _exclude(self, peer: str, reason: str) -> None:
+        """Leader: leave ``peer`` out of plans for EXCLUDE_S and re-plan now if it is in the ring."""
+        log.warning("excluding %s from plans for %.0f s: %s", peer, EXCLUDE_S, reason)
+        self._excluded[peer] = trio.current_time() + EXCLUDE_S
+        ep = self.epoch
+        if ep is not None and peer in {*ep.plan.ring, ep.plan.coordinator}:
+            self._end_epoch(f"peer {peer} misbehaved: {reason[:200]}")
 
     async def _handle_leave(self, peer: str) -> None:
         """Leader: re-plan without ``peer``; return once an epoch without it serves."""
@@ -519,6 +557,8 @@ class Node:
                 ep.stage, epoch=epoch, upstream=upstream, is_tail=idx == len(ep.plan.ring) - 1,
                 max_len=min(self.settings.context_tokens, self.args.max_seq_len), limiter=self.limiter,
             )  # fmt: skip
+            if self.corrupt:
+                ep.worker.corrupt_after = 0
             self._nursery.start_soon(self._run_worker, ep, idx)
 
     def _set_outbound(self, ep: Epoch, hop: int, link: Link) -> None:

@@ -11,6 +11,7 @@ silence: every wait here has a deadline.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import statistics
@@ -21,7 +22,15 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from swarm import __version__
-from swarm.errors import PeerError, PeerLost, PeerTimeout, ProtocolError, SwarmError, UsageError
+from swarm.errors import (
+    FaultyPeer,
+    PeerError,
+    PeerLost,
+    PeerTimeout,
+    ProtocolError,
+    SwarmError,
+    UsageError,
+)
 from swarm.model.drafters import NgramDrafter
 from swarm.model.sampling import SamplingParams
 from swarm.model.speculative import DraftSource, KPolicy
@@ -83,13 +92,20 @@ async def _serving_epoch(node: Node, wait_s: float) -> Any:
 async def _relay(node: Node, coordinator: str, frame: Any, fs: FramedStream) -> None:
     assert node.host is not None
     async with node.host.open_stream(coordinator, "/shard-swarm/gen/1", timeout=REQUEST_TIMEOUT_S) as up:
-        await up.send(frame)
-        while True:
-            reply = await up.receive(timeout=node.settings.chunk_timeout + 5)
-            await fs.send(reply)
-            msg = parse_message(reply)
-            if isinstance(msg, Control) and msg.op in ("done", "fail", "status_reply"):
-                return
+        finished = False
+        try:
+            await up.send(frame)
+            while True:
+                reply = await up.receive(timeout=node.settings.chunk_timeout + 5)
+                await fs.send(reply)
+                msg = parse_message(reply)
+                if isinstance(msg, Control) and msg.op in ("done", "fail", "status_reply"):
+                    finished = True
+                    return
+        finally:
+            if not finished:  # our client went away (or the coordinator did): stop the generation
+                with trio.CancelScope(shield=True), trio.move_on_after(2):
+                    await up.reset()
 
 
 def sampling_from(body: Body) -> SamplingParams:
@@ -177,15 +193,31 @@ async def _generate(node: Node, ep: Any, msg: Control, fs: FramedStream) -> None
     last_token = [time.time()]
 
     run = coord.new_run(prompt, params=params, max_new_tokens=max_new, drafter=drafter, policy=policy, on_tokens=on_tokens)
+    hung_up = False
+
+    async def watch_client(cancel: trio.CancelScope) -> None:
+        nonlocal hung_up
+        # the client sends nothing more: any end of its stream means it hung up
+        with contextlib.suppress(SwarmError):
+            await fs.receive(timeout=math.inf)
+        hung_up = True
+        log.info("the client went away: stopping its generation")
+        cancel.cancel()
+
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(stream_out)
             try:
-                ep = await _drive_with_recovery(node, ep, run, replans, last_token)
+                async with trio.open_nursery() as inner:
+                    inner.start_soon(watch_client, inner.cancel_scope)
+                    ep = await _drive_with_recovery(node, ep, run, replans, last_token)
+                    inner.cancel_scope.cancel()
             finally:
                 send.close()
     except BaseExceptionGroup as eg:
         raise unwrap(eg) from None
+    if hung_up:
+        raise PeerLost("the client hung up")
     gen = run.gen
     receipt = build_receipt(node, ep, gen, params, started=t0)
     receipt["replans"] = replans
@@ -211,6 +243,9 @@ async def _drive_with_recovery(
                 raise
             failed_at = time.time()
             old = ep.plan
+            if isinstance(exc, FaultyPeer):
+                # a peer that sends NaN or malformed activations is not waited for: it is dropped
+                await node.report_fault(exc.peer, str(exc))
             node.notice(f"ring failed during a generation ({exc}); waiting for the swarm to re-plan")
             ep = await _next_epoch(node, old.epoch, RECOVERY_TIMEOUT_S)
             if ep.plan.coordinator != node.peer_id:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import torch
 import trio
 
 from swarm.errors import PeerLost, PeerTimeout, ProtocolError, SwarmError
@@ -76,6 +77,7 @@ class StageWorker:
         self.limits = limits
         self.dtype = next(stage.parameters()).dtype
         self.stats = StageStats()
+        self.corrupt_after: int | None = None  # fault injection for chaos tests: NaN after N chunks
 
     def __repr__(self) -> str:
         return f"StageWorker([{self.stage.start}, {self.stage.end}), epoch={self.epoch})"
@@ -130,6 +132,12 @@ class StageWorker:
             h = decode_hidden(
                 msg.dtype, msg.shape, msg.data, dim=self.stage.args.dim, expect=self.dtype, peer=self.upstream
             )
+        except SwarmError as exc:  # the upstream peer sent bad activations: name it as faulty
+            self.stats.errors += 1
+            log.warning("%r: bad activations from %s: %s", self, self.upstream, exc)
+            await self._report(outbound, msg.session, msg.chunk_id, "bad_input", f"upstream={self.upstream} {exc}")
+            return
+        try:
             self._prepare_cache(msg, where)
         except SwarmError as exc:
             self.stats.errors += 1
@@ -138,6 +146,8 @@ class StageWorker:
             return
         t0 = trio.current_time()
         out = await trio.to_thread.run_sync(self.stage.forward, msg.session, h, limiter=self.limiter)
+        if self.corrupt_after is not None and self.stats.chunks >= self.corrupt_after:
+            out = torch.full_like(out, float("nan"))  # fault injection (chaos tests): a broken peer
         self.stats.compute_s += trio.current_time() - t0
         self.stats.chunks += 1
         self.stats.tokens += msg.tokens

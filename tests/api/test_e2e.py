@@ -132,8 +132,6 @@ async def test_client_hanging_up_frees_the_session(api, swarm: LocalSwarm) -> No
     await _hang_up_and_wait(api, swarm, relay=False, max_tokens=1400)
 
 
-@pytest.mark.xfail(strict=True, reason="service._relay half-closes its upstream stream when the client goes; "
-                   "the coordinator keeps generating until it resets it (lead's service.py)")  # fmt: skip
 async def test_hanging_up_on_a_relaying_peer_frees_the_session(api, swarm: LocalSwarm) -> None:  # type: ignore[no-untyped-def]
     await _hang_up_and_wait(api, swarm, relay=True, max_tokens=300)  # the zombie wastes less
 

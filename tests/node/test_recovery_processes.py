@@ -11,7 +11,6 @@ import torch
 import trio
 
 from swarm.errors import PeerError
-
 from swarm.model.config import ModelArgs
 from swarm.node import client
 from swarm.node.launch import start_local_swarm
@@ -119,3 +118,23 @@ async def test_coordinator_loss_fails_fast_then_swarm_serves_again(ckpt: Path) -
             assert st2["plan"]["coordinator"] != swarm.peer_ids[coord]
             again = await client.generate(h, peer, prompt_ids=PROMPT, max_new_tokens=N_NEW, draft="ngram", timeout=60)
             assert again["output_token_ids"] == reference["output_token_ids"]
+
+
+async def test_nan_activations_drop_the_peer_and_the_generation_completes(ckpt: Path) -> None:
+    """A stage starts sending NaN mid-generation (fault injection, SIGUSR1): the next stage refuses
+    the chunk naming it, the coordinator reports it, the leader re-plans without it, and the
+    generation completes with the uninterrupted output."""
+    with start_local_swarm(4, ckpt, dtype="bf16", memory_bytes=[_memory(ckpt, 4)] * 4, chunk_timeout=3.0) as swarm:
+        async with client.open_client(swarm.addrs[0], secret=swarm.secret, swarm_id=swarm.swarm_id) as (h, peer):
+            st = await client.wait_ready(h, peer, timeout=90)
+        plan = st["plan"]
+        coord = swarm.peer_ids.index(plan["coordinator"])
+        stages = [swarm.peer_ids.index(p) for p in plan["ring"] if p != plan["coordinator"]]
+        reference = await _run(swarm, coord, None, signal.SIGKILL, 0)
+        bad = stages[0]
+        got = await _run(swarm, coord, bad, signal.SIGUSR1, 40)
+        assert got["output_token_ids"] == reference["output_token_ids"]
+        assert len(got["replans"]) == 1, got["replans"]
+        assert "NaN" in got["replans"][0]["reason"] and swarm.peer_ids[bad] in got["replans"][0]["reason"]
+        assert swarm.peer_ids[bad] not in got["ring"]
+        assert swarm.alive()[bad]  # dropped from the ring, not killed
