@@ -8,8 +8,10 @@ generation to stdout and ends with a summary (or the run receipt with ``--json``
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -44,6 +46,7 @@ def demo(
     json_out: bool = typer.Option(False, "--json", help="Print the run receipt as JSON."),
     receipt: Path | None = typer.Option(None, "--receipt", help="Also write the receipt here."),
     timeout: float = typer.Option(300.0, "--timeout", help="Seconds to wait for the ring to form."),
+    api: str | None = typer.Option(None, "--api", help="After the run, keep the swarm up and serve the OpenAI-compatible endpoint here (Ctrl-C stops)."),
 ) -> None:
     """Start a local swarm of NODES processes on the bundled model and run one generation."""
     from swarm.model.bundled import default_model_dir
@@ -62,6 +65,10 @@ def demo(
                      top_p=top_p, seed=seed, draft=draft),
                 json_out,
             )  # fmt: skip
+            if api is not None:
+                _finish(result, json_out, receipt)
+                trio.run(_serve_api, swarm.addrs[-1], swarm.secret, swarm.swarm_id, model_dir, api)
+                return
         except BaseException:
             for i in range(nodes):
                 tail = swarm.log(i).strip().splitlines()[-5:]
@@ -128,6 +135,20 @@ async def _run_one(addr: str, secret: bytes, swarm_id: str, timeout: float, req:
         if not quiet_stream:
             sys.stdout.write("\n")
         return receipt
+
+
+async def _serve_api(addr: str, secret: bytes, swarm_id: str, model_dir: Path, bind: str) -> None:
+    from swarm.api.backend import ClientBackend
+    from swarm.api.server import serve_api
+    from swarm.node import client
+
+    async with client.open_client(addr, secret=secret, swarm_id=swarm_id) as (host, peer), trio.open_nursery() as nursery:
+        url = await nursery.start(functools.partial(serve_api, ClientBackend(host, peer, model_dir), bind))
+        ui.notice(f"OpenAI-compatible endpoint on {url}/v1 (model {model_dir.name}); Ctrl-C stops the swarm")
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for _ in signals:
+                nursery.cancel_scope.cancel()
+                return
 
 
 def _finish(receipt: dict[str, Any], json_out: bool, path: Path | None) -> None:

@@ -16,6 +16,7 @@ Exit codes: 0 left cleanly; 2 bad flags; 4 invite refused; 7 could not listen.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -144,12 +145,15 @@ async def _run_node(
     as_json: bool,
     exit_after: float | None,
     model_dir: Path | None = None,
-    dtype: str = "bf16",
+    dtype: str = "auto",
     threads: int = 0,
+    api: str | None = None,
+    api_token: str | None = None,
 ) -> None:
     if model_dir is not None:
         await _serve_layers(manifest, seed, listen, memory, model_dir, dtype=dtype, threads=threads,
-                            mdns=mdns, relay=relay, as_json=as_json, exit_after=exit_after)
+                            mdns=mdns, relay=relay, as_json=as_json, exit_after=exit_after,
+                            api=api, api_token=api_token)
         return
     async with open_host(
         seed, listen, secret=manifest.secret.value, swarm_id=manifest.swarm_id, revoked=frozenset(manifest.revoked)
@@ -184,6 +188,7 @@ async def _run_node(
 async def _serve_layers(
     manifest: Manifest, seed: bytes, listen: list[str], memory: int, model_dir: Path, *,
     dtype: str, threads: int, mdns: bool, relay: bool, as_json: bool, exit_after: float | None,
+    api: str | None = None, api_token: str | None = None,
 ) -> None:
     """A full node: membership as above, plus the ring (its block, or the coordinator role)."""
     from swarm.model.dtypes import resolve_dtype
@@ -213,6 +218,12 @@ async def _serve_layers(
             nursery.start_soon(_relay_client, service, host, printer, list(manifest.bootstrap))
         if mdns:
             nursery.start_soon(_mdns_discovery, service, host, manifest.swarm_id, _dialable(host.addrs()))
+        if api is not None:
+            from swarm.api.backend import NodeBackend
+            from swarm.api.server import serve_api
+
+            url = await nursery.start(functools.partial(serve_api, NodeBackend(node), api, token=api_token))
+            ui.notice(f"OpenAI-compatible endpoint on {url}/v1 (any peer forwards to the coordinator)")
         nursery.start_soon(_signals, nursery.cancel_scope, node)
         if exit_after is not None:
             nursery.cancel_scope.deadline = trio.current_time() + exit_after
@@ -315,6 +326,8 @@ def join(
     as_json: bool = typer.Option(False, "--json", help="One JSON object per line on stdout."),
     exit_after: float | None = typer.Option(None, "--exit-after", help="Leave after this many seconds."),
     serve: bool = typer.Option(True, "--serve/--no-serve", help="Hold layers (or coordinate) for the swarm; --no-serve only shows peers."),
+    api: str | None = typer.Option(None, "--api", help="Serve the OpenAI-compatible endpoint here, e.g. 127.0.0.1:8000."),
+    api_token: str | None = typer.Option(None, "--api-token", envvar="SHARD_SWARM_API_TOKEN", help="Bearer token (required off localhost)."),
     dtype: str = typer.Option("auto", "--dtype", help="auto, bf16, fp16 or fp32 for the layers this node holds."),
     threads: int = typer.Option(0, "--threads", help="torch threads (0: every core)."),
 ) -> None:
@@ -347,8 +360,15 @@ def join(
 
             with ui.progress("converting the bundled model (first run only)") as report:
                 model_dir = default_model_dir(progress=report)
+    if api is not None:
+        if model_dir is None:
+            raise UsageError("--api needs a serving node (drop --no-serve)")
+        from swarm.api.server import check_bind
+
+        check_bind(api, api_token)
     trio.run(lambda: _run_node(manifest, identity.seed, identity, listen, mem, mdns=mdns, relay=relay, as_json=as_json,
-                               exit_after=exit_after, model_dir=model_dir, dtype=dtype, threads=threads))
+                               exit_after=exit_after, model_dir=model_dir, dtype=dtype, threads=threads,
+                               api=api, api_token=api_token))
 
 
 def register(app: typer.Typer) -> None:
