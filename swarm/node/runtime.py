@@ -32,6 +32,7 @@ in-process LocalLink; the others are libp2p streams (Noise-encrypted, admission-
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -184,6 +185,7 @@ class Node:
         self._last_epoch = 0  # the highest epoch this node has proposed (never reused)
         self._leaving: set[str] = set()
         self._excluded: dict[str, float] = {}  # peer -> trio time until which plans skip it
+        self.recent: collections.deque[tuple[float, float | None]] = collections.deque(maxlen=20)
         self.corrupt = False  # fault injection (chaos tests, SIGUSR1 in python -m swarm.node)
         self.replans: list[dict[str, Any]] = []
         self._plan_changed = trio.Event()

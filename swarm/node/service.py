@@ -220,6 +220,7 @@ async def _generate(node: Node, ep: Any, msg: Control, fs: FramedStream) -> None
         raise PeerLost("the client hung up")
     gen = run.gen
     receipt = build_receipt(node, ep, gen, params, started=t0)
+    node.recent.append((gen.tokens_per_s, gen.tokens_per_traversal))
     receipt["replans"] = replans
     receipt["draft"] = {"name": draft_name, "max_depth": depth if drafter is not None else 1, "draft_k": draft_k}
     await fs.send(Control("done", receipt).to_frame())
@@ -325,6 +326,49 @@ def build_receipt(node: Node, ep: Any, gen: RingGeneration, params: SamplingPara
     }
 
 
+def _recent(node: Node) -> dict[str, Any]:
+    """Medians over the last generations this node coordinated."""
+    if not node.recent:
+        return {}
+    tps = [t for t, _ in node.recent]
+    acc = [a for _, a in node.recent if a is not None]
+    return {"tokens_per_s": statistics.median(tps), "accepted_per_traversal": statistics.median(acc) if acc else None,
+            "generations": len(node.recent)}
+
+
+def _peer_info(node: Node, plan: Any) -> dict[str, Any]:
+    """What this node sees of every member: device, memory its block uses, heartbeat age, path."""
+    if node.service is None:
+        return {}
+    view = node.service.membership.view()
+    detector = node.service.liveness.detector
+    now = trio.current_time()
+    out: dict[str, Any] = {}
+    for peer, adv in view.items():
+        heard = detector.last_heard(peer)
+        block = plan.blocks.get(peer) if plan is not None else None
+        used = (block[1] - block[0]) * node.spec.bytes_per_layer if block else 0
+        if plan is not None and plan.coordinator == peer:
+            used += node.spec.coordinator_bytes
+        out[peer] = {
+            "device": f"{adv.device_kind}:{adv.device_name}",
+            "memory_used_bytes": used,
+            "heartbeat_age_s": None if peer == node.peer_id or heard is None else round(now - heard, 2),
+            "path": "self" if peer == node.peer_id else _path(node, peer),
+        }
+    return out
+
+
+def _path(node: Node, peer: str) -> str:
+    """How we reach ``peer``: direct, direct (hole-punched) or relayed (net/relay.py knows)."""
+    try:
+        from swarm.net.relay import path_to
+
+        return str(path_to(node.host.libp2p, peer).value) if node.host is not None else "?"
+    except Exception:  # no connection right now, or an address the relay module cannot classify
+        return "?"
+
+
 def status(node: Node) -> dict[str, Any]:
     ep = node.epoch
     plan = ep.plan if ep is not None and not ep.done.is_set() else None
@@ -340,5 +384,7 @@ def status(node: Node) -> dict[str, Any]:
         "peers_file": node.peers_file() if node.service is not None else None,
         "ms_per_layer": node.ms_per_layer,
         "hop_paths": {str(k): v for k, v in node.hop_paths.items()},
+        "peer_info": _peer_info(node, plan),
+        "recent": _recent(node),
         "replans": list(node.replans),
     }
