@@ -6,7 +6,6 @@ match its ``output_token_ids`` / ``output_sha256``.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import sys
 from collections.abc import Sequence
@@ -27,8 +26,9 @@ if TYPE_CHECKING:  # torch and the model load in the command, so other commands 
 
 
 def output_sha256(ids: Sequence[int]) -> str:
-    """sha256 of the IDs as comma-separated decimal text (the receipts' definition)."""
-    return hashlib.sha256(",".join(str(int(i)) for i in ids).encode()).hexdigest()
+    from swarm.model.generate import output_sha256 as checksum
+
+    return checksum(ids)
 
 
 def parse_prompt_ids(text: str) -> list[int]:

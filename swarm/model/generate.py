@@ -15,6 +15,7 @@ numbers on the same kind of device; greedy output with fp32 matches whatever the
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import time
 from collections import deque
@@ -41,6 +42,12 @@ from swarm.model.weights import Checkpoint, open_checkpoint
 _sessions = itertools.count()
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def output_sha256(ids: Sequence[int]) -> str:
+    """sha256 of the output IDs as comma-separated decimal text: the receipts' checksum, so a
+    ring's receipt and a one-box run can be compared by one line."""
+    return hashlib.sha256(",".join(str(int(t)) for t in ids).encode()).hexdigest()
 
 
 def split_layers(n_layers: int, n_stages: int) -> list[tuple[int, int]]:

@@ -23,7 +23,6 @@ generation with an error naming the peer, and the session is closed on every sta
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import itertools
 import logging
 import math
@@ -44,6 +43,7 @@ from swarm.errors import (
     SwarmError,
     UsageError,
 )
+from swarm.model.generate import output_sha256
 from swarm.model.sampling import SamplingParams
 from swarm.model.speculative import Committed, DraftSource, KPolicy, SpeculativeDecoder, VerifyChunk
 from swarm.model.stage import Head
@@ -57,11 +57,6 @@ log = logging.getLogger("swarm.node.coordinator")
 
 DEFAULT_CHUNK_TIMEOUT_S = 30.0
 SEND_TIMEOUT_S = 10.0
-
-
-def output_sha256(ids: Sequence[int]) -> str:
-    """sha256 of the output IDs as comma-separated decimal text (the receipts' checksum)."""
-    return hashlib.sha256(",".join(str(int(t)) for t in ids).encode()).hexdigest()
 
 
 @dataclass

@@ -200,14 +200,10 @@ def contiguous_splits(n_layers: int, n_stages: int | None = None) -> list[list[t
 
 
 def balanced_split(n_layers: int, n_stages: int) -> list[tuple[int, int]]:
-    """n_stages contiguous blocks whose sizes differ by at most one."""
-    base, extra = divmod(n_layers, n_stages)
-    out, start = [], 0
-    for i in range(n_stages):
-        end = start + base + (1 if i < extra else 0)
-        out.append((start, end))
-        start = end
-    return out
+    """n_stages contiguous blocks whose sizes differ by at most one (earlier blocks larger)."""
+    from swarm.model.generate import split_layers
+
+    return split_layers(n_layers, n_stages)
 
 
 def greedy_tokens(
