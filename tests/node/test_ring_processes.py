@@ -81,3 +81,23 @@ async def test_ring_receipt_and_run_json_agree_in_bf16(ckpt: Path) -> None:
     local = json.loads(out.stdout)
     assert local["output_token_ids"] == receipt["output_token_ids"]
     assert local["output_sha256"] == receipt["output_sha256"]
+
+
+async def test_wan_ring_through_delaying_proxies(ckpt: Path) -> None:
+    """Every hop through a 15 ms one-way delaying proxy (no tc netem here): the ring still gives
+    one box's tokens, and each traversal costs at least the hops' delay."""
+    delay_ms = 15.0
+    want = _reference(ckpt, max_new_tokens=24, drafter=NgramDrafter(), policy=KPolicy(max_depth=2))
+    with start_local_swarm(3, ckpt, dtype="fp32", delay_ms=delay_ms) as swarm:
+        async with client.open_client(swarm.addrs[0], secret=swarm.secret, swarm_id=swarm.swarm_id) as (h, peer):
+            st = await client.wait_ready(h, peer, timeout=120)
+            got = await client.generate(h, peer, prompt_ids=PROMPT, max_new_tokens=24, draft="ngram", timeout=90)
+    plan = st["plan"]
+    path = [plan["coordinator"], *plan["ring"], plan["coordinator"]]
+    network_hops = sum(1 for a, b in zip(path, path[1:], strict=False) if a != b)
+    assert network_hops >= 2
+    assert got["output_token_ids"] == want[: len(got["output_token_ids"])]
+    assert got["traversal_ms"] >= network_hops * delay_ms * 0.95, (got["traversal_ms"], network_hops)
+    # the measured RTTs the planner used include the proxies' delay too
+    rtts = [v for row in got["rtt_ms"].values() for v in row.values()]
+    assert rtts and min(rtts) >= 2 * delay_ms * 0.9, rtts
