@@ -53,6 +53,7 @@ class LocalSwarm:
     addrs: list[str]  # dialable multiaddr of each node (through its proxy when delayed)
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
     proxy: subprocess.Popen[bytes] | None = None
+    _base_cfg: dict[str, object] = field(default_factory=dict)
     _tmp: tempfile.TemporaryDirectory[str] | None = None
 
     def log(self, i: int) -> str:
@@ -85,6 +86,44 @@ class LocalSwarm:
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
+
+    def _spawn(self, i: int, cfg: dict[str, object]) -> None:
+        cfg_file = self.workdir / f"node{i}.json"
+        cfg_file.write_text(json.dumps(cfg, indent=2))
+        self._base_cfg = cfg
+        env = {**os.environ, "OMP_NUM_THREADS": str(cfg["threads"]), "PYTHONUNBUFFERED": "1"}
+        fd = _log_file(self.workdir / f"node{i}.log")
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "swarm.node", str(cfg_file)],
+                stdout=subprocess.DEVNULL, stderr=fd, env=env, start_new_session=True,
+            )  # fmt: skip
+        finally:
+            os.close(fd)  # the child has its own copy
+        if i < len(self.procs):
+            self.procs[i] = proc
+        else:
+            self.procs.append(proc)
+
+    def add_node(self, memory_bytes: int | None = None) -> int:
+        """Start one more node (loopback, no delay proxy) that joins through node 0; its index."""
+        if self.proxy is not None:
+            raise ValueError("add_node does not support delayed swarms")
+        i = len(self.procs)
+        seed = os.urandom(32)
+        self.peer_ids.append(Identity(seed).peer_id)
+        listen, fast = free_ports(2)
+        self.addrs.append(f"/ip4/127.0.0.1/tcp/{listen}/p2p/{self.peer_ids[i]}")
+        seed_file = self.workdir / f"node{i}.seed"
+        _write_private(seed_file, seed.hex())
+        cfg = {
+            **self._base_cfg, "seed_file": str(seed_file), "listen": [f"/ip4/127.0.0.1/tcp/{listen}"],
+            "announce": [], "fastpath_port": fast, "fastpath_advertise": [f"127.0.0.1:{fast}"],
+        }  # fmt: skip
+        if memory_bytes is not None:
+            cfg["memory_bytes"] = memory_bytes
+        self._spawn(i, cfg)
+        return i
 
     def __enter__(self) -> LocalSwarm:
         return self
@@ -139,10 +178,12 @@ def start_local_swarm(
         if delay_ms > 0:
             pairs = [f"{public_ports[i]}:{listen_ports[i]}" for i in range(n)]
             pairs += [f"{fast_public[i]}:{fast_ports[i]}" for i in range(n)]
+            fd = _log_file(workdir / "proxy.log")
             swarm.proxy = subprocess.Popen(
                 [sys.executable, "-m", "swarm.testing.delayproxy", str(delay_ms), *pairs],
-                stdout=subprocess.DEVNULL, stderr=_log_file(workdir / "proxy.log"),
+                stdout=subprocess.DEVNULL, stderr=fd,
             )  # fmt: skip
+            os.close(fd)
         for i in range(n):
             seed_file = workdir / f"node{i}.seed"
             _write_private(seed_file, seeds[i].hex())
@@ -163,16 +204,7 @@ def start_local_swarm(
                 "draft": draft,
                 "chunk_timeout": chunk_timeout,
             }
-            cfg_file = workdir / f"node{i}.json"
-            cfg_file.write_text(json.dumps(cfg, indent=2))
-            env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
-            swarm.procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "swarm.node", str(cfg_file)],
-                    stdout=subprocess.DEVNULL, stderr=_log_file(workdir / f"node{i}.log"), env=env,
-                    start_new_session=True,
-                )  # fmt: skip
-            )
+            swarm._spawn(i, cfg)
     except BaseException:
         swarm.stop()
         raise

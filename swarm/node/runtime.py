@@ -184,6 +184,8 @@ class Node:
         self.epochs_planned = 0
         self._last_epoch = 0  # the highest epoch this node has proposed (never reused)
         self._leaving: set[str] = set()
+        self._plan_msg: PlanMsg | None = None  # the leader's signed plan of the serving epoch
+        self._informed: set[str] = set()  # members that were sent it
         self._excluded: dict[str, float] = {}  # peer -> trio time until which plans skip it
         self.recent: collections.deque[tuple[float, float | None]] = collections.deque(maxlen=20)
         self.corrupt = False  # fault injection (chaos tests, SIGUSR1 in python -m swarm.node)
@@ -281,7 +283,10 @@ class Node:
             members = self.members()
             if members != last_members:
                 last_members, stable_since = members, trio.current_time()
-            if self.leader() != self.peer_id or (self.epoch is not None and not self.epoch.done.is_set()):
+            if self.leader() != self.peer_id:
+                continue
+            if self.epoch is not None and not self.epoch.done.is_set():
+                await self._inform_joiners(members)
                 continue
             first = self.epoch is None
             if first and s.expect_peers and len(members) < s.expect_peers:
@@ -342,6 +347,19 @@ class Node:
         await self._phase(participants, "connect", lambda: Control("connect", {"epoch": plan.epoch}).to_frame(), "linked", LINK_TIMEOUT_S)
         await self._phase([plan.coordinator], "serve", lambda: Control("serve", {"epoch": plan.epoch}).to_frame(), "serving", LINK_TIMEOUT_S)
         self.epochs_planned += 1
+        self._plan_msg, self._informed = msg, set(members)
+
+    async def _inform_joiners(self, members: list[str]) -> None:
+        """Leader: a peer that joined while a ring serves becomes a standby; it learns the plan
+        (so it can relay requests to the coordinator) and the ring is left alone until the next
+        re-plan, never changed in the middle of a generation."""
+        msg = self._plan_msg
+        new = [p for p in members if p not in self._informed]
+        if msg is None or not new:
+            return
+        self._informed |= set(new)
+        self._on_event(f"{len(new)} new peer(s) join as standbys of epoch {msg.epoch}")
+        await self._phase([], "plan", lambda: msg.to_frame(), "loaded", RPC_TIMEOUT_S, best_effort=new)
 
     async def _phase(
         self, peers: list[str], name: str, make: Callable[[], Any], want: str, timeout: float,
