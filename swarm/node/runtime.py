@@ -37,7 +37,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -363,7 +363,7 @@ class Node:
 
     async def _phase(
         self, peers: list[str], name: str, make: Callable[[], Any], want: str, timeout: float,
-        best_effort: list[str] = (),  # type: ignore[assignment]
+        best_effort: Sequence[str] = (),
     ) -> None:
         async def maybe(peer: str) -> None:
             try:
