@@ -160,7 +160,9 @@ async def _run_node(
     ) as host:
         addrs = _dialable(host.addrs())
         ui.notice(f"node {host.peer_id} listening on {', '.join(addrs)}")
-        membership = Membership(signer, manifest.swarm_id, addrs=addrs, memory_bytes=memory)
+        membership = Membership(
+            signer, manifest.swarm_id, addrs=addrs, memory_bytes=memory, revoked=frozenset(manifest.revoked)
+        )
         printer = _Printer(host, as_json)
         service = MembershipService(host, membership, on_event=printer.on_event)
         async with trio.open_nursery() as nursery:

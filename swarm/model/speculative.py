@@ -38,8 +38,10 @@ pending and the drafter proposes nothing, no further chunk is issued until resul
 
 Adaptive K and depth (``KPolicy``): an exponential moving average ``alpha`` of the per-token
 acceptance (start 0.6, weight 0.3 for each new round). K maximises expected tokens per unit
-cost, ``(1 - alpha^(K+1)) / (1 - alpha) / (1 + verify_cost*K + draft_cost*K)``, over
-``k_min..k_max``. The depth in flight is ``1 + j`` where ``j`` counts the levels
+cost, ``(1 - alpha^(K+1)) / (1 - alpha) * sum_{j<max_depth} alpha^(K*j) / (1 + verify_cost*K +
+draft_cost*K)``, over ``k_min..k_max`` (the sum counts the chunks behind the first, each useful
+only if all before it survive, so a deep pipeline on a long ring prefers shorter chunks; with
+``max_depth`` 1 it is 1). The depth in flight is ``1 + j`` where ``j`` counts the levels
 ``1..max_depth-1`` whose survival chance ``alpha^(K*level)`` is at least ``depth_threshold``.
 Both are pure functions of the acceptance history, so two runs fed the same results produce the
 same schedule.
@@ -148,6 +150,9 @@ class KPolicy:
         best_k, best = self.k_min, -1.0
         for k in range(self.k_min, self.k_max + 1):
             gain = (1 - a ** (k + 1)) / (1 - a)
+            # with several chunks in flight, chunk j only counts if the j-1 before it were
+            # accepted whole (alpha^K each): deep pipelines favour shorter chunks
+            gain *= sum(a ** (k * j) for j in range(self.max_depth))
             value = gain / (1 + (self.verify_cost + self.draft_cost) * k)
             if value > best + 1e-12:
                 best_k, best = k, value

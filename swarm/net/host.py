@@ -52,7 +52,7 @@ from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 from libp2p.stream_muxer.yamux.yamux import Yamux
 
-from swarm.errors import AdmissionError, PeerError, SwarmError, UsageError
+from swarm.errors import AdmissionError, FrameError, PeerError, SwarmError, UsageError
 from swarm.net.streams import (
     DEFAULT_IO_TIMEOUT,
     FramedStream,
@@ -68,6 +68,7 @@ log = logging.getLogger("swarm.net.host")
 DEFAULT_DIAL_TIMEOUT = 10.0
 DEFAULT_ADMIT_TIMEOUT = 5.0
 CLOSE_TIMEOUT = 3.0
+BAN_S = 300.0  # a peer that sent malformed frames is refused this long
 
 Handler = Callable[[str, FramedStream], Awaitable[None]]
 
@@ -150,6 +151,7 @@ class SwarmHost:
         self._secret = secret
         self.swarm_id = swarm_id
         self.revoked = revoked
+        self._banned: dict[str, float] = {}  # peer -> trio time until which it is refused
         self.limits = limits
         self.io_timeout = io_timeout
         self.dial_timeout = dial_timeout
@@ -224,6 +226,10 @@ class SwarmHost:
         peer = str(info.peer_id)
         if peer == self.peer_id:
             raise UsageError(f"dial address {addr!r} is this node itself")
+        if peer in self.revoked:
+            raise AdmissionError(f"peer {peer} is revoked by the swarm's invite: not dialing it")
+        if self._banned.get(peer, 0.0) > trio.current_time():
+            raise AdmissionError(f"peer {peer} broke the wire protocol recently: not dialing it")
         limit = self.dial_timeout if timeout is None else timeout
         # py-libp2p refuses every dial to a peer for 60 s after one failed ("negative cache"),
         # even to a new address; our callers retry on purpose, with their own backoff.
@@ -246,6 +252,9 @@ class SwarmHost:
         return peer
 
     async def _admit_outbound(self, peer: str, addr: str) -> None:
+        if peer in self.revoked:
+            await self._refuse(peer, addr, "revoked by the swarm's invite")
+            raise AdmissionError(f"peer {peer} is revoked by the swarm's invite")
         if peer in self._admitted:
             return
         if peer in self._admitting:  # the other side is admitting us right now: wait for it
@@ -281,6 +290,10 @@ class SwarmHost:
     async def _serve_admit(self, raw: INetStream) -> None:
         peer = _peer_of(raw)
         addr = _conn_addr(raw.muxed_conn)
+        if self._banned.get(peer, 0.0) > trio.current_time():
+            await _close_raw(raw)
+            await self._refuse(peer, addr, "refused for a while after breaking the wire protocol")
+            return
         self._admitting.add(peer)
         try:
             side = Responder(
@@ -366,6 +379,11 @@ class SwarmHost:
                     await handler(peer, fs)
             except PeerError as exc:
                 log.debug("%s stream from %s ended: %s", protocol, peer, exc)
+            except FrameError as exc:
+                # bytes no honest peer sends (oversized, truncated, malformed frames): drop the
+                # peer and refuse it for a while; the other connections never notice
+                self._banned[peer] = trio.current_time() + BAN_S
+                await self._refuse(peer, "", f"broke the wire protocol on {protocol}: {exc}; refused for {BAN_S:.0f} s")
             except SwarmError as exc:
                 log.warning("%s stream from %s failed: %s", protocol, peer, exc)
             except Exception as exc:

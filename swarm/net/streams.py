@@ -124,7 +124,9 @@ class FramedStream:
                     try:
                         self._decoder.eof()
                     except FrameError as exc:
-                        self._end = exc
+                        # cut off mid-frame: a crashed peer looks exactly like this, so it is a
+                        # lost stream, not a protocol violation (which would get the peer banned)
+                        self._end = PeerLost(f"peer {self.peer}: {self.protocol} stream ended mid-frame ({exc})")
                     else:
                         self._end = PeerLost(f"peer {self.peer}: closed its {self.protocol} stream")
                     return

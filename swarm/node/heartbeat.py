@@ -155,7 +155,9 @@ async def serve_ctl_inbound(
     peer = fs.peer
     while True:
         try:
-            frame = await fs.receive(timeout=3600.0)
+            # silence is the failure detector's business; this deadline only reaps a stream left
+            # half-way through a frame by a peer that went quiet
+            frame = await fs.receive(timeout=max(10.0, DEFAULT_INTERVAL * 20))
         except PeerError:
             return
         liveness.heard(peer)

@@ -616,7 +616,7 @@ class Node:
                     await ep.done.wait()
         except SwarmError as exc:
             log.warning("activation link to %s (epoch %d) ended: %s", dst, ep.plan.epoch, exc)
-            self._end_epoch(f"link to {dst} failed: {exc}")
+            self._end_epoch(f"link to {dst} failed: {exc}", only=ep)
 
     async def _accept_fast(self) -> None:
         assert self.fastpath is not None and self._nursery is not None
@@ -659,7 +659,7 @@ class Node:
         try:
             await _until_done(ep, run)
         except (SwarmError, trio.TooSlowError) as exc:
-            self._end_epoch(f"stage worker: {exc}")
+            self._end_epoch(f"stage worker: {exc}", only=ep)
 
     async def _start_serving(self, epoch: int) -> None:
         ep = self._current(epoch)
@@ -679,7 +679,7 @@ class Node:
         try:
             await _until_done(ep, lambda: coord.serve_results(ep.inbound[len(ep.plan.ring)], tail_peer=tail))
         except SwarmError as exc:
-            self._end_epoch(f"result link: {exc}")
+            self._end_epoch(f"result link: {exc}", only=ep)
 
     def _current(self, epoch: int) -> Epoch:
         ep = self.epoch
@@ -688,8 +688,13 @@ class Node:
             raise ProtocolError(f"epoch {epoch} is not current here (current: {have})")
         return ep
 
-    def _end_epoch(self, reason: str) -> None:
+    def _end_epoch(self, reason: str, *, only: Epoch | None = None) -> None:
+        """End the current epoch. ``only``: a task of that epoch is reporting its own failure;
+        if a newer epoch has replaced it meanwhile, the report is stale and changes nothing
+        (an old link torn down must never end the epoch that replaced it)."""
         ep = self.epoch
+        if only is not None and ep is not only:
+            return
         if ep is None or ep.done.is_set():
             return
         log.info("epoch %d ends: %s", ep.plan.epoch, reason)

@@ -168,16 +168,20 @@ async def _generate(node: Node, ep: Any, msg: Control, fs: FramedStream) -> None
     drafter, policy = make_drafter(draft_name, depth=depth, draft_k=draft_k)
     send, recv = trio.open_memory_channel[list[int]](math.inf)
     all_ids: list[int] = []
-    shown = ""
 
     async def stream_out() -> None:
-        nonlocal shown
+        # incremental detokenization: decode only a short window (the tokens since the last
+        # emitted piece, plus the ones before it for context), never the whole output again
+        prefix = read = 0
         async for ids in recv:
             all_ids.extend(ids)
-            text = tok.decode(all_ids) if tok is not None else ""
             piece = ""
-            if not text.endswith("\ufffd"):  # hold back half a UTF-8 character
-                piece, shown = text[len(shown):], text
+            if tok is not None:
+                before = tok.decode(all_ids[prefix:read])
+                text = tok.decode(all_ids[prefix:])
+                if len(text) > len(before) and not text.endswith("\ufffd"):  # hold back half a character
+                    piece = text[len(before):]
+                    prefix, read = read, len(all_ids)
             await fs.send(Control("tokens", {"text": piece}, tuple(ids)).to_frame())
 
     t0 = time.time()

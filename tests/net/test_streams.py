@@ -76,12 +76,14 @@ async def test_garbage_is_a_frame_error_naming_the_peer() -> None:
             await a.receive()
 
 
-async def test_eof_inside_a_frame_is_a_frame_error() -> None:
+async def test_eof_inside_a_frame_is_a_lost_stream_not_a_violation() -> None:
+    """A peer killed mid-write looks exactly like this: the stream is lost (PeerLost), and the
+    peer is not treated as one that broke the protocol (which gets it banned)."""
     left, right = trio.testing.memory_stream_pair()
     async with open_framed(TrioStreamRaw(left), peer="B", protocol="ctl") as a:
         await right.send_all(encode_frame(_chunk(1, 1024))[:100])
         await right.aclose()
-        with pytest.raises(FrameError, match="ended inside a frame"):
+        with pytest.raises(PeerLost, match="ended mid-frame"):
             await a.receive()
 
 

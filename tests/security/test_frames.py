@@ -98,9 +98,9 @@ async def test_oversized_and_truncated_frames_on_every_protocol(live: LiveSwarm)
         for kind in ("oversized", "oversized_meta", "truncated")
     ]
     closed: dict[tuple[str, str], float | None] = {}
-    async with admitted_attacker(live, idx) as (h, _peer):
-
-        async def attack(proto: str, kind: str) -> None:
+    dropped: dict[tuple[str, str], bool] = {}
+    for proto, kind in cases:  # a fresh attacker each time: an oversized frame gets it dropped
+        async with admitted_attacker(live, idx) as (h, _peer):
             raw = await _open_raw(h, target, proto)
             data = {
                 "oversized": oversized_frame,
@@ -111,20 +111,16 @@ async def test_oversized_and_truncated_frames_on_every_protocol(live: LiveSwarm)
             if kind == "truncated":
                 await raw.close()  # half-close: the node's decoder sees EOF mid-frame
             closed[(proto, kind)] = await _closed_within(raw, CLOSE_WITHIN_S)
-
-        async with trio.open_nursery() as nursery:
-            for proto, kind in cases:
-                nursery.start_soon(attack, proto, kind)
-        assert h.is_admitted(target)  # only the offending streams went; see the xfail test below
-        attacker = h.peer_id
+            await trio.sleep(0.3)
+            dropped[(proto, kind)] = not h.is_admitted(target)
     still_open = [c for c, t in closed.items() if t is None]
     assert not still_open, f"streams the node kept open after a bad frame: {still_open}"
+    # an oversized frame is refused on its header and its sender dropped; a frame cut short by
+    # EOF looks exactly like a crashed peer, so it only ends that stream
+    assert all(dropped[(p, k)] for p, k in cases if k != "truncated"), dropped
+    assert not any(dropped[(p, k)] for p, k in cases if k == "truncated"), dropped
     log = live.swarm.log(idx)
-    # the oversized ones are refused on the header, logged with the peer and protocol (the
-    # truncated ones end as a closed stream, asserted above)
     assert log.count("broke the wire protocol") - before >= 2 * len(PROTOCOLS), log[-3000:]
-    for proto in PROTOCOLS:
-        assert log.count(f"{proto} stream from {attacker} failed") >= 2, (proto, log[-3000:])
     await assert_still_serving(live)
 
 
@@ -159,15 +155,7 @@ def silence(live: LiveSwarm) -> dict[str, float | None]:
 @pytest.mark.parametrize(
     "proto",
     [
-        pytest.param(
-            PROTO_CTL,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="swarm/node/heartbeat.py serve_ctl_inbound waits 3600 s for the next frame, so a "
-                "peer that sends half a frame and goes silent holds the stream for an hour; fix: "
-                "receive(timeout=max(60.0, interval * 20)) as run_ctl_link does (heartbeats arrive every interval)",
-            ),
-        ),
+        PROTO_CTL,
         PROTO_ACT,
         PROTO_GEN,
         PROTO_RING,
@@ -236,13 +224,6 @@ async def test_nan_activations_from_a_non_upstream_peer_are_refused(live: LiveSw
     await assert_still_serving(live)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="swarm/net/host.py SwarmHost.handle(): a peer that breaks the wire protocol only loses "
-    "that stream; it stays admitted and may reconnect at once (issue 8: 'a misbehaving peer is "
-    "dropped and, for a while, refused'); fix: on FrameError/ProtocolError from a handler, call "
-    "self._refuse(peer, ...) and keep {peer: until} checked in _serve_admit and dial",
-)
 async def test_a_peer_that_breaks_the_protocol_is_dropped(live: LiveSwarm) -> None:
     idx, _ = await _stage(live)
     target = live.swarm.peer_ids[idx]

@@ -181,12 +181,6 @@ async def test_revoked_peer_is_refused_by_a_listener() -> None:
         assert not issuer.is_admitted(bad.peer_id)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="swarm/net/host.py: the dialer side ignores `revoked` (Initiator has no revoked list), so a "
-    "node dials and admits a revoked peer that still knows the secret; fix: refuse revoked IDs in "
-    "SwarmHost.dial/_admit_outbound",
-)
 async def test_revoked_peer_is_refused_when_we_dial_it() -> None:
     secret, swarm_id = os.urandom(32), "revocation"
     bad_seed = os.urandom(32)
