@@ -184,6 +184,7 @@ class Node:
         self.epochs_planned = 0
         self._last_epoch = 0  # the highest epoch this node has proposed (never reused)
         self._leaving: set[str] = set()
+        self._epoch_ended_at = -1e9  # trio time the last epoch ended
         self._plan_msg: PlanMsg | None = None  # the leader's signed plan of the serving epoch
         self._informed: set[str] = set()  # members that were sent it
         self._excluded: dict[str, float] = {}  # peer -> trio time until which plans skip it
@@ -288,6 +289,8 @@ class Node:
             if self.epoch is not None and not self.epoch.done.is_set():
                 await self._inform_joiners(members)
                 continue
+            if trio.current_time() - self._epoch_ended_at < REPLAN_SETTLE_S:
+                continue  # let the transport's news of a dead peer arrive before re-planning
             first = self.epoch is None
             if first and s.expect_peers and len(members) < s.expect_peers:
                 continue
@@ -303,7 +306,7 @@ class Node:
                 self._on_event(f"epoch set-up failed: {exc}; retrying")
                 if self.epoch is not None:
                     self._end_epoch(str(exc))
-                await trio.sleep(1.0)
+                await trio.sleep(REPLAN_SETTLE_S)
 
     def peers_file(self) -> dict[str, Any]:
         assert self.service is not None
@@ -315,15 +318,26 @@ class Node:
         The coordinator is kept whenever it survives and can still be one (its generations in
         flight live on it: moving it would fail them); otherwise the planner's centroid rule picks.
         """
+        previous = self.epoch.plan if self.epoch is not None else None
+        epoch = max(previous.epoch if previous is not None else 0, self._last_epoch) + 1
+        self._last_epoch = epoch
+        return self._plan_for(members, previous, epoch)
+
+    def planning_problem(self) -> str | None:
+        """Why the live members cannot hold the model right now (the planner's words), or None."""
+        try:
+            self._plan_for(self.plannable(), self.epoch.plan if self.epoch is not None else None, 0)
+        except PlanningError as exc:
+            return str(exc)
+        return None
+
+    def _plan_for(self, members: list[str], previous: Plan | None, epoch: int) -> Plan:
         pf = parse_peers_file(self.peers_file(), where="membership view")
         peers = [
             Peer(p.id, p.memory_bytes, p.ms_per_layer,
                  self.settings.coordinator_ok if p.id == self.peer_id else p.coordinator_ok, p.addresses)
             for p in pf.peers if p.id in members
         ]  # fmt: skip
-        previous = self.epoch.plan if self.epoch is not None else None
-        epoch = max(previous.epoch if previous is not None else 0, self._last_epoch) + 1
-        self._last_epoch = epoch
         if previous is not None and previous.coordinator in members:
             keep = [dataclasses.replace(p, coordinator_ok=p.coordinator_ok and p.id == previous.coordinator) for p in peers]
             try:
@@ -701,6 +715,7 @@ class Node:
         self.replans.append({"epoch": ep.plan.epoch, "ended": time.time(), "reason": reason})
         if ep.coordinator is not None:
             ep.coordinator._fail_all(PeerError(f"epoch {ep.plan.epoch} ended: {reason}"))
+        self._epoch_ended_at = trio.current_time()
         ep.done.set()
         self._membership_changed.set()
 

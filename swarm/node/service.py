@@ -47,6 +47,7 @@ log = logging.getLogger("swarm.node.service")
 
 REQUEST_TIMEOUT_S = 20.0
 RECOVERY_TIMEOUT_S = 120.0  # a re-plan may include loading a block
+PROBLEM_GRACE_S = 3.0  # how long the planner may call the swarm too small before a run gives up
 MAX_NEW_TOKENS = 4096
 MAX_TEXT = 64 * 1024
 
@@ -84,6 +85,9 @@ async def _serving_epoch(node: Node, wait_s: float) -> Any:
         if ep is not None and not ep.done.is_set() and (ep.plan.coordinator != node.peer_id or ep.serving.is_set()):
             return ep
         if trio.current_time() >= deadline:
+            problem = node.planning_problem() if node.service is not None else None
+            if problem is not None:
+                raise PeerError(f"the swarm cannot serve: {problem}; it keeps waiting for peers")
             state = "no plan yet" if ep is None else f"epoch {ep.plan.epoch} not serving"
             raise PeerError(f"the swarm is not ready ({state}); retry in a few seconds")
         await trio.sleep(0.1)
@@ -277,6 +281,11 @@ async def _drive_with_recovery(
 
 
 async def _next_epoch(node: Node, after: int, timeout: float) -> Any:
+    """The next serving epoch after ``after``; PeerError when none comes within ``timeout``, or
+    sooner when the planner says the live members cannot hold the model (its words: how many GB
+    are missing) for longer than PROBLEM_GRACE_S: the client learns why and may retry later."""
+    problem_since: float | None = None
+    next_check = trio.current_time() + 1.0
     with trio.move_on_after(timeout):
         while True:
             ep = node.epoch
@@ -284,6 +293,16 @@ async def _next_epoch(node: Node, after: int, timeout: float) -> Any:
                 ep.serving.is_set() or ep.plan.coordinator != node.peer_id
             ):
                 return ep
+            now = trio.current_time()
+            if now >= next_check:  # planning costs CPU: ask once a second
+                next_check = now + 1.0
+                problem = node.planning_problem()
+                if problem is None:
+                    problem_since = None
+                elif problem_since is None:
+                    problem_since = now
+                elif now - problem_since > PROBLEM_GRACE_S:
+                    raise PeerError(f"the swarm cannot serve: {problem}; it keeps waiting for peers")
             await trio.sleep(0.05)
     raise PeerError(f"the swarm did not recover within {timeout:.0f} s (no new plan); see the nodes' logs")
 

@@ -93,8 +93,8 @@ class DelayProxy:
                         last_due = due
                         self.stats.bytes_forwarded += len(data)
                         send.send_nowait((due, data))
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-            scope.cancel()
+        except* (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            scope.cancel()  # one side went away (a killed node resets): end this connection only
 
 
 @contextlib.asynccontextmanager

@@ -227,14 +227,6 @@ async def test_survivors_too_small_swarm_keeps_waiting(ckpt: Path) -> None:
         assert [alive for i, alive in enumerate(swarm.alive()) if i != victim] == [True, True]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "the client only sees 'the swarm is not ready (epoch N not serving)' or, for a run in flight, "
-        "'did not recover within 120 s': the planner's 'not enough memory ... GB short' never reaches it "
-        "(service._serving_epoch/_next_epoch do not ask why no plan comes)"
-    ),
-)
 async def test_survivors_too_small_error_says_memory_missing(ckpt: Path) -> None:
     with start_local_swarm(
         3, ckpt, dtype="bf16", memory_bytes=[memory_for(ckpt, 3)] * 3, chunk_timeout=3.0
