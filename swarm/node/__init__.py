@@ -1,12 +1,23 @@
-"""A running peer: the trio nursery tree of membership, heartbeats, stage worker, coordinator.
+"""A running peer: the trio nursery tree of membership, heartbeats, the ring, recovery.
 
 Where things live:
 
+    runtime.py     Node: host + membership + the leader's planning (epochs, leave, faults)
+    epoch.py       one plan epoch at a peer: accept the plan, load the block, wire the hops, serve
+    stage_worker.py  a layer block serving verify chunks from upstream to downstream
+    coordinator.py the coordinator's side of a ring: drives the speculative decoder, replays a
+                   run on a new ring after a failure
+    service.py     /shard-swarm/gen/1: generation requests, relaying, recovery loop, receipts, status
+    client.py      talking to a swarm as a client (status, wait until ready, one generation)
+    launch.py      a local swarm of node processes on loopback (demo, tests, benchmarks);
+                   __main__.py is the node process
+    links.py       the Link interface of a hop, and the in-process LocalLink
+    fastlink.py    a hop over a fast-path channel; wire.py: tensors <-> activation frames
     failure.py     FailureDetector: alive -> suspect -> lost (and rejoin as a new incarnation);
                    pure, every call takes ``now``
     heartbeat.py   Liveness (the detector on the trio clock, RTT estimates); the ctl link that sends
                    heartbeats/adverts and measures RTT from echoes; the inbound ctl server
     membership.py  Membership (signed adverts, the view, the planner's peers-file export) and
                    MembershipService (runs it all on a SwarmHost: links, gossip, dialing)
-    (stage worker, coordinator, recovery: see their own modules)
+    errors_util.py unwrapping trio's exception groups at the node's boundaries
 """
