@@ -22,10 +22,9 @@ import nacl.exceptions
 import nacl.signing
 
 from swarm.errors import ProtocolError
+from swarm.peerid import peer_id_from_public_key
 
 # protobuf PublicKey{Type: Ed25519(1), Data: 32 bytes} behind an identity multihash (0x00, len 36)
-ED25519_PEER_ID_PREFIX = b"\x00\x24\x08\x01\x12\x20"
-_B58 = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
 
 
 class Signer(Protocol):
@@ -35,21 +34,12 @@ class Signer(Protocol):
     def sign(self, data: bytes) -> bytes: ...
 
 
-def b58encode(data: bytes) -> str:
-    n = int.from_bytes(data, "big")
-    out = []
-    while n:
-        n, r = divmod(n, 58)
-        out.append(_B58[r])
-    pad = len(data) - len(data.lstrip(b"\0"))
-    return "1" * pad + "".join(reversed(out))
-
-
 def peer_id_of(public_key: bytes) -> str:
     """The libp2p peer ID (base58, ``12D3KooW...``) of a 32-byte Ed25519 public key."""
-    if len(public_key) != 32:
-        raise ProtocolError(f"an Ed25519 public key is 32 bytes, got {len(public_key)}")
-    return b58encode(ED25519_PEER_ID_PREFIX + public_key)
+    try:
+        return peer_id_from_public_key(public_key)
+    except ValueError as exc:
+        raise ProtocolError(str(exc)) from None
 
 
 def canonical_json(obj: Any) -> bytes:
