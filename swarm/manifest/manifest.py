@@ -27,6 +27,7 @@ import binascii
 import enum
 import hmac
 import json
+import logging
 import os
 import re
 import time
@@ -503,10 +504,16 @@ def read_manifest(
     try:
         with open(path, "rb") as f:
             data = f.read(MAX_MANIFEST_BYTES + 1)
+            mode = os.fstat(f.fileno()).st_mode
     except OSError as exc:
         raise ManifestInvalid(
             Reason.MALFORMED, f"cannot read invite {path}: {exc.strerror}"
         ) from None
+    if mode & 0o077:
+        logging.getLogger("swarm.manifest").warning(
+            "invite %s is readable by other users (mode %o): it holds the swarm secret; chmod 600 it",
+            path, mode & 0o777,
+        )
     m = parse_manifest(data, where=str(path))
     if verify:
         try:

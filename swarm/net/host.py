@@ -68,7 +68,8 @@ log = logging.getLogger("swarm.net.host")
 DEFAULT_DIAL_TIMEOUT = 10.0
 DEFAULT_ADMIT_TIMEOUT = 5.0
 CLOSE_TIMEOUT = 3.0
-BAN_S = 300.0  # a peer that sent malformed frames is refused this long
+BAN_S = 300.0
+MAX_STREAMS_PER_PEER = 256  # inbound swarm streams one peer may hold open at once  # a peer that sent malformed frames is refused this long
 
 Handler = Callable[[str, FramedStream], Awaitable[None]]
 
@@ -151,7 +152,8 @@ class SwarmHost:
         self._secret = secret
         self.swarm_id = swarm_id
         self.revoked = revoked
-        self._banned: dict[str, float] = {}  # peer -> trio time until which it is refused
+        self._banned: dict[str, float] = {}
+        self._streams: dict[str, int] = {}  # peer -> inbound swarm streams open now  # peer -> trio time until which it is refused
         self.limits = limits
         self.io_timeout = io_timeout
         self.dial_timeout = dial_timeout
@@ -372,6 +374,12 @@ class SwarmHost:
                 with trio.CancelScope(shield=True), trio.move_on_after(1.0), contextlib.suppress(Exception):
                     await raw.reset()
                 return
+            if self._streams.get(peer, 0) >= MAX_STREAMS_PER_PEER:
+                log.warning("refused %s stream from %s: %d open (limit)", protocol, peer, MAX_STREAMS_PER_PEER)
+                with trio.CancelScope(shield=True), trio.move_on_after(1.0), contextlib.suppress(Exception):
+                    await raw.reset()
+                return
+            self._streams[peer] = self._streams.get(peer, 0) + 1
             try:
                 async with open_framed(
                     raw, peer=peer, protocol=protocol, limits=self.limits, io_timeout=self.io_timeout
@@ -391,6 +399,10 @@ class SwarmHost:
                     log.debug("%s stream from %s ended: %s", protocol, peer, map_exception(exc, peer, "serving"))
                 else:
                     log.exception("handler for %s crashed on a stream from %s", protocol, peer)
+            finally:
+                self._streams[peer] -= 1
+                if not self._streams[peer]:
+                    del self._streams[peer]
 
         self._h.set_stream_handler(TProtocol(protocol), wrapped)
 

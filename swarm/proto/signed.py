@@ -12,6 +12,7 @@ import dataclasses
 from typing import Any
 
 from swarm.errors import ProtocolError
+from swarm.proto.limits import DEFAULT_LIMITS
 from swarm.proto.messages import Advert, Plan
 from swarm.proto.signing import Signer, peer_id_of, sign_body, verify_body
 
@@ -45,9 +46,12 @@ def verify_advert(advert: Advert, swarm_id: str) -> None:
 class AdvertBook:
     """The newest verified advert per peer. ``offer`` returns True when the advert is news."""
 
-    def __init__(self, swarm_id: str, revoked: frozenset[str] = frozenset()) -> None:
+    def __init__(
+        self, swarm_id: str, revoked: frozenset[str] = frozenset(), *, max_peers: int = DEFAULT_LIMITS.max_peers
+    ) -> None:
         self.swarm_id = swarm_id
         self.revoked = revoked
+        self.max_peers = max_peers
         self._latest: dict[str, Advert] = {}
 
     def offer(self, advert: Advert) -> bool:
@@ -59,6 +63,9 @@ class AdvertBook:
         old = self._latest.get(advert.peer_id)
         if old is not None and advert.seq <= old.seq:
             return False
+        if old is None and len(self._latest) >= self.max_peers:
+            # a member could gossip adverts of made-up identities: the book is bounded
+            raise ProtocolError(f"advert from {advert.peer_id}: {self.max_peers} peers known (limit max_peers)")
         self._latest[advert.peer_id] = advert
         return True
 

@@ -162,3 +162,23 @@ def test_new_manifest_defaults_are_random_and_valid() -> None:
     with pytest.raises(ManifestInvalid, match="lifetime"):
         new_manifest(swarm_name="lab", issuer=ISSUER.public_key, lifetime_s=0)
     assert Identity(ISSUER.seed) == ISSUER
+
+
+def test_a_world_readable_invite_is_read_with_a_warning(tmp_path, caplog) -> None:  # type: ignore[no-untyped-def]
+    import logging
+    import os
+
+    from swarm.manifest.identity import Identity
+    from swarm.manifest.manifest import new_manifest, read_manifest, sign_manifest, write_manifest
+
+    issuer = Identity(os.urandom(32))
+    path = tmp_path / "invite.json"
+    write_manifest(sign_manifest(new_manifest(swarm_name="w", issuer=issuer.public_key), issuer), path)
+    with caplog.at_level(logging.WARNING, logger="swarm.manifest"):
+        read_manifest(path)
+    assert "readable by other users" not in caplog.text  # written 0600
+    os.chmod(path, 0o644)
+    with caplog.at_level(logging.WARNING, logger="swarm.manifest"):
+        m = read_manifest(path)
+    assert m.swarm_name == "w" and "readable by other users" in caplog.text and "chmod 600" in caplog.text
+    assert m.secret.value.hex() not in caplog.text

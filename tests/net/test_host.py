@@ -206,3 +206,29 @@ async def test_a_peer_that_failed_once_can_be_dialed_again_at_once() -> None:
             with trio.fail_after(10):
                 assert await b.dial(a_again.addrs()[0]) == a_again.peer_id
             assert b.is_admitted(a_again.peer_id)
+
+
+async def test_streams_per_peer_are_capped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peer may hold only so many inbound streams at once; the rest are reset, the held ones
+    keep working, and a closed one frees its slot."""
+    import swarm.net.host as host_mod
+
+    monkeypatch.setattr(host_mod, "MAX_STREAMS_PER_PEER", 3)
+    async with _host(1) as a, _host(2) as b:
+        a.handle(PROTO_CTL, _echo)
+        await b.dial(a.addrs()[0])
+        async with contextlib.AsyncExitStack() as stack:
+            held = [await stack.enter_async_context(b.open_stream(a.peer_id, PROTO_CTL)) for _ in range(3)]
+            for fs in held:
+                await fs.send(Frame(MsgType.HEARTBEAT, meta={"n": 1}))
+                assert (await fs.receive(timeout=5)).meta == {"n": 1}
+            with pytest.raises(PeerError):
+                async with b.open_stream(a.peer_id, PROTO_CTL) as extra:
+                    await extra.send(Frame(MsgType.HEARTBEAT, meta={"n": 2}))
+                    await extra.receive(timeout=5)
+            await held[0].send(Frame(MsgType.HEARTBEAT, meta={"n": 3}))
+            assert (await held[0].receive(timeout=5)).meta == {"n": 3}
+        await trio.sleep(0.3)  # the three closed: a new stream gets a slot
+        async with b.open_stream(a.peer_id, PROTO_CTL) as again:
+            await again.send(Frame(MsgType.HEARTBEAT, meta={"n": 4}))
+            assert (await again.receive(timeout=5)).meta == {"n": 4}

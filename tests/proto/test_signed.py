@@ -124,3 +124,13 @@ def test_canonical_json_is_deterministic_and_integer_only() -> None:
     )
     with pytest.raises(ProtocolError, match="integers only"):
         canonical_json({"a": 1.5})
+
+
+def test_book_is_bounded_against_made_up_identities() -> None:
+    book = AdvertBook(SWARM, max_peers=2)
+    assert book.offer(_advert(ALICE)) and book.offer(_advert(MALLORY))
+    stranger = Identity(hashlib.sha256(b"stranger").digest())
+    with pytest.raises(ProtocolError, match="limit max_peers"):
+        book.offer(_advert(stranger))
+    assert book.offer(_advert(ALICE, seq=2))  # news about a known peer is still taken
+    assert sorted(book.peers()) == sorted([ALICE.peer_id, MALLORY.peer_id])
