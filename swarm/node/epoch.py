@@ -143,7 +143,7 @@ class EpochRole:
     limiter: trio.CapacityLimiter
     tokenizer: Tokenizer | None
     hop_paths: dict[int, str]
-    replans: list[dict[str, Any]]
+    replans: Any  # a bounded deque of epoch ends
     corrupt: bool
     _nursery: trio.Nursery | None
     _stage_cache: dict[tuple[int, int], Stage]

@@ -163,7 +163,6 @@ class Node(EpochRole):
         self.host: SwarmHost | None = None
         self.service: MembershipService | None = None
         self.epoch: Epoch | None = None
-        self.epochs_planned = 0
         self._last_epoch = 0  # the highest epoch this node has proposed (never reused)
         self._leaving: set[str] = set()
         self._epoch_ended_at = -1e9  # trio time the last epoch ended
@@ -172,8 +171,7 @@ class Node(EpochRole):
         self._excluded: dict[str, float] = {}  # peer -> trio time until which plans skip it
         self.recent: collections.deque[tuple[float, float | None]] = collections.deque(maxlen=20)
         self.corrupt = False  # fault injection (chaos tests, SIGUSR1 in python -m swarm.node)
-        self.replans: list[dict[str, Any]] = []
-        self._plan_changed = trio.Event()
+        self.replans: collections.deque[dict[str, Any]] = collections.deque(maxlen=100)  # epoch ends, for status
         self._membership_changed = trio.Event()
         self._nursery: trio.Nursery | None = None
         self._stage_cache: dict[tuple[int, int], Stage] = {}
@@ -342,7 +340,6 @@ class Node(EpochRole):
         await self._phase(participants, "plan", lambda: msg.to_frame(), "loaded", LOAD_TIMEOUT_S, best_effort=others)
         await self._phase(participants, "connect", lambda: Control("connect", {"epoch": plan.epoch}).to_frame(), "linked", LINK_TIMEOUT_S)
         await self._phase([plan.coordinator], "serve", lambda: Control("serve", {"epoch": plan.epoch}).to_frame(), "serving", LINK_TIMEOUT_S)
-        self.epochs_planned += 1
         self._plan_msg, self._informed = msg, set(members)
 
     async def _inform_joiners(self, members: list[str]) -> None:
