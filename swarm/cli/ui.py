@@ -24,6 +24,19 @@ err = Console(stderr=True, soft_wrap=True)
 _quiet = False
 
 
+class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to whatever ``sys.stderr`` is when a record comes, not the one at set-up (which a
+    test harness, or a daemon that redirected it, may have closed since)."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass
+
+
 def configure(*, verbose: bool = False, quiet: bool = False) -> None:
     global _quiet
     _quiet = quiet
@@ -32,7 +45,7 @@ def configure(*, verbose: bool = False, quiet: bool = False) -> None:
     if err.is_terminal:
         handler = RichHandler(console=err, show_path=False)
     else:
-        handler = logging.StreamHandler(sys.stderr)
+        handler = _StderrHandler()
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger("swarm")
     root.handlers[:] = [handler]

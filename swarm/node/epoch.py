@@ -70,15 +70,21 @@ class Epoch:
     done: trio.Event = field(default_factory=trio.Event)
     serving: trio.Event = field(default_factory=trio.Event)
     started: float = field(default_factory=time.time)
+    cause: str = ""  # the leader's words for why this epoch was planned (signed with the plan)
 
     def wait_inbound(self, hop: int) -> trio.Event:
         return self.inbound_ready.setdefault(hop, trio.Event())
 
 
 
-def plan_body(plan: Plan) -> dict[str, Any]:
-    """The signed part of a plan: integers and strings only (canonical JSON has no floats)."""
+MAX_CAUSE = 300
+
+
+def plan_body(plan: Plan, cause: str = "") -> dict[str, Any]:
+    """The signed part of a plan: integers and strings only (canonical JSON has no floats).
+    ``cause``: why the leader planned this epoch ("first plan", "peer … is leaving", ...)."""
     return {
+        "cause": cause[:MAX_CAUSE],
         "n_layers": plan.n_layers,
         "coordinator": plan.coordinator,
         "ring": list(plan.ring),
@@ -149,6 +155,7 @@ class EpochRole:
     _stage_cache: dict[tuple[int, int], Stage]
     _head: Head | None
     _epoch_ended_at: float
+    _end_reason: str
     _membership_changed: trio.Event
     _on_event: Callable[[str], None]
 
@@ -172,7 +179,8 @@ class EpochRole:
             raise ProtocolError(f"plan epoch {plan.epoch} is not newer than the serving epoch {self.epoch.plan.epoch}")
         if self.epoch is not None:
             self._end_epoch(f"replaced by epoch {plan.epoch}")
-        ep = Epoch(plan, msg.signer)
+        cause = msg.plan.get("cause", "")
+        ep = Epoch(plan, msg.signer, cause=cause[:MAX_CAUSE] if isinstance(cause, str) else "")
         self.epoch = ep
         s = self.settings
         if self.peer_id in plan.blocks:
@@ -352,11 +360,18 @@ class EpochRole:
         if ep is None or ep.done.is_set():
             return
         log.info("epoch %d ends: %s", ep.plan.epoch, reason)
+        self._end_reason = reason
         self.replans.append({"epoch": ep.plan.epoch, "ended": time.time(), "reason": reason})
         if ep.coordinator is not None:
             ep.coordinator._fail_all(PeerError(f"epoch {ep.plan.epoch} ended: {reason}"))
         self._epoch_ended_at = trio.current_time()
         ep.done.set()
+        self._kick_leader()
+
+    def _kick_leader(self) -> None:
+        """Wake the leader loop once. The event is replaced after being set: one left set would
+        make every later wait return at once, and the loop spin."""
         self._membership_changed.set()
+        self._membership_changed = trio.Event()
 
     # -- generation service ---------------------------------------------------------------

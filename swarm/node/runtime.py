@@ -78,7 +78,7 @@ PROTO_RING = "/shard-swarm/ring/1"
 PROTO_GEN = "/shard-swarm/gen/1"
 
 LOAD_TIMEOUT_S = 600.0
-REPLAN_SETTLE_S = 0.3
+REPLAN_SETTLE_S = 0.15
 LEAVE_TIMEOUT_S = 60.0
 EXCLUDE_S = 300.0  # a peer caught sending bad activations stays out of plans this long  # after a loss: re-plan as soon as membership stops changing
 
@@ -166,6 +166,7 @@ class Node(EpochRole):
         self._last_epoch = 0  # the highest epoch this node has proposed (never reused)
         self._leaving: set[str] = set()
         self._epoch_ended_at = -1e9  # trio time the last epoch ended
+        self._end_reason = ""  # ... and why (the next plan carries it as its cause)
         self._plan_msg: PlanMsg | None = None  # the leader's signed plan of the serving epoch
         self._informed: set[str] = set()  # members that were sent it
         self._excluded: dict[str, float] = {}  # peer -> trio time until which plans skip it
@@ -227,8 +228,7 @@ class Node(EpochRole):
         self._on_event(text)
 
     def _member_event(self, ev: MemberEvent) -> None:
-        self._membership_changed.set()
-        self._membership_changed = trio.Event()
+        self._kick_leader()
         if self._on_member is not None:
             self._on_member(ev)
         elif ev.kind != "updated":
@@ -258,24 +258,28 @@ class Node(EpochRole):
         s = self.settings
         last_members: list[str] = []
         stable_since = trio.current_time()
+        wait = 0.5  # until the next look, unless woken: exact when a settle time is running out
         while True:
-            with trio.move_on_after(0.5):
+            with trio.move_on_after(wait):
                 await self._membership_changed.wait()
+            wait = 0.5
+            now = trio.current_time()
             members = self.members()
             if members != last_members:
-                last_members, stable_since = members, trio.current_time()
+                last_members, stable_since = members, now
             if self.leader() != self.peer_id:
                 continue
             if self.epoch is not None and not self.epoch.done.is_set():
                 await self._inform_joiners(members)
                 continue
-            if trio.current_time() - self._epoch_ended_at < REPLAN_SETTLE_S:
-                continue  # let the transport's news of a dead peer arrive before re-planning
             first = self.epoch is None
             if first and s.expect_peers and len(members) < s.expect_peers:
                 continue
             settle = s.settle_s if first and not s.expect_peers else REPLAN_SETTLE_S
-            if trio.current_time() - stable_since < settle:
+            # let the transport's news of a dead peer arrive, and the membership settle
+            ready_at = max(self._epoch_ended_at + REPLAN_SETTLE_S, stable_since + settle)
+            if now < ready_at:
+                wait = ready_at - now
                 continue
             try:
                 await self._plan_and_start(self.plannable())
@@ -329,17 +333,28 @@ class Node(EpochRole):
     async def _plan_and_start(self, members: list[str]) -> None:
         plan = self.compute_plan(members)
         participants = sorted({plan.coordinator, *plan.ring})
-        msg = sign_plan(PlanMsg(plan.epoch, plan_body(plan)), self.identity)
+        ended_at = None if self.epoch is None else self._epoch_ended_at
+        cause = "first plan" if self.epoch is None else self._end_reason
+        msg = sign_plan(PlanMsg(plan.epoch, plan_body(plan, cause)), self.identity)
         self._on_event(
-            f"plan epoch {plan.epoch}: coordinator {plan.coordinator[:16]}…, ring "
+            f"plan epoch {plan.epoch} ({cause[:120]}): coordinator {plan.coordinator[:16]}…, ring "
             + " -> ".join(f"{p[:10]}…{list(plan.blocks[p])}" for p in plan.ring)
         )
         others = [p for p in members if p not in participants]
         # every member learns the plan (a standby can then relay requests to the coordinator);
         # only the participants' answers gate the epoch
+        t0 = trio.current_time()
         await self._phase(participants, "plan", lambda: msg.to_frame(), "loaded", LOAD_TIMEOUT_S, best_effort=others)
+        t1 = trio.current_time()
         await self._phase(participants, "connect", lambda: Control("connect", {"epoch": plan.epoch}).to_frame(), "linked", LINK_TIMEOUT_S)
+        t2 = trio.current_time()
         await self._phase([plan.coordinator], "serve", lambda: Control("serve", {"epoch": plan.epoch}).to_frame(), "serving", LINK_TIMEOUT_S)
+        t3 = trio.current_time()
+        since = "" if ended_at is None else f", {t3 - ended_at:.3f} s after the last one ended"
+        log.info(
+            "epoch %d set up: load %.3f s, connect %.3f s, serve %.3f s%s",
+            plan.epoch, t1 - t0, t2 - t1, t3 - t2, since,
+        )  # fmt: skip
         self._plan_msg, self._informed = msg, set(members)
 
     async def _inform_joiners(self, members: list[str]) -> None:

@@ -195,6 +195,7 @@ async def _generate(node: Node, ep: Any, msg: Control, fs: FramedStream) -> None
         now = time.time()
         if replans and "pause_s" not in replans[-1]:
             replans[-1]["pause_s"] = round(now - replans[-1]["last_token_unix"], 3)
+            replans[-1]["resume_s"] = round(now - replans[-1]["ring_ready_unix"], 3)  # replay + first step
         last_token[0] = now
         send.send_nowait(list(ids))
 
@@ -263,10 +264,12 @@ async def _drive_with_recovery(
                 ) from None
             moved = {p: list(b) for p, b in ep.plan.blocks.items() if old.blocks.get(p) != b}
             replans.append({
-                "reason": str(exc)[:300],
+                "reason": str(exc)[:300],  # what this coordinator saw
+                "cause": ep.cause,  # why the leader re-planned (they differ when a hand-over races)
                 "lost": sorted({*old.ring, old.coordinator} - {*ep.plan.ring, ep.plan.coordinator}),
                 "detected_unix": round(failed_at, 3),
                 "last_token_unix": round(last_token[0], 3),
+                "ring_ready_unix": round(time.time(), 3),
                 "from_epoch": old.epoch,
                 "to_epoch": ep.plan.epoch,
                 "layers_moved": ep.plan.layers_moved,

@@ -122,6 +122,45 @@ async def test_two_peers_lost_one_after_the_other(ckpt: Path) -> None:
         assert not ring_after & {swarm.peer_ids[first], swarm.peer_ids[second]}
 
 
+async def test_peer_frozen_while_the_new_ring_is_set_up(ckpt: Path) -> None:
+    """A stage is killed and, at the same moment, another is frozen. The first re-plan still
+    counts on the frozen one (it is not declared lost yet), so that epoch's set-up must fail as
+    soon as the failure detector declares it lost and hangs up on it (not at the load timeout,
+    minutes away); the re-plan after it resumes the run, token-identical."""
+    n = 6
+    with start_local_swarm(
+        n, ckpt, dtype="bf16", memory_bytes=[memory_for(ckpt, 3)] * n, chunk_timeout=3.0
+    ) as swarm:
+        coord, stages = roles(swarm, await ready_plan(swarm))
+        leader = min(range(n), key=lambda i: swarm.peer_ids[i])
+        pick = [s for s in stages if s != leader]
+        assert len(pick) >= 2, (stages, leader)
+        killed, frozen = pick[0], pick[1]
+        reference = await generate(swarm, coord, PROMPT)
+        async with client.open_client(
+            swarm.addrs[coord], secret=swarm.secret, swarm_id=swarm.swarm_id
+        ) as (h, peer):
+            seen: list[int] = []
+
+            def on_tokens(ids: list[int], text: str) -> None:
+                if len(seen) < 30 <= len(seen) + len(ids):
+                    swarm.kill(frozen, signal.SIGSTOP)
+                    swarm.kill(killed, signal.SIGKILL)
+                seen.extend(ids)
+
+            try:
+                with trio.fail_after(60):  # the load timeout is 600 s: a stall shows here
+                    got = await client.generate(
+                        h, peer, prompt_ids=PROMPT, max_new_tokens=N_NEW, draft="ngram",
+                        timeout=50, on_tokens=on_tokens,
+                    )  # fmt: skip
+            finally:
+                swarm.kill(frozen, signal.SIGCONT)
+        assert got["output_token_ids"] == reference["output_token_ids"]
+        lost = {p for rp in got["replans"] for p in rp["lost"]}
+        assert {swarm.peer_ids[killed], swarm.peer_ids[frozen]} <= lost, got["replans"]
+
+
 async def test_peer_lost_during_prefill(ckpt: Path) -> None:
     """A 300-token prompt (5 prefill chunks). A ring stage is frozen just before the request, so
     the prefill chunks pile up in flight at it, then killed 0.4 s later: the run replays its

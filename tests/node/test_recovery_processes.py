@@ -85,10 +85,11 @@ async def test_graceful_leave_and_tail_loss(ckpt: Path) -> None:
         got = await _run(swarm, coord, leaver, signal.SIGTERM, 30)
         assert got["output_token_ids"] == reference["output_token_ids"]
         assert len(got["replans"]) == 1, got["replans"]
-        # the hand-over ("... is leaving" / "replaced by epoch"); under heavy load the leaver can
-        # be seen gone before the new plan lands, and recovery takes over: same output either way
-        reason = got["replans"][0]["reason"]
-        assert any(w in reason for w in ("leaving", "replaced by epoch", "left")), reason
+        # the leader re-planned for the hand-over, whatever the coordinator saw first (the new
+        # plan, or a neighbour that had already moved to it closing the old link)
+        rp = got["replans"][0]
+        assert rp["cause"] == f"peer {swarm.peer_ids[leaver]} is leaving", rp
+        assert swarm.peer_ids[leaver] in rp["lost"], rp
         assert swarm.procs[leaver].wait(timeout=30) == 0  # it left cleanly after the hand-over
         async with client.open_client(swarm.addrs[coord], secret=swarm.secret, swarm_id=swarm.swarm_id) as (h, peer):
             st = await client.wait_ready(h, peer, timeout=60)
