@@ -19,6 +19,7 @@ would let it write into our buffers until the generation ran to its end).
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +40,8 @@ from swarm.proto.messages import parse_message
 if TYPE_CHECKING:
     from swarm.net.host import SwarmHost
     from swarm.node.runtime import Node
+
+log = logging.getLogger("swarm.api")
 
 PROTO_GEN = "/shard-swarm/gen/1"
 OPEN_TIMEOUT_S = 15.0
@@ -150,6 +153,8 @@ class Generation:
                 ids = [int(i) for i in msg.ids]
                 self.ids.extend(ids)
                 yield ids
+            elif msg.op == "notice":  # a pause for a re-plan: the completion carries on after it
+                log.info("swarm: %s", str(msg.body.get("text", ""))[:300])
             elif msg.op == "done":
                 self.receipt = dict(msg.body)
             elif msg.op == "fail":

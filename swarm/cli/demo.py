@@ -131,7 +131,12 @@ async def _run_one(addr: str, secret: bytes, swarm_id: str, timeout: float, req:
                 sys.stdout.write(text)
                 sys.stdout.flush()
 
-        receipt = await client.generate(host, peer, on_tokens=show, timeout=timeout, **req)
+        def notice(text: str) -> None:
+            if not quiet_stream:
+                sys.stdout.write("\n")
+            ui.notice(text)
+
+        receipt = await client.generate(host, peer, on_tokens=show, on_notice=notice, timeout=timeout, **req)
         if not quiet_stream:
             sys.stdout.write("\n")
         return receipt

@@ -115,8 +115,10 @@ async def generate(
     wait_s: float = 0.0,
     timeout: float = 60.0,
     on_tokens: Callable[[list[int], str], None] | None = None,
+    on_notice: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    """Run one generation; returns the receipt. ``on_tokens(ids, text)`` streams as they commit."""
+    """Run one generation; returns the receipt. ``on_tokens(ids, text)`` streams as they commit;
+    ``on_notice(text)`` gets the coordinator's one-line news (a pause for a re-plan, the resume)."""
     body: dict[str, Any] = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k,
                             "top_p": top_p, "chat": chat, "wait_s": wait_s}
     if seed is not None:
@@ -141,6 +143,9 @@ async def generate(
             if reply.op == "tokens":
                 if on_tokens is not None:
                     on_tokens(list(reply.ids), str(reply.body.get("text", "")))
+            elif reply.op == "notice":
+                if on_notice is not None:
+                    on_notice(str(reply.body.get("text", "")))
             elif reply.op == "done":
                 return reply.body
             elif reply.op == "fail":

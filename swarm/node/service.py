@@ -16,7 +16,7 @@ import logging
 import math
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -47,6 +47,7 @@ log = logging.getLogger("swarm.node.service")
 
 REQUEST_TIMEOUT_S = 20.0
 RECOVERY_TIMEOUT_S = 120.0  # a re-plan may include loading a block
+NOTICE_EVERY_S = 2.0  # while a run waits for a re-plan, its client hears this often that it does
 PROBLEM_GRACE_S = 3.0  # how long the planner may call the swarm too small before a run gives up
 MAX_NEW_TOKENS = 4096
 MAX_TEXT = 64 * 1024
@@ -170,7 +171,7 @@ async def _generate(node: Node, ep: Any, msg: Control, fs: FramedStream) -> None
     depth = body.int("depth", 1, MAX_DEPTH) if body.optional("depth") is not None else ring_depth(node, ep.plan)
     draft_k = body.int("draft_k", 1, 32) if body.optional("draft_k") is not None else None
     drafter, policy = make_drafter(draft_name, depth=depth, draft_k=draft_k)
-    send, recv = trio.open_memory_channel[list[int]](math.inf)
+    send, recv = trio.open_memory_channel[list[int] | str](math.inf)  # token ids, or a notice
     all_ids: list[int] = []
 
     async def stream_out() -> None:
@@ -178,6 +179,9 @@ async def _generate(node: Node, ep: Any, msg: Control, fs: FramedStream) -> None
         # emitted piece, plus the ones before it for context), never the whole output again
         prefix = read = 0
         async for ids in recv:
+            if isinstance(ids, str):
+                await fs.send(Control("notice", {"text": ids}).to_frame())
+                continue
             all_ids.extend(ids)
             piece = ""
             if tok is not None:
@@ -219,7 +223,7 @@ async def _generate(node: Node, ep: Any, msg: Control, fs: FramedStream) -> None
             try:
                 async with trio.open_nursery() as inner:
                     inner.start_soon(watch_client, inner.cancel_scope)
-                    ep = await _drive_with_recovery(node, ep, run, replans, last_token)
+                    ep = await _drive_with_recovery(node, ep, run, replans, last_token, send.send_nowait)
                     inner.cancel_scope.cancel()
             finally:
                 send.close()
@@ -236,13 +240,17 @@ async def _generate(node: Node, ep: Any, msg: Control, fs: FramedStream) -> None
 
 
 async def _drive_with_recovery(
-    node: Node, ep: Any, run: RingRun, replans: list[dict[str, Any]], last_token: list[float]
+    node: Node, ep: Any, run: RingRun, replans: list[dict[str, Any]], last_token: list[float],
+    notify: Callable[[str], None] = lambda text: None,
 ) -> Any:
     """Drive ``run`` to the end, moving it to the next epoch's ring whenever its ring fails.
 
     The coordinator keeps the run (decoder, committed tokens, the log of fed chunks); the swarm
     re-plans around the lost peer (the leader's job, see runtime.py); the run then resumes on the
     new ring by replaying its fed chunks (coordinator.drive), so no token is lost or changed.
+    ``notify`` tells the client, in one line, that the run paused and why, every NOTICE_EVERY_S
+    while it waits (so a client, or a relaying peer, never mistakes the pause for silence), and
+    when it resumes.
     """
     while True:
         try:
@@ -257,7 +265,11 @@ async def _drive_with_recovery(
                 # a peer that sends NaN or malformed activations is not waited for: it is dropped
                 await node.report_fault(exc.peer, str(exc))
             node.notice(f"ring failed during a generation ({exc}); waiting for the swarm to re-plan")
-            ep = await _next_epoch(node, old.epoch, RECOVERY_TIMEOUT_S)
+            notify(f"paused after {len(run.decoder.output_ids)} tokens: {str(exc)[:200]}; the swarm is re-planning")
+            ep = await _next_epoch(
+                node, old.epoch, RECOVERY_TIMEOUT_S,
+                on_wait=lambda waited: notify(f"still waiting for the swarm to re-plan ({waited:.0f} s)"),
+            )  # fmt: skip
             if ep.plan.coordinator != node.peer_id:
                 raise PeerError(
                     f"the coordinator moved to {ep.plan.coordinator} after a failure; retry the request"
@@ -277,18 +289,24 @@ async def _drive_with_recovery(
                 "replayed_chunks": len(run.fed_log),
                 "resumed_at_token": len(run.decoder.output_ids),
             })  # fmt: skip
-            node.notice(
+            resumed = (
                 f"resuming on epoch {ep.plan.epoch} after {time.time() - failed_at:.1f} s "
                 f"({ep.plan.layers_moved} layers moved, replaying {len(run.fed_log)} chunks)"
             )
+            node.notice(resumed)
+            notify(resumed)
 
 
-async def _next_epoch(node: Node, after: int, timeout: float) -> Any:
+async def _next_epoch(
+    node: Node, after: int, timeout: float, on_wait: Callable[[float], None] = lambda waited: None
+) -> Any:
     """The next serving epoch after ``after``; PeerError when none comes within ``timeout``, or
     sooner when the planner says the live members cannot hold the model (its words: how many GB
     are missing) for longer than PROBLEM_GRACE_S: the client learns why and may retry later."""
     problem_since: float | None = None
-    next_check = trio.current_time() + 1.0
+    start = trio.current_time()
+    next_check = start + 1.0
+    next_notice = start + NOTICE_EVERY_S
     with trio.move_on_after(timeout):
         while True:
             ep = node.epoch
@@ -297,6 +315,9 @@ async def _next_epoch(node: Node, after: int, timeout: float) -> Any:
             ):
                 return ep
             now = trio.current_time()
+            if now >= next_notice:
+                next_notice = now + NOTICE_EVERY_S
+                on_wait(now - start)
             if now >= next_check:  # planning costs CPU: ask once a second
                 next_check = now + 1.0
                 problem = node.planning_problem()

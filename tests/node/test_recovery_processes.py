@@ -42,9 +42,11 @@ async def _run(swarm, coord_index: int, victim: int | None, sig: int, at: int) -
             if victim is not None and before < at <= len(seen):
                 swarm.kill(victim, sig)
 
+        notices: list[str] = []
         receipt = await client.generate(h, peer, prompt_ids=PROMPT, max_new_tokens=N_NEW, draft="ngram",
-                                        timeout=150, on_tokens=on_tokens)
+                                        timeout=150, on_tokens=on_tokens, on_notice=notices.append)
         assert seen == receipt["output_token_ids"]  # streamed: nothing lost, nothing repeated
+        receipt["notices"] = notices
         return receipt
 
 
@@ -66,6 +68,10 @@ async def test_stage_lost_mid_generation(ckpt: Path, sig: int) -> None:
         assert swarm.peer_ids[victim] in rp["lost"], rp
         assert rp["resumed_at_token"] >= 40 - 8  # the kill lands while a few chunks are in flight
         assert rp["pause_s"] < 30, rp
+        # the client heard of the pause and of the resume, in order, and nothing else
+        assert [n.split()[0] for n in got["notices"]][:1] == ["paused"], got["notices"]
+        assert got["notices"][-1].startswith(f"resuming on epoch {rp['to_epoch']}"), got["notices"]
+        assert reference["notices"] == []
         if sig == signal.SIGSTOP:
             swarm.kill(victim, signal.SIGCONT)
 
