@@ -202,7 +202,7 @@ async def chaos(bench: Bench, n: int, seed: int) -> dict[str, Any]:
             try:
                 receipt, sent = await bench.gen(prompt, N_NEW, (at, victim, sig))
             except BaseExceptionGroup as eg:  # the client's host nursery wraps what it raises
-                leaf = first_leaf(eg, SwarmError)
+                leaf = first_leaf(eg, SwarmError) or first_leaf(eg, trio.TooSlowError)
                 if leaf is None:
                     raise
                 raise leaf from None

@@ -79,7 +79,6 @@ PROTO_GEN = "/shard-swarm/gen/1"
 
 LOAD_TIMEOUT_S = 600.0
 REPLAN_SETTLE_S = 0.15
-GROWTH_SETTLE_S = 1.5
 LEAVE_TIMEOUT_S = 60.0
 EXCLUDE_S = 300.0  # a peer caught sending bad activations stays out of plans this long  # after a loss: re-plan as soon as membership stops changing
 
@@ -259,7 +258,6 @@ class Node(EpochRole):
         s = self.settings
         last_members: list[str] = []
         stable_since = trio.current_time()
-        grew_at = -1e9  # when a peer last appeared in our view
         wait = 0.5  # until the next look, unless woken: exact when a settle time is running out
         while True:
             with trio.move_on_after(wait):
@@ -268,8 +266,6 @@ class Node(EpochRole):
             now = trio.current_time()
             members = self.members()
             if members != last_members:
-                if set(members) - set(last_members):
-                    grew_at = now
                 last_members, stable_since = members, now
             if self.leader() != self.peer_id:
                 continue
@@ -280,13 +276,8 @@ class Node(EpochRole):
             if first and s.expect_peers and len(members) < s.expect_peers:
                 continue
             settle = s.settle_s if first and not s.expect_peers else REPLAN_SETTLE_S
-            # let the transport's news of a dead peer arrive, and the membership settle; after a
-            # peer appeared, longer: a node that was frozen or cut off, or just came back, sees
-            # the others reappear one by one, and a plan from half a view would move the ring
-            # (and its coordinator) for nothing
+            # let the transport's news of a dead peer arrive, and the membership settle
             ready_at = max(self._epoch_ended_at + REPLAN_SETTLE_S, stable_since + settle)
-            if not first:
-                ready_at = max(ready_at, grew_at + GROWTH_SETTLE_S)
             if now < ready_at:
                 wait = ready_at - now
                 continue
