@@ -103,6 +103,7 @@ async def test_stop_sequences_cut_the_text_and_end_the_generation(api, tiny_chat
         import json
 
         events = [json.loads(c[6:]) for c in chunks]
+        assert not [e for e in events if "error" in e], events  # an error event names its cause
         assert "".join(e["choices"][0]["text"] for e in events) == full[:cut]
         assert events[-1]["choices"][0]["finish_reason"] == "stop"
 
