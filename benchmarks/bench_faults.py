@@ -117,7 +117,21 @@ class Bench:
     async def gen(
         self, prompt: list[int], max_new: int, fault: tuple[int, int, int] | None = None
     ) -> tuple[dict[str, Any], float | None]:
-        """(receipt, signal time); ``fault`` = (at_token, node, signal)."""
+        """(receipt, signal time); ``fault`` = (at_token, node, signal). A failed generation
+        raises its own error (SwarmError, TooSlowError, AssertionError), not the group the
+        client's nurseries wrap it in: the chaos records it as an event."""
+        try:
+            return await self._gen(prompt, max_new, fault)
+        except BaseExceptionGroup as eg:
+            for kind in (SwarmError, trio.TooSlowError, AssertionError):
+                leaf = first_leaf(eg, kind)
+                if leaf is not None:
+                    raise leaf from None
+            raise
+
+    async def _gen(
+        self, prompt: list[int], max_new: int, fault: tuple[int, int, int] | None
+    ) -> tuple[dict[str, Any], float | None]:
         sw = self.swarm
         assert sw is not None
         sent: list[float] = []
@@ -146,26 +160,20 @@ class Bench:
                 await trio.sleep(0.05)
                 fire()
 
-            try:
-                with trio.fail_after(self.bound_s):
-                    async with trio.open_nursery() as nursery:
-                        if fault is not None and fault[0] == 0:
-                            nursery.start_soon(early)
-                        receipt = await client.generate(
-                            h,
-                            peer,
-                            prompt_ids=prompt,
-                            max_new_tokens=max_new,
-                            draft="ngram",
-                            depth=DEPTH,
-                            timeout=self.bound_s - 10,
-                            on_tokens=on_tokens,
-                        )
-            except BaseExceptionGroup as eg:  # a failed generation is an event to record, not a crash
-                leaf = first_leaf(eg, SwarmError)
-                if leaf is None:
-                    raise
-                raise leaf from None
+            with trio.fail_after(self.bound_s):
+                async with trio.open_nursery() as nursery:
+                    if fault is not None and fault[0] == 0:
+                        nursery.start_soon(early)
+                    receipt = await client.generate(
+                        h,
+                        peer,
+                        prompt_ids=prompt,
+                        max_new_tokens=max_new,
+                        draft="ngram",
+                        depth=DEPTH,
+                        timeout=self.bound_s - 10,
+                        on_tokens=on_tokens,
+                    )
             if seen != receipt["output_token_ids"]:
                 raise AssertionError("the streamed tokens differ from the receipt's output")
         return receipt, (sent[0] if sent else None)
@@ -199,19 +207,15 @@ async def chaos(bench: Bench, n: int, seed: int) -> dict[str, Any]:
                               "victim_layers": held.get(sw.peer_ids[victim], 0)}  # fmt: skip
         t0 = time.monotonic()
         try:
-            try:
-                receipt, sent = await bench.gen(prompt, N_NEW, (at, victim, sig))
-            except BaseExceptionGroup as eg:  # the client's host nursery wraps what it raises
-                leaf = first_leaf(eg, SwarmError) or first_leaf(eg, trio.TooSlowError)
-                if leaf is None:
-                    raise
-                raise leaf from None
+            receipt, sent = await bench.gen(prompt, N_NEW, (at, victim, sig))
         except (SwarmError, AssertionError, trio.TooSlowError) as exc:
             ev.update(
                 ok=False,
                 error=f"{type(exc).__name__}: {exc}"[:400],
                 wall_s=round(time.monotonic() - t0, 2),
-                coordinator_log=[ln for ln in sw.log(bench.coord).splitlines() if "Failed to open TCP" not in ln][-40:],
+                coordinator_log=[
+                    ln for ln in sw.log(bench.coord).splitlines() if "Failed to open TCP" not in ln
+                ][-40:],
             )
             events.append(ev)
             print(f"chaos {g}: FAILED {ev['error']}", file=sys.stderr)
