@@ -9,6 +9,13 @@ accept plaintext, secio and TLS, which would let a dialer claim another peer's I
 ``ConnectionConfig(max_connections_per_peer=1)`` avoids the fixed 250 ms wait in ``connect()``;
 the auto-connector's minimums are zeroed so the library never redials a peer we dropped.
 
+Frame writes are whole (:class:`WholeFrameYamux`). py-libp2p's Noise session encrypts a frame,
+spending a nonce, before it writes it; a task cancelled between the two (a reader whose read
+sends a window update, a sender whose caller gave up) used to leave the peer a nonce behind or a
+frame half-sent, so every later frame failed to decrypt and every stream to that peer died: a
+client hanging up on one generation could cut the ring. A frame write, once started, now
+finishes; one stuck on a peer that stopped reading is bounded, and closing the connection ends it.
+
 Admission gates everything of the swarm. A connection is only transport-authenticated (Noise
 proves the peer ID); before any swarm protocol is served to or requested from a peer, both sides
 prove the swarm secret on :data:`PROTO_ADMIT` (the sans-IO handshake of ``swarm.proto.admission``). The dialer runs the handshake
@@ -49,8 +56,10 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
+from libp2p.stream_muxer import muxer_multistream as _muxer_multistream
+from libp2p.stream_muxer.exceptions import MuxedConnUnavailable
+from libp2p.stream_muxer.yamux.yamux import GO_AWAY_NORMAL, Yamux
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
-from libp2p.stream_muxer.yamux.yamux import Yamux
 
 from swarm.errors import AdmissionError, FrameError, PeerError, SwarmError, UsageError
 from swarm.net.streams import (
@@ -71,7 +80,62 @@ CLOSE_TIMEOUT = 3.0
 BAN_S = 300.0
 MAX_STREAMS_PER_PEER = 256  # inbound swarm streams one peer may hold open at once  # a peer that sent malformed frames is refused this long
 
+FRAME_WRITE_TIMEOUT_S = 10.0  # one muxer frame's write, once begun; longer: the connection is closed
+
 Handler = Callable[[str, FramedStream], Awaitable[None]]
+
+
+class WholeFrameYamux(Yamux):
+    """yamux whose frame writes a cancellation cannot tear (see the module docstring).
+
+    Waiting for the write lock stays cancellable: nothing has been encrypted yet. The write itself
+    is shielded and bounded by FRAME_WRITE_TIMEOUT_S; past that the connection is *torn* (a
+    partial frame may be out), closed, and every later write fails at once. ``close()`` while a
+    write is stuck closes the socket first, which ends the write, instead of queueing GO_AWAY
+    behind it.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._torn = ""
+        self._writing = False
+
+    async def _write_frame(self, data: bytes) -> None:
+        if self._torn:
+            raise MuxedConnUnavailable(self._torn)
+        async with self._write_lock:
+            if self._torn:
+                raise MuxedConnUnavailable(self._torn)
+            with trio.CancelScope(shield=True):
+                with trio.move_on_after(FRAME_WRITE_TIMEOUT_S) as stuck:
+                    self._writing = True
+                    try:
+                        await self.secured_conn.write(data)
+                    except BaseException:
+                        self._torn = "a frame write failed"
+                        raise
+                    finally:
+                        self._writing = False
+                if stuck.cancelled_caught:
+                    self._torn = f"a frame write took over {FRAME_WRITE_TIMEOUT_S:g} s"
+                    with trio.move_on_after(CLOSE_TIMEOUT), contextlib.suppress(Exception):
+                        await self.secured_conn.close()
+            if self._torn:
+                raise MuxedConnUnavailable(self._torn)
+        await trio.lowlevel.checkpoint()
+
+    async def close(self, error_code: int = GO_AWAY_NORMAL) -> None:
+        if self._writing:
+            self._torn = self._torn or "closed during a write"
+            with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_TIMEOUT), contextlib.suppress(Exception):
+                await self.secured_conn.close()
+        await super().close(error_code)
+
+
+# py-libp2p 0.8.1 builds a yamux connection with the class its muxer_multistream module names,
+# whatever class the muxer options give: point that name at ours (this module's import does it,
+# and every host of the process is built through here).
+_muxer_multistream.Yamux = WholeFrameYamux  # type: ignore[misc]
 
 
 @dataclass(frozen=True)
@@ -530,7 +594,7 @@ def build_libp2p_host(seed: bytes, listen: Sequence[multiaddr.Multiaddr]) -> Any
             key_pair, noise_privkey=create_x25519_key_pair().private_key
         )
     }
-    muxer_opt = {TProtocol(YAMUX_PROTOCOL_ID): Yamux}
+    muxer_opt = {TProtocol(YAMUX_PROTOCOL_ID): WholeFrameYamux}
     config = ConnectionConfig(
         max_connections_per_peer=1,  # connect() waits 250 ms otherwise
         min_connections=0,  # never auto-redial peers we dropped

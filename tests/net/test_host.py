@@ -20,7 +20,7 @@ from libp2p.stream_muxer.yamux.yamux import Yamux
 from swarm.errors import AdmissionError, PeerError, UsageError
 from swarm.manifest.identity import Identity
 from swarm.net.host import SwarmHost, build_libp2p_host, open_host
-from swarm.proto.frame import Frame, MsgType
+from swarm.proto.frame import DType, Frame, MsgType
 from swarm.proto.limits import PROTO_CTL
 
 SECRET = b"k" * 32
@@ -232,3 +232,44 @@ async def test_streams_per_peer_are_capped(monkeypatch: pytest.MonkeyPatch) -> N
         async with b.open_stream(a.peer_id, PROTO_CTL) as again:
             await again.send(Frame(MsgType.HEARTBEAT, meta={"n": 4}))
             assert (await again.receive(timeout=5)).meta == {"n": 4}
+
+
+async def test_cancelling_readers_and_writers_mid_flow_keeps_the_connection() -> None:
+    """Noise encrypts a frame (spending a nonce) before it writes it; a write cancelled in
+    between used to desynchronise the connection's nonces and kill every stream on it. Here a
+    client cancels readers (whose reads send window updates) and writers at arbitrary moments
+    while data flows both ways; the one connection must keep serving."""
+    import random
+
+    payload = b"x" * 60_000  # 15000 fp32
+
+    async def flood(peer: str, fs) -> None:  # type: ignore[no-untyped-def]
+        with contextlib.suppress(PeerError):
+            while True:
+                await fs.send(Frame(MsgType.HEARTBEAT, meta={"n": 0}, payload=payload, dtype=DType.FP32, shape=(15000,)))
+
+    async def sink(peer: str, fs) -> None:  # type: ignore[no-untyped-def]
+        with contextlib.suppress(PeerError):
+            while True:
+                await fs.receive(timeout=30)
+
+    rng = random.Random(5)
+    async with _host(1) as a, _host(2) as b:
+        a.handle("/test/flood/1", flood)
+        a.handle("/test/sink/1", sink)
+        a.handle(PROTO_CTL, _echo)
+        await b.dial(a.addrs()[0])
+        conn_before = b.admission_info(a.peer_id)
+        for i in range(40):
+            proto = "/test/flood/1" if i % 2 else "/test/sink/1"
+            with trio.move_on_after(rng.uniform(0.001, 0.05)):
+                async with b.open_stream(a.peer_id, proto) as fs:
+                    while True:
+                        if proto == "/test/flood/1":
+                            await fs.receive(timeout=10)
+                        else:
+                            await fs.send(Frame(MsgType.HEARTBEAT, payload=payload, dtype=DType.FP32, shape=(15000,)))
+        async with b.open_stream(a.peer_id, PROTO_CTL) as fs:
+            reply = await fs.request(Frame(MsgType.HEARTBEAT, seq=7, meta={"t": 1}), timeout=10)
+        assert reply.seq == 7
+        assert b.admission_info(a.peer_id) is conn_before  # the same admitted connection, never redialed
