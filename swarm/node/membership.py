@@ -55,7 +55,8 @@ from swarm.proto.signing import Signer, peer_id_of
 
 log = logging.getLogger("swarm.node.membership")
 
-READVERT_PERIOD = 2.0  # seconds between checks whether our RTTs changed enough to re-advertise
+READVERT_PERIOD = 2.0  # seconds between re-adverts for RTTs that merely moved
+READVERT_POLL = 0.25  # a peer's first RTT (or its loss) is advertised within this
 DIAL_PERIOD = 0.5
 DIAL_GRACE = 2.0  # a higher peer ID waits this long for the lower one to dial it
 MAX_BACKOFF = 5.0
@@ -419,12 +420,17 @@ class MembershipService:
             log.debug("dial %s (%s) failed: %s", cand.addr, cand.source, exc)
 
     async def _readvertiser(self) -> None:
+        """Re-advertise our RTTs: at once when a peer gains or loses its first measurement (the
+        leader cannot plan an edge nobody measured), at most every READVERT_PERIOD otherwise."""
         last: dict[str, float] = {}
+        last_at = -READVERT_PERIOD
         while True:
-            await trio.sleep(READVERT_PERIOD)
+            await trio.sleep(READVERT_POLL)
             rtts = {p: v for p, v in self.liveness.rtts_ms().items() if self.host.is_admitted(p)}
-            if _rtts_changed(last, rtts) and self.membership.update_local(rtt_ms=rtts):
-                last = rtts
+            now = trio.current_time()
+            due = set(rtts) != set(last) or (now - last_at >= READVERT_PERIOD and _rtts_changed(last, rtts))
+            if due and self.membership.update_local(rtt_ms=rtts):
+                last, last_at = rtts, now
                 frame = self.membership.local.to_frame()
                 for box in list(self._outboxes.values()):
                     with contextlib.suppress(trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):

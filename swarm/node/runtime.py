@@ -22,9 +22,11 @@ round anyway; with a leader, a plan is computed once and every peer can check wh
 When. The leader plans once the expected number of members is present (``expect_peers``, used by
 the demo) or, without it, once membership has been stable for ``settle_s`` and the members can
 hold the model. A peer that joins later becomes a standby: the ring is never re-planned while it
-serves. A lost ring member ends the epoch: its generations fail with a clear error (fault
-tolerance with replay is the recovery issue's work) and the leader plans the next epoch from the
-survivors.
+serves. A lost ring member ends the epoch and the leader plans the next one from the survivors
+(sticky: they keep their blocks where they can); the coordinator's generations pause and resume on
+the new ring by replaying what they had fed it (service.py), so no token is lost or changed. A
+plan that cannot be made yet (too little memory, an edge nobody has measured) is retried on the
+next membership news.
 
 Data path: see stage_worker.py and coordinator.py. Hops whose two ends are this process use an
 in-process LocalLink; the others are libp2p streams (Noise-encrypted, admission-gated).
@@ -283,9 +285,10 @@ class Node(EpochRole):
                 continue
             try:
                 await self._plan_and_start(self.plannable())
-            except PlanningError as exc:
+            except PlanningError as exc:  # try again on news (a first RTT advertised, a peer joining)
                 self._on_event(f"cannot plan yet: {exc}")
-                await trio.sleep(2.0)
+                with trio.move_on_after(2.0):
+                    await self._membership_changed.wait()
             except SwarmError as exc:
                 self._on_event(f"epoch set-up failed: {exc}; retrying")
                 if self.epoch is not None:
