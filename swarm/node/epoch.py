@@ -71,6 +71,7 @@ class Epoch:
     serving: trio.Event = field(default_factory=trio.Event)
     started: float = field(default_factory=time.time)
     cause: str = ""  # the leader's words for why this epoch was planned (signed with the plan)
+    msg: PlanMsg | None = None  # the signed plan as received (a peer catching up is shown it)
 
     def wait_inbound(self, hop: int) -> trio.Event:
         return self.inbound_ready.setdefault(hop, trio.Event())
@@ -155,6 +156,7 @@ class EpochRole:
     _stage_cache: dict[tuple[int, int], Stage]
     _head: Head | None
     _epoch_ended_at: float
+    _cut_off: bool
     _end_reason: str
     _membership_changed: trio.Event
     _on_event: Callable[[str], None]
@@ -162,14 +164,16 @@ class EpochRole:
     def leader(self) -> str:  # Node's
         raise NotImplementedError
 
-    async def _accept_plan(self, sender: str, msg: PlanMsg) -> None:
+    async def _accept_plan(self, sender: str, msg: PlanMsg, *, catching_up: bool = False) -> None:
+        """Take the leader's plan (``catching_up``: a plan the swarm already serves, which this
+        node, back from being cut off, was shown by a member; its signer need not lead here)."""
         if msg.signer is None:
             raise ProtocolError(f"plan epoch {msg.epoch} from {sender} is unsigned")
         verify_plan(msg, msg.signer)
         from swarm.proto.signing import peer_id_of
 
         signer_id = peer_id_of(msg.signer)
-        if signer_id != self.leader():
+        if signer_id != self.leader() and not catching_up:
             raise ProtocolError(f"plan epoch {msg.epoch} signed by {signer_id}, but the leader here is {self.leader()}")
         try:
             plan = plan_from_body(msg.epoch, msg.plan)
@@ -180,8 +184,9 @@ class EpochRole:
         if self.epoch is not None:
             self._end_epoch(f"replaced by epoch {plan.epoch}")
         cause = msg.plan.get("cause", "")
-        ep = Epoch(plan, msg.signer, cause=cause[:MAX_CAUSE] if isinstance(cause, str) else "")
+        ep = Epoch(plan, msg.signer, cause=cause[:MAX_CAUSE] if isinstance(cause, str) else "", msg=msg)
         self.epoch = ep
+        self._cut_off = False
         s = self.settings
         if self.peer_id in plan.blocks:
             a, b = plan.blocks[self.peer_id]

@@ -15,6 +15,12 @@ the epoch's set-up over ``/shard-swarm/ring/1``, one phase at a time, each bound
    ``linked`` once its outbound stream is open;
 3. ``serve`` -> the coordinator waits for its result link and starts taking generations.
 
+A leader that was cut off (frozen, asleep, its link down: it saw every other member go) may
+be the smallest ID again when it comes back, but its plan is stale: the others re-planned
+without it. Before it plans, such a peer (and a fresh one) asks the members what they serve
+(``current``); if they serve an epoch whose ring is all in its view, it takes that epoch as a
+standby and leads from there, so coming back never moves the coordinator or disturbs a run.
+
 We chose leader-signs-and-distributes over "everyone computes the plan from one snapshot": RTTs
 are measured by each peer and change all the time, so identical snapshots would need a consensus
 round anyway; with a leader, a plan is computed once and every peer can check who signed it.
@@ -64,6 +70,7 @@ from swarm.node.epoch import (
     EpochRole,
     hops,
     plan_body,
+    plan_from_body,
 )
 from swarm.node.errors_util import first_leaf
 from swarm.node.membership import MemberEvent, Membership, MembershipService
@@ -72,7 +79,8 @@ from swarm.planner import plan as make_plan
 from swarm.proto.control import Control
 from swarm.proto.messages import Message, parse_message
 from swarm.proto.messages import Plan as PlanMsg
-from swarm.proto.signed import sign_plan
+from swarm.proto.signed import sign_plan, verify_plan
+from swarm.proto.signing import peer_id_of
 
 log = logging.getLogger("swarm.node")
 
@@ -82,6 +90,8 @@ PROTO_GEN = "/shard-swarm/gen/1"
 LOAD_TIMEOUT_S = 600.0
 REPLAN_SETTLE_S = 0.15
 LEAVE_TIMEOUT_S = 60.0
+CATCH_UP_TIMEOUT_S = 2.0  # a peer back from being cut off asks the others what they serve
+CATCH_UP_WAIT_S = 3.0  # ... and waits this long for that ring's peers to reappear in its view
 EXCLUDE_S = 300.0  # a peer caught sending bad activations stays out of plans this long  # after a loss: re-plan as soon as membership stops changing
 
 
@@ -169,6 +179,7 @@ class Node(EpochRole):
         self._leaving: set[str] = set()
         self._epoch_ended_at = -1e9  # trio time the last epoch ended
         self._end_reason = ""  # ... and why (the next plan carries it as its cause)
+        self._cut_off = True  # our view of the epochs may be stale: catch up before planning
         self._plan_msg: PlanMsg | None = None  # the leader's signed plan of the serving epoch
         self._informed: set[str] = set()  # members that were sent it
         self._excluded: dict[str, float] = {}  # peer -> trio time until which plans skip it
@@ -235,6 +246,8 @@ class Node(EpochRole):
             self._on_member(ev)
         elif ev.kind != "updated":
             self._on_event(f"peer {ev.peer[:16]}… {ev.kind}" + (f" ({ev.reason})" if ev.reason else ""))
+        if ev.kind in ("left", "lost") and self.members() == [self.peer_id]:
+            self._cut_off = True  # everyone else went: they may go on without us
         if ev.kind in ("left", "lost") and self.epoch is not None:
             ring = {*self.epoch.plan.ring, self.epoch.plan.coordinator}
             if ev.peer in ring:
@@ -260,6 +273,7 @@ class Node(EpochRole):
         s = self.settings
         last_members: list[str] = []
         stable_since = trio.current_time()
+        waiting_since: float | None = None  # for the ring of the epoch the swarm serves to reappear
         wait = 0.5  # until the next look, unless woken: exact when a settle time is running out
         while True:
             with trio.move_on_after(wait):
@@ -283,8 +297,24 @@ class Node(EpochRole):
             if now < ready_at:
                 wait = ready_at - now
                 continue
+            previous = None
+            if self._cut_off:
+                newest = await self._catch_up(members)
+                if newest is not None:
+                    plan = plan_from_body(newest.epoch, newest.plan)
+                    ring = {plan.coordinator, *plan.ring}
+                    if ring <= set(self.members()) and self.peer_id not in ring:
+                        await self._accept_plan(plan.coordinator, newest, catching_up=True)
+                        self._plan_msg, self._informed, waiting_since = newest, set(self.members()), None
+                        self.notice(f"caught up: the swarm serves epoch {plan.epoch}; this node is a standby of it")
+                        continue
+                    waiting_since = now if waiting_since is None else waiting_since
+                    if not ring <= set(self.members()) and now - waiting_since < CATCH_UP_WAIT_S:
+                        continue  # its peers are still coming back into our view
+                    previous = plan
+            waiting_since = None
             try:
-                await self._plan_and_start(self.plannable())
+                await self._plan_and_start(self.plannable(), previous=previous)
             except PlanningError as exc:  # try again on news (a first RTT advertised, a peer joining)
                 self._on_event(f"cannot plan yet: {exc}")
                 with trio.move_on_after(2.0):
@@ -299,13 +329,15 @@ class Node(EpochRole):
         assert self.service is not None
         return self.service.membership.peers_file()
 
-    def compute_plan(self, members: list[str]) -> Plan:
-        """The next epoch's plan from our membership view, sticky with the previous one.
+    def compute_plan(self, members: list[str], previous: Plan | None = None) -> Plan:
+        """The next epoch's plan from our membership view, sticky with ``previous`` (default: our
+        last epoch's plan).
 
         The coordinator is kept whenever it survives and can still be one (its generations in
         flight live on it: moving it would fail them); otherwise the planner's centroid rule picks.
         """
-        previous = self.epoch.plan if self.epoch is not None else None
+        if previous is None and self.epoch is not None:
+            previous = self.epoch.plan
         epoch = max(previous.epoch if previous is not None else 0, self._last_epoch) + 1
         self._last_epoch = epoch
         return self._plan_for(members, previous, epoch)
@@ -333,8 +365,8 @@ class Node(EpochRole):
                 pass
         return make_plan(self.spec, peers, pf.latency(), previous=previous, epoch=epoch)
 
-    async def _plan_and_start(self, members: list[str]) -> None:
-        plan = self.compute_plan(members)
+    async def _plan_and_start(self, members: list[str], previous: Plan | None = None) -> None:
+        plan = self.compute_plan(members, previous)
         participants = sorted({plan.coordinator, *plan.ring})
         ended_at = None if self.epoch is None else self._epoch_ended_at
         cause = "first plan" if self.epoch is None else self._end_reason
@@ -359,6 +391,32 @@ class Node(EpochRole):
             plan.epoch, t1 - t0, t2 - t1, t3 - t2, since,
         )  # fmt: skip
         self._plan_msg, self._informed = msg, set(members)
+
+    async def _catch_up(self, members: list[str]) -> PlanMsg | None:
+        """The newest epoch the other members serve (a plan signed by a member), unless ours is
+        newer. Bounded: a member that does not answer within CATCH_UP_TIMEOUT_S is not waited for."""
+        found: list[PlanMsg] = []
+
+        async def ask(peer: str) -> None:
+            assert self.host is not None
+            try:
+                async with self.host.open_stream(peer, PROTO_RING, timeout=CATCH_UP_TIMEOUT_S) as fs:
+                    await fs.send(Control("current", {}).to_frame())
+                    msg = parse_message(await fs.receive(timeout=CATCH_UP_TIMEOUT_S))
+                if isinstance(msg, PlanMsg) and msg.signer is not None and peer_id_of(msg.signer) in members:
+                    verify_plan(msg, msg.signer)
+                    found.append(msg)
+            except SwarmError as exc:
+                log.info("catching up: %s did not say what it serves: %s", peer, exc)
+
+        with trio.move_on_after(CATCH_UP_TIMEOUT_S + 1.0):
+            async with trio.open_nursery() as nursery:
+                for p in members:
+                    if p != self.peer_id:
+                        nursery.start_soon(ask, p)
+        newest = max(found, key=lambda m: m.epoch, default=None)
+        mine = self.epoch.plan.epoch if self.epoch is not None else 0
+        return newest if newest is not None and newest.epoch >= mine else None
 
     async def _inform_joiners(self, members: list[str]) -> None:
         """Leader: a peer that joined while a ring serves becomes a standby; it learns the plan
@@ -419,12 +477,17 @@ class Node(EpochRole):
         reply = await self._ring_request(peer, frame)
         await fs.send(reply.to_frame())
 
-    async def _ring_request(self, peer: str, frame: Any) -> Control:
+    async def _ring_request(self, peer: str, frame: Any) -> Control | PlanMsg:
         try:
             msg = parse_message(frame)
             if isinstance(msg, PlanMsg):
                 await self._accept_plan(peer, msg)
                 return Control("loaded", {"epoch": msg.epoch})
+            if isinstance(msg, Control) and msg.op == "current":  # what we serve, for a peer catching up
+                ep = self.epoch
+                if ep is not None and not ep.done.is_set() and ep.msg is not None:
+                    return ep.msg
+                return Control("none", {})
             if isinstance(msg, Control) and msg.op == "connect":
                 await self._connect(msg.body_reader().int("epoch", 0, 1 << 62))
                 return Control("linked", {})

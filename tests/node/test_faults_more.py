@@ -243,6 +243,39 @@ async def test_frozen_stage_rejoins_as_new_member(ckpt: Path) -> None:
             assert swarm.alive()[frozen]
 
 
+async def test_a_leader_back_from_a_freeze_leaves_the_serving_ring_alone(ckpt: Path) -> None:
+    """SIGSTOP the leader (the smallest peer ID) until the others declare it lost and serve
+    without it, then SIGCONT it in the middle of a generation. It leads again (smallest ID), but
+    it takes the epoch the swarm serves as a standby instead of planning from its stale view:
+    the run neither pauses nor fails, and the swarm's epoch and coordinator stay as they were."""
+    with start_local_swarm(
+        4, ckpt, dtype="bf16", memory_bytes=[memory_for(ckpt, 4)] * 4, chunk_timeout=3.0
+    ) as swarm:
+        await ready_plan(swarm)
+        leader = swarm.peer_ids.index(min(swarm.peer_ids))
+        other = next(i for i in range(4) if i != leader)
+        swarm.kill(leader, signal.SIGSTOP)
+        short = swarm.peer_ids[leader][:16]
+        deadline = time.monotonic() + 30
+        while f"peer {short}… left" not in swarm.log(other):
+            assert time.monotonic() < deadline, swarm.log(other)[-3000:]
+            await trio.sleep(0.25)
+        plan = await ready_plan(swarm, other)
+        assert swarm.peer_ids[leader] not in {plan["coordinator"], *plan["ring"]}
+        coord, _ = roles(swarm, plan)
+        reference = await generate(swarm, coord, PROMPT)
+        got = await generate(swarm, coord, PROMPT, {20: (leader, signal.SIGCONT)})
+        assert got["output_token_ids"] == reference["output_token_ids"]
+        deadline = time.monotonic() + 30
+        while f"caught up: the swarm serves epoch {reference['epoch']}" not in swarm.log(leader):
+            assert time.monotonic() < deadline, "the thawed leader did not catch up:\n" + swarm.log(leader)[-3000:]
+            await trio.sleep(0.25)
+        after = await generate(swarm, coord, PROMPT)
+        assert after["output_token_ids"] == reference["output_token_ids"]
+        assert (after["epoch"], after["coordinator"]) == (reference["epoch"], plan["coordinator"]), after["replans"]
+        assert not got["replans"] and not after["replans"]
+
+
 MISSING = re.compile(r"not enough memory.*GB short|GB short", re.S)
 
 
