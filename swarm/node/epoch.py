@@ -156,7 +156,6 @@ class EpochRole:
     _stage_cache: dict[tuple[int, int], Stage]
     _head: Head | None
     _epoch_ended_at: float
-    _cut_off: bool
     _end_reason: str
     _membership_changed: trio.Event
     _on_event: Callable[[str], None]
@@ -186,7 +185,6 @@ class EpochRole:
         cause = msg.plan.get("cause", "")
         ep = Epoch(plan, msg.signer, cause=cause[:MAX_CAUSE] if isinstance(cause, str) else "", msg=msg)
         self.epoch = ep
-        self._cut_off = False
         s = self.settings
         if self.peer_id in plan.blocks:
             a, b = plan.blocks[self.peer_id]

@@ -127,6 +127,13 @@ class FailureDetector:
     def forget(self, peer: str) -> None:
         self._peers.pop(peer, None)
 
+    def excuse_silence(self, now: float) -> None:
+        """We were stopped ourselves (a stall of our own clock's loop): what we did not hear
+        meanwhile says nothing about the others, so every live peer's silence restarts now."""
+        for rec in self._peers.values():
+            if rec.state is not PeerState.LOST:
+                rec.last_heard = max(rec.last_heard, now)
+
     # -- queries -----------------------------------------------------------------------------
 
     def state(self, peer: str) -> PeerState | None:

@@ -36,6 +36,7 @@ log = logging.getLogger("swarm.node.heartbeat")
 
 DEFAULT_INTERVAL = 0.5  # seconds between heartbeats; with failure.py's defaults: lost within ~3 s
 RTT_SAMPLES = 8
+STALL_S = 2.0  # a gap this long between our own ticks means we were stopped (SIGSTOP, a laptop asleep)
 
 OnTransition = Callable[[Transition], None]
 OnAdvert = Callable[[str, Advert], Awaitable[None]]
@@ -52,6 +53,7 @@ class Liveness:
     def __init__(self, detector: FailureDetector | None = None, on_transition: OnTransition | None = None) -> None:
         self.detector = detector or FailureDetector()
         self._on_transition = on_transition
+        self.on_stall: Callable[[float], None] | None = None  # called with the gap after we were stopped
         self._rtts: dict[str, deque[float]] = {}
 
     def _emit(self, transitions: list[Transition]) -> None:
@@ -85,8 +87,18 @@ class Liveness:
         return {p: statistics.median(s) * 1000.0 for p, s in self._rtts.items() if s}
 
     async def watch(self, period: float = DEFAULT_INTERVAL / 2) -> None:
-        """Tick the detector forever (run in a nursery)."""
+        """Tick the detector forever (run in a nursery). A gap of STALL_S or more between two
+        ticks means this process was stopped: its own silence is excused (nobody is declared
+        lost for it) and ``on_stall`` is told."""
+        last = trio.current_time()
         while True:
+            now = trio.current_time()
+            if now - last >= max(STALL_S, 4 * period):
+                log.warning("this node was stopped for %.1f s", now - last)
+                self.detector.excuse_silence(now)
+                if self.on_stall is not None:
+                    self.on_stall(now - last)
+            last = now
             self.tick()
             await trio.sleep(period)
 

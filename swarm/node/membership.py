@@ -229,6 +229,7 @@ class MembershipService:
         liveness: Liveness | None = None,
         interval: float = DEFAULT_INTERVAL,
         on_event: Callable[[MemberEvent], None] | None = None,
+        on_stall: Callable[[float], None] | None = None,
     ) -> None:
         if host.peer_id != membership.peer_id:
             raise UsageError("the host's peer ID and the membership signer's peer ID differ (one seed for both)")
@@ -237,6 +238,7 @@ class MembershipService:
         self.interval = interval
         self.liveness = liveness or Liveness()
         self.liveness._on_transition = self._on_transition
+        self.liveness.on_stall = on_stall
         self._on_event = on_event
         self._outboxes: dict[str, trio.MemorySendChannel[Frame]] = {}
         self._links: dict[str, trio.CancelScope] = {}

@@ -15,11 +15,13 @@ the epoch's set-up over ``/shard-swarm/ring/1``, one phase at a time, each bound
    ``linked`` once its outbound stream is open;
 3. ``serve`` -> the coordinator waits for its result link and starts taking generations.
 
-A leader that was cut off (frozen, asleep, its link down: it saw every other member go) may
-be the smallest ID again when it comes back, but its plan is stale: the others re-planned
-without it. Before it plans, such a peer (and a fresh one) asks the members what they serve
-(``current``); if they serve an epoch whose ring is all in its view, it takes that epoch as a
-standby and leads from there, so coming back never moves the coordinator or disturbs a run.
+A peer that was cut off (stopped, asleep: its heartbeat clock jumped; or it saw every other
+member go) may be the smallest ID again when it comes back, but its view is stale: the others
+re-planned without it, and its view churns while they drop and re-admit it. Before it plans,
+such a peer (and a fresh one) lets its view settle (CUT_OFF_SETTLE_S, at most CATCH_UP_WAIT_S)
+and asks the members what they serve (``current``): if they serve an epoch whose ring is all in
+its view, it takes that epoch as a standby and leads from there, so coming back never moves the
+coordinator or disturbs a run; otherwise it plans sticky with the swarm's epoch, not its own.
 
 We chose leader-signs-and-distributes over "everyone computes the plan from one snapshot": RTTs
 are measured by each peer and change all the time, so identical snapshots would need a consensus
@@ -91,7 +93,8 @@ LOAD_TIMEOUT_S = 600.0
 REPLAN_SETTLE_S = 0.15
 LEAVE_TIMEOUT_S = 60.0
 CATCH_UP_TIMEOUT_S = 2.0  # a peer back from being cut off asks the others what they serve
-CATCH_UP_WAIT_S = 3.0  # ... and waits this long for that ring's peers to reappear in its view
+CATCH_UP_WAIT_S = 3.0  # ... and waits at most this long for its view to settle / that ring to reappear
+CUT_OFF_SETTLE_S = 1.0  # ... the view it catches up from has been unchanged this long
 EXCLUDE_S = 300.0  # a peer caught sending bad activations stays out of plans this long  # after a loss: re-plan as soon as membership stops changing
 
 
@@ -179,7 +182,9 @@ class Node(EpochRole):
         self._leaving: set[str] = set()
         self._epoch_ended_at = -1e9  # trio time the last epoch ended
         self._end_reason = ""  # ... and why (the next plan carries it as its cause)
-        self._cut_off = True  # our view of the epochs may be stale: catch up before planning
+        # trio time our view of the epochs went stale (None: it is not); a new node's is unknown
+        # (-inf: it asks the members what they serve before its first plan, without waiting)
+        self._cut_off_since: float | None = float("-inf")
         self._plan_msg: PlanMsg | None = None  # the leader's signed plan of the serving epoch
         self._informed: set[str] = set()  # members that were sent it
         self._excluded: dict[str, float] = {}  # peer -> trio time until which plans skip it
@@ -212,7 +217,7 @@ class Node(EpochRole):
                 self.identity, s.swarm_id, addrs=_announce(s.announce, host), memory_bytes=memory, ms_per_layer=self.ms_per_layer,
                 revoked=s.revoked,
             )  # fmt: skip
-            self.service = MembershipService(host, membership, on_event=self._member_event)
+            self.service = MembershipService(host, membership, on_event=self._member_event, on_stall=self._stalled)
             host.handle(PROTO_RING, self._serve_ring)
             host.handle(PROTO_ACT, self._serve_act)
             host.handle(PROTO_GEN, self._serve_gen)
@@ -246,12 +251,17 @@ class Node(EpochRole):
             self._on_member(ev)
         elif ev.kind != "updated":
             self._on_event(f"peer {ev.peer[:16]}… {ev.kind}" + (f" ({ev.reason})" if ev.reason else ""))
-        if ev.kind in ("left", "lost") and self.members() == [self.peer_id]:
-            self._cut_off = True  # everyone else went: they may go on without us
+        if ev.kind in ("left", "lost") and self.members() == [self.peer_id] and self._cut_off_since is None:
+            self._cut_off_since = trio.current_time()  # everyone else went: they may go on without us
         if ev.kind in ("left", "lost") and self.epoch is not None:
             ring = {*self.epoch.plan.ring, self.epoch.plan.coordinator}
             if ev.peer in ring:
                 self._end_epoch(f"ring member {ev.peer} {ev.kind}")
+
+    def _stalled(self, gap: float) -> None:
+        self.notice(f"this node was stopped for {gap:.1f} s: it catches up with the swarm before it plans")
+        self._cut_off_since = trio.current_time()
+        self._kick_leader()
 
     def members(self) -> list[str]:
         """Live members that have advertised (clients that only ask for generations never do)."""
@@ -273,7 +283,6 @@ class Node(EpochRole):
         s = self.settings
         last_members: list[str] = []
         stable_since = trio.current_time()
-        waiting_since: float | None = None  # for the ring of the epoch the swarm serves to reappear
         wait = 0.5  # until the next look, unless woken: exact when a settle time is running out
         while True:
             with trio.move_on_after(wait):
@@ -298,21 +307,25 @@ class Node(EpochRole):
                 wait = ready_at - now
                 continue
             previous = None
-            if self._cut_off:
+            cut_off = self._cut_off_since
+            if cut_off is not None:
+                patient = now - cut_off < CATCH_UP_WAIT_S
+                if patient and now - stable_since < CUT_OFF_SETTLE_S:
+                    wait = stable_since + CUT_OFF_SETTLE_S - now
+                    continue  # our view is still refilling after being away
                 newest = await self._catch_up(members)
                 if newest is not None:
                     plan = plan_from_body(newest.epoch, newest.plan)
-                    ring = {plan.coordinator, *plan.ring}
-                    if ring <= set(self.members()) and self.peer_id not in ring:
+                    ring, live = {plan.coordinator, *plan.ring}, set(self.members())
+                    if ring <= live and self.peer_id not in ring:
                         await self._accept_plan(plan.coordinator, newest, catching_up=True)
-                        self._plan_msg, self._informed, waiting_since = newest, set(self.members()), None
+                        self._plan_msg, self._informed, self._cut_off_since = newest, live, None
                         self.notice(f"caught up: the swarm serves epoch {plan.epoch}; this node is a standby of it")
                         continue
-                    waiting_since = now if waiting_since is None else waiting_since
-                    if not ring <= set(self.members()) and now - waiting_since < CATCH_UP_WAIT_S:
-                        continue  # its peers are still coming back into our view
+                    if not ring <= live and patient:
+                        continue  # that ring's peers are still coming back into our view
                     previous = plan
-            waiting_since = None
+                self._cut_off_since = None
             try:
                 await self._plan_and_start(self.plannable(), previous=previous)
             except PlanningError as exc:  # try again on news (a first RTT advertised, a peer joining)

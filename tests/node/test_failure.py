@@ -150,3 +150,26 @@ async def test_slow_heartbeat_link_is_not_lost(autojump_clock: trio.testing.Mock
         await trio.sleep(60.0)
         assert events == [PeerState.ALIVE]
         nursery.cancel_scope.cancel()
+
+
+@pytest.mark.trio
+async def test_our_own_stall_excuses_the_others_silence(mock_clock: trio.testing.MockClock) -> None:
+    """A process stopped for 5 s (SIGSTOP, a laptop asleep) wakes to find everyone silent: that
+    is its own doing, so nobody is declared lost for it and ``on_stall`` is told the gap. The
+    same silence while our loop keeps ticking does lose the peer."""
+    events: list[PeerState] = []
+    stalls: list[float] = []
+    liv = Liveness(on_transition=lambda t: events.append(t.new))
+    liv.on_stall = stalls.append
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(liv.watch, 0.25)
+        liv.heard(B)
+        await trio.testing.wait_all_tasks_blocked()
+        mock_clock.jump(5.0)  # our loop did not run for 5 s
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(stalls) == 1 and 5.0 <= stalls[0] < 5.5
+        assert events == [PeerState.ALIVE] and liv.state(B) is PeerState.ALIVE
+        mock_clock.autojump_threshold = 0  # now time passes with our loop running
+        await trio.sleep(5.0)
+        assert events[-1] is PeerState.LOST and len(stalls) == 1
+        nursery.cancel_scope.cancel()
