@@ -156,6 +156,7 @@ class EpochRole:
     _stage_cache: dict[tuple[int, int], Stage]
     _head: Head | None
     _epoch_ended_at: float
+    _cut_off_since: float | None
     _end_reason: str
     _membership_changed: trio.Event
     _on_event: Callable[[str], None]
@@ -185,6 +186,8 @@ class EpochRole:
         cause = msg.plan.get("cause", "")
         ep = Epoch(plan, msg.signer, cause=cause[:MAX_CAUSE] if isinstance(cause, str) else "", msg=msg)
         self.epoch = ep
+        if self._cut_off_since == float("-inf"):
+            self._cut_off_since = None  # a new node that took a plan knows the swarm's epoch now
         s = self.settings
         if self.peer_id in plan.blocks:
             a, b = plan.blocks[self.peer_id]
