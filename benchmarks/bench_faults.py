@@ -216,6 +216,10 @@ async def chaos(bench: Bench, n: int, seed: int) -> dict[str, Any]:
                 coordinator_log=[
                     ln for ln in sw.log(bench.coord).splitlines() if "Failed to open TCP" not in ln
                 ][-40:],
+                other_logs={  # the leader's view matters as much as the coordinator's
+                    sw.peer_ids[i][:16]: [ln for ln in sw.log(i).splitlines() if "Failed to open TCP" not in ln][-40:]
+                    for i in range(len(sw.peer_ids)) if i != bench.coord
+                },
             )
             events.append(ev)
             print(f"chaos {g}: FAILED {ev['error']}", file=sys.stderr)

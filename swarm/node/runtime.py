@@ -19,9 +19,12 @@ A peer that was cut off (stopped, asleep: its heartbeat clock jumped; or it saw 
 member go) may be the smallest ID again when it comes back, but its view is stale: the others
 re-planned without it, and its view churns while they drop and re-admit it. Before it plans,
 such a peer (and a fresh one) lets its view settle (CUT_OFF_SETTLE_S, at most CATCH_UP_WAIT_S)
-and asks the members what they serve (``current``): if they serve an epoch whose ring is all in
-its view, it takes that epoch as a standby and leads from there, so coming back never moves the
-coordinator or disturbs a run; otherwise it plans sticky with the swarm's epoch, not its own.
+and asks the members what they serve (``current``), even while it still holds an epoch of its
+own: if they serve a newer one whose ring is all in its view, it takes that epoch as a standby
+and leads from there, so coming back never moves the coordinator or disturbs a run; otherwise it
+plans sticky with the swarm's epoch, not its own. As a fallback, a member whose ring ended and
+that sees no new plan within NUDGE_AFTER_S tells the leader which epoch ended (``ended``): a
+leader that finds it is behind catches up the same way, so the swarm never waits on it forever.
 
 We chose leader-signs-and-distributes over "everyone computes the plan from one snapshot": RTTs
 are measured by each peer and change all the time, so identical snapshots would need a consensus
@@ -94,6 +97,7 @@ REPLAN_SETTLE_S = 0.15
 LEAVE_TIMEOUT_S = 60.0
 CATCH_UP_TIMEOUT_S = 2.0  # a peer back from being cut off asks the others what they serve
 CATCH_UP_WAIT_S = 3.0  # ... and waits at most this long for its view to settle / that ring to reappear
+NUDGE_AFTER_S = 4.0  # a member whose ring ended tells the leader after this long without a new plan
 CUT_OFF_SETTLE_S = 1.0  # ... the view it catches up from has been unchanged this long
 EXCLUDE_S = 300.0  # a peer caught sending bad activations stays out of plans this long  # after a loss: re-plan as soon as membership stops changing
 
@@ -256,7 +260,26 @@ class Node(EpochRole):
         if ev.kind in ("left", "lost") and self.epoch is not None:
             ring = {*self.epoch.plan.ring, self.epoch.plan.coordinator}
             if ev.peer in ring:
+                ended = self.epoch
                 self._end_epoch(f"ring member {ev.peer} {ev.kind}")
+                if self._nursery is not None and self.leader() != self.peer_id:
+                    self._nursery.start_soon(self._nudge_leader, ended)
+
+    async def _nudge_leader(self, ended: Epoch) -> None:
+        """A ring we served ended; if no new plan comes within NUDGE_AFTER_S, tell the leader
+        which epoch ended: one whose own view is stale (it was cut off and missed that epoch)
+        then knows to catch up, instead of the swarm waiting on it forever."""
+        await trio.sleep(NUDGE_AFTER_S)
+        if self.epoch is not ended or self.leader() == self.peer_id:
+            return
+        assert self.host is not None
+        try:
+            with trio.fail_after(RPC_TIMEOUT_S):
+                async with self.host.open_stream(self.leader(), PROTO_RING, timeout=RPC_TIMEOUT_S) as fs:
+                    await fs.send(Control("ended", {"epoch": ended.plan.epoch}).to_frame())
+                    await fs.receive(timeout=RPC_TIMEOUT_S)
+        except (SwarmError, trio.TooSlowError) as exc:
+            log.info("could not tell the leader that epoch %d ended: %s", ended.plan.epoch, exc)
 
     def _stalled(self, gap: float) -> None:
         self.notice(f"this node was stopped for {gap:.1f} s: it catches up with the swarm before it plans")
@@ -294,38 +317,33 @@ class Node(EpochRole):
                 last_members, stable_since = members, now
             if self.leader() != self.peer_id:
                 continue
-            if self.epoch is not None and not self.epoch.done.is_set():
+            serving = self.epoch is not None and not self.epoch.done.is_set()
+            if serving and self._cut_off_since is None:
                 await self._inform_joiners(members)
                 continue
-            first = self.epoch is None
-            if first and s.expect_peers and len(members) < s.expect_peers:
-                continue
-            settle = s.settle_s if first and not s.expect_peers else REPLAN_SETTLE_S
-            # let the transport's news of a dead peer arrive, and the membership settle
-            ready_at = max(self._epoch_ended_at + REPLAN_SETTLE_S, stable_since + settle)
-            if now < ready_at:
-                wait = ready_at - now
-                continue
+            if not serving:
+                first = self.epoch is None
+                if first and s.expect_peers and len(members) < s.expect_peers:
+                    continue
+                settle = s.settle_s if first and not s.expect_peers else REPLAN_SETTLE_S
+                # let the transport's news of a dead peer arrive, and the membership settle
+                ready_at = max(self._epoch_ended_at + REPLAN_SETTLE_S, stable_since + settle)
+                if now < ready_at:
+                    wait = ready_at - now
+                    continue
             previous = None
-            cut_off = self._cut_off_since
-            if cut_off is not None:
-                patient = now - cut_off < CATCH_UP_WAIT_S
-                if patient and now - stable_since < CUT_OFF_SETTLE_S:
-                    wait = stable_since + CUT_OFF_SETTLE_S - now
-                    continue  # our view is still refilling after being away
-                newest = await self._catch_up(members)
-                if newest is not None:
-                    plan = plan_from_body(newest.epoch, newest.plan)
-                    ring, live = {plan.coordinator, *plan.ring}, set(self.members())
-                    if ring <= live and self.peer_id not in ring:
-                        await self._accept_plan(plan.coordinator, newest, catching_up=True)
-                        self._plan_msg, self._informed, self._cut_off_since = newest, live, None
-                        self.notice(f"caught up: the swarm serves epoch {plan.epoch}; this node is a standby of it")
-                        continue
-                    if not ring <= live and patient:
-                        continue  # that ring's peers are still coming back into our view
-                    previous = plan
-                self._cut_off_since = None
+            if self._cut_off_since is not None:
+                try:
+                    what, arg = await self._catch_up_as_leader(members, now, stable_since)
+                except SwarmError as exc:
+                    log.warning("catching up with the swarm failed: %s; trying again", exc)
+                    continue
+                if what == "wait":
+                    wait = arg
+                    continue
+                if what == "done":
+                    continue
+                previous = arg
             try:
                 await self._plan_and_start(self.plannable(), previous=previous)
             except PlanningError as exc:  # try again on news (a first RTT advertised, a peer joining)
@@ -405,10 +423,51 @@ class Node(EpochRole):
         )  # fmt: skip
         self._plan_msg, self._informed = msg, set(members)
 
-    async def _catch_up(self, members: list[str]) -> PlanMsg | None:
-        """The newest epoch the other members serve (a plan signed by a member), unless ours is
-        newer. Bounded: a member that does not answer within CATCH_UP_TIMEOUT_S is not waited for."""
+    async def _catch_up_as_leader(self, members: list[str], now: float, stable_since: float) -> tuple[str, Any]:
+        """Leading after being cut off (see the module docstring): let our view settle, then ask
+        what the swarm serves. Returns ("wait", seconds) to look again later; ("done", None) when
+        the epoch we hold is the swarm's (ours, or the one we just took as a standby); ("plan",
+        previous) to plan sticky with ``previous`` (None: our own last epoch)."""
+        cut_off = self._cut_off_since
+        assert cut_off is not None
+        patient = now - cut_off < CATCH_UP_WAIT_S
+        settled_at = max(stable_since, cut_off) + CUT_OFF_SETTLE_S
+        if patient and now < settled_at:
+            return "wait", settled_at - now  # our view is still refilling (the others drop us, then take us back)
+        newest, ended, answered = await self._catch_up(members)
+        if patient and not answered and len(members) > 1:
+            return "wait", 0.5  # nobody could tell us yet: our old connections are still being torn down
+        ep = self.epoch
+        serving = ep is not None and not ep.done.is_set()
+        if newest is None and ended is not None:  # the swarm went past our epoch, and that ring ended too
+            if serving:
+                self._end_epoch(f"this node was cut off; the swarm went on to epoch {ended.epoch}, which ended")
+            self._cut_off_since = None
+            return "plan", ended
+        if newest is None or (ep is not None and serving and newest.epoch <= ep.plan.epoch):
+            self._cut_off_since = None
+            return ("done", None) if serving else ("plan", None)
+        plan = plan_from_body(newest.epoch, newest.plan)
+        ring, live = {plan.coordinator, *plan.ring}, set(self.members())
+        if ring <= live and self.peer_id not in ring:
+            await self._accept_plan(plan.coordinator, newest, catching_up=True)  # ends our stale epoch
+            self._plan_msg, self._informed, self._cut_off_since = newest, live, None
+            self.notice(f"caught up: the swarm serves epoch {plan.epoch}; this node is a standby of it")
+            return "done", None
+        if not ring <= live and patient:
+            return "wait", 0.5  # that ring's peers are still coming back into our view
+        if serving:
+            self._end_epoch(f"this node was cut off; the swarm went on to epoch {plan.epoch}")
+        self._cut_off_since = None
+        return "plan", plan
+
+    async def _catch_up(self, members: list[str]) -> tuple[PlanMsg | None, Plan | None, int]:
+        """What the other members serve: the newest serving epoch (a plan signed by a member)
+        unless ours is newer; the newest ended one they report, if newer than ours; and how many
+        answered. Bounded: a member that does not answer within CATCH_UP_TIMEOUT_S is not waited for."""
         found: list[PlanMsg] = []
+        ended: list[Plan] = []
+        answered = 0
 
         async def ask(peer: str) -> None:
             assert self.host is not None
@@ -416,10 +475,15 @@ class Node(EpochRole):
                 async with self.host.open_stream(peer, PROTO_RING, timeout=CATCH_UP_TIMEOUT_S) as fs:
                     await fs.send(Control("current", {}).to_frame())
                     msg = parse_message(await fs.receive(timeout=CATCH_UP_TIMEOUT_S))
+                nonlocal answered
+                answered += 1
                 if isinstance(msg, PlanMsg) and msg.signer is not None and peer_id_of(msg.signer) in members:
                     verify_plan(msg, msg.signer)
+                    plan_from_body(msg.epoch, msg.plan)  # well-formed, or it is not taken
                     found.append(msg)
-            except SwarmError as exc:
+                elif isinstance(msg, Control) and isinstance(msg.body.get("plan"), dict):
+                    ended.append(plan_from_body(msg.body_reader().int("epoch", 0, 1 << 62), msg.body["plan"]))
+            except (SwarmError, KeyError, TypeError, ValueError) as exc:
                 log.info("catching up: %s did not say what it serves: %s", peer, exc)
 
         with trio.move_on_after(CATCH_UP_TIMEOUT_S + 1.0):
@@ -428,8 +492,13 @@ class Node(EpochRole):
                     if p != self.peer_id:
                         nursery.start_soon(ask, p)
         newest = max(found, key=lambda m: m.epoch, default=None)
+        last_ended = max(ended, key=lambda p: p.epoch, default=None)
         mine = self.epoch.plan.epoch if self.epoch is not None else 0
-        return newest if newest is not None and newest.epoch >= mine else None
+        return (
+            newest if newest is not None and newest.epoch >= mine else None,
+            last_ended if last_ended is not None and last_ended.epoch > mine else None,
+            answered,
+        )
 
     async def _inform_joiners(self, members: list[str]) -> None:
         """Leader: a peer that joined while a ring serves becomes a standby; it learns the plan
@@ -500,7 +569,17 @@ class Node(EpochRole):
                 ep = self.epoch
                 if ep is not None and not ep.done.is_set() and ep.msg is not None:
                     return ep.msg
+                if ep is not None and ep.msg is not None:  # ended: its plan still says who held what
+                    return Control("none", {"epoch": ep.plan.epoch, "plan": ep.msg.plan})
                 return Control("none", {})
+            if isinstance(msg, Control) and msg.op == "ended":  # a member's ring ended; are we behind?
+                n = msg.body_reader().int("epoch", 0, 1 << 62)
+                mine = self.epoch.plan.epoch if self.epoch is not None else 0
+                if n > mine and self.leader() == self.peer_id and self._cut_off_since is None:
+                    self.notice(f"{peer} served epoch {n}, newer than ours ({mine}): catching up with the swarm")
+                    self._cut_off_since = float("-inf")  # no settling: the swarm waits on us
+                    self._kick_leader()
+                return Control("serving", {})
             if isinstance(msg, Control) and msg.op == "connect":
                 await self._connect(msg.body_reader().int("epoch", 0, 1 << 62))
                 return Control("linked", {})
