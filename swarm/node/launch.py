@@ -87,12 +87,17 @@ class LocalSwarm:
             self._tmp.cleanup()
             self._tmp = None
 
-    def _spawn(self, i: int, cfg: dict[str, object]) -> None:
+    def restart(self, i: int) -> None:
+        """Start node ``i`` again from its settings file (same key, same port), as a user
+        restarts ``shard-swarm join`` after stopping it; the log goes on in the same file."""
+        self._spawn(i, json.loads((self.workdir / f"node{i}.json").read_text()), append_log=True)
+
+    def _spawn(self, i: int, cfg: dict[str, object], *, append_log: bool = False) -> None:
         cfg_file = self.workdir / f"node{i}.json"
         cfg_file.write_text(json.dumps(cfg, indent=2))
         self._base_cfg = cfg
         env = {**os.environ, "OMP_NUM_THREADS": str(cfg["threads"]), "PYTHONUNBUFFERED": "1"}
-        fd = _log_file(self.workdir / f"node{i}.log")
+        fd = _log_file(self.workdir / f"node{i}.log", append=append_log)
         try:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "swarm.node", str(cfg_file)],
@@ -211,9 +216,9 @@ def start_local_swarm(
     return swarm
 
 
-def _log_file(path: Path) -> int:
+def _log_file(path: Path, *, append: bool = False) -> int:
     """A file descriptor for a child's stderr (the child keeps it; we close ours after Popen)."""
-    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    return os.open(path, os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC), 0o600)
 
 
 def _write_private(path: Path, text: str) -> None:

@@ -255,6 +255,8 @@ class Node(EpochRole):
             self._on_member(ev)
         elif ev.kind != "updated":
             self._on_event(f"peer {ev.peer[:16]}… {ev.kind}" + (f" ({ev.reason})" if ev.reason else ""))
+        if ev.kind in ("left", "lost"):
+            self._leaving.discard(ev.peer)  # gone: if it comes back (same key, restarted), it is a member again
         if ev.kind in ("left", "lost") and self.members() == [self.peer_id] and self._cut_off_since is None:
             self._cut_off_since = trio.current_time()  # everyone else went: they may go on without us
         if ev.kind in ("left", "lost") and self.epoch is not None:
@@ -619,7 +621,8 @@ class Node(EpochRole):
                         await fs.send(Control("leave", {}).to_frame())
                         reply = parse_message(await fs.receive(timeout=timeout))
                     if not isinstance(reply, Control) or reply.op != "serving":
-                        raise PeerError(f"the leader refused our leave: {reply!r}")
+                        why = reply.body.get("message", "") if isinstance(reply, Control) else repr(reply)
+                        raise PeerError(f"the leader refused our leave: {why}")
         except (SwarmError, trio.TooSlowError) as exc:
             self.notice(f"leaving without a hand-over ({exc})")
 
@@ -658,6 +661,10 @@ class Node(EpochRole):
         if self.leader() != self.peer_id:
             raise ProtocolError(f"{self.peer_id} is not the leader; ask {self.leader()}")
         self._leaving.add(peer)
+        problem = self.planning_problem()
+        if problem is not None:  # the others cannot hold the model without it: no hand-over to wait for
+            self._leaving.discard(peer)
+            raise PlanningError(f"the swarm cannot re-plan without {peer}: {problem}")
         ep = self.epoch
         if ep is not None and peer in {*ep.plan.ring, ep.plan.coordinator}:
             self._end_epoch(f"peer {peer} is leaving")

@@ -106,6 +106,37 @@ async def test_graceful_leave_and_tail_loss(ckpt: Path) -> None:
             assert swarm.peer_ids[tail] in got["replans"][0]["lost"]
 
 
+async def test_a_peer_that_left_and_came_back_is_planned_again(ckpt: Path) -> None:
+    """A peer leaves on purpose (SIGTERM) and is restarted with the same key, as a user does
+    after Ctrl-C. It is a member like any other again: when the third peer is then lost and the
+    model needs the returning one, the swarm plans it in and serves (the leader used to keep a
+    peer that had once left out of every plan)."""
+    with start_local_swarm(3, ckpt, dtype="bf16", memory_bytes=[_memory(ckpt, 4)] * 3, chunk_timeout=3.0) as swarm:
+        async with client.open_client(swarm.addrs[0], secret=swarm.secret, swarm_id=swarm.swarm_id) as (h, peer):
+            await client.wait_ready(h, peer, timeout=90)
+        leader = swarm.peer_ids.index(min(swarm.peer_ids))
+        leaver, third = [i for i in range(3) if i != leader]
+        reference = await _run(swarm, leader, None, signal.SIGKILL, 0)
+        swarm.kill(leaver, signal.SIGTERM)
+        assert swarm.procs[leaver].wait(timeout=30) == 0
+        swarm.restart(leaver)
+        short = swarm.peer_ids[leaver][:16]
+        with trio.fail_after(30):
+            while swarm.log(leader).count(f"peer {short}… joined") + swarm.log(leader).count(f"peer {short}… rejoined") < 2:
+                await trio.sleep(0.25)
+        swarm.kill(third, signal.SIGKILL)  # the leader alone holds 4 of the 8 layers: it needs the returning peer
+        with trio.fail_after(60):  # the swarm serves again, on a ring without the third peer
+            while True:
+                async with client.open_client(swarm.addrs[leader], secret=swarm.secret, swarm_id=swarm.swarm_id) as (h, peer):
+                    st = await client.wait_ready(h, peer, timeout=60)
+                if swarm.peer_ids[third] not in {st["plan"]["coordinator"], *st["plan"]["ring"]}:
+                    break
+                await trio.sleep(0.5)
+        assert swarm.peer_ids[leaver] in {st["plan"]["coordinator"], *st["plan"]["ring"]}, st["plan"]
+        got = await _run(swarm, leader, None, signal.SIGKILL, 0)
+        assert got["output_token_ids"] == reference["output_token_ids"]
+
+
 async def test_coordinator_loss_fails_fast_then_swarm_serves_again(ckpt: Path) -> None:
     with start_local_swarm(4, ckpt, dtype="bf16", memory_bytes=[_memory(ckpt, 4)] * 4, chunk_timeout=3.0) as swarm:
         async with client.open_client(swarm.addrs[0], secret=swarm.secret, swarm_id=swarm.swarm_id) as (h, peer):
