@@ -274,12 +274,9 @@ class Node(EpochRole):
         await trio.sleep(NUDGE_AFTER_S)
         if self.epoch is not ended or self.leader() == self.peer_id:
             return
-        assert self.host is not None
         try:
             with trio.fail_after(RPC_TIMEOUT_S):
-                async with self.host.open_stream(self.leader(), PROTO_RING, timeout=RPC_TIMEOUT_S) as fs:
-                    await fs.send(Control("ended", {"epoch": ended.plan.epoch}).to_frame())
-                    await fs.receive(timeout=RPC_TIMEOUT_S)
+                await self._ring_call(self.leader(), Control("ended", {"epoch": ended.plan.epoch}).to_frame())
         except (SwarmError, trio.TooSlowError) as exc:
             log.info("could not tell the leader that epoch %d ended: %s", ended.plan.epoch, exc)
 
@@ -472,11 +469,8 @@ class Node(EpochRole):
         answered = 0
 
         async def ask(peer: str) -> None:
-            assert self.host is not None
             try:
-                async with self.host.open_stream(peer, PROTO_RING, timeout=CATCH_UP_TIMEOUT_S) as fs:
-                    await fs.send(Control("current", {}).to_frame())
-                    msg = parse_message(await fs.receive(timeout=CATCH_UP_TIMEOUT_S))
+                msg = await self._ring_call(peer, Control("current", {}).to_frame(), CATCH_UP_TIMEOUT_S)
                 nonlocal answered
                 answered += 1
                 if isinstance(msg, PlanMsg) and msg.signer is not None and peer_id_of(msg.signer) in members:
@@ -530,11 +524,7 @@ class Node(EpochRole):
             if peer == self.peer_id:
                 reply = await self._ring_request(self.peer_id, make())
             else:
-                assert self.host is not None
-                async with self.host.open_stream(peer, PROTO_RING, timeout=RPC_TIMEOUT_S) as fs:
-                    await fs.send(make())
-                    frame = await fs.receive(timeout=timeout)
-                reply = parse_message(frame)
+                reply = await self._ring_call(peer, make(), timeout)
             if not isinstance(reply, Control) or reply.op != want:
                 detail = reply.body.get("message", "") if isinstance(reply, Control) else repr(reply)
                 raise PeerError(f"peer {peer} answered {name} with {getattr(reply, 'op', reply)}: {detail}")
@@ -555,6 +545,14 @@ class Node(EpochRole):
             raise err from None
 
     # -- every peer: the ring protocol ------------------------------------------------------
+
+    async def _ring_call(self, peer: str, frame: Any, timeout: float = RPC_TIMEOUT_S) -> Message:
+        """One request to ``peer`` on the ring protocol and its reply; opening the stream is
+        bounded by RPC_TIMEOUT_S (or ``timeout`` if shorter), the reply by ``timeout``."""
+        assert self.host is not None
+        async with self.host.open_stream(peer, PROTO_RING, timeout=min(timeout, RPC_TIMEOUT_S)) as fs:
+            await fs.send(frame)
+            return parse_message(await fs.receive(timeout=timeout))
 
     async def _serve_ring(self, peer: str, fs: FramedStream) -> None:
         frame = await fs.receive(timeout=RPC_TIMEOUT_S)
@@ -616,10 +614,7 @@ class Node(EpochRole):
                 if self.leader() == self.peer_id:
                     await self._handle_leave(self.peer_id)
                 else:
-                    assert self.host is not None
-                    async with self.host.open_stream(self.leader(), PROTO_RING, timeout=RPC_TIMEOUT_S) as fs:
-                        await fs.send(Control("leave", {}).to_frame())
-                        reply = parse_message(await fs.receive(timeout=timeout))
+                    reply = await self._ring_call(self.leader(), Control("leave", {}).to_frame(), timeout)
                     if not isinstance(reply, Control) or reply.op != "serving":
                         why = reply.body.get("message", "") if isinstance(reply, Control) else repr(reply)
                         raise PeerError(f"the leader refused our leave: {why}")
@@ -639,12 +634,9 @@ class Node(EpochRole):
         if self.leader() == self.peer_id:
             self._exclude(peer, reason)
             return
-        assert self.host is not None
         try:
             with trio.fail_after(RPC_TIMEOUT_S):
-                async with self.host.open_stream(self.leader(), PROTO_RING, timeout=RPC_TIMEOUT_S) as fs:
-                    await fs.send(Control("fault", {"peer": peer, "reason": reason[:900]}).to_frame())
-                    await fs.receive(timeout=RPC_TIMEOUT_S)
+                await self._ring_call(self.leader(), Control("fault", {"peer": peer, "reason": reason[:900]}).to_frame())
         except (SwarmError, trio.TooSlowError) as exc:
             log.warning("could not report %s to the leader: %s", peer, exc)
 
