@@ -184,6 +184,11 @@ class Bench:
         return time.perf_counter() - t
 
 
+def _log_tail(sw: LocalSwarm, i: int) -> list[str]:
+    """The last 40 lines of node ``i``'s log, without libp2p's dial-retry noise."""
+    return [ln for ln in sw.log(i).splitlines() if "Failed to open TCP" not in ln][-40:]
+
+
 async def chaos(bench: Bench, n: int, seed: int) -> dict[str, Any]:
     rng = random.Random(seed)
     prompts = make_prompts(rng, 3, bench.vocab)
@@ -213,12 +218,9 @@ async def chaos(bench: Bench, n: int, seed: int) -> dict[str, Any]:
                 ok=False,
                 error=f"{type(exc).__name__}: {exc}"[:400],
                 wall_s=round(time.monotonic() - t0, 2),
-                coordinator_log=[
-                    ln for ln in sw.log(bench.coord).splitlines() if "Failed to open TCP" not in ln
-                ][-40:],
+                coordinator_log=_log_tail(sw, bench.coord),
                 other_logs={  # the leader's view matters as much as the coordinator's
-                    sw.peer_ids[i][:16]: [ln for ln in sw.log(i).splitlines() if "Failed to open TCP" not in ln][-40:]
-                    for i in range(len(sw.peer_ids)) if i != bench.coord
+                    sw.peer_ids[i][:16]: _log_tail(sw, i) for i in range(len(sw.peer_ids)) if i != bench.coord
                 },
             )
             events.append(ev)
