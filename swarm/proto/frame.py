@@ -252,7 +252,10 @@ def encode_meta(meta: dict[str, Any], limits: Limits = DEFAULT_LIMITS) -> bytes:
         )
     except (TypeError, ValueError) as exc:
         raise FrameError(f"frame meta is not JSON-serialisable: {exc}") from None
-    data = raw.encode("utf-8")
+    try:
+        data = raw.encode("utf-8")
+    except UnicodeEncodeError as exc:  # a lone surrogate (only a \uD800-style escape makes one)
+        raise FrameError(f"frame meta: a string with a lone surrogate at char {exc.start}") from None
     if len(data) > limits.max_meta_bytes:
         raise FrameError(
             f"frame meta: {len(data)} bytes over max_meta_bytes={limits.max_meta_bytes}"
@@ -285,7 +288,25 @@ def decode_meta(raw: bytes, limits: Limits = DEFAULT_LIMITS) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise FrameError(f"frame meta: must be a JSON object, got {type(value).__name__}")
     _check_json_value(value, limits)
+    if "\\u" in text:  # only an escape can smuggle in a lone surrogate, which no peer may re-send
+        _check_no_surrogates(value)
     return value
+
+
+def _check_no_surrogates(value: Any) -> None:
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+        elif isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise FrameError(f"frame meta: a string with a lone surrogate at char {exc.start}") from None
 
 
 # ---------------------------------------------------------------- encoding

@@ -51,7 +51,10 @@ def canonical_json(obj: Any) -> bytes:
         )
     except (TypeError, ValueError) as exc:
         raise ProtocolError(f"value is not canonical JSON: {exc}") from None
-    return text.encode("utf-8")
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ProtocolError(f"value is not canonical JSON: a lone surrogate at char {exc.start}") from None
 
 
 def _refuse_floats(obj: Any) -> None:

@@ -171,3 +171,59 @@ def test_corpus() -> None:
         else:
             _ours(consume, data, [], Limits())
             _ours(consume, data, list(range(len(data))), Limits())
+
+
+
+# Text fields from peers (issue 14): a lone surrogate or a control character in a string or a
+# key is the sender's fault (FrameError / ProtocolError), never an exception that ends the node.
+_ANY_CHAR = st.characters(min_codepoint=0, max_codepoint=0x10FFFF, blacklist_categories=())
+
+
+@FUZZ
+@given(st.text(alphabet=_ANY_CHAR, max_size=40))
+def test_error_text_any_code_points(text: str) -> None:
+    from swarm.proto.messages import Error
+
+    try:
+        wire = encode_frame(Error(1, 2, "bad_input", text).to_frame())
+    except FrameError:
+        assert any(0xD800 <= ord(c) <= 0xDFFF for c in text)  # only a lone surrogate is refused
+        return
+    assert parse_message(FrameDecoder(SMALL).feed(wire)[0], SMALL) == Error(1, 2, "bad_input", text)
+
+
+@FUZZ
+@given(st.text(alphabet=_ANY_CHAR, max_size=8), st.text(alphabet=_ANY_CHAR, max_size=8))
+def test_escaped_meta_any_code_units(key: str, value: str) -> None:
+    """JSON escapes can spell any UTF-16 code unit; what decodes must encode again."""
+    from swarm.proto.frame import decode_meta, encode_meta
+
+    def esc(s: str) -> str:
+        return "".join(f"\\u{ord(c):04x}" if ord(c) < 0x10000 else c for c in s)
+
+    raw = ('{"' + esc(key) + '":"' + esc(value) + '"}').encode("utf-8", "surrogatepass")
+    try:
+        meta = decode_meta(raw, SMALL)
+    except FrameError:
+        return
+    assert decode_meta(encode_meta(meta, SMALL), SMALL) == meta
+
+
+def test_a_lone_surrogate_from_upstream_is_a_frame_error() -> None:
+    from swarm.proto.frame import decode_meta, encode_meta
+    from swarm.proto.messages import Error
+
+    for raw in (b'{"code":"x","msg":"\\ud800"}', b'{"\\udfff":1}'):
+        try:
+            decode_meta(raw)
+        except FrameError as exc:
+            assert "surrogate" in str(exc)
+        else:
+            raise AssertionError(f"accepted {raw!r}")
+    for build in (lambda: encode_meta({"msg": "\ud800"}), lambda: encode_frame(Error(1, 2, "x", "\udfff").to_frame())):
+        try:
+            build()
+        except FrameError as exc:
+            assert "surrogate" in str(exc)
+        else:
+            raise AssertionError("a lone surrogate was encoded")
