@@ -37,6 +37,7 @@ def demo(
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=1, max=4096),
     model: Path | None = typer.Option(None, "--model", help="Model directory (default: the bundled SmolLM2)."),
     dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 where the hardware has it, else fp32), bf16, fp16 or fp32."),
+    device: str | None = typer.Option(None, "--device", help="auto (CUDA, then MPS, else CPU), cpu, cuda, cuda:N or mps, for every node (default: node.device, else auto)."),
     draft: str = typer.Option("ngram", "--draft", help="ngram or none."),
     chat: bool = typer.Option(True, "--chat/--no-chat", help="Wrap the prompt in the model's chat template."),
     temperature: float = typer.Option(0.0, "--temperature"),
@@ -49,15 +50,18 @@ def demo(
     api: str | None = typer.Option(None, "--api", help="After the run, keep the swarm up and serve the OpenAI-compatible endpoint here (Ctrl-C stops)."),
 ) -> None:
     """Start a local swarm of NODES processes on the bundled model and run one generation."""
+    from swarm.cli.settings import chosen_device
     from swarm.model.bundled import default_model_dir
+    from swarm.model.devices import device_label
     from swarm.model.dtypes import dtype_name, resolve_dtype
     from swarm.node.launch import start_local_swarm
 
-    resolve_dtype(dtype)  # refuse a bad name before starting anything
+    dev = device_label(chosen_device(device))  # refuse a bad name or a missing device
+    torch_dtype = resolve_dtype(dtype, dev)  # ... before starting anything
     with ui.progress("converting the bundled model (first run only)") as report:
         model_dir = model or default_model_dir(progress=report)
-    ui.notice(f"starting {nodes} node processes on loopback ({model_dir.name}, {dtype_name(resolve_dtype(dtype))})")
-    with start_local_swarm(nodes, model_dir, dtype=dtype, draft=draft, delay_ms=delay_ms) as swarm:
+    ui.notice(f"starting {nodes} node processes on loopback ({model_dir.name}, {dtype_name(torch_dtype)} on {dev})")
+    with start_local_swarm(nodes, model_dir, dtype=dtype, device=dev, draft=draft, delay_ms=delay_ms) as swarm:
         try:
             result = trio.run(
                 _run_one, swarm.addrs[-1], swarm.secret, swarm.swarm_id, timeout,

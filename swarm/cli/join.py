@@ -52,6 +52,25 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * _UNIT[m.group(2).lower()])
 
 
+def _serving_device(flag: str | None) -> str:
+    """--device, else the config file's node.device, else auto -> a device this machine has."""
+    from swarm.cli.settings import chosen_device
+    from swarm.model.devices import device_label
+
+    return device_label(chosen_device(flag))
+
+
+def offered_memory(text: str, device: str) -> int:
+    """--memory for a serving node: a size, or 'auto' = what the device can hold (model/devices.py)."""
+    if text.strip().lower() != "auto":
+        return parse_size(text)
+    import torch
+
+    from swarm.model.devices import auto_memory_bytes
+
+    return auto_memory_bytes(torch.device(device))
+
+
 def available_memory() -> int:
     with contextlib.suppress(OSError, ValueError):
         for line in Path("/proc/meminfo").read_text().splitlines():
@@ -146,12 +165,13 @@ async def _run_node(
     exit_after: float | None,
     model_dir: Path | None = None,
     dtype: str = "auto",
+    device: str = "cpu",
     threads: int = 0,
     api: str | None = None,
     api_token: str | None = None,
 ) -> None:
     if model_dir is not None:
-        await _serve_layers(manifest, seed, listen, memory, model_dir, dtype=dtype, threads=threads,
+        await _serve_layers(manifest, seed, listen, memory, model_dir, dtype=dtype, device=device, threads=threads,
                             mdns=mdns, relay=relay, as_json=as_json, exit_after=exit_after,
                             api=api, api_token=api_token)
         return
@@ -189,7 +209,7 @@ async def _run_node(
 
 async def _serve_layers(
     manifest: Manifest, seed: bytes, listen: list[str], memory: int, model_dir: Path, *,
-    dtype: str, threads: int, mdns: bool, relay: bool, as_json: bool, exit_after: float | None,
+    dtype: str, device: str, threads: int, mdns: bool, relay: bool, as_json: bool, exit_after: float | None,
     api: str | None = None, api_token: str | None = None,
 ) -> None:
     """A full node: membership as above, plus the ring (its block, or the coordinator role)."""
@@ -202,7 +222,7 @@ async def _serve_layers(
     settings = NodeSettings(
         seed=seed, swarm_id=manifest.swarm_id, secret=manifest.secret.value, model_dir=model_dir,
         listen=tuple(listen), bootstrap=tuple(manifest.bootstrap), memory_bytes=memory,
-        dtype=resolve_dtype(dtype),
+        dtype=resolve_dtype(dtype, device), device=device,
         threads=threads or max(1, (os.cpu_count() or 2)), revoked=frozenset(manifest.revoked),
         fastpath_host=first_ip,
     )  # fmt: skip
@@ -331,6 +351,7 @@ def join(
     api: str | None = typer.Option(None, "--api", help="Serve the OpenAI-compatible endpoint here, e.g. 127.0.0.1:8000."),
     api_token: str | None = typer.Option(None, "--api-token", envvar="SHARD_SWARM_API_TOKEN", help="Bearer token (required off localhost)."),
     dtype: str = typer.Option("auto", "--dtype", help="auto, bf16, fp16 or fp32 for the layers this node holds."),
+    device: str | None = typer.Option(None, "--device", help="auto (CUDA, then MPS, else CPU), cpu, cuda, cuda:N or mps (default: node.device, else auto)."),
     threads: int = typer.Option(0, "--threads", help="torch threads (0: every core)."),
 ) -> None:
     """Join a swarm: connect, be admitted, and show peers as they appear."""
@@ -340,6 +361,7 @@ def join(
     if manifest_path is None and not path.exists():
         raise UsageError(f"no invite given and none at {path}: pass --manifest FILE (create one with `shard-swarm invite create`)")
     manifest = read_manifest(path)
+    dev = _serving_device(device) if serve and not diagnose else None  # a missing device: exit 2 now
     if model is not None:
         if manifest.model is None:
             raise UsageError(f"--model given but the invite {path} names no model")
@@ -348,8 +370,9 @@ def join(
         with ui.progress(f"checking {model.name}") as report:
             check_model(manifest.model, model, report)
     identity = load_identity(key) if key is not None and key.exists() else load_or_create_identity(key)
-    mem = parse_size(memory)
-    ui.notice(f"joining swarm {manifest.swarm_name!r} as {identity.peer_id}, offering {mem / (1 << 30):.1f} GiB")
+    mem = parse_size(memory) if dev is None else offered_memory(memory, dev)
+    on = f" on {dev}" if dev is not None else ""
+    ui.notice(f"joining swarm {manifest.swarm_name!r} as {identity.peer_id}, offering {mem / (1 << 30):.1f} GiB{on}")
     if diagnose:
         trio.run(_diagnose, manifest, identity.seed, listen, as_json)
         return
@@ -369,7 +392,7 @@ def join(
 
         check_bind(api, api_token)
     trio.run(lambda: _run_node(manifest, identity.seed, identity, listen, mem, mdns=mdns, relay=relay, as_json=as_json,
-                               exit_after=exit_after, model_dir=model_dir, dtype=dtype, threads=threads,
+                               exit_after=exit_after, model_dir=model_dir, dtype=dtype, device=dev or "cpu", threads=threads,
                                api=api, api_token=api_token))
 
 

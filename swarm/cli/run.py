@@ -49,7 +49,7 @@ def _load_tokenizer(model_dir: Path) -> Tokenizer | None:
     return None
 
 
-def _make_drafter(spec: str, model: LocalModel, dtype: torch.dtype, max_len: int) -> tuple[
+def _make_drafter(spec: str, model: LocalModel, dtype: torch.dtype, device: str, max_len: int) -> tuple[
         DraftSource | None, str | None]:
     from swarm.model.drafters import ModelDrafter, NgramDrafter, self_draft_layers, self_drafter
 
@@ -63,7 +63,7 @@ def _make_drafter(spec: str, model: LocalModel, dtype: torch.dtype, max_len: int
     path = Path(spec)
     if not path.exists():
         raise UsageError(f"--draft {spec!r}: not 'none', 'ngram', 'self' or an existing checkpoint path")
-    drafter = ModelDrafter.load(path, dtype=dtype, max_len=max_len)
+    drafter = ModelDrafter.load(path, dtype=dtype, device=device, max_len=max_len)
     if drafter.head.args.vocab_size != model.args.vocab_size:
         raise ConfigError(
             f"draft {path} has a vocabulary of {drafter.head.args.vocab_size} tokens but the target "
@@ -105,6 +105,7 @@ def run_command(
     draft_k: int | None = typer.Option(None, "--draft-k", help="Fixed draft length (default: adaptive)."),
     depth: int = typer.Option(1, "--depth", min=1, max=8, help="Verify chunks in flight (a ring receipt's draft.max_depth reproduces it)."),
     dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 where the hardware has it, else fp32), bf16 or fp32."),
+    device: str | None = typer.Option(None, "--device", help="auto (CUDA, then MPS, else CPU), cpu, cuda, cuda:N or mps (default: node.device, else auto)."),
     threads: int | None = typer.Option(None, "--threads", help="torch threads (default: all cores)."),
     chat: bool = typer.Option(True, "--chat/--no-chat", help="Wrap --prompt in the chat template."),
     as_json: bool = typer.Option(False, "--json", help="Print a JSON result instead of streaming text."),
@@ -112,7 +113,9 @@ def run_command(
     """Generate with the model split into N stages in this process (the one-box reference)."""
     import torch
 
+    from swarm.cli.settings import chosen_device
     from swarm.model.bundled import BUNDLED_NAME, default_model_dir
+    from swarm.model.devices import describe_device, device_label
     from swarm.model.drafters import ModelDrafter
     from swarm.model.dtypes import dtype_name, resolve_dtype
     from swarm.model.generate import LocalModel, generate
@@ -121,7 +124,8 @@ def run_command(
 
     if (prompt is None) == (prompt_ids is None):
         raise UsageError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
-    torch_dtype = resolve_dtype(dtype)
+    dev = chosen_device(device)
+    torch_dtype = resolve_dtype(dtype, dev)
     dtype = dtype_name(torch_dtype)
     if threads is not None and threads < 1:
         raise UsageError(f"--threads must be >= 1, got {threads}")
@@ -138,7 +142,7 @@ def run_command(
         model_path = Path(model)
         name = model_path.name
     with ui.progress(f"loading {name} in {stages} stage(s)") as report:
-        lm = LocalModel.load(model_path, stages=stages, dtype=torch_dtype, progress=report)
+        lm = LocalModel.load(model_path, stages=stages, dtype=torch_dtype, device=dev, progress=report)
     tok = _load_tokenizer(model_path)
 
     if prompt_ids is not None:
@@ -156,7 +160,7 @@ def run_command(
     eos = tok.eos_token_ids if tok is not None and tok.eos_token_ids else None
 
     max_len = len(ids) + max_new_tokens
-    drafter, draft_name = _make_drafter(draft, lm, torch_dtype, max_len + 16)
+    drafter, draft_name = _make_drafter(draft, lm, torch_dtype, device_label(dev), max_len + 16)
     # Drafting cost steers the adaptive K: a model draft costs what its weights cost to read.
     cost = drafter.relative_cost(lm.args) if isinstance(drafter, ModelDrafter) else 0.0
     policy = KPolicy(fixed_k=draft_k, draft_cost=cost, max_depth=depth)
@@ -179,6 +183,7 @@ def run_command(
     obj: dict[str, Any] = {
         "model": {"name": name, "path": str(model_path), "config_sha256": lm.ckpt.config_sha256},
         "dtype": dtype,
+        "device": dict(zip(("kind", "name"), describe_device(dev), strict=True)),
         "threads": torch.get_num_threads(),
         "stages": len(lm.stages),
         "blocks": [list(b) for b in lm.blocks],

@@ -19,14 +19,17 @@ import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from swarm.errors import UsageError
 from swarm.manifest.identity import config_dir
 
+if TYPE_CHECKING:
+    import torch
+
 CONFIG_FILE = "config.toml"
 _SIZE = re.compile(r"\s*\d+(\.\d+)?\s*[kmgt]?i?b?\s*", re.IGNORECASE)
-_DEVICE = re.compile(r"cpu|mps|cuda(:\d+)?")
+_DEVICE = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
 
 
 def _check_memory(v: Any) -> str | None:
@@ -35,7 +38,7 @@ def _check_memory(v: Any) -> str | None:
 
 
 def _check_device(v: Any) -> str | None:
-    return None if isinstance(v, str) and _DEVICE.fullmatch(v) else "cpu, mps, cuda or cuda:N"
+    return None if isinstance(v, str) and _DEVICE.fullmatch(v) else "auto, cpu, mps, cuda or cuda:N"
 
 
 def _check_addrs(v: Any) -> str | None:
@@ -68,8 +71,10 @@ class Key:
 
 
 KEYS: tuple[Key, ...] = (
-    Key("node.memory", "auto", "memory offered for layers (\"auto\": half of what is free)", _check_memory),
-    Key("node.device", "cpu", "where layers run: cpu, mps, cuda or cuda:N", _check_device),
+    Key("node.memory", "auto", "memory offered for layers (\"auto\": half of free RAM; on a GPU its free memory "
+        "less a margin)", _check_memory),
+    Key("node.device", "auto", "where layers run: auto (CUDA, then MPS, else CPU), cpu, mps, cuda or cuda:N",
+        _check_device),
     Key("node.threads", 0, "torch threads (0: torch's default)", _check_type(int)),
     Key("node.dtype", "bf16", "bf16 or fp32", lambda v: None if v in ("bf16", "fp32") else "bf16 or fp32"),
     Key("node.listen", ["/ip4/0.0.0.0/tcp/0"], "multiaddrs to listen on", _check_addrs),
@@ -89,7 +94,7 @@ TEMPLATE = """\
 
 [node]
 # memory = "24G"                    # memory offered for layers ("auto": half of what is free)
-# device = "cpu"                    # cpu, mps, cuda or cuda:N
+# device = "auto"                   # auto (CUDA, then MPS, else CPU), cpu, mps, cuda or cuda:N
 # threads = 0                       # torch threads (0: torch's default)
 # dtype = "bf16"                    # bf16 or fp32
 # listen = ["/ip4/0.0.0.0/tcp/0"]   # multiaddrs to listen on
@@ -187,6 +192,16 @@ def load_config(path: Path | None = None, env: Mapping[str, str] | None = None) 
                 raise UsageError(f"{p}: [{section}] {key} = {shown}: expected {problem}")
             values[name], sources[name] = value, "file"
     return UserConfig(values, sources, p, True)
+
+
+def chosen_device(flag: str | None) -> torch.device:
+    """The device to compute on: ``--device`` when given, else ``node.device`` from the config
+    file, else ``auto``; a UsageError names the device and where it was asked for."""
+    from swarm.model.devices import resolve_device  # imports torch: only commands that compute
+
+    cfg = load_config().with_flags({"node.device": flag})
+    where = f"node.device in {cfg.path}" if cfg.source("node.device") == "file" else "--device"
+    return resolve_device(str(cfg.get("node.device")), where=where)
 
 
 def write_template(path: Path, *, force: bool = False) -> Path:

@@ -12,5 +12,7 @@ Files (filled in as the runtime grows; keep this list current):
 - ``tokenizer.py`` tokenizer.json and the chat template
 - ``sampling.py`` greedy, temperature/top-k/top-p with a seeded generator
 - ``speculative.py`` drafters and lossless verification (greedy and rejection sampling)
+- ``devices.py``  ``--device`` (auto: CUDA, then MPS, else CPU), device names, memory offered there
+- ``dtypes.py``   ``--dtype auto``: bf16 on GPUs and native-bf16 CPUs, else fp32
 - ``generate.py`` in-process generation over N stages (the reference a ring is checked against)
 """

@@ -96,14 +96,15 @@ class ModelDrafter:
         *,
         layers: Sequence[tuple[int, int]] | None = None,
         dtype: torch.dtype = torch.bfloat16,
+        device: str | torch.device = "cpu",
         max_len: int = 4096,
     ) -> ModelDrafter:
-        """A drafter from a checkpoint; ``layers`` lists the [start, end) ranges to run
-        (default: every layer)."""
+        """A drafter from a checkpoint on ``device``; ``layers`` lists the [start, end) ranges to
+        run (default: every layer)."""
         ckpt = open_checkpoint(path)
         ranges = list(layers) if layers is not None else [(0, ckpt.args.n_layers)]
-        head = Head.load(ckpt.args, ckpt.source, dtype=dtype)
-        stages = [Stage.load(ckpt.args, ckpt.source, a, b, dtype=dtype) for a, b in ranges]
+        head = Head.load(ckpt.args, ckpt.source, dtype=dtype, device=device)
+        stages = [Stage.load(ckpt.args, ckpt.source, a, b, dtype=dtype, device=device) for a, b in ranges]
         max_len = min(max_len, ckpt.args.max_seq_len)
         return cls(head, stages, max_len=max_len, name=Path(path).name)
 
@@ -167,7 +168,9 @@ def self_draft_layers(n_layers: int) -> list[tuple[int, int]]:
 
 def self_drafter(head: Head, ckpt: Checkpoint, *, dtype: torch.dtype,
                  max_len: int) -> ModelDrafter:
-    """A layer-skipped copy of a target sharing its Head (see ``self_draft_layers``)."""
-    stages = [Stage.load(ckpt.args, ckpt.source, a, b, dtype=dtype)
+    """A layer-skipped copy of a target sharing its Head, on the Head's device (see
+    ``self_draft_layers``)."""
+    device = head.embed_tokens.device
+    stages = [Stage.load(ckpt.args, ckpt.source, a, b, dtype=dtype, device=device)
               for a, b in self_draft_layers(ckpt.args.n_layers)]
     return ModelDrafter(head, stages, max_len=max_len, name="self-skip")

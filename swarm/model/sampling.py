@@ -100,8 +100,11 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """One token from a 1-D distribution (need not be normalized; must have positive mass)."""
-    return int(torch.multinomial(probs, 1, generator=generator).item())
+    """One token from a 1-D distribution (need not be normalized; must have positive mass).
+
+    The draw runs on the CPU (a no-op move there) with the CPU generator, so a seed gives the same
+    token whichever device computed ``probs``."""
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator).item())
 
 
 def sample_token(logits: torch.Tensor, params: SamplingParams, position: int) -> int:

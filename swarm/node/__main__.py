@@ -16,6 +16,7 @@ from pathlib import Path
 import trio
 
 from swarm.manifest.manifest import read_manifest
+from swarm.model.devices import device_label, resolve_device
 from swarm.model.dtypes import resolve_dtype
 from swarm.node.runtime import Node, NodeSettings
 
@@ -23,6 +24,7 @@ from swarm.node.runtime import Node, NodeSettings
 def settings_from_file(path: Path) -> NodeSettings:
     cfg = json.loads(path.read_text())
     manifest = read_manifest(Path(cfg["manifest"]))  # verified: signature, expiry, fields
+    device = resolve_device(cfg.get("device", "auto"))
     return NodeSettings(
         seed=bytes.fromhex(Path(cfg["seed_file"]).read_text().strip()),
         swarm_id=manifest.swarm_id,
@@ -33,7 +35,8 @@ def settings_from_file(path: Path) -> NodeSettings:
         announce=tuple(cfg.get("announce", [])),
         bootstrap=tuple(manifest.bootstrap),
         memory_bytes=int(cfg.get("memory_bytes", 0)),
-        dtype=resolve_dtype(cfg.get("dtype", "auto")),
+        dtype=resolve_dtype(cfg.get("dtype", "auto"), device),
+        device=device_label(device),
         threads=int(cfg.get("threads", 1)),
         coordinator_ok=bool(cfg.get("coordinator_ok", True)),
         expect_peers=int(cfg.get("expect_peers", 0)),

@@ -28,6 +28,7 @@ from pathlib import Path
 from swarm.manifest.identity import Identity
 from swarm.manifest.manifest import new_manifest, sign_manifest, write_manifest
 from swarm.model.config import ModelArgs
+from swarm.model.devices import resolve_device
 from swarm.model.dtypes import resolve_dtype
 from swarm.node.runtime import model_spec
 
@@ -142,6 +143,7 @@ def start_local_swarm(
     model_dir: Path,
     *,
     dtype: str = "auto",
+    device: str = "auto",
     threads: int = 1,
     memory_bytes: list[int] | None = None,
     delay_ms: float = 0.0,
@@ -175,7 +177,7 @@ def start_local_swarm(
     secret, swarm_id = manifest.secret.value, manifest.swarm_id
     if memory_bytes is None:
         args = ModelArgs.from_dir(model_dir)
-        spec = model_spec(args, resolve_dtype(dtype), context_tokens)
+        spec = model_spec(args, resolve_dtype(dtype, resolve_device(device)), context_tokens)
         per = math.ceil(args.n_layers / n) * spec.bytes_per_layer + spec.coordinator_bytes
         memory_bytes = [int(per * 1.02)] * n
     swarm = LocalSwarm(workdir, swarm_id, secret, peer_ids, addrs, _tmp=tmp)
@@ -203,6 +205,7 @@ def start_local_swarm(
                 "fastpath_advertise": [f"127.0.0.1:{fast_public[i]}"],
                 "memory_bytes": memory_bytes[i],
                 "dtype": dtype,
+                "device": device,
                 "threads": threads,
                 "expect_peers": n,
                 "context_tokens": context_tokens,

@@ -61,6 +61,7 @@ import trio
 from swarm.errors import PeerError, PlanningError, ProtocolError, SwarmError
 from swarm.manifest.identity import Identity
 from swarm.model.config import ModelArgs
+from swarm.model.devices import auto_memory_bytes, describe_device, synchronize
 from swarm.model.stage import Head, Stage
 from swarm.model.tokenizer import Tokenizer
 from swarm.model.weights import Checkpoint, open_checkpoint
@@ -111,9 +112,9 @@ class NodeSettings:
     listen: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
     announce: tuple[str, ...] = ()  # addresses to advertise instead of the listen ones (e.g. behind a proxy)
     bootstrap: tuple[str, ...] = ()
-    memory_bytes: int = 0  # offered for layers; 0 = what the machine has free
+    memory_bytes: int = 0  # offered for layers; 0 = what the device has free (model/devices.py)
     dtype: torch.dtype = torch.bfloat16
-    device: str = "cpu"
+    device: str = "cpu"  # cpu, cuda:N or mps, already resolved (swarm.model.devices.resolve_device)
     threads: int = 1
     coordinator_ok: bool = True
     expect_peers: int = 0  # plan once this many members (us included) are present
@@ -140,7 +141,9 @@ def model_spec(args: ModelArgs, dtype: torch.dtype, context_tokens: int) -> Mode
 
 
 def measure_ms_per_layer(args: ModelArgs, dtype: torch.dtype, device: str, *, repeats: int = 15) -> float:
-    """Median time of one decoder layer on one token, with random weights of the model's shapes."""
+    """Median time of one decoder layer on one token, with random weights of the model's shapes
+    (on an accelerator each pass is waited for, so the figure is the work, not its launch)."""
+    dev = torch.device(device)
     stage = Stage(args, 0, 1, dtype=dtype, device=device)
     stage = stage.to_empty(device=device).to(dtype)
     with torch.no_grad():
@@ -150,13 +153,23 @@ def measure_ms_per_layer(args: ModelArgs, dtype: torch.dtype, device: str, *, re
     stage.open_session("probe", repeats + 2)
     h = torch.randn(1, args.dim, dtype=dtype, device=device)
     times = []
+    stage.forward("probe", h)  # warm-up: kernels chosen, caches allocated (not timed)
+    synchronize(dev)
     for _ in range(repeats):
         t0 = time.perf_counter()
         stage.forward("probe", h)
+        synchronize(dev)
         times.append(time.perf_counter() - t0)
     stage.close_session("probe")
     times.sort()
     return 1000.0 * times[len(times) // 2]
+
+
+def advertised_resources(s: NodeSettings) -> tuple[int, tuple[str, str]]:
+    """(memory offered for layers, (device kind, name)) for this node's advert: ``memory_bytes``
+    when the user gave one, else what the device has free (on a GPU, its memory less a margin)."""
+    device = torch.device(s.device)
+    return s.memory_bytes or auto_memory_bytes(device), describe_device(device)
 
 
 class Node(EpochRole):
@@ -214,12 +227,12 @@ class Node(EpochRole):
         self.ms_per_layer = await trio.to_thread.run_sync(
             measure_ms_per_layer, self.args, s.dtype, s.device, limiter=self.limiter
         )
-        memory = s.memory_bytes or _free_memory_bytes()
+        memory, device = advertised_resources(s)
         async with open_host(s.seed, s.listen, secret=s.secret, swarm_id=s.swarm_id, revoked=s.revoked) as host:
             self.host = host
             membership = Membership(
                 self.identity, s.swarm_id, addrs=_announce(s.announce, host), memory_bytes=memory, ms_per_layer=self.ms_per_layer,
-                revoked=s.revoked,
+                revoked=s.revoked, device=device,
             )  # fmt: skip
             self.service = MembershipService(host, membership, on_event=self._member_event, on_stall=self._stalled)
             host.handle(PROTO_RING, self._serve_ring)
@@ -685,17 +698,6 @@ def _announce(announce: tuple[str, ...], host: SwarmHost) -> list[str]:
     if not announce:
         return host.addrs()
     return [a if "/p2p/" in a else f"{a}/p2p/{host.peer_id}" for a in announce]
-
-
-def _free_memory_bytes() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024 // 2
-    except OSError:
-        pass
-    return 4 * 10**9
 
 
 __all__ = ["Node", "NodeSettings", "PROTO_ACT", "PROTO_GEN", "PROTO_RING", "hops"]

@@ -5,4 +5,5 @@
 - ``ring.py``       a whole ring (coordinator + stage workers) over memnet, in one task tree
 - ``delayproxy.py`` a delaying TCP proxy on loopback (WAN latency without tc netem)
 - ``netlab.py``     network-namespace labs: bridges, MASQUERADE routers, processes inside
+- ``hardware.py``   faked CUDA GPUs and MPS (torch's answers only) for device-choice tests
 """

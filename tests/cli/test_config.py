@@ -60,7 +60,7 @@ def test_file_then_flags(tmp_path: Path) -> None:
         ('[node]\nmemroy = "1G"\n', "unknown key 'memroy' in \\[node\\]"),
         ('[nodes]\nmemory = "1G"\n', "unknown section \\[nodes\\]"),
         ('[node]\nmemory = 24\n', "memory = 24: expected a size"),
-        ('[node]\ndevice = "gpu"\n', "device = 'gpu': expected cpu, mps, cuda"),
+        ('[node]\ndevice = "gpu"\n', "device = 'gpu': expected auto, cpu, mps, cuda"),
         ('[node]\nthreads = true\n', "threads = True: expected a int"),
         ('[node]\nlisten = "/ip4/0.0.0.0/tcp/1"\n', "expected a list of multiaddrs"),
         ('[api]\naddress = "8000"\n', "expected HOST:PORT"),

@@ -1,0 +1,83 @@
+"""A node on a GPU advertises that GPU and the memory it can offer there, and the planner budgets
+against it (CUDA faked: this machine has none; see tests/model/test_devices.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from swarm.errors import PlanningError
+from swarm.manifest.identity import Identity
+from swarm.model.devices import GIB, gpu_margin_bytes
+from swarm.node.membership import Membership
+from swarm.node.runtime import NodeSettings, advertised_resources
+from swarm.planner import ModelSpec, Peer, parse_peers_file
+from swarm.planner import plan as make_plan
+from swarm.proto.messages import parse_message
+from swarm.testing.hardware import fake_hardware
+
+SWARM = "0123456789abcdef0123456789abcdef"
+IDS = [Identity(bytes([i + 1]) * 32) for i in range(2)]
+
+
+def _settings(i: int, **kw: object) -> NodeSettings:
+    return NodeSettings(seed=bytes([i + 1]) * 32, swarm_id=SWARM, secret=b"k" * 32, model_dir=Path("/unused"), **kw)  # type: ignore[arg-type]
+
+
+def _advert(i: int, settings: NodeSettings) -> Membership:
+    memory, device = advertised_resources(settings)
+    return Membership(IDS[i], SWARM, addrs=[f"/ip4/127.0.0.1/tcp/{4000 + i}"], device=device, memory_bytes=memory,
+                      ms_per_layer=0.2, first_seq=1)  # fmt: skip
+
+
+def test_a_gpu_node_advertises_its_gpu_and_free_device_memory_less_the_margin(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_hardware(monkeypatch, cuda=2, free=20 * GIB, total=24 * GIB)
+    m = _advert(0, _settings(0, device="cuda:1"))
+    got = parse_message(m.local.to_frame())  # what the other peers read off the wire
+    assert (got.device_kind, got.device_name) == ("cuda:1", "NVIDIA GeForce RTX 4090 #1, 24 GiB")  # type: ignore[attr-defined]
+    assert got.memory_bytes == 20 * GIB - gpu_margin_bytes(24 * GIB)  # type: ignore[attr-defined]
+    # --memory wins over the device's free memory
+    explicit = _advert(0, _settings(0, device="cuda:1", memory_bytes=3 * GIB))
+    assert explicit.local.memory_bytes == 3 * GIB and explicit.local.device_kind == "cuda:1"
+
+
+def test_a_cpu_node_on_a_gpu_box_advertises_its_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_hardware(monkeypatch, cuda=1)
+    m = _advert(0, _settings(0, device="cpu"))
+    assert m.local.device_kind == "cpu" and "RTX" not in m.local.device_name
+
+
+def test_the_planner_budgets_against_the_advertised_gpu_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a model of 40 layers x 0.5 GiB (KV included): 20 GiB, more than the 16 GiB GPU offers alone
+    spec = ModelSpec(n_layers=40, layer_bytes=GIB // 2, coordinator_bytes=GIB // 4)
+    fake_hardware(monkeypatch, cuda=1, free=16 * GIB + gpu_margin_bytes(24 * GIB), total=24 * GIB)
+    gpu = _advert(0, _settings(0, device="cuda:0"))
+    assert gpu.local.memory_bytes == 16 * GIB
+    small = _advert(1, _settings(1, device="cpu", memory_bytes=6 * GIB))
+    gpu.offer(small.local)
+    pf = parse_peers_file(gpu.peers_file(), where="view")
+    peers = [Peer(p.id, p.memory_bytes, p.ms_per_layer, True, p.addresses) for p in pf.peers]
+    rtt = {IDS[0].peer_id: {IDS[1].peer_id: 1.0}, IDS[1].peer_id: {IDS[0].peer_id: 1.0}}
+    placed = make_plan(spec, peers, rtt)
+    blocks = placed.blocks
+    held = {p: b - a for p, (a, b) in blocks.items()}
+    assert sum(held.values()) == 40
+    assert held[IDS[0].peer_id] * spec.bytes_per_layer <= 16 * GIB  # never more than the GPU offers
+    with pytest.raises(PlanningError):  # the GPU's offer alone cannot hold the model
+        make_plan(spec, peers[:1], {})
+
+
+def test_timing_a_layer_waits_for_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ms/layer on an accelerator must time the work, not the kernel launch: each timed pass
+    synchronizes the device (here the CPU, with the synchronize call observed)."""
+    from swarm.model.config import ModelArgs
+    from swarm.node import runtime
+    from swarm.testing.checkpoints import TinySpec, tiny_config
+
+    calls: list[torch.device] = []
+    monkeypatch.setattr(runtime, "synchronize", lambda d: calls.append(d))
+    args = ModelArgs.from_config(tiny_config(TinySpec(family="llama", n_layers=1)))
+    ms = runtime.measure_ms_per_layer(args, torch.float32, "cpu", repeats=5)
+    assert ms > 0 and len(calls) == 6 and all(d == torch.device("cpu") for d in calls)
