@@ -78,6 +78,7 @@ class LocalModel:
         dtype: torch.dtype = torch.bfloat16,
         device: str | torch.device = "cpu",
         progress: Callable[[int, int], None] | None = None,
+        quant: str = "none",
     ) -> LocalModel:
         ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path)
         blocks = split_layers(ckpt.args.n_layers, stages) if isinstance(stages, int) else list(stages)
@@ -86,7 +87,7 @@ class LocalModel:
         head = Head.load(ckpt.args, ckpt.source, dtype=dtype, device=device)
         loaded = []
         for a, b in blocks:
-            loaded.append(Stage.load(ckpt.args, ckpt.source, a, b, dtype=dtype, device=device))
+            loaded.append(Stage.load(ckpt.args, ckpt.source, a, b, dtype=dtype, device=device, quant=quant))
             done += b - a
             if progress is not None:
                 progress(done, total)

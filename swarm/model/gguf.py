@@ -372,6 +372,22 @@ class GGUFSource:
         """The ggml storage type of a tensor, e.g. 'Q4_1' (for reports and tests)."""
         return self._info(name).qtype.name
 
+    def row_order(self, name: str, rows: int) -> torch.Tensor | None:
+        """Row indices that undo llama.cpp's Q/K permutation of tensor ``name`` (None: not permuted)."""
+        if not (self._permuted and (".q_proj." in name or ".k_proj." in name)):
+            return None
+        heads = self.n_heads if ".q_proj." in name else self.n_kv_heads
+        try:
+            return unpermute_rope_rows(torch.arange(rows), heads)
+        except ValueError as e:
+            raise WeightsError(f"{self.path}: tensor {self._info(name).name!r}: {e}") from e
+
+    def compact(self, name: str, quant: str) -> Any:
+        """Int4 groups read straight from the blocks, or None (see ``swarm.model.gguf_quant``)."""
+        from swarm.model.gguf_quant import compact_weight
+
+        return compact_weight(self, name, quant)
+
     def load(
         self, name: str, dtype: torch.dtype, device: str | torch.device = "cpu"
     ) -> torch.Tensor:

@@ -33,6 +33,7 @@ from swarm.errors import ModelError
 from swarm.model.config import ModelArgs
 from swarm.model.kvcache import KVCache
 from swarm.model.layers import DecoderLayer, RMSNorm, rope_inv_freq, rope_tables
+from swarm.model.quant import check_quant, linear_paths, quantize_block
 from swarm.model.weights import TensorSource, head_tensor_shapes, layer_tensor_shapes, load_checked
 
 Progress = Callable[[int, int], None]
@@ -67,6 +68,7 @@ class Stage(nn.Module):
         self._cos = torch.empty(0, args.head_dim, dtype=dtype, device=self.device)
         self._sin = torch.empty(0, args.head_dim, dtype=dtype, device=self.device)
         self._sessions: dict[Hashable, KVCache] = {}
+        self.quant = "none"  # set by load: how the linear layers are held (see swarm.model.quant)
 
     @classmethod
     def load(
@@ -79,22 +81,43 @@ class Stage(nn.Module):
         dtype: torch.dtype = torch.bfloat16,
         device: str | torch.device = "cpu",
         progress: Progress | None = None,
+        quant: str = "none",
     ) -> Stage:
-        """Read only the tensors of layers [start, end) from ``source`` (WeightsError on trouble)."""
+        """Read only the tensors of layers [start, end) from ``source`` (WeightsError on trouble).
+
+        Layers are loaded one at a time and, with ``quant`` int8/int4, quantized before the next
+        is read, so loading never holds more than one layer in ``dtype`` beyond the compact rest;
+        a source with compact blocks (GGUF Q4_*) hands int4 groups over without a float copy.
+        """
+        check_quant(quant)
         stage = cls(args, start, end, dtype=dtype, device=device)
-        shapes: list[tuple[int, str, str, tuple[int, ...]]] = []
-        for i in range(start, end):
+        stage.quant = quant
+        per_layer = [layer_tensor_shapes(args, i) for i in range(start, end)]
+        total, done = sum(len(s) for s in per_layer), 0
+        compact = getattr(source, "compact", None) if quant != "none" else None
+        for i, (layer, shapes) in enumerate(zip(stage.layers, per_layer, strict=True), start):
             prefix = f"model.layers.{i}."
-            for name, shape in layer_tensor_shapes(args, i).items():
-                shapes.append((i - start, name, name[len(prefix) :], shape))
-        total = len(shapes)
-        state: list[dict[str, torch.Tensor]] = [{} for _ in range(end - start)]
-        for done, (local, name, key, shape) in enumerate(shapes, 1):
-            state[local][key] = load_checked(source, name, shape, dtype, stage.device)
-            if progress is not None:
-                progress(done, total)
-        for layer, sd in zip(stage.layers, state, strict=True):
+            linears = set(linear_paths(layer))
+            sd: dict[str, torch.Tensor] = {}
+            given = {}
+            for name, shape in shapes.items():
+                key = name[len(prefix) :]
+                packed = None
+                if compact is not None and key.endswith(".weight") and key[: -len(".weight")] in linears:
+                    packed = compact(name, quant)
+                if packed is not None:
+                    if tuple(packed.q.shape) != shape:
+                        raise ModelError(f"{source.path}: tensor {name} has shape {list(packed.q.shape)} "
+                                         f"but config.json implies {list(shape)}")  # fmt: skip
+                    given[key[: -len(".weight")]] = packed
+                    sd[key] = torch.empty(shape, dtype=dtype, device="meta")
+                else:
+                    sd[key] = load_checked(source, name, shape, dtype, stage.device)
+                done += 1
+                if progress is not None:
+                    progress(done, total)
             layer.load_state_dict(sd, strict=True, assign=True)
+            quantize_block(layer, quant, dtype=dtype, given=given)
         stage.requires_grad_(False)
         stage.eval()
         return stage
