@@ -329,8 +329,9 @@ class Coordinator:
             msg = parse_message(item, self.limits)
             if isinstance(msg, Error):
                 text = f"ring error on session {session} chunk {msg.chunk_id}: {msg.code}: {msg.message}"
-                if msg.code == "bad_input" and msg.message.startswith("upstream="):
-                    raise FaultyPeer(msg.message.split()[0].removeprefix("upstream="), text)
+                # an ERROR's "upstream=<id>" is a claim relayed by the ring, which any stage on
+                # the way could forge: no blame here (the observing stage reports its upstream
+                # to the leader itself, see authority.py); the run waits for the re-plan
                 raise PeerError(text)
             if not isinstance(msg, Result) or msg.kind != "hidden":
                 raise ProtocolError(f"tail {self._tail_peer}: expected RESULT(hidden), got {msg!r}")

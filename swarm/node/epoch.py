@@ -31,6 +31,7 @@ import trio
 from swarm.errors import PeerError, ProtocolError, SwarmError
 from swarm.model.stage import Head, Stage
 from swarm.model.tokenizer import Tokenizer
+from swarm.node.authority import EPOCH_MAX
 from swarm.node.coordinator import Coordinator
 from swarm.node.errors_util import unwrap
 from swarm.node.fastlink import FrameLink
@@ -72,6 +73,7 @@ class Epoch:
     started: float = field(default_factory=time.time)
     cause: str = ""  # the leader's words for why this epoch was planned (signed with the plan)
     msg: PlanMsg | None = None  # the signed plan as received (a peer catching up is shown it)
+    phases: set[str] = field(default_factory=set)  # set-up steps taken ("connect", "serve"): once each
 
     def wait_inbound(self, hop: int) -> trio.Event:
         return self.inbound_ready.setdefault(hop, trio.Event())
@@ -161,6 +163,9 @@ class EpochRole:
     _membership_changed: trio.Event
     _on_event: Callable[[str], None]
 
+    async def report_fault(self, peer: str, reason: str, epoch: int) -> None:  # Node's
+        raise NotImplementedError
+
     def leader(self) -> str:  # Node's
         raise NotImplementedError
 
@@ -169,7 +174,7 @@ class EpochRole:
         node, back from being cut off, was shown by a member; its signer need not lead here)."""
         if msg.signer is None:
             raise ProtocolError(f"plan epoch {msg.epoch} from {sender} is unsigned")
-        verify_plan(msg, msg.signer)
+        verify_plan(msg, msg.signer, self.settings.swarm_id)
         from swarm.proto.signing import peer_id_of
 
         signer_id = peer_id_of(msg.signer)
@@ -222,9 +227,14 @@ class EpochRole:
         return self._head
 
     async def _connect(self, epoch: int) -> None:
-        """Open every hop that leaves this node; start our stage worker."""
+        """Open every hop that leaves this node; start our stage worker. Once per epoch: a
+        repeated ``connect`` is a no-op (never a second worker nor a replaced link)."""
         ep = self._current(epoch)
+        if "connect" in ep.phases:
+            return
+        ep.phases.add("connect")
         assert self._nursery is not None
+        nursery = self._nursery
         for i, (src, dst) in enumerate(hops(ep.plan)):
             if src != self.peer_id:
                 continue
@@ -244,6 +254,7 @@ class EpochRole:
             ep.worker = StageWorker(
                 ep.stage, epoch=epoch, upstream=upstream, is_tail=idx == len(ep.plan.ring) - 1,
                 max_len=min(self.settings.context_tokens, self.args.max_seq_len), limiter=self.limiter,
+                on_bad_input=lambda peer, why: nursery.start_soon(self.report_fault, peer, why, epoch),
             )  # fmt: skip
             if self.corrupt:
                 ep.worker.corrupt_after = 0
@@ -304,7 +315,7 @@ class EpochRole:
         hello = parse_message(await fs.receive(timeout=RPC_TIMEOUT_S))
         if not isinstance(hello, Control) or hello.op != "hop":
             raise ProtocolError(f"peer {peer}: activation stream must start with a hop hello")
-        epoch = hello.body_reader().int("epoch", 0, 1 << 62)
+        epoch = hello.body_reader().int("epoch", 0, EPOCH_MAX)
         hop = hello.body_reader().int("hop", 0, 1 << 16)
         ep = self._current(epoch)
         path = hops(ep.plan)
@@ -333,6 +344,9 @@ class EpochRole:
         ep = self._current(epoch)
         if ep.coordinator is None:
             raise ProtocolError(f"{self.peer_id} is not the coordinator of epoch {epoch}")
+        if "serve" in ep.phases:
+            return
+        ep.phases.add("serve")
         with trio.fail_after(LINK_TIMEOUT_S):
             await ep.wait_inbound(len(ep.plan.ring)).wait()
         assert self._nursery is not None

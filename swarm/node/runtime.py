@@ -68,6 +68,12 @@ from swarm.model.weights import Checkpoint, open_checkpoint
 from swarm.net.fastpath_host import FastpathService, open_fastpath_service
 from swarm.net.host import SwarmHost, open_host
 from swarm.net.streams import FramedStream
+from swarm.node.authority import (
+    EPOCH_MAX,
+    FaultClaims,
+    check_epoch_step,
+    check_fault_report,
+)
 from swarm.node.epoch import (
     LINK_TIMEOUT_S,
     PROTO_ACT,
@@ -205,6 +211,7 @@ class Node(EpochRole):
         self._plan_msg: PlanMsg | None = None  # the leader's signed plan of the serving epoch
         self._informed: set[str] = set()  # members that were sent it
         self._excluded: dict[str, float] = {}  # peer -> trio time until which plans skip it
+        self._claims = FaultClaims(window=EXCLUDE_S)  # fault reports heard (authority.py)
         self.recent: collections.deque[tuple[float, float | None]] = collections.deque(maxlen=20)
         self.corrupt = False  # fault injection (chaos tests, SIGUSR1 in python -m swarm.node)
         self.replans: collections.deque[dict[str, Any]] = collections.deque(maxlen=100)  # epoch ends, for status
@@ -413,7 +420,7 @@ class Node(EpochRole):
         participants = sorted({plan.coordinator, *plan.ring})
         ended_at = None if self.epoch is None else self._epoch_ended_at
         cause = "first plan" if self.epoch is None else self._end_reason
-        msg = sign_plan(PlanMsg(plan.epoch, plan_body(plan, cause)), self.identity)
+        msg = sign_plan(PlanMsg(plan.epoch, plan_body(plan, cause)), self.identity, self.settings.swarm_id)
         self._on_event(
             f"plan epoch {plan.epoch} ({cause[:120]}): coordinator {plan.coordinator[:16]}…, ring "
             + " -> ".join(f"{p[:10]}…{list(plan.blocks[p])}" for p in plan.ring)
@@ -480,18 +487,27 @@ class Node(EpochRole):
         found: list[PlanMsg] = []
         ended: list[Plan] = []
         answered = 0
+        interim_leader = min((p for p in members if p != self.peer_id), default="")
+        mine = self.epoch.plan.epoch if self.epoch is not None else 0
 
         async def ask(peer: str) -> None:
             try:
                 msg = await self._ring_call(peer, Control("current", {}).to_frame(), CATCH_UP_TIMEOUT_S)
                 nonlocal answered
                 answered += 1
-                if isinstance(msg, PlanMsg) and msg.signer is not None and peer_id_of(msg.signer) in members:
-                    verify_plan(msg, msg.signer)
+                if isinstance(msg, PlanMsg) and msg.signer is not None:
+                    # only the peer that led this view while we were away may have signed it
+                    signer = peer_id_of(msg.signer)
+                    if signer != interim_leader:
+                        raise ProtocolError(f"its plan epoch {msg.epoch} is signed by {signer}, not {interim_leader}")
+                    verify_plan(msg, msg.signer, self.settings.swarm_id)
+                    check_epoch_step(msg.epoch, mine, f"plan shown by {peer}")
                     plan_from_body(msg.epoch, msg.plan)  # well-formed, or it is not taken
                     found.append(msg)
                 elif isinstance(msg, Control) and isinstance(msg.body.get("plan"), dict):
-                    ended.append(plan_from_body(msg.body_reader().int("epoch", 0, 1 << 62), msg.body["plan"]))
+                    n = msg.body_reader().int("epoch", 0, EPOCH_MAX)
+                    check_epoch_step(n, mine, f"ended plan shown by {peer}")
+                    ended.append(plan_from_body(n, msg.body["plan"]))
             except (SwarmError, KeyError, TypeError, ValueError) as exc:
                 log.info("catching up: %s did not say what it serves: %s", peer, exc)
 
@@ -502,7 +518,6 @@ class Node(EpochRole):
                         nursery.start_soon(ask, p)
         newest = max(found, key=lambda m: m.epoch, default=None)
         last_ended = max(ended, key=lambda p: p.epoch, default=None)
-        mine = self.epoch.plan.epoch if self.epoch is not None else 0
         return (
             newest if newest is not None and newest.epoch >= mine else None,
             last_ended if last_ended is not None and last_ended.epoch > mine else None,
@@ -586,25 +601,34 @@ class Node(EpochRole):
                     return Control("none", {"epoch": ep.plan.epoch, "plan": ep.msg.plan})
                 return Control("none", {})
             if isinstance(msg, Control) and msg.op == "ended":  # a member's ring ended; are we behind?
-                n = msg.body_reader().int("epoch", 0, 1 << 62)
+                n = msg.body_reader().int("epoch", 0, EPOCH_MAX)
                 mine = self.epoch.plan.epoch if self.epoch is not None else 0
+                if peer not in self.members():
+                    raise ProtocolError(f"ended from {peer}, which is not an advertised member")
+                check_epoch_step(n, mine, f"ended from {peer}")
                 if n > mine and self.leader() == self.peer_id and self._cut_off_since is None:
                     self.notice(f"{peer} served epoch {n}, newer than ours ({mine}): catching up with the swarm")
                     self._cut_off_since = float("-inf")  # no settling: the swarm waits on us
                     self._kick_leader()
                 return Control("serving", {})
             if isinstance(msg, Control) and msg.op == "connect":
-                await self._connect(msg.body_reader().int("epoch", 0, 1 << 62))
+                epoch = msg.body_reader().int("epoch", 0, EPOCH_MAX)
+                self._check_from_plan_signer(peer, "connect", epoch)
+                await self._connect(epoch)
                 return Control("linked", {})
             if isinstance(msg, Control) and msg.op == "leave":
+                if peer not in self.members():
+                    raise ProtocolError(f"leave from {peer}, which is not an advertised member")
                 await self._handle_leave(peer)
                 return Control("serving", {})
             if isinstance(msg, Control) and msg.op == "fault":
                 body = msg.body_reader()
-                self._exclude(body.str("peer", 128), f"reported by {peer}: {body.str('reason', 1000)}")
+                self._fault_report(peer, body.str("peer", 128), body.int("epoch", 0, EPOCH_MAX), body.str("reason", 1000))
                 return Control("serving", {})
             if isinstance(msg, Control) and msg.op == "serve":
-                await self._start_serving(msg.body_reader().int("epoch", 0, 1 << 62))
+                epoch = msg.body_reader().int("epoch", 0, EPOCH_MAX)
+                self._check_from_plan_signer(peer, "serve", epoch)
+                await self._start_serving(epoch)
                 return Control("serving", {})
             raise ProtocolError(f"unexpected {msg!r} on {PROTO_RING}")
         except SwarmError as exc:
@@ -641,22 +665,57 @@ class Node(EpochRole):
         if self.epoch is not None and self.epoch.worker is not None:
             self.epoch.worker.corrupt_after = 0
 
-    async def report_fault(self, peer: str, reason: str) -> None:
-        """Tell the leader that ``peer`` misbehaved (bounded; best effort)."""
-        self.notice(f"peer {peer} sent bad activations: dropping it from the ring ({reason[:200]})")
-        if self.leader() == self.peer_id:
-            self._exclude(peer, reason)
-            return
+    async def report_fault(self, peer: str, reason: str, epoch: int) -> None:
+        """Tell the leader that ``peer``, our upstream in ``epoch``, sent bad activations
+        (bounded; best effort). See authority.py for what the leader makes of it."""
+        self.notice(f"peer {peer} sent bad activations: reporting it to the leader ({_printable(reason)[:200]})")
         try:
+            if self.leader() == self.peer_id:
+                self._fault_report(self.peer_id, peer, epoch, reason)
+                return
             with trio.fail_after(RPC_TIMEOUT_S):
-                await self._ring_call(self.leader(), Control("fault", {"peer": peer, "reason": reason[:900]}).to_frame())
+                reply = await self._ring_call(
+                    self.leader(), Control("fault", {"peer": peer, "epoch": epoch, "reason": reason[:900]}).to_frame()
+                )
+            if isinstance(reply, Control) and reply.op == "fail":
+                log.warning("the leader refused our report about %s: %s", peer, _printable(str(reply.body.get("message", ""))))
         except (SwarmError, trio.TooSlowError) as exc:
             log.warning("could not report %s to the leader: %s", peer, exc)
 
+    def _check_from_plan_signer(self, peer: str, op: str, epoch: int) -> None:
+        """``connect`` and ``serve`` drive an epoch's set-up: only its plan's signer may send them."""
+        ep = self._current(epoch)
+        signer = peer_id_of(ep.signer)
+        if peer != signer:
+            raise ProtocolError(f"{op} for epoch {epoch} from {peer}: only the plan's signer {signer} may send it")
+
+    def _fault_report(self, accuser: str, accused: str, epoch: int, reason: str) -> None:
+        """Leader: weigh a report that ``accused`` sent ``accuser`` bad activations."""
+        if self.leader() != self.peer_id:
+            raise ProtocolError(f"{self.peer_id} is not the leader; ask {self.leader()}")
+        ep = self.epoch
+        if ep is None or ep.done.is_set():
+            raise ProtocolError(f"fault report about epoch {epoch}: no epoch is serving here")
+        check_fault_report(ep.plan, accuser, accused, epoch)
+        spare_both = accuser != ep.plan.coordinator  # benching it would fail every session it holds
+        if spare_both:
+            try:
+                self._plan_for([p for p in self.plannable() if p not in {accused, accuser}], ep.plan, 0)
+            except PlanningError:
+                spare_both = False
+        verdict = self._claims.report(
+            accuser, accused, leader=self.peer_id, now=trio.current_time(), spare_both=spare_both
+        )
+        why = f"{verdict.why}: {_printable(reason)[:300]}"
+        for p in verdict.bench:
+            self._exclude(p, why)
+
     def _exclude(self, peer: str, reason: str) -> None:
         """Leader: leave ``peer`` out of plans for EXCLUDE_S and re-plan now if it is in the ring."""
-        log.warning("excluding %s from plans for %.0f s: %s", peer, EXCLUDE_S, reason)
-        self._excluded[peer] = trio.current_time() + EXCLUDE_S
+        log.warning("excluding %s from plans for %.0f s: %s", peer, EXCLUDE_S, _printable(reason))
+        now = trio.current_time()
+        self._excluded = {p: t for p, t in self._excluded.items() if t > now}  # bounded: expired go
+        self._excluded[peer] = now + EXCLUDE_S
         ep = self.epoch
         if ep is not None and peer in {*ep.plan.ring, ep.plan.coordinator}:
             self._end_epoch(f"peer {peer} misbehaved: {reason[:200]}")
@@ -701,3 +760,8 @@ def _announce(announce: tuple[str, ...], host: SwarmHost) -> list[str]:
 
 
 __all__ = ["Node", "NodeSettings", "PROTO_ACT", "PROTO_GEN", "PROTO_RING", "hops"]
+
+
+def _printable(text: str) -> str:
+    """A peer's words, safe for one log line: control characters and lone surrogates escaped."""
+    return "".join(c if c.isprintable() and not 0xD800 <= ord(c) <= 0xDFFF else f"\\x{{{ord(c):x}}}" for c in text)

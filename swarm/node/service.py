@@ -263,7 +263,7 @@ async def _drive_with_recovery(
             old = ep.plan
             if isinstance(exc, FaultyPeer):
                 # a peer that sends NaN or malformed activations is not waited for: it is dropped
-                await node.report_fault(exc.peer, str(exc))
+                await node.report_fault(exc.peer, str(exc), old.epoch)
             node.notice(f"ring failed during a generation ({exc}); waiting for the swarm to re-plan")
             notify(f"paused after {len(run.decoder.output_ids)} tokens: {str(exc)[:200]}; the swarm is re-planning")
             ep = await _next_epoch(

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -69,6 +70,7 @@ class StageWorker:
         max_len: int | None = None,
         limiter: trio.CapacityLimiter | None = None,
         limits: Limits = DEFAULT_LIMITS,
+        on_bad_input: Callable[[str, str], None] | None = None,
     ) -> None:
         self.stage = stage
         self.epoch = epoch
@@ -78,6 +80,10 @@ class StageWorker:
         self.max_len = max_len or stage.args.max_seq_len
         self.limiter = limiter or trio.CapacityLimiter(1)
         self.limits = limits
+        # bad activations are reported to the leader by us, the receiving end of the hop: an
+        # in-band ERROR naming a peer is only a claim that any stage on the way could forge
+        self.on_bad_input = on_bad_input
+        self._reported = False
         self.dtype = next(stage.parameters()).dtype
         self.stats = StageStats()
         self._fwd_s = 0.0  # moving average of a small chunk's forward time
@@ -140,6 +146,9 @@ class StageWorker:
             self.stats.errors += 1
             log.warning("%r: bad activations from %s: %s", self, self.upstream, exc)
             await self._report(outbound, msg.session, msg.chunk_id, "bad_input", f"upstream={self.upstream} {exc}")
+            if self.on_bad_input is not None and not self._reported:  # once: the leader re-plans
+                self._reported = True
+                self.on_bad_input(self.upstream, str(exc))
             return
         try:
             self._prepare_cache(msg, where)

@@ -79,18 +79,20 @@ class AdvertBook:
         return dict(self._latest)
 
 
-def _plan_body(plan: Plan) -> dict[str, Any]:
-    return {"epoch": plan.epoch, "plan": plan.plan}
+def _plan_body(plan: Plan, swarm_id: str) -> dict[str, Any]:
+    # the swarm ID is signed too: one identity key serves every swarm its user joins, and a plan
+    # from one swarm must never be taken in another
+    return {"epoch": plan.epoch, "plan": plan.plan, "swarm": swarm_id}
 
 
-def sign_plan(plan: Plan, signer: Signer) -> Plan:
-    body = {"epoch": plan.epoch, "plan": plan.plan}
+def sign_plan(plan: Plan, signer: Signer, swarm_id: str) -> Plan:
+    body = _plan_body(plan, swarm_id)
     return dataclasses.replace(
         plan, signer=signer.public_key, signature=sign_body(signer, PLAN_DOMAIN, body)
     )
 
 
-def verify_plan(plan: Plan, expected_signer: bytes) -> None:
+def verify_plan(plan: Plan, expected_signer: bytes, swarm_id: str) -> None:
     """ProtocolError unless ``plan`` is signed by ``expected_signer`` (e.g. the coordinator's key)."""
     if plan.signer is None or plan.signature is None:
         raise ProtocolError(f"plan for epoch {plan.epoch} is unsigned")
@@ -98,5 +100,5 @@ def verify_plan(plan: Plan, expected_signer: bytes) -> None:
         raise ProtocolError(
             f"plan for epoch {plan.epoch} is signed by {peer_id_of(plan.signer)}, not the expected peer"
         )
-    if not verify_body(plan.signer, PLAN_DOMAIN, _plan_body(plan), plan.signature):
+    if not verify_body(plan.signer, PLAN_DOMAIN, _plan_body(plan, swarm_id), plan.signature):
         raise ProtocolError(f"plan for epoch {plan.epoch}: forged or corrupted signature")

@@ -105,16 +105,18 @@ def test_book_refuses_forged_and_revoked() -> None:
 
 
 def test_plan_signing() -> None:
-    plan = sign_plan(Plan(2, {"ring": [ALICE.peer_id], "blocks": [[0, 30]]}), ALICE)
+    plan = sign_plan(Plan(2, {"ring": [ALICE.peer_id], "blocks": [[0, 30]]}), ALICE, "friends")
     got = decode_message(plan.encode())
     assert isinstance(got, Plan)
-    verify_plan(got, ALICE.public_key)
+    verify_plan(got, ALICE.public_key, "friends")
     with pytest.raises(ProtocolError, match="not the expected peer"):
-        verify_plan(got, MALLORY.public_key)
+        verify_plan(got, MALLORY.public_key, "friends")
     with pytest.raises(ProtocolError, match="forged"):
-        verify_plan(dataclasses.replace(got, epoch=3), ALICE.public_key)
+        verify_plan(dataclasses.replace(got, epoch=3), ALICE.public_key, "friends")
+    with pytest.raises(ProtocolError, match="forged"):  # the same key's plan in another swarm
+        verify_plan(got, ALICE.public_key, "other-swarm")
     with pytest.raises(ProtocolError, match="unsigned"):
-        verify_plan(Plan(2, {}), ALICE.public_key)
+        verify_plan(Plan(2, {}), ALICE.public_key, "friends")
 
 
 def test_canonical_json_is_deterministic_and_integer_only() -> None:
