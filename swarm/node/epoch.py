@@ -159,6 +159,7 @@ class EpochRole:
     _head: Head | None
     _epoch_ended_at: float
     _cut_off_since: float | None
+    _newest_plan: tuple[int, bytes | None]  # (epoch, signature) of the newest plan taken
     _end_reason: str
     _membership_changed: trio.Event
     _on_event: Callable[[str], None]
@@ -186,6 +187,11 @@ class EpochRole:
             raise ProtocolError(f"plan epoch {msg.epoch} from {sender}: missing field {exc}") from None
         if self.epoch is not None and plan.epoch <= self.epoch.plan.epoch and not self.epoch.done.is_set():
             raise ProtocolError(f"plan epoch {plan.epoch} is not newer than the serving epoch {self.epoch.plan.epoch}")
+        newest, signature = self._newest_plan
+        if plan.epoch < newest or (plan.epoch == newest and msg.signature != signature):
+            # an old plan stays old when the newer epoch ends: it is never taken again
+            raise ProtocolError(f"plan epoch {plan.epoch} from {sender}: epoch {newest} was planned already")
+        self._newest_plan = (plan.epoch, msg.signature)
         if self.epoch is not None:
             self._end_epoch(f"replaced by epoch {plan.epoch}")
         cause = msg.plan.get("cause", "")

@@ -218,6 +218,7 @@ class Node(EpochRole):
         self._membership_changed = trio.Event()
         self._nursery: trio.Nursery | None = None
         self._stage_cache: dict[tuple[int, int], Stage] = {}
+        self._newest_plan: tuple[int, bytes | None] = (0, None)
         self._head: Head | None = None
         self.ms_per_layer = 0.0
         self.fastpath: FastpathService | None = None

@@ -72,3 +72,54 @@ def test_claims_stay_bounded() -> None:
     for i in range(100):
         claims.report(f"acc{i}", f"peer{i}", leader="L", now=float(i), spare_both=True)
     assert len(claims._claims) <= 16
+
+
+class _Standby:
+    """Just enough of a Node for EpochRole._accept_plan: a standby with no block."""
+
+    def __init__(self, leader_identity: object) -> None:
+        from types import SimpleNamespace
+
+        self.settings = SimpleNamespace(swarm_id="friends")
+        self.epoch = None
+        self._newest_plan = (0, None)
+        self._cut_off_since = None
+        self.peer_id = "standby"
+        self._leader = leader_identity.peer_id  # type: ignore[attr-defined]
+        self.ended: list[str] = []
+
+    def leader(self) -> str:
+        return self._leader
+
+    def _end_epoch(self, reason: str, *, only: object = None) -> None:
+        assert self.epoch is not None
+        self.epoch.done.set()
+        self.ended.append(reason)
+
+
+async def test_an_old_plan_is_refused_after_the_newer_epoch_ends() -> None:
+    """A replayed plan of an earlier epoch, validly signed by the leader, is never taken again,
+    not even once the newer epoch has ended (epoch.py ``_newest_plan``)."""
+    from swarm.manifest.identity import Identity
+    from swarm.node.epoch import EpochRole, plan_body
+    from swarm.proto.messages import Plan as PlanMsg
+    from swarm.proto.signed import sign_plan
+
+    leader = Identity.generate()
+    node = _Standby(leader)
+
+    def signed(epoch: int) -> PlanMsg:
+        p = _plan()
+        p = Plan(epoch, p.n_layers, p.coordinator, p.ring, p.blocks, p.standbys, 1.0, 1.0)
+        return sign_plan(PlanMsg(epoch, plan_body(p, "test")), leader, "friends")
+
+    old, new = signed(3), signed(4)
+    await EpochRole._accept_plan(node, "L", old)  # type: ignore[arg-type]
+    await EpochRole._accept_plan(node, "L", new)  # type: ignore[arg-type]
+    node._end_epoch("lost a peer")  # the newer epoch ends
+    with pytest.raises(ProtocolError, match="epoch 4 was planned already"):
+        await EpochRole._accept_plan(node, "M", old)  # type: ignore[arg-type]
+    other_swarm = sign_plan(PlanMsg(5, plan_body(_plan(), "x")), leader, "another-swarm")
+    with pytest.raises(ProtocolError, match="forged"):
+        await EpochRole._accept_plan(node, "M", other_swarm)  # type: ignore[arg-type]
+    assert node.epoch is not None and node.epoch.plan.epoch == 4
