@@ -389,7 +389,7 @@ class Node(EpochRole):
         """
         if previous is None and self.epoch is not None:
             previous = self.epoch.plan
-        epoch = max(previous.epoch if previous is not None else 0, self._last_epoch) + 1
+        epoch = max(previous.epoch if previous is not None else 0, self._last_epoch, self._newest_plan[0]) + 1
         self._last_epoch = epoch
         return self._plan_for(members, previous, epoch)
 
