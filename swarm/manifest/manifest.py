@@ -42,6 +42,7 @@ FORMAT_VERSION = 1
 MAX_MANIFEST_BYTES = 64 * 1024
 SIGN_DOMAIN = b"shard-swarm/manifest/1\0"
 SECRET_BYTES = 32
+MAX_UNIX_S = 253_402_300_799  # 9999-12-31T23:59:59Z: the last second a date can be printed for
 CLOCK_SKEW_S = 300  # a manifest "created" up to this far in the future is still accepted
 MAX_BOOTSTRAP = 32
 MAX_FILES = 1024
@@ -280,8 +281,8 @@ class _Reader:
         return v
 
     def get_int(self, v: Any, fld: str) -> int:
-        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 1 << 62:
-            raise self.bad(fld, f"expected a non-negative integer (unix seconds), got {_show(v)}")
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_UNIX_S:
+            raise self.bad(fld, f"expected unix seconds from 0 to {MAX_UNIX_S} (year 9999), got {_show(v)}")
         return v
 
     def get_str(

@@ -6,6 +6,7 @@ Regenerate after a format change with ``.venv/bin/python tests/manifest/fixtures
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import sys
@@ -159,6 +160,9 @@ def broken() -> dict[str, tuple[bytes, str, str | None]]:
     out["not-utf8.json"] = (b'{"version": 1, "swarm": {"name": "\xff\xfe"}}', "malformed", None)
     out["oversized.json"] = (_dump(good)[:-2] + b" " * (64 * 1024) + b"}\n", "too-large", None)
     out["expired.json"] = (make(now=CREATED, lifetime_s=3600).to_json_bytes(), "expired", "expires")
+    # validly signed, but no date can be printed for it: `invite verify` once crashed on it
+    far = sign_manifest(dataclasses.replace(make(), expires=1 << 61, signature=None), ISSUER)
+    out["far-future-expiry.json"] = (far.to_json_bytes(), "malformed", "expires")
     out["not-yet-valid.json"] = (
         make(now=4_000_000_000, lifetime_s=86400).to_json_bytes(),
         "not-yet-valid",
