@@ -61,6 +61,9 @@ async def serve_bootstrap(
     secret, swarm_id, revoked = None, "", frozenset[str]()
     if manifest_path is not None:
         manifest = read_manifest(manifest_path)
+        from swarm.manifest.pins import check_pin
+
+        check_pin(manifest)  # trust on first use, as `join` does
         secret, swarm_id = manifest.secret.value, manifest.swarm_id
         revoked = frozenset(manifest.revoked)
         ui.notice(f"serving swarm {manifest.swarm_name!r} (admission with its secret)")

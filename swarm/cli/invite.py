@@ -28,6 +28,7 @@ from swarm.manifest.manifest import (
     write_manifest,
 )
 from swarm.manifest.modelcheck import check_model, describe_model
+from swarm.manifest.pins import check_pin, pinned_issuer, pins_path
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
@@ -177,12 +178,20 @@ def show(
     status, why = _status(m)
     data: dict[str, Any] = m.public_dict()
     data["status"] = status
+    pinned = pinned_issuer(m)
+    data["issuer_pin"] = "none" if pinned is None else ("match" if pinned == m.issuer_peer_id else "mismatch")
+    pin_text = {
+        "none": "not pinned yet: the first `join` with it pins this issuer for the swarm",
+        "match": "pinned on this machine (trust on first use)",
+        "mismatch": f"MISMATCH: this machine pinned issuer {pinned} for this swarm; `join` refuses this invite",
+    }[data["issuer_pin"]]
     if as_json:
         ui.print_json(data)
         return
     rows: list[list[Any]] = [
         ["swarm", f"{m.swarm_name} ({m.swarm_id})"],
         ["issuer", m.issuer_peer_id],
+        ["issuer pin", pin_text],
         ["created", _iso(m.created)],
         ["expires", _iso(m.expires)],
         ["status", status if not why else f"{status}: {why}"],
@@ -202,9 +211,22 @@ def show(
     ui.print_table(f"invite {file}", ["field", "value"], rows)
 
 
+def pin(
+    file: Path = typer.Argument(..., help="Invite file."),
+    replace: bool = typer.Option(False, "--replace", help="Replace a pin to another issuer (the issuer re-keyed)."),
+) -> None:
+    """Pin a verified invite's issuer for its swarm (what the first `join` does by itself)."""
+    m = read_manifest(file)
+    if check_pin(m, replace=replace):
+        ui.notice(f"pinned issuer {m.issuer_peer_id} for swarm {m.swarm_name!r} in {pins_path()}")
+    else:
+        ui.notice(f"issuer {m.issuer_peer_id} is already pinned for swarm {m.swarm_name!r}")
+
+
 def register(app: typer.Typer) -> None:
     group = typer.Typer(help="Create, verify and show swarm invites.", no_args_is_help=True)
     group.command("create")(create)
     group.command("verify")(verify)
     group.command("show")(show)
+    group.command("pin")(pin)
     app.add_typer(group, name="invite")

@@ -33,6 +33,7 @@ from swarm.cli import ui
 from swarm.errors import SwarmError, UsageError
 from swarm.manifest.identity import config_dir, load_identity, load_or_create_identity
 from swarm.manifest.manifest import Manifest, read_manifest
+from swarm.manifest.pins import check_pin
 from swarm.net.host import SwarmHost, open_host
 from swarm.node.membership import MemberEvent, Membership, MembershipService
 
@@ -361,6 +362,8 @@ def join(
     if manifest_path is None and not path.exists():
         raise UsageError(f"no invite given and none at {path}: pass --manifest FILE (create one with `shard-swarm invite create`)")
     manifest = read_manifest(path)
+    if check_pin(manifest):
+        ui.notice(f"pinned issuer {manifest.issuer_peer_id} for swarm {manifest.swarm_name!r} (trust on first use)")
     dev = _serving_device(device) if serve and not diagnose else None  # a missing device: exit 2 now
     if model is not None:
         if manifest.model is None:
