@@ -48,6 +48,7 @@ the benchmark records both), else ChaCha20-Poly1305-IETF; both are pynacl's libs
 
 from __future__ import annotations
 
+import collections
 import hmac
 import logging
 import socket
@@ -90,7 +91,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_DIAL_TIMEOUT = 1.0
 DEFAULT_PROOF_TIMEOUT = 2.0
-MAX_UNPROVEN = 64  # direct connections allowed to be waiting for their proof at once
+MAX_UNPROVEN = 64  # direct connections allowed to be waiting for their proof at once; when full,
+# the one that has waited longest is dropped for the newcomer: an honest dialer sends its proof
+# within one round trip, so a loris holding every slot with idle sockets evicts only itself
 DECISION_DIRECT = b"SSFP/direct"
 DECISION_FALLBACK = b"SSFP/fallback"
 
@@ -363,7 +366,8 @@ class DirectListener:
         self._pending: dict[bytes, _Pending] = {}
         self.accepted = 0
         self.rejected = 0
-        self._unproven = 0  # connections still owing their proof
+        self._waiting: collections.OrderedDict[int, trio.CancelScope] = collections.OrderedDict()
+        self._next_id = 0
 
     def register(self, keys: SessionKeys) -> _Pending:
         p = _Pending(keys)
@@ -389,18 +393,19 @@ class DirectListener:
                 log.warning("direct listener accept failed: %r", exc)
                 await trio.sleep(0.1)
                 continue
-            if self._unproven >= MAX_UNPROVEN:  # a flood of silent dialers cannot pin our fds
-                self.rejected += 1
-                await trio.aclose_forcefully(stream)
-                continue
-            self._unproven += 1
-            nursery.start_soon(self._handshake, stream)
+            if len(self._waiting) >= MAX_UNPROVEN:  # a flood of silent dialers cannot pin our fds
+                _, oldest = self._waiting.popitem(last=False)
+                oldest.cancel()
+            self._next_id += 1
+            scope = trio.CancelScope()
+            self._waiting[self._next_id] = scope
+            nursery.start_soon(self._handshake, stream, self._next_id, scope)
 
-    async def _handshake(self, stream: trio.SocketStream) -> None:
+    async def _handshake(self, stream: trio.SocketStream, wid: int, scope: trio.CancelScope) -> None:
         handed_over = False
         try:
             _nodelay(stream)
-            with trio.move_on_after(self.proof_timeout):
+            with scope, trio.move_on_after(self.proof_timeout):
                 reader = BufferedReader(stream, "unauthenticated direct dialer")
                 head = await reader.exactly(SID_LEN + MAC_LEN)
                 sid, mac = head[:SID_LEN], head[SID_LEN:]
@@ -422,7 +427,7 @@ class DirectListener:
         except (PeerLost, trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             self.rejected += 1
         finally:
-            self._unproven -= 1
+            self._waiting.pop(wid, None)
             if not handed_over:
                 await trio.aclose_forcefully(stream)
 

@@ -417,19 +417,23 @@ async def test_framed_channel_caps_and_timeouts() -> None:
 
 
 async def test_a_flood_of_silent_dialers_is_capped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A loris that holds every proof slot with idle sockets only evicts itself: the oldest idle
+    one is dropped for each newcomer, and an honest dialer still gets the direct path."""
     import swarm.net.fastpath as fp
 
     monkeypatch.setattr(fp, "MAX_UNPROVEN", 3)
     async with open_direct_listener(proof_timeout=5.0) as listener:
         host, port = parse_address(listener.addresses[0])
-        silent = [await trio.open_tcp_stream(host, port) for _ in range(3)]
-        await trio.sleep(0.05)  # let the listener start their handshakes
+        silent = []
+        for _ in range(3):
+            silent.append(await trio.open_tcp_stream(host, port))
+            await trio.sleep(0.02)  # accepted in this order
         extra = await trio.open_tcp_stream(host, port)
-        with trio.fail_after(2):  # dropped at once, long before the 5 s proof deadline
-            assert await extra.receive_some(10) == b""
+        with trio.fail_after(2):  # the oldest is dropped at once, long before the 5 s proof deadline
+            assert await silent[0].receive_some(10) == b""
         assert listener.rejected == 1
-        for s in silent:
+        a, b = await establish(listener)  # every slot still held by idle sockets: evicts one more
+        assert a.path == "direct" and b.path == "direct"
+        assert len(listener._waiting) <= 3
+        for s in [*silent, extra]:
             await s.aclose()
-        await trio.sleep(0.05)
-        a, b = await establish(listener)
-        assert a.path == "direct"
