@@ -54,9 +54,10 @@ def configure(*, verbose: bool = False, quiet: bool = False) -> None:
 
 
 def error(message: str, hint: str | None = None) -> None:
-    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, markup=True)
-    if hint:
-        err.print(f"[dim]hint: {escape(hint)}[/]", highlight=False)
+    """One line on stderr: what went wrong, and (after " -- hint: ") what to do about it."""
+    line = " ".join(message.split())  # a message never spans lines
+    tail = f" [dim]-- hint: {escape(hint)}[/]" if hint else ""
+    err.print(f"[bold red]error:[/] {escape(line)}{tail}", highlight=False, markup=True, soft_wrap=True)
 
 
 def notice(message: str) -> None:

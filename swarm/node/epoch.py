@@ -167,6 +167,9 @@ class EpochRole:
     async def report_fault(self, peer: str, reason: str, epoch: int) -> None:  # Node's
         raise NotImplementedError
 
+    def life(self, event: str, **fields: Any) -> None:  # Node's
+        raise NotImplementedError
+
     def leader(self) -> str:  # Node's
         raise NotImplementedError
 
@@ -192,6 +195,7 @@ class EpochRole:
             # an old plan stays old when the newer epoch ends: it is never taken again
             raise ProtocolError(f"plan epoch {plan.epoch} from {sender}: epoch {newest} was planned already")
         self._newest_plan = (plan.epoch, msg.signature)
+        ended_at = self._epoch_ended_at if self.epoch is not None and self.epoch.done.is_set() else None
         if self.epoch is not None:
             self._end_epoch(f"replaced by epoch {plan.epoch}")
         cause = msg.plan.get("cause", "")
@@ -200,6 +204,12 @@ class EpochRole:
         if self._cut_off_since == float("-inf"):
             self._cut_off_since = None  # a new node that took a plan knows the swarm's epoch now
         s = self.settings
+        role = "+".join(r for r, on in (("coordinator", plan.coordinator == self.peer_id),
+                                         ("stage", self.peer_id in plan.blocks)) if on) or "standby"  # fmt: skip
+        pause = None if ended_at is None else trio.current_time() - ended_at
+        self.life("plan", epoch=plan.epoch, role=role, block=list(plan.blocks.get(self.peer_id, ())) or None,
+                  coordinator=plan.coordinator, ring=list(plan.ring), cause=ep.cause,
+                  pause_s=None if pause is None else round(pause, 3))  # fmt: skip
         if self.peer_id in plan.blocks:
             a, b = plan.blocks[self.peer_id]
             ep.stage = await self._load_stage(a, b)
@@ -217,10 +227,13 @@ class EpochRole:
             return cached
         self._stage_cache.clear()  # free the old block before loading the new one
         self._on_event(f"loading layers [{a}, {b})")
+        self.life("loading", layers=[a, b], done=False)
         s = self.settings
+        t0 = trio.current_time()
         stage = await trio.to_thread.run_sync(
             lambda: Stage.load(self.args, self.ckpt.source, a, b, dtype=s.dtype, device=s.device), limiter=self.limiter
         )
+        self.life("loading", layers=[a, b], done=True, seconds=round(trio.current_time() - t0, 3))
         self._stage_cache[(a, b)] = stage
         return stage
 
@@ -265,6 +278,8 @@ class EpochRole:
             if self.corrupt:
                 ep.worker.corrupt_after = 0
             self._nursery.start_soon(self._run_worker, ep, idx)
+            if ep.coordinator is None:
+                self.life("serving", epoch=epoch, role="stage")
 
     def _set_outbound(self, ep: Epoch, hop: int, link: Link) -> None:
         """Hop 0 is the coordinator's send link; hop i + 1 is ring[i]'s downstream."""
@@ -360,6 +375,7 @@ class EpochRole:
         self._nursery.start_soon(self._run_results, ep, tail)
         ep.serving.set()
         self._on_event(f"serving epoch {epoch}: ring ready")
+        self.life("serving", epoch=epoch, role="coordinator")
 
     async def _run_results(self, ep: Epoch, tail: str) -> None:
         coord = ep.coordinator
@@ -392,6 +408,7 @@ class EpochRole:
             ep.coordinator._fail_all(PeerError(f"epoch {ep.plan.epoch} ended: {reason}"))
         self._epoch_ended_at = trio.current_time()
         ep.done.set()
+        self.life("replan", ended_epoch=ep.plan.epoch, cause=reason[:300])
         self._kick_leader()
 
     def _kick_leader(self) -> None:

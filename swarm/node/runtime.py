@@ -58,7 +58,7 @@ from typing import Any
 import torch
 import trio
 
-from swarm.errors import PeerError, PlanningError, ProtocolError, SwarmError
+from swarm.errors import PeerError, PeerTimeout, PlanningError, ProtocolError, SwarmError
 from swarm.manifest.identity import Identity
 from swarm.model.config import ModelArgs
 from swarm.model.devices import auto_memory_bytes, describe_device, synchronize
@@ -101,7 +101,8 @@ PROTO_GEN = "/shard-swarm/gen/1"
 
 LOAD_TIMEOUT_S = 600.0
 REPLAN_SETTLE_S = 0.15
-LEAVE_TIMEOUT_S = 60.0
+LEAVE_TIMEOUT_S = 5.0  # a leaver waits at most this long for its hand-over, then goes anyway
+LEAVING_NOTICE_S = 1.5  # ... of which telling the members it leaves takes at most this long
 CATCH_UP_TIMEOUT_S = 2.0  # a peer back from being cut off asks the others what they serve
 CATCH_UP_WAIT_S = 3.0  # ... and waits at most this long for its view to settle / that ring to reappear
 NUDGE_AFTER_S = 4.0  # a member whose ring ended tells the leader after this long without a new plan
@@ -187,6 +188,7 @@ class Node(EpochRole):
         *,
         on_event: Callable[[str], None] | None = None,
         on_member: Callable[[MemberEvent], None] | None = None,
+        on_life: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         self.settings = settings
         self.identity = Identity(settings.seed)
@@ -197,6 +199,9 @@ class Node(EpochRole):
         self.tokenizer: Tokenizer | None = None
         self.limiter = trio.CapacityLimiter(1)
         self._on_event = on_event or (lambda text: None)
+        self._on_life = on_life  # the node's life as events (join --json): plan, loading, serving, replan, leaving
+        self._notice_level = logging.DEBUG if on_event is not None else logging.INFO  # shown once, not twice
+        self._planning_said = ""  # the last "cannot plan yet" reason shown
         self._on_member = on_member
         self.host: SwarmHost | None = None
         self.service: MembershipService | None = None
@@ -265,9 +270,14 @@ class Node(EpochRole):
                 task_status.started(self)
                 await trio.sleep_forever()
 
+    def life(self, event: str, **fields: Any) -> None:
+        """One event of this node's life for a machine reader (``join --json``)."""
+        if self._on_life is not None:
+            self._on_life({"event": event, **fields})
+
     def notice(self, text: str) -> None:
         """A one-line notice for the user (and the log)."""
-        log.info("%s", text)
+        log.log(self._notice_level, "%s", text)
         self._on_event(text)
 
     def _member_event(self, ev: MemberEvent) -> None:
@@ -318,7 +328,10 @@ class Node(EpochRole):
         return [p for p in self.members() if p not in self._leaving and self._excluded.get(p, 0.0) <= now]
 
     def leader(self) -> str:
-        return self.members()[0]
+        """The smallest live member ID that is not leaving (a leaving leader hands over to the
+        next one; if every member is leaving, the smallest of them)."""
+        members = self.members()
+        return next((p for p in members if p not in self._leaving), members[0])
 
     # -- leader: plan and drive set-up ------------------------------------------------------
 
@@ -335,8 +348,8 @@ class Node(EpochRole):
             members = self.members()
             if members != last_members:
                 last_members, stable_since = members, now
-            if self.leader() != self.peer_id:
-                continue
+            if self.leader() != self.peer_id or self.peer_id in self._leaving:
+                continue  # not ours to plan (a node that is leaving plans nothing)
             serving = self.epoch is not None and not self.epoch.done.is_set()
             if serving and self._cut_off_since is None:
                 await self._inform_joiners(members)
@@ -367,7 +380,10 @@ class Node(EpochRole):
             try:
                 await self._plan_and_start(self.plannable(), previous=previous)
             except PlanningError as exc:  # try again on news (a first RTT advertised, a peer joining)
-                self._on_event(f"cannot plan yet: {exc}")
+                if str(exc) != self._planning_said:  # said once, then again only when it changes
+                    self._planning_said = str(exc)
+                    self._on_event(f"cannot plan yet: {exc}")
+                    self.life("waiting", reason=str(exc))
                 with trio.move_on_after(2.0):
                     await self._membership_changed.wait()
             except SwarmError as exc:
@@ -422,6 +438,7 @@ class Node(EpochRole):
         ended_at = None if self.epoch is None else self._epoch_ended_at
         cause = "first plan" if self.epoch is None else self._end_reason
         msg = sign_plan(PlanMsg(plan.epoch, plan_body(plan, cause)), self.identity, self.settings.swarm_id)
+        self._planning_said = ""
         self._on_event(
             f"plan epoch {plan.epoch} ({cause[:120]}): coordinator {plan.coordinator[:16]}…, ring "
             + " -> ".join(f"{p[:10]}…{list(plan.blocks[p])}" for p in plan.ring)
@@ -617,6 +634,12 @@ class Node(EpochRole):
                 self._check_from_plan_signer(peer, "connect", epoch)
                 await self._connect(epoch)
                 return Control("linked", {})
+            if isinstance(msg, Control) and msg.op == "leaving":  # never plan with it, nor take its plans
+                if peer not in self.members():
+                    raise ProtocolError(f"leaving from {peer}, which is not an advertised member")
+                self._leaving.add(peer)
+                self._kick_leader()
+                return Control("serving", {})
             if isinstance(msg, Control) and msg.op == "leave":
                 if peer not in self.members():
                     raise ProtocolError(f"leave from {peer}, which is not an advertised member")
@@ -639,25 +662,55 @@ class Node(EpochRole):
     # -- leaving on purpose ----------------------------------------------------------------
 
     async def leave(self, timeout: float = LEAVE_TIMEOUT_S) -> None:
-        """Ask the leader to re-plan without us and wait until the new ring serves, so the
-        generations in flight move to it (a short pause) instead of failing when we go."""
+        """Leave on purpose, within ``timeout`` whatever the others do.
+
+        Every member first hears that we leave (``leaving``): none plans with us or takes a plan
+        from us from then on, so a leaving leader hands leadership to the next smallest ID. If we
+        hold part of the serving ring, the (new) leader is asked to re-plan without us (``leave``)
+        and we wait until its new epoch is set up, so the generations in flight move to it (a
+        short pause) instead of failing when we go. Bounded: after ``timeout`` we go anyway, and
+        the swarm treats us as lost (it re-plans; generations resume by replay)."""
+        others = [p for p in self.members() if p != self.peer_id]
+        self._leaving.add(self.peer_id)
+        self._kick_leader()
         ep = self.epoch
-        if ep is None or ep.done.is_set() or self.peer_id not in {*ep.plan.ring, ep.plan.coordinator}:
+        in_ring = ep is not None and not ep.done.is_set() and self.peer_id in {*ep.plan.ring, ep.plan.coordinator}
+        self.life("leaving", in_ring=in_ring, members=len(others))
+        if not others:
+            self.life("handover", result="alone: nobody to hand over to")
             return
-        if len(self.members()) < 2:
+        deadline = trio.current_time() + timeout
+        with trio.move_on_after(min(timeout, LEAVING_NOTICE_S)):
+            async with trio.open_nursery() as nursery:
+                for p in others:
+                    nursery.start_soon(self._tell_leaving, p)
+        if not in_ring:
+            self.life("handover", result="not in the ring: nothing to hand over")
             return
-        self.notice("leaving: asking the swarm to re-plan without this node")
+        leader = self.leader()
+        if leader == self.peer_id:
+            self.life("handover", result="every member is leaving")
+            return
+        self.notice(f"leaving: asking the leader {leader[:16]}… to re-plan without this node")
         try:
-            with trio.fail_after(timeout):
-                if self.leader() == self.peer_id:
-                    await self._handle_leave(self.peer_id)
-                else:
-                    reply = await self._ring_call(self.leader(), Control("leave", {}).to_frame(), timeout)
-                    if not isinstance(reply, Control) or reply.op != "serving":
-                        why = reply.body.get("message", "") if isinstance(reply, Control) else repr(reply)
-                        raise PeerError(f"the leader refused our leave: {why}")
-        except (SwarmError, trio.TooSlowError) as exc:
+            with trio.fail_after(max(0.1, deadline - trio.current_time())):
+                reply = await self._ring_call(leader, Control("leave", {}).to_frame(), timeout)
+            if not isinstance(reply, Control) or reply.op != "serving":
+                why = reply.body.get("message", "") if isinstance(reply, Control) else repr(reply)
+                raise PeerError(f"the leader refused our leave: {why}")
+            self.life("handover", result="done", leader=leader)
+        except trio.TooSlowError:
+            self.notice(f"leaving without a hand-over (no new ring within {timeout:.0f} s)")
+            self.life("handover", result=f"timed out after {timeout:.0f} s", leader=leader)
+        except SwarmError as exc:
             self.notice(f"leaving without a hand-over ({exc})")
+            self.life("handover", result=f"failed: {exc}", leader=leader)
+
+    async def _tell_leaving(self, peer: str) -> None:
+        try:
+            await self._ring_call(peer, Control("leaving", {}).to_frame(), LEAVING_NOTICE_S)
+        except SwarmError as exc:
+            log.info("could not tell %s that we leave: %s", peer, exc)
 
     def start_corrupting(self) -> None:
         """Fault injection for chaos tests: from now on our stage's outputs are NaN."""
@@ -722,10 +775,13 @@ class Node(EpochRole):
             self._end_epoch(f"peer {peer} misbehaved: {reason[:200]}")
 
     async def _handle_leave(self, peer: str) -> None:
-        """Leader: re-plan without ``peer``; return once an epoch without it serves."""
+        """Leader: re-plan without ``peer``; return once an epoch without it is set up here
+        (bounded by LEAVE_TIMEOUT_S: the leaver does not wait longer either)."""
+        self._leaving.add(peer)
+        if self.peer_id in self._leaving:
+            raise PeerError(f"{self.peer_id} is leaving too")
         if self.leader() != self.peer_id:
             raise ProtocolError(f"{self.peer_id} is not the leader; ask {self.leader()}")
-        self._leaving.add(peer)
         problem = self.planning_problem()
         if problem is not None:  # the others cannot hold the model without it: no hand-over to wait for
             self._leaving.discard(peer)
@@ -733,11 +789,13 @@ class Node(EpochRole):
         ep = self.epoch
         if ep is not None and peer in {*ep.plan.ring, ep.plan.coordinator}:
             self._end_epoch(f"peer {peer} is leaving")
-        while True:
-            ep = self.epoch
-            if ep is not None and not ep.done.is_set() and peer not in {*ep.plan.ring, ep.plan.coordinator}:
-                return
-            await trio.sleep(0.05)
+        with trio.move_on_after(LEAVE_TIMEOUT_S):
+            while True:
+                ep = self.epoch
+                if ep is not None and not ep.done.is_set() and peer not in {*ep.plan.ring, ep.plan.coordinator}:
+                    return
+                await trio.sleep(0.05)
+        raise PeerTimeout(f"no ring without {peer} within {LEAVE_TIMEOUT_S:.0f} s")
 
     async def _serve_gen(self, peer: str, fs: FramedStream) -> None:
         from swarm.node.service import serve_generation

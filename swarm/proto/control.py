@@ -28,7 +28,7 @@ from swarm.proto.messages import Message, Meta, register
 
 OPS = (
     "loaded", "connect", "linked", "serve", "serving", "hop",
-    "gen", "tokens", "notice", "done", "status", "status_reply", "fail", "leave", "fault", "current", "none", "ended",
+    "gen", "tokens", "notice", "done", "status", "status_reply", "fail", "leave", "leaving", "fault", "current", "none", "ended",
 )  # fmt: skip
 MAX_IDS = 1 << 16  # token ids in one CONTROL (prompt or committed tokens)
 
