@@ -53,7 +53,7 @@ class MessageChannel(Protocol):
 
     async def send(self, data: bytes, timeout: float | None = None) -> None: ...
 
-    async def receive(self, timeout: float | None = None) -> bytes: ...
+    async def receive(self, timeout: float | None = None, *, max_len: int | None = None) -> bytes: ...
 
     async def aclose(self) -> None: ...
 
@@ -281,19 +281,21 @@ class FramedChannel:
                 f"sending {len(data)} bytes to {self.remote_peer} took over {limit} s"
             )
 
-    async def receive(self, timeout: float | None = None) -> bytes:
+    async def receive(self, timeout: float | None = None, *, max_len: int | None = None) -> bytes:
+        """One frame. ``max_len``: a smaller cap for this one (a handshake message), checked on
+        the length prefix like ``max_frame``, before anything is buffered."""
         if self.closed:
             raise PeerLost(f"channel to {self.remote_peer} is closed")
         limit = self.timeout if timeout is None else timeout
+        cap = self.max_frame if max_len is None else min(max_len, self.max_frame)
         with trio.move_on_at(self._deadline(timeout)) as scope:
             async with self._recv_lock:
                 if self._pending_len is None:
                     (n,) = _LEN.unpack(await self._reader.exactly(4))
-                    if n > self.max_frame:
+                    if n > cap:
                         await self.aclose()
                         raise FrameError(
-                            f"peer {self.remote_peer} announced a {n}-byte frame, "
-                            f"over the cap of {self.max_frame}"
+                            f"peer {self.remote_peer} announced a {n}-byte frame, over the cap of {cap}"
                         )
                     self._pending_len = n
                 data = await self._reader.exactly(self._pending_len) if self._pending_len else b""

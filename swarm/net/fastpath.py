@@ -76,6 +76,7 @@ from swarm.net.sealing import (
     CIPHERS_BY_NAME,
     DEFAULT_CIPHERS,
     MAC_LEN,
+    MAX_HELLO,
     SID_LEN,
     Cipher,
     Hello,
@@ -300,11 +301,11 @@ class FastChannel:
         finally:
             self._send_lock.release()
 
-    async def receive(self, timeout: float | None = None) -> bytes:
+    async def receive(self, timeout: float | None = None, *, max_len: int | None = None) -> bytes:
         self._check_open()
         d = self.direct
         if d is None:
-            return await self.control.receive(timeout)
+            return await self.control.receive(timeout, max_len=max_len)
         limit = self.timeout if timeout is None else timeout
         if not self._recv_lock.try_acquire():
             with trio.move_on_after(limit) as waited:
@@ -531,7 +532,7 @@ async def open_fastpath(
     hello_i = Hello(bytes(eph.public_key), _cipher_ids(ciphers)).encode()
     try:
         await control.send(hello_i, timeout)
-        hello_r_raw = await control.receive(timeout)
+        hello_r_raw = await control.receive(timeout, max_len=MAX_HELLO)
         hello_r = Hello.decode(hello_r_raw, peer)
         if len(hello_r.ciphers) != 1:
             raise ProtocolError(f"peer {peer} chose {len(hello_r.ciphers)} ciphers, expected one")
@@ -572,7 +573,7 @@ async def accept_fastpath(
     pending: _Pending | None = None
     keys: SessionKeys | None = None
     try:
-        hello_i_raw = await control.receive(timeout)
+        hello_i_raw = await control.receive(timeout, max_len=MAX_HELLO)
         hello_i = Hello.decode(hello_i_raw, peer)
         cipher = _pick_cipher(hello_i.ciphers, ciphers, peer)
         eph = PrivateKey.generate()

@@ -239,6 +239,19 @@ async def test_oversized_frame_is_refused_before_allocation() -> None:
         assert b.closed
 
 
+async def test_a_hello_is_capped_at_its_own_size_not_the_data_frame_cap() -> None:
+    """Issue 14: the hello shares its channel with fallback data (16 MiB frames); a 4 MiB
+    "hello" is refused on its length prefix, before anything is buffered."""
+    from swarm.net.sealing import MAX_HELLO
+
+    ca, cb = control_pair()
+    async with open_direct_listener() as listener, trio.open_nursery() as n:
+        n.start_soon(ca.send, b"x" * (4 << 20))  # the sender may block on the unread body
+        with pytest.raises(FrameError, match=f"over the cap of {MAX_HELLO}"):
+            await accept_fastpath(cb, listener, timeout=5)
+        n.cancel_scope.cancel()
+
+
 async def test_stray_dialers_get_nothing_and_the_listener_keeps_serving() -> None:
     async with open_direct_listener(proof_timeout=0.3) as listener:
         host, port = parse_address(listener.addresses[0])
