@@ -127,17 +127,19 @@ class NodeBackend:
 
 @dataclass
 class Generation:
-    """One running generation: iterate for batches of committed token ids."""
+    """One running generation: iterate for batches of committed token ids (and notices)."""
 
     fs: GenStream
     spec: GenSpec
     receipt: dict[str, Any] | None = None
     ids: list[int] = field(default_factory=list)
 
-    def __aiter__(self) -> AsyncIterator[list[int]]:
+    def __aiter__(self) -> AsyncIterator[list[int] | str]:
         return self._frames()
 
-    async def _frames(self) -> AsyncIterator[list[int]]:
+    async def _frames(self) -> AsyncIterator[list[int] | str]:
+        """Batches of committed token ids, and (as str) the swarm's one-line news for the client:
+        a pause for a re-plan, the resume."""
         timeout = TOKEN_TIMEOUT_S + READY_WAIT_S
         while self.receipt is None:
             try:
@@ -154,13 +156,18 @@ class Generation:
                 self.ids.extend(ids)
                 yield ids
             elif msg.op == "notice":  # a pause for a re-plan: the completion carries on after it
-                log.info("swarm: %s", str(msg.body.get("text", ""))[:300])
+                text = str(msg.body.get("text", ""))[:300]
+                log.info("swarm: %s", text)
+                yield text
             elif msg.op == "done":
                 self.receipt = dict(msg.body)
             elif msg.op == "fail":
                 text = str(msg.body.get("message", "generation failed"))
                 if msg.body.get("code") == "bad_request":
                     raise ApiError(text, status=400, code="invalid_value")
+                if msg.body.get("code") == "cannot_serve":  # the live peers cannot hold the model: no use retrying now
+                    raise ApiError(f"the swarm cannot serve this request now: {text}", status=503, type="server_error",
+                                   code="swarm_too_small")  # fmt: skip
                 raise ApiError(f"the swarm could not serve this request: {text}", status=503, type="server_error",
                                code="swarm_unavailable")  # fmt: skip
             else:

@@ -19,6 +19,7 @@ bind is enforced too. The token never appears in logs or errors.
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import ipaddress
 import json
@@ -40,11 +41,14 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from swarm.api.backend import Backend, open_generation
 from swarm.api.requests import ApiError, GenSpec, parse_chat, parse_completion
 from swarm.api.stops import TextAssembler
-from swarm.errors import UsageError
+from swarm.errors import SwarmError, UsageError
+from swarm.node.errors_util import first_leaf
 
 log = logging.getLogger("swarm.api")
 
 DEFAULT_BIND = "127.0.0.1:8000"
+RESUME_TIMEOUT_S = 60.0  # how long a lost generation is retried on the next coordinator
+RESUME_PAUSE_S = 0.5  # between two tries (each also waits for a serving ring, backend.READY_WAIT_S)
 MAX_BODY = 1 << 20
 CREATED = int(time.time())
 
@@ -89,8 +93,9 @@ class _Auth:
 
 
 async def _until_disconnect(receive: Receive, work: Callable[[], Awaitable[None]]) -> bool:
-    """Run ``work`` until it returns or the client hangs up; True if the client hung up."""
-    gone = False
+    """Run ``work`` until it returns or the client hangs up; True if the client hung up before
+    ``work`` returned (a disconnect after the answer is complete is no hang-up)."""
+    gone = finished = False
     async with trio.open_nursery() as nursery:
 
         async def watch() -> None:
@@ -98,14 +103,19 @@ async def _until_disconnect(receive: Receive, work: Callable[[], Awaitable[None]
             while True:
                 msg = await receive()
                 if msg["type"] == "http.disconnect":
-                    gone = True
+                    gone = not finished
                     nursery.cancel_scope.cancel()
                     return
 
         nursery.start_soon(watch)
         await work()
+        finished = True
         nursery.cancel_scope.cancel()
     return gone
+
+
+class SSEComment(str):
+    """A line of news for the client in an event stream (``: text``), not an event."""
 
 
 class _SSE(Response):
@@ -124,15 +134,20 @@ class _SSE(Response):
         await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
 
         async def emit(obj: Any) -> None:
+            if isinstance(obj, SSEComment):
+                line = " ".join(str(obj).split())
+                await send({"type": "http.response.body", "body": f": {line}\n\n".encode(), "more_body": True})
+                return
             data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
             await send({"type": "http.response.body", "body": f"data: {data}\n\n".encode(), "more_body": True})
 
         async def work() -> None:
             await self.produce(emit)
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
 
         if await _until_disconnect(receive, work):
             log.info("client hung up mid-stream; generation cancelled")
+            return
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 class Api:
@@ -191,17 +206,53 @@ class Api:
     def _decode(self, ids: list[int]) -> str:
         return self.backend.tokenizer.decode(ids)
 
-    async def _run(self, spec: GenSpec, on_piece: Callable[[str], Awaitable[None]]) -> tuple[TextAssembler, str]:
-        """Generate, feeding text pieces to ``on_piece``; return the assembler and finish reason."""
+    async def _run(
+        self, spec: GenSpec, on_piece: Callable[[str], Awaitable[None]],
+        on_notice: Callable[[str], Awaitable[None]] | None = None,
+    ) -> tuple[TextAssembler, str]:
+        """Generate, feeding text pieces to ``on_piece``; return the assembler and finish reason.
+
+        The committed tokens are kept here. When the swarm loses the generation (its coordinator
+        was lost, or moved), it is resumed from the prompt plus those tokens, on whatever
+        coordinator the swarm serves next, for at most RESUME_TIMEOUT_S; ``on_notice`` hears of
+        it. Greedy output is then the same as without the loss wherever the model's arithmetic
+        is exact enough to keep every argmax (fp32 here; see README, "What is promised").
+        Unresumable (no coordinator in time, or the swarm cannot hold the model): an ApiError
+        503 naming the reason."""
         text = TextAssembler(self._decode, spec.stops)
-        async with open_generation(self.backend, spec) as gen:
-            async for ids in gen:
-                piece = text.feed(ids)
-                if piece:
-                    await on_piece(piece)
-                if text.stopped:
-                    return text, "stop"  # leaving the block cancels the generation
-            receipt = gen.receipt or {}
+        committed: list[int] = []
+        lost_since: float | None = None
+        while True:
+            part = dataclasses.replace(spec, prompt_ids=[*spec.prompt_ids, *committed],
+                                       max_new_tokens=spec.max_new_tokens - len(committed))  # fmt: skip
+            try:
+                async with open_generation(self.backend, part) as gen:
+                    async for ids in gen:
+                        if isinstance(ids, str):
+                            if on_notice is not None:
+                                await on_notice(ids)
+                            continue
+                        committed += ids
+                        piece = text.feed(ids)
+                        if piece:
+                            await on_piece(piece)
+                        if text.stopped:
+                            return text, "stop"  # leaving the block cancels the generation
+                    receipt = gen.receipt or {}
+                break
+            except (SwarmError, BaseExceptionGroup) as exc:
+                err = _api_error(exc)
+                now = trio.current_time()
+                lost_since = now if lost_since is None else lost_since
+                if err.code != "swarm_unavailable" or now - lost_since > RESUME_TIMEOUT_S:
+                    raise
+                why = err.message
+            note = (f"the swarm lost this generation after {len(committed)} tokens ({why[:200]}); "
+                    "resuming on the next coordinator from the prompt and those tokens")  # fmt: skip
+            log.info("%s", note)
+            if on_notice is not None:
+                await on_notice(note)
+            await trio.sleep(RESUME_PAUSE_S)
         rest = text.finish()
         if rest:
             await on_piece(rest)
@@ -245,8 +296,11 @@ class Api:
         async def piece(p: str) -> None:
             await emit(chunk(p, None))
 
+        async def notice(text: str) -> None:
+            await emit(SSEComment(text))  # an SSE comment: clients that do not look skip it
+
         try:
-            text, finish = await self._run(spec, piece)
+            text, finish = await self._run(spec, piece, notice)
         except ApiError as err:
             await emit(err.body())  # headers are gone: the error travels as an event
             await emit("[DONE]")
@@ -255,6 +309,23 @@ class Api:
         if spec.include_usage:
             await emit({**head, "id": rid, "choices": [], "usage": self._usage(spec, text)})
         await emit("[DONE]")
+
+
+def _api_error(exc: BaseException) -> ApiError:
+    """What the client is told about an error from the swarm side: an ApiError as it is; any
+    other SwarmError (even inside trio's exception groups) as a 503 naming it; anything else
+    (a cancellation, a bug) goes on as it was."""
+    if isinstance(exc, ApiError):
+        return exc
+    if first_leaf(exc, trio.Cancelled) is not None:
+        raise exc
+    err = first_leaf(exc, SwarmError)
+    if err is None:
+        raise exc
+    if isinstance(err, ApiError):
+        return err
+    return ApiError(f"the swarm could not serve this request: {err}", status=503, type="server_error",
+                    code="swarm_unavailable")  # fmt: skip
 
 
 def _ids(spec: GenSpec, *, chunk: bool = False) -> tuple[str, dict[str, Any]]:

@@ -27,6 +27,7 @@ from swarm.errors import (
     PeerError,
     PeerLost,
     PeerTimeout,
+    PlanningError,
     ProtocolError,
     SwarmError,
     UsageError,
@@ -75,7 +76,8 @@ async def serve_generation(node: Node, peer: str, fs: FramedStream) -> None:
         await _generate(node, ep, msg, fs)
     except SwarmError as exc:
         log.info("request from %s failed: %s", peer, exc)
-        code = "bad_request" if isinstance(exc, UsageError | ProtocolError) else "unavailable"
+        code = "bad_request" if isinstance(exc, UsageError | ProtocolError) else (
+            "cannot_serve" if isinstance(exc, PlanningError) else "unavailable")  # fmt: skip
         await fs.send(Control("fail", {"code": code, "message": str(exc)[:900]}).to_frame())
 
 
@@ -88,7 +90,7 @@ async def _serving_epoch(node: Node, wait_s: float) -> Any:
         if trio.current_time() >= deadline:
             problem = node.planning_problem() if node.service is not None else None
             if problem is not None:
-                raise PeerError(f"the swarm cannot serve: {problem}; it keeps waiting for peers")
+                raise PlanningError(f"the swarm cannot serve: {problem}; it keeps waiting for peers")
             state = "no plan yet" if ep is None else f"epoch {ep.plan.epoch} not serving"
             raise PeerError(f"the swarm is not ready ({state}); retry in a few seconds")
         await trio.sleep(0.1)
@@ -326,7 +328,7 @@ async def _next_epoch(
                 elif problem_since is None:
                     problem_since = now
                 elif now - problem_since > PROBLEM_GRACE_S:
-                    raise PeerError(f"the swarm cannot serve: {problem}; it keeps waiting for peers")
+                    raise PlanningError(f"the swarm cannot serve: {problem}; it keeps waiting for peers")
             await trio.sleep(0.05)
     raise PeerError(f"the swarm did not recover within {timeout:.0f} s (no new plan); see the nodes' logs")
 

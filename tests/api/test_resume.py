@@ -1,0 +1,88 @@
+"""A lost coordinator through the official ``openai`` client: the API server holds the committed
+tokens and resumes on the next coordinator, or answers with an OpenAI error object (503).
+
+Three node processes (fp32); the endpoint is a client of a peer that is not the coordinator.
+The coordinator is SIGKILLed mid-stream: the stream completes, its text identical to an
+uninterrupted run's, and the raw event stream carries the notice. Then the new coordinator is
+killed too: the one survivor cannot hold the model, and the client gets an APIError naming why,
+never a bare connection error.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import trio
+
+from swarm.node import client
+from swarm.node.launch import start_local_swarm
+from tests.api.conftest import MODEL_NAME, api_on
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+N = 120
+BODY = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": N, "temperature": 0}
+
+
+async def _coordinator(swarm, peer_index: int) -> str:  # type: ignore[no-untyped-def]
+    async with client.open_client(swarm.addrs[peer_index], secret=swarm.secret, swarm_id=swarm.swarm_id) as (h, p):
+        st = await client.wait_ready(h, p, timeout=120)
+    return str(st["plan"]["coordinator"])
+
+
+async def test_coordinator_killed_mid_stream_resumes_then_503_when_none_can_serve(tiny_chat_dir: Path) -> None:
+    with start_local_swarm(3, tiny_chat_dir, dtype="fp32", context_tokens=1536) as swarm:
+        async with api_on(swarm, tiny_chat_dir, relay=True) as (url, st):
+            coord = swarm.peer_ids.index(st["plan"]["coordinator"])
+            aio = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+            want = (await aio.completions.create(**BODY)).choices[0].text  # type: ignore[call-overload]
+            assert len(want) == N  # one character per token with this tokenizer
+
+            # 1. killed mid-stream: the stream completes, identical, with a notice in it
+            pieces: list[str] = []
+            raw: list[str] = []
+            async with (
+                httpx.AsyncClient(base_url=url, timeout=120) as http,
+                http.stream("POST", "/v1/completions", json={**BODY, "stream": True}) as resp,
+            ):
+                async for line in resp.aiter_lines():
+                    raw.append(line)
+                    if line.startswith("data: {"):
+                        ev = json.loads(line[6:])
+                        assert "error" not in ev, ev
+                        pieces.append(ev["choices"][0]["text"])
+                        if len("".join(pieces)) >= 30 and swarm.alive()[coord]:
+                            swarm.kill(coord, signal.SIGKILL)
+            assert not swarm.alive()[coord]
+            assert "".join(pieces) == want
+            notes = [line for line in raw if line.startswith(": ")]
+            assert any("resuming on the next coordinator" in n for n in notes), raw[-20:]
+            assert raw[-2:] == ["data: [DONE]", ""] or raw[-1] == "data: [DONE]", raw[-5:]
+
+            # the same through the openai client: the survivors serve the same text
+            stream = await aio.completions.create(**BODY, stream=True)  # type: ignore[call-overload]
+            assert "".join([c.choices[0].text async for c in stream]) == want
+
+            # 2. the new coordinator (or, if it is the peer the endpoint talks to, the other
+            # survivor) is killed: one peer cannot hold the model; the client is told so
+            api_peer = next(i for i, p in enumerate(swarm.peer_ids) if p != st["plan"]["coordinator"])
+            new_coord = swarm.peer_ids.index(await _coordinator(swarm, api_peer))
+            victim = new_coord if new_coord != api_peer else next(i for i in range(3) if i not in (coord, api_peer))
+            got: list[str] = []
+            with pytest.raises(openai.APIError) as info:
+                with trio.fail_after(150):
+                    stream = await aio.completions.create(**BODY, stream=True)  # type: ignore[call-overload]
+                    async for c in stream:
+                        got.append(c.choices[0].text)
+                        if len("".join(got)) >= 10 and swarm.alive()[victim]:
+                            swarm.kill(victim, signal.SIGKILL)
+            assert "cannot" in str(info.value.message) and "memory" in str(info.value.message), info.value.message
+            # not streamed: an HTTP 503 with the error object
+            with pytest.raises(openai.APIStatusError) as status:
+                await aio.completions.create(**BODY)  # type: ignore[call-overload]
+            assert status.value.status_code == 503 and "memory" in status.value.message, status.value
+            await aio.close()
