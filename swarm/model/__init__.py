@@ -9,6 +9,7 @@ Files (filled in as the runtime grows; keep this list current):
 - ``gguf.py``     GGUF reading/dequantization and conversion to a Hugging Face style directory
 - ``bundled.py``  the bundled SmolLM2-135M-Instruct: locate, convert on first use, cache
 - ``stage.py``    ``Stage(args, start, end)``: a layer range with its own caches; the head part
+- ``batched.py``  ``forward_many``: several sessions' chunks through one stage in one call
 - ``tokenizer.py`` tokenizer.json and the chat template
 - ``sampling.py`` greedy, temperature/top-k/top-p with a seeded generator
 - ``speculative.py`` drafters and lossless verification (greedy and rejection sampling)

@@ -4,7 +4,8 @@ Where things live:
 
     runtime.py     Node: host + membership + the leader's planning (epochs, leave, faults)
     epoch.py       one plan epoch at a peer: accept the plan, load the block, wire the hops, serve
-    stage_worker.py  a layer block serving verify chunks from upstream to downstream
+    stage_worker.py  a layer block serving verify chunks from upstream to downstream, the
+                   sessions waiting for it batched into one forward, compute off the trio loop
     coordinator.py the coordinator's side of a ring: drives the speculative decoder, replays a
                    run on a new ring after a failure
     service.py     /shard-swarm/gen/1: generation requests, relaying, recovery loop, receipts, status
@@ -20,4 +21,5 @@ Where things live:
     membership.py  Membership (signed adverts, the view, the planner's peers-file export) and
                    MembershipService (runs it all on a SwarmHost: links, gossip, dialing)
     errors_util.py unwrapping trio's exception groups at the node's boundaries
+    loopwatch.py   how long the trio loop is held (longest task step, timer lateness), for status
 """

@@ -46,6 +46,7 @@ def settings_from_file(path: Path) -> NodeSettings:
         fastpath=bool(cfg.get("fastpath", True)),
         fastpath_port=int(cfg.get("fastpath_port", 0)),
         fastpath_advertise=tuple(cfg.get("fastpath_advertise", [])),
+        compute_delay_s=float(cfg.get("compute_delay_s", 0.0)),
     )
 
 

@@ -15,9 +15,25 @@ depends only on the results, never on timing; ``swarm.model.generate`` drives th
 the same rule, so the ring and one box compute the same chunks, hence the same numbers.
 
 Several chunks may be in flight (the decoder's depth policy). A rejection discards later chunks:
-stages still compute them, and their results are skipped here (no LM head work). Each wait for a
-result has a deadline; an ERROR from any stage, a lost link or a missed deadline fails the
-generation with an error naming the peer, and the session is closed on every stage.
+stages still compute them, and their results are skipped here (no LM head work). An ERROR from
+any stage or a lost link fails the generation with an error naming the peer, and the session is
+closed on every stage.
+
+Slow is not gone. Each wait for a result has a deadline (``chunk_timeout``), but a ring that
+keeps delivering results, to any session, within that deadline is busy, not broken: the wait
+goes on (a session queued behind seven others on a loaded ring may wait longer than one chunk's
+deadline), up to SLOW_WAIT_FACTOR deadlines. Only a ring silent for a whole deadline times out.
+
+The LM head is batched across sessions: a session that needs logits queues its rows; whoever
+finds the head idle runs every queued request as one call (rows concatenated) and hands each
+session its rows, until the queue is empty, so sessions whose results arrive together share one
+pass over the head's weights (the biggest matrix a small model has). Batched rows can differ from
+rows computed alone in the last bits (a GEMM's blocking depends on its row count): in fp32 greedy
+tokens stay the same in practice (the tests check), in bf16 a near-tie can flip; the receipt
+counts ``shared_head_calls``. The head runs in a worker thread behind the process's compute
+limiter, except a call predicted to take under INLINE_MAX_S (as in stage_worker.py: the
+prediction rises at once and decays slowly, and the loop checkpoints after it), so the trio loop
+answering heartbeats is never held long by compute.
 """
 
 from __future__ import annotations
@@ -57,6 +73,8 @@ log = logging.getLogger("swarm.node.coordinator")
 
 DEFAULT_CHUNK_TIMEOUT_S = 30.0
 SEND_TIMEOUT_S = 10.0
+SLOW_WAIT_FACTOR = 10  # a busy ring (results flowing to other sessions) is waited for this many deadlines
+INLINE_MAX_S = 0.005  # an LM head call predicted to take less runs on the trio thread
 
 
 @dataclass
@@ -70,6 +88,7 @@ class RingGeneration:
     proposed: int
     accepted: int
     chunks: list[tuple[int, int]] = field(default_factory=list)  # (base, tokens) sent, in order
+    shared_head_calls: int = 0  # LM head calls computed together with other sessions' rows
     traversal_ms: list[float] = field(default_factory=list)  # send -> result, per live chunk
 
     @property
@@ -97,6 +116,19 @@ class RingGeneration:
     @property
     def output_sha256(self) -> str:
         return output_sha256(self.output_token_ids)
+
+
+MAX_HEAD_BATCH = 32  # sessions' rows in one LM head call
+HEAD_GATHER_PASSES = 4  # scheduler passes an idle head waits for more sessions' rows (while they come)
+
+
+@dataclass(eq=False)
+class _HeadRequest:
+    rows: torch.Tensor  # (T, D)
+    out: torch.Tensor | None = None  # (T, V) once computed
+    shared: bool = False
+    error: BaseException | None = None
+    wake: trio.Event = field(default_factory=trio.Event)
 
 
 REPLAY_ID_BASE = 1 << 48  # chunk ids of replayed chunks (the decoder's own ids stay far below)
@@ -129,6 +161,7 @@ class Coordinator:
         chunk_timeout: float = DEFAULT_CHUNK_TIMEOUT_S,
         limiter: trio.CapacityLimiter | None = None,
         limits: Limits = DEFAULT_LIMITS,
+        compute_delay_s: float = 0.0,
     ) -> None:
         self.head = head
         self.args = head.args
@@ -143,7 +176,11 @@ class Coordinator:
         self._first: Link | None = None
         self._tail_peer = "?"
         self._broken: SwarmError | None = None
-        self._head_s = 0.0  # moving average of a small LM head call
+        self._head_s = math.inf  # a small LM head call's time: rises at once, decays slowly
+        self._head_queue: list[_HeadRequest] = []  # sessions waiting for logits (see the module doc)
+        self._head_busy = False
+        self._last_result = -math.inf  # trio time the tail last delivered anything
+        self.compute_delay_s = compute_delay_s  # fault injection for load tests (see stage_worker)
 
     # -- the result reader -----------------------------------------------------------------
 
@@ -156,11 +193,12 @@ class Coordinator:
                     frame = await inbound.receive(timeout=5.0)
                 except PeerTimeout:
                     continue
+                self._last_result = trio.current_time()
                 chan = self._sessions.get(frame.session)
-                if chan is None:
-                    continue  # a session that already ended (its discarded chunks drain here)
-                with contextlib.suppress(trio.WouldBlock):  # unbounded buffer: never blocks
-                    chan.send_nowait(frame)
+                if chan is not None:  # else a session that already ended (its discarded chunks drain here)
+                    with contextlib.suppress(trio.WouldBlock):  # unbounded buffer: never blocks
+                        chan.send_nowait(frame)
+                await trio.lowlevel.checkpoint()  # the fast path's hot receive never yields
         except PeerLost as exc:
             self._fail_all(PeerLost(f"tail {tail_peer}: result link closed ({exc})"))
             raise
@@ -246,7 +284,8 @@ class Coordinator:
                     gen.traversal_ms.append(1000 * (time.perf_counter() - t_sent))
                     rows = h[chunk.logits_from:]
                     if rows.shape[0]:
-                        logits = await self._logits(rows)
+                        logits, shared = await self._batched_logits(rows)
+                        gen.shared_head_calls += shared
                     else:
                         logits = torch.empty(0, self.args.vocab_size)
                     run.fed_log.append(chunk)
@@ -277,15 +316,71 @@ class Coordinator:
         gen.rounds, gen.proposed, gen.accepted = st.rounds, st.proposed, st.accepted
         return gen
 
+    def _head_logits(self, rows: torch.Tensor) -> tuple[torch.Tensor, float]:
+        t0 = time.perf_counter()
+        if self.compute_delay_s > 0:
+            time.sleep(self.compute_delay_s)  # fault injection: compute that blocks
+        out = self.head.logits(rows)
+        return out, time.perf_counter() - t0
+
+    async def _batched_logits(self, rows: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """Logits of ``rows`` (T, D), computed with whatever other sessions queued meanwhile;
+        also whether the call was shared."""
+        req = _HeadRequest(rows)
+        self._head_queue.append(req)
+        while req.out is None:
+            if req.error is not None:
+                raise req.error
+            if not self._head_busy:
+                await self._run_head_queue()
+            else:
+                req.wake = trio.Event()
+                await req.wake.wait()
+        return req.out, req.shared
+
+    async def _run_head_queue(self) -> None:
+        self._head_busy = True
+        try:
+            for _ in range(HEAD_GATHER_PASSES):  # sessions woken by the same burst of results queue too
+                n = len(self._head_queue)
+                await trio.lowlevel.checkpoint()
+                if len(self._head_queue) == n:
+                    break
+            while self._head_queue:
+                batch, self._head_queue = self._head_queue[:MAX_HEAD_BATCH], self._head_queue[MAX_HEAD_BATCH:]
+                try:
+                    out = await self._logits(torch.cat([r.rows for r in batch]) if len(batch) > 1 else batch[0].rows)
+                except Exception as exc:
+                    for r in batch:
+                        r.error = exc
+                        r.wake.set()
+                    continue
+                except BaseException:  # cancelled (our own session ended): another waiter runs them
+                    self._head_queue[:0] = batch
+                    raise
+                i = 0
+                for r in batch:
+                    n = r.rows.shape[0]
+                    r.out, r.shared = out[i : i + n], len(batch) > 1
+                    i += n
+                    r.wake.set()
+        finally:
+            self._head_busy = False
+            for r in self._head_queue:
+                r.wake.set()  # each waiter looks again: one of them runs the rest
+
     async def _logits(self, rows: torch.Tensor) -> torch.Tensor:
-        """LM head on the trio thread when it is quick (the usual decode step), else a worker."""
-        if rows.shape[0] <= 16 and self._head_s < 0.05:
-            t0 = time.perf_counter()
-            out = self.head.logits(rows)
-            took = time.perf_counter() - t0
-            self._head_s = took if self._head_s == 0.0 else 0.8 * self._head_s + 0.2 * took
-            return out
-        return await trio.to_thread.run_sync(self.head.logits, rows, limiter=self.limiter)
+        """LM head on the trio thread when it is predicted quick, else in a worker thread."""
+        small = rows.shape[0] <= 16
+        if small and self._head_s < INLINE_MAX_S:
+            out, took = self._head_logits(rows)
+            await trio.lowlevel.checkpoint()
+        else:
+            out, took = await trio.to_thread.run_sync(self._head_logits, rows, limiter=self.limiter)
+        if small or took > self._head_s:
+            p = self._head_s
+            self._head_s = took if (p == math.inf or took > p) else 0.9 * p + 0.1 * took
+        return out
 
     async def _replay(self, chunks: list[VerifyChunk], session: int, sent: dict[int, tuple[VerifyChunk | None, float]]) -> None:
         assert self._first is not None
@@ -319,32 +414,45 @@ class Coordinator:
             async with self._send_lock:
                 await self._first.send(frame, timeout=SEND_TIMEOUT_S)
 
+    async def _receive(self, chan: trio.MemoryReceiveChannel[Frame | SwarmError], session: int) -> Frame | SwarmError:
+        """The session's next result, waiting while the ring is busy (module doc: slow is not gone)."""
+        start = trio.current_time()
+        while True:
+            with trio.move_on_after(self.chunk_timeout):
+                return await chan.receive()
+            now = trio.current_time()
+            busy = now - self._last_result < self.chunk_timeout
+            if not busy or now - start >= SLOW_WAIT_FACTOR * self.chunk_timeout:
+                what = (
+                    f"the ring is busy but sent nothing for this session within {now - start:.0f} s"
+                    if busy else f"no result from the ring within {self.chunk_timeout:.0f} s"
+                )
+                raise PeerTimeout(
+                    f"session {session}: {what} (first hop {self.first_hop}, tail {self._tail_peer})"
+                )
+            log.info("session %d: the ring is busy: still waiting for a result after %.0f s", session, now - start)
+
     async def _next_result(
         self, chan: trio.MemoryReceiveChannel[Frame | SwarmError], session: int
     ) -> tuple[int, torch.Tensor]:
-        with trio.move_on_after(self.chunk_timeout):
-            item = await chan.receive()
-            if isinstance(item, SwarmError):
-                raise item
-            msg = parse_message(item, self.limits)
-            if isinstance(msg, Error):
-                text = f"ring error on session {session} chunk {msg.chunk_id}: {msg.code}: {msg.message}"
-                # an ERROR's "upstream=<id>" is a claim relayed by the ring, which any stage on
-                # the way could forge: no blame here (the observing stage reports its upstream
-                # to the leader itself, see authority.py); the run waits for the re-plan
-                raise PeerError(text)
-            if not isinstance(msg, Result) or msg.kind != "hidden":
-                raise ProtocolError(f"tail {self._tail_peer}: expected RESULT(hidden), got {msg!r}")
-            if msg.epoch != self.epoch:
-                raise ProtocolError(f"tail {self._tail_peer}: result for epoch {msg.epoch}, serving {self.epoch}")
-            try:
-                h = decode_hidden(
-                    msg.dtype, msg.shape, msg.data, dim=self.args.dim, expect=self.dtype, peer=self._tail_peer
-                )
-            except ProtocolError as exc:
-                raise FaultyPeer(self._tail_peer, str(exc)) from None
-            return msg.chunk_id, h
-        raise PeerTimeout(
-            f"session {session}: no result from the ring within {self.chunk_timeout:.0f} s "
-            f"(first hop {self.first_hop}, tail {self._tail_peer})"
-        )
+        item = await self._receive(chan, session)
+        if isinstance(item, SwarmError):
+            raise item
+        msg = parse_message(item, self.limits)
+        if isinstance(msg, Error):
+            text = f"ring error on session {session} chunk {msg.chunk_id}: {msg.code}: {msg.message}"
+            # an ERROR's "upstream=<id>" is a claim relayed by the ring, which any stage on
+            # the way could forge: no blame here (the observing stage reports its upstream
+            # to the leader itself, see authority.py); the run waits for the re-plan
+            raise PeerError(text)
+        if not isinstance(msg, Result) or msg.kind != "hidden":
+            raise ProtocolError(f"tail {self._tail_peer}: expected RESULT(hidden), got {msg!r}")
+        if msg.epoch != self.epoch:
+            raise ProtocolError(f"tail {self._tail_peer}: result for epoch {msg.epoch}, serving {self.epoch}")
+        try:
+            h = decode_hidden(
+                msg.dtype, msg.shape, msg.data, dim=self.args.dim, expect=self.dtype, peer=self._tail_peer
+            )
+        except ProtocolError as exc:
+            raise FaultyPeer(self._tail_peer, str(exc)) from None
+        return msg.chunk_id, h

@@ -216,10 +216,13 @@ class EpochRole:
         if plan.coordinator == self.peer_id:
             head = await self._load_head()
             first = plan.ring[0]
-            ep.coordinator = Coordinator(head, epoch=plan.epoch, first_hop=first, chunk_timeout=s.chunk_timeout, limiter=self.limiter)
+            ep.coordinator = Coordinator(
+                head, epoch=plan.epoch, first_hop=first, chunk_timeout=s.chunk_timeout, limiter=self.limiter,
+                compute_delay_s=s.compute_delay_s,
+            )  # fmt: skip
             if self.tokenizer is None:
-                with contextlib.suppress(SwarmError):
-                    self.tokenizer = Tokenizer.from_dir(s.model_dir)
+                with contextlib.suppress(SwarmError):  # parsing tokenizer.json takes a while: off the loop
+                    self.tokenizer = await trio.to_thread.run_sync(Tokenizer.from_dir, s.model_dir)
 
     async def _load_stage(self, a: int, b: int) -> Stage:
         cached = self._stage_cache.get((a, b))
@@ -274,6 +277,7 @@ class EpochRole:
                 ep.stage, epoch=epoch, upstream=upstream, is_tail=idx == len(ep.plan.ring) - 1,
                 max_len=min(self.settings.context_tokens, self.args.max_seq_len), limiter=self.limiter,
                 on_bad_input=lambda peer, why: nursery.start_soon(self.report_fault, peer, why, epoch),
+                compute_delay_s=self.settings.compute_delay_s,
             )  # fmt: skip
             if self.corrupt:
                 ep.worker.corrupt_after = 0

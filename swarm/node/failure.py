@@ -18,8 +18,18 @@ Incarnations: a LOST peer that is heard from again does not resurrect its old me
 rejoins as a new member with ``incarnation + 1`` (a REJOINED transition), so everything that held
 state for the old incarnation (ring stages, KV caches) knows that state is gone.
 
-Invariants: ``suspect_after < lost_after``; a peer's incarnation never decreases; each call returns
-the transitions it caused, in order, and only those.
+Slow is not gone, and re-plans are rate-limited per peer. A peer declared lost for its silence
+that is heard again was slow (a held event loop, a swapping box), not gone: each such return
+doubles the silence it is allowed before it is declared lost again (its *patience*, up to
+MAX_PATIENCE times the defaults), and the patience halves again after each PATIENCE_DECAY_S it
+stays alive. So a peer whose load makes it miss heartbeats cannot make the swarm re-plan at the
+rate of the heartbeats: the n-th re-plan it causes within a few minutes needs 2^n times the
+silence. The LOST transition's reason says so (it reaches the user's notice). A peer whose
+connection closes (``declare_lost``: killed, left) is gone at once, whatever its patience.
+
+Invariants: ``suspect_after < lost_after``; a peer's incarnation never decreases; its patience
+is between 1 and MAX_PATIENCE; each call returns the transitions it caused, in order, and only
+those.
 """
 
 from __future__ import annotations
@@ -31,6 +41,8 @@ from swarm.errors import UsageError
 
 DEFAULT_SUSPECT_AFTER = 1.25
 DEFAULT_LOST_AFTER = 2.5
+MAX_PATIENCE = 8.0  # a flapping peer is at most allowed 8x the silence (20 s by default)
+PATIENCE_DECAY_S = 60.0  # ... and its patience halves after each minute it stays alive
 
 
 class PeerState(enum.Enum):
@@ -61,6 +73,9 @@ class _Record:
     last_heard: float
     incarnation: int
     reason: str = ""
+    patience: float = 1.0  # multiplies suspect_after and lost_after for this peer
+    patience_since: float = 0.0  # when the patience last changed
+    lost_silent: bool = False  # its last loss was for silence (not a closed connection)
 
 
 class FailureDetector:
@@ -101,6 +116,10 @@ class FailureDetector:
         if old is PeerState.LOST:
             rec.incarnation += 1
             reason = "heard again after being lost: new incarnation"
+            if rec.lost_silent:  # it was slow, not gone: be more patient with it next time
+                rec.patience = min(MAX_PATIENCE, rec.patience * 2)
+                rec.patience_since = now
+                reason += f"; it was slow, not gone: it is now allowed {self.lost_after * rec.patience:.1f} s of silence"
         else:
             reason = "heard again"
         rec.state, rec.reason = PeerState.ALIVE, reason
@@ -111,10 +130,18 @@ class FailureDetector:
         for peer, rec in self._peers.items():
             if rec.state is PeerState.LOST:
                 continue
+            if rec.patience > 1 and now - rec.patience_since >= PATIENCE_DECAY_S:
+                rec.patience, rec.patience_since = max(1.0, rec.patience / 2), now
             silent = now - rec.last_heard
-            if silent >= self.lost_after:
-                out.append(self._set(peer, rec, PeerState.LOST, now, f"silent for {silent:.2f} s"))
-            elif silent >= self.suspect_after and rec.state is PeerState.ALIVE:
+            if silent >= self.lost_after * rec.patience:
+                nxt = self.lost_after * min(MAX_PATIENCE, rec.patience * 2)
+                why = (
+                    f"silent for {silent:.2f} s (allowed {self.lost_after * rec.patience:.1f} s); if it comes back "
+                    f"it is allowed {nxt:.1f} s before it is lost again (re-plans are rate-limited per peer)"
+                )
+                out.append(self._set(peer, rec, PeerState.LOST, now, why))
+                rec.lost_silent = True
+            elif silent >= self.suspect_after * rec.patience and rec.state is PeerState.ALIVE:
                 out.append(self._set(peer, rec, PeerState.SUSPECT, now, f"silent for {silent:.2f} s"))
         return out
 
@@ -122,6 +149,7 @@ class FailureDetector:
         rec = self._peers.get(peer)
         if rec is None or rec.state is PeerState.LOST:
             return []
+        rec.lost_silent = False
         return [self._set(peer, rec, PeerState.LOST, now, reason)]
 
     def forget(self, peer: str) -> None:
@@ -144,6 +172,11 @@ class FailureDetector:
         rec = self._peers.get(peer)
         return 0 if rec is None else rec.incarnation
 
+    def patience(self, peer: str) -> float:
+        """How many times the default silence ``peer`` is allowed before it is declared lost."""
+        rec = self._peers.get(peer)
+        return 1.0 if rec is None else rec.patience
+
     def last_heard(self, peer: str) -> float | None:
         rec = self._peers.get(peer)
         return None if rec is None else rec.last_heard
@@ -157,9 +190,9 @@ class FailureDetector:
         times: list[float] = []
         for rec in self._peers.values():
             if rec.state is PeerState.ALIVE:
-                times.append(rec.last_heard + self.suspect_after)
+                times.append(rec.last_heard + self.suspect_after * rec.patience)
             elif rec.state is PeerState.SUSPECT:
-                times.append(rec.last_heard + self.lost_after)
+                times.append(rec.last_heard + self.lost_after * rec.patience)
         return max(now, min(times)) if times else None
 
     def _set(self, peer: str, rec: _Record, new: PeerState, now: float, reason: str) -> Transition:

@@ -152,6 +152,7 @@ def start_local_swarm(
     chunk_timeout: float = 30.0,
     fastpath: bool = True,
     workdir: Path | None = None,
+    compute_delay_s: float = 0.0,
 ) -> LocalSwarm:
     if n < 1:
         raise ValueError("a swarm needs at least one node")
@@ -211,6 +212,7 @@ def start_local_swarm(
                 "context_tokens": context_tokens,
                 "draft": draft,
                 "chunk_timeout": chunk_timeout,
+                "compute_delay_s": compute_delay_s,
             }
             swarm._spawn(i, cfg)
     except BaseException:

@@ -85,6 +85,7 @@ from swarm.node.epoch import (
     plan_from_body,
 )
 from swarm.node.errors_util import first_leaf
+from swarm.node.loopwatch import LoopWatch
 from swarm.node.membership import MemberEvent, Membership, MembershipService
 from swarm.planner import ModelSpec, Peer, Plan, parse_peers_file
 from swarm.planner import plan as make_plan
@@ -134,6 +135,7 @@ class NodeSettings:
     fastpath_port: int = 0
     fastpath_host: str = ""  # IP the direct socket binds (default: the first /ip4 listen address)
     fastpath_advertise: tuple[str, ...] = ()  # "ip:port" to announce (e.g. behind a proxy or NAT)
+    compute_delay_s: float = 0.0  # fault injection (load tests): every forward and head call blocks this much longer
 
 
 def model_spec(args: ModelArgs, dtype: torch.dtype, context_tokens: int) -> ModelSpec:
@@ -228,6 +230,7 @@ class Node(EpochRole):
         self.ms_per_layer = 0.0
         self.fastpath: FastpathService | None = None
         self.hop_paths: dict[int, str] = {}  # hop index -> "direct" | "libp2p" | "local", for status
+        self.loopwatch = LoopWatch()  # how long the trio loop is held (status "loop")
 
     def __repr__(self) -> str:
         return f"Node({self.peer_id[:12]}…)"
@@ -253,6 +256,7 @@ class Node(EpochRole):
             host.handle(PROTO_GEN, self._serve_gen)
             async with contextlib.AsyncExitStack() as stack, trio.open_nursery() as nursery:
                 self._nursery = nursery
+                nursery.start_soon(self.loopwatch.serve)
                 if s.fastpath:
                     self.fastpath = await stack.enter_async_context(
                         open_fastpath_service(
@@ -294,7 +298,7 @@ class Node(EpochRole):
             ring = {*self.epoch.plan.ring, self.epoch.plan.coordinator}
             if ev.peer in ring:
                 ended = self.epoch
-                self._end_epoch(f"ring member {ev.peer} {ev.kind}")
+                self._end_epoch(f"ring member {ev.peer} {ev.kind}" + (f" ({ev.reason})" if ev.reason else ""))
                 if self._nursery is not None and self.leader() != self.peer_id:
                     self._nursery.start_soon(self._nudge_leader, ended)
 

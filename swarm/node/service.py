@@ -12,6 +12,7 @@ silence: every wait here has a deadline.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import statistics
@@ -66,7 +67,8 @@ async def serve_generation(node: Node, peer: str, fs: FramedStream) -> None:
             if want_coord and ep is not None and not ep.done.is_set() and ep.plan.coordinator != node.peer_id:
                 await _relay(node, ep.plan.coordinator, frame, fs)
             else:
-                await fs.send(Control("status_reply", status(node)).to_frame())
+                window = msg.body_reader().int("loop_window_s", 1, 300, default=60)
+                await fs.send(Control("status_reply", status(node, loop_window_s=window)).to_frame())
             return
         wait_s = msg.body_reader().float("wait_s", 0.0, 600.0, default=0.0)
         ep = await _serving_epoch(node, wait_s)
@@ -166,7 +168,10 @@ async def _generate(node: Node, ep: Any, msg: Control, fs: FramedStream) -> None
             raise UsageError("this coordinator has no tokenizer: send prompt token ids")
         if body.bool("chat", default=False):
             text = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-        prompt = tok.encode(text, add_special_tokens=False)
+        if len(text) > 2048:  # ~1 ms per KB: a long prompt is tokenized off the trio loop
+            prompt = await trio.to_thread.run_sync(lambda: tok.encode(text, add_special_tokens=False))
+        else:
+            prompt = tok.encode(text, add_special_tokens=False)
     max_new = body.int("max_new_tokens", 1, MAX_NEW_TOKENS, default=64)
     params = sampling_from(body)
     draft_name = body.str("draft", 16, default=node.settings.draft)
@@ -368,6 +373,9 @@ def build_receipt(node: Node, ep: Any, gen: RingGeneration, params: SamplingPara
         "traversal_ms": statistics.median(tms) if tms else None,
         "accepted_per_traversal": gen.tokens_per_traversal,
         "accepted_per_round": gen.accepted_per_round,
+        # LM head calls shared with other sessions: fp32 greedy tokens equal running alone; in bf16 a
+        # near-tie can flip (coordinator.py); stages compute each session's rows alone (model/batched.py)
+        "shared_head_calls": gen.shared_head_calls,
         "chunks": len(gen.chunks),
         "predicted_traversal_ms": plan.predicted_traversal_ms,
         "replans": list(node.replans),
@@ -418,9 +426,10 @@ def _path(node: Node, peer: str) -> str:
         return "?"
 
 
-def status(node: Node) -> dict[str, Any]:
+def status(node: Node, *, loop_window_s: int = 60) -> dict[str, Any]:
     ep = node.epoch
     plan = ep.plan if ep is not None and not ep.done.is_set() else None
+    worker = ep.worker if plan is not None and ep is not None else None
     return {
         "peer_id": node.peer_id,
         "members": node.members() if node.service is not None else [],
@@ -436,4 +445,6 @@ def status(node: Node) -> dict[str, Any]:
         "peer_info": _peer_info(node, plan),
         "recent": _recent(node),
         "replans": list(node.replans),
+        "loop": node.loopwatch.summary(loop_window_s),  # how long the trio loop was held (loopwatch.py)
+        "stage": dataclasses.asdict(worker.stats) if worker is not None else None,  # this epoch's batching
     }

@@ -4,20 +4,42 @@ Theory of operation
 -------------------
 A stage worker owns one ``Stage`` (layers [start, end)) for one plan epoch and two links: the
 inbound one from the previous hop and the outbound one to the next (the tail's next hop is the
-coordinator). Frames are handled strictly in arrival order, which is the coordinator's send order
-because every hop is FIFO; that is what makes speculative rollback simple:
+coordinator). Two tasks share it:
 
-- CHUNK (session, chunk id, base position ``pos``, T hidden states): the session's cache is first
-  truncated to ``pos`` (this drops tokens the coordinator rejected after the previous chunk was
-  sent), then the block runs, and the result goes downstream with the same header. A stage that
-  holds fewer than ``pos`` positions cannot run the chunk (its context is missing): it reports an
-  ERROR downstream instead. The first chunk of a session (``pos == 0``) opens its cache.
-- SESSION_END frees the session's cache and travels on; ERROR and ROLLBACK travel on too, so
-  whatever a stage reports reaches the coordinator through the tail.
+- the *reader* drains the inbound link into an unbounded queue as fast as frames come, so the
+  upstream peer never waits on our compute (its sends do not stall, a libp2p stream is never
+  left unread) and the trio loop stays free for heartbeats and control messages;
+- the *compute loop* takes a *batch* from the queue and runs it as one forward.
+
+Batches (continuous batching). Frames of one session must be handled in arrival order (every
+hop is FIFO, which is what makes speculative rollback simple); frames of different sessions are
+independent (each has its own KV cache and positions). So a batch takes, scanning the queue in
+order, at most one CHUNK per session: the first frame of each session not yet in the batch. A
+later frame of a session already in the batch waits for the next round, as does everything after
+it of that session. Control frames met on the way (SESSION_END, ROLLBACK, ERROR) are handled at
+once, being their session's next frame. Sessions therefore join and leave the batch between
+forwards, and a long prompt (prefilled in ``prefill_chunk`` pieces by the coordinator) takes one
+piece per round, so it never stalls the others' decoding by more than one piece's compute.
+Results go downstream in batch order; per session that is arrival order.
+
+Per chunk (session, chunk id, base position ``pos``, T hidden states): the session's cache is
+first truncated to ``pos`` (this drops tokens the coordinator rejected after the previous chunk
+was sent), then the block runs, and the result goes downstream with the same header. A stage
+that holds fewer than ``pos`` positions cannot run the chunk (its context is missing): it reports
+an ERROR downstream instead. The first chunk of a session (``pos == 0``) opens its cache.
+SESSION_END frees the session's cache and travels on; ERROR and ROLLBACK travel on too, so
+whatever a stage reports reaches the coordinator through the tail.
 
 The tail sends RESULT(kind="hidden") frames: the coordinator holds the final norm and LM head, and
-D hidden values per token are far smaller than V logits. Torch work runs in a worker thread behind
-one limiter per process, so the trio loop keeps pumping every stream while a block computes.
+D hidden values per token are far smaller than V logits.
+
+Liveness never waits on compute. A forward runs in a worker thread behind one limiter per
+process (``swarm.model.batched.forward_many``), except a batch predicted to take under
+INLINE_MAX_S, which runs on the trio thread (a thread hand-off costs 0.2 ms idle and several ms
+on a loaded box, more than such a forward); the prediction rises at once with any slower forward
+and decays slowly, and the loop checkpoints after every inline forward, so the trio loop is never
+held longer than about INLINE_MAX_S by compute (``swarm.node.loopwatch`` measures the longest
+hold; the fast-path sockets' hot path does not pass through the scheduler by itself).
 
 Bad input from the upstream peer (a malformed frame, a NaN activation, a wrong shape or epoch)
 never reaches the model: the chunk is answered with an ERROR naming the peer and the field, and
@@ -27,7 +49,9 @@ the worker keeps serving the other sessions.
 from __future__ import annotations
 
 import logging
+import math
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -35,7 +59,9 @@ import torch
 import trio
 
 from swarm.errors import PeerLost, PeerTimeout, ProtocolError, SwarmError
+from swarm.model.batched import forward_many
 from swarm.model.stage import Stage
+from swarm.node.errors_util import unwrap
 from swarm.node.links import Link
 from swarm.node.wire import decode_hidden, encode_hidden
 from swarm.proto.frame import Frame, MsgType
@@ -44,8 +70,9 @@ from swarm.proto.messages import Chunk, Error, Result, Rollback, SessionEnd, par
 
 log = logging.getLogger("swarm.node.stage")
 
-INLINE_MAX_TOKENS = 16  # chunks this small run on the trio thread when they are quick...
-INLINE_MAX_S = 0.05  # ...taking under this long (else a worker thread keeps the loop responsive)
+INLINE_MAX_S = 0.005  # a batch predicted to compute in less runs on the trio thread (see above)
+MAX_BATCH = 16  # sessions in one forward
+MAX_BATCH_TOKENS = 512  # tokens in one forward (a prefill piece is 64 by default)
 IDLE_POLL_S = 5.0  # an idle inbound link is fine; we only wake to notice cancellation
 SEND_TIMEOUT_S = 10.0
 
@@ -56,6 +83,9 @@ class StageStats:
     tokens: int = 0
     errors: int = 0
     compute_s: float = 0.0
+    batches: int = 0
+    max_batch: int = 0  # the most sessions computed in one forward
+    batched_chunks: int = 0  # chunks that shared a forward with another session's
 
 
 class StageWorker:
@@ -71,6 +101,8 @@ class StageWorker:
         limiter: trio.CapacityLimiter | None = None,
         limits: Limits = DEFAULT_LIMITS,
         on_bad_input: Callable[[str, str], None] | None = None,
+        compute_delay_s: float = 0.0,
+        max_batch: int = MAX_BATCH,
     ) -> None:
         self.stage = stage
         self.epoch = epoch
@@ -86,38 +118,104 @@ class StageWorker:
         self._reported = False
         self.dtype = next(stage.parameters()).dtype
         self.stats = StageStats()
-        self._fwd_s = 0.0  # moving average of a small chunk's forward time
+        self.max_batch = max(1, max_batch)
+        self._predict_s = math.inf  # a small batch's forward time: rises at once, decays slowly
         self.corrupt_after: int | None = None  # fault injection for chaos tests: NaN after N chunks
+        # fault injection for load tests: every forward blocks this much longer (a blocking sleep
+        # inside the compute, as a busy box's compute does), wherever the forward runs
+        self.compute_delay_s = compute_delay_s
+        self._pending: deque[Frame] = deque()  # read, not yet handled (sessions busy in a batch)
+        self.trace: list[list[tuple[int, int, int]]] | None = None  # tests: (session, pos, tokens) per batch
 
     def __repr__(self) -> str:
         return f"StageWorker([{self.stage.start}, {self.stage.end}), epoch={self.epoch})"
 
     async def serve(self, inbound: Link, outbound: Link) -> None:
         """Run until the inbound link closes (PeerLost) or the caller cancels."""
+        send, recv = trio.open_memory_channel[Frame](math.inf)
         try:
-            while True:
-                try:
-                    frame = await inbound.receive(timeout=IDLE_POLL_S)
-                except PeerTimeout:
-                    continue
-                await self._handle(frame, outbound)
-        except PeerLost:
-            log.info("%r: upstream %s closed", self, self.upstream)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._read, inbound, send)
+                await self._compute_loop(recv, outbound)
+                nursery.cancel_scope.cancel()
+        except BaseExceptionGroup as eg:
+            exc = unwrap(eg)
+            if not isinstance(exc, PeerLost):
+                raise exc from None
+            log.info("%r: downstream link closed: %s", self, exc)
+        except PeerLost as exc:
+            log.info("%r: downstream link closed: %s", self, exc)
         finally:
             for session in list(self.stage.sessions()):
                 self.stage.close_session(session)
 
-    async def _handle(self, frame: Frame, outbound: Link) -> None:
-        try:
-            msg = parse_message(frame, self.limits)
-        except ProtocolError as exc:
-            self.stats.errors += 1
-            log.warning("%r: bad frame from %s: %s", self, self.upstream, exc)
-            await self._report(outbound, frame.session, frame.seq, "bad_frame", str(exc))
-            return
-        if isinstance(msg, Chunk):
-            await self._chunk(msg, outbound)
-        elif isinstance(msg, SessionEnd):
+    async def _read(self, inbound: Link, send: trio.MemorySendChannel[Frame]) -> None:
+        async with send:
+            try:
+                while True:
+                    try:
+                        frame = await inbound.receive(timeout=IDLE_POLL_S)
+                    except PeerTimeout:
+                        continue
+                    send.send_nowait(frame)  # unbounded: what is in flight is bounded upstream
+                    await trio.lowlevel.checkpoint()  # the fast path's hot receive never yields
+            except PeerLost:
+                log.info("%r: upstream %s closed", self, self.upstream)
+
+    async def _compute_loop(self, recv: trio.MemoryReceiveChannel[Frame], outbound: Link) -> None:
+        while True:
+            if not self._pending:
+                try:
+                    self._pending.append(await recv.receive())
+                except trio.EndOfChannel:
+                    return
+            while True:
+                try:
+                    self._pending.append(recv.receive_nowait())
+                except (trio.WouldBlock, trio.EndOfChannel):
+                    break
+            batch = await self._take_batch(outbound)
+            if batch:
+                await self._run_batch(batch, outbound)
+            await trio.lowlevel.checkpoint()
+
+    async def _take_batch(self, outbound: Link) -> list[tuple[Chunk, torch.Tensor]]:
+        """Scan the queue in order: each session's first frame is handled (a control frame) or
+        joins the batch (a chunk); later frames of a session in the batch wait (module doc)."""
+        batch: list[tuple[Chunk, torch.Tensor]] = []
+        busy: set[int] = set()
+        keep: deque[Frame] = deque()
+        tokens = 0
+        while self._pending:
+            frame = self._pending.popleft()
+            if frame.session in busy or len(batch) >= self.max_batch:
+                keep.append(frame)
+                busy.add(frame.session)
+                continue
+            try:
+                msg = parse_message(frame, self.limits)
+            except ProtocolError as exc:
+                self.stats.errors += 1
+                log.warning("%r: bad frame from %s: %s", self, self.upstream, exc)
+                await self._report(outbound, frame.session, frame.seq, "bad_frame", str(exc))
+                continue
+            if not isinstance(msg, Chunk):
+                await self._control(msg, frame, outbound)
+                continue
+            if batch and tokens + msg.tokens > MAX_BATCH_TOKENS:
+                keep.append(frame)
+                busy.add(frame.session)
+                continue
+            h = await self._admit(msg, outbound)
+            if h is not None:
+                batch.append((msg, h))
+                busy.add(msg.session)
+                tokens += msg.tokens
+        self._pending = keep
+        return batch
+
+    async def _control(self, msg: object, frame: Frame, outbound: Link) -> None:
+        if isinstance(msg, SessionEnd):
             if msg.session in self.stage.sessions():
                 self.stage.close_session(msg.session)
             if not self.is_tail:
@@ -134,7 +232,8 @@ class StageWorker:
                 outbound, frame.session, frame.seq, "unexpected", f"{MsgType(frame.msg_type).name} on the activation path"
             )
 
-    async def _chunk(self, msg: Chunk, outbound: Link) -> None:
+    async def _admit(self, msg: Chunk, outbound: Link) -> torch.Tensor | None:
+        """Check a chunk and make its session's cache ready; None (reported downstream) if bad."""
         where = f"stage [{self.stage.start}, {self.stage.end})"
         try:
             if msg.epoch != self.epoch:
@@ -149,36 +248,53 @@ class StageWorker:
             if self.on_bad_input is not None and not self._reported:  # once: the leader re-plans
                 self._reported = True
                 self.on_bad_input(self.upstream, str(exc))
-            return
+            return None
         try:
             self._prepare_cache(msg, where)
         except SwarmError as exc:
             self.stats.errors += 1
             log.warning("%r: refused chunk %d of session %d: %s", self, msg.chunk_id, msg.session, exc)
             await self._report(outbound, msg.session, msg.chunk_id, "bad_chunk", str(exc))
-            return
+            return None
+        return h
+
+    def _forward(self, items: list[tuple[int, torch.Tensor]]) -> tuple[list[torch.Tensor], float]:
         t0 = time.perf_counter()
-        if msg.tokens <= INLINE_MAX_TOKENS and self._fwd_s < INLINE_MAX_S:
-            # a decode/verify step that takes a few ms: two thread hand-offs would cost about as
-            # much (measured: 3-6 ms of overhead per stage per token); the loop stalls briefly
-            out = self.stage.forward(msg.session, h)
+        if self.compute_delay_s > 0:
+            time.sleep(self.compute_delay_s)  # fault injection: compute that blocks (module doc)
+        outs = forward_many(self.stage, items)
+        return outs, time.perf_counter() - t0
+
+    async def _run_batch(self, batch: list[tuple[Chunk, torch.Tensor]], outbound: Link) -> None:
+        items = [(msg.session, h) for msg, h in batch]
+        if self.trace is not None:
+            self.trace.append([(m.session, m.pos, m.tokens) for m, _ in batch])
+        if self._predict_s < INLINE_MAX_S:
+            outs, took = self._forward(items)
         else:
-            out = await trio.to_thread.run_sync(self.stage.forward, msg.session, h, limiter=self.limiter)
-        took = time.perf_counter() - t0
-        if msg.tokens <= INLINE_MAX_TOKENS:
-            self._fwd_s = took if self._fwd_s == 0.0 else 0.8 * self._fwd_s + 0.2 * took
-        if self.corrupt_after is not None and self.stats.chunks >= self.corrupt_after:
-            out = torch.full_like(out, float("nan"))  # fault injection (chaos tests): a broken peer
-        self.stats.compute_s += took
-        self.stats.chunks += 1
-        self.stats.tokens += msg.tokens
-        dt, shape, data = encode_hidden(out)
-        reply: Chunk | Result
-        if self.is_tail:
-            reply = Result(msg.session, msg.chunk_id, msg.pos, "hidden", dt, shape, data, msg.epoch)
-        else:
-            reply = Chunk(msg.session, msg.chunk_id, msg.pos, msg.mode, dt, shape, data, msg.epoch, msg.flags)
-        await outbound.send(reply.to_frame(), timeout=SEND_TIMEOUT_S)
+            outs, took = await trio.to_thread.run_sync(self._forward, items, limiter=self.limiter)
+        # the prediction is per forward of a small batch; a big one says nothing about small ones
+        if sum(m.tokens for m, _ in batch) <= 16 or took > self._predict_s:
+            p = self._predict_s
+            self._predict_s = took if (p == math.inf or took > p) else 0.9 * p + 0.1 * took
+        st = self.stats
+        st.compute_s += took
+        st.batches += 1
+        st.max_batch = max(st.max_batch, len(batch))
+        if len(batch) > 1:
+            st.batched_chunks += len(batch)
+        for (msg, _), out in zip(batch, outs, strict=True):
+            if self.corrupt_after is not None and st.chunks >= self.corrupt_after:
+                out = torch.full_like(out, float("nan"))  # fault injection (chaos tests): a broken peer
+            st.chunks += 1
+            st.tokens += msg.tokens
+            dt, shape, data = encode_hidden(out)
+            reply: Chunk | Result
+            if self.is_tail:
+                reply = Result(msg.session, msg.chunk_id, msg.pos, "hidden", dt, shape, data, msg.epoch)
+            else:
+                reply = Chunk(msg.session, msg.chunk_id, msg.pos, msg.mode, dt, shape, data, msg.epoch, msg.flags)
+            await outbound.send(reply.to_frame(), timeout=SEND_TIMEOUT_S)
 
     def _prepare_cache(self, msg: Chunk, where: str) -> None:
         session = msg.session

@@ -33,17 +33,25 @@ async def run_memory_ring(
     epoch: int = 1,
     chunk_timeout: float = 30.0,
     during: Callable[[MemoryRing], Awaitable[None]] | None = None,
+    compute_delay_s: float = 0.0,
+    trace: bool = False,
 ) -> tuple[list[RingGeneration | BaseException], MemoryRing]:
-    """Run ``jobs`` (each gets the coordinator) concurrently on a ring made of ``model``'s stages."""
+    """Run ``jobs`` (each gets the coordinator) concurrently on a ring made of ``model``'s stages.
+    ``compute_delay_s``: every forward blocks this much longer (load tests); ``trace``: each
+    worker records its batches (``worker.trace``)."""
     n = len(model.stages)
     names = ["coord"] + [f"stage{i}" for i in range(n)] + ["coord"]
     links = [MemLink(f"{names[i]}->{names[i + 1]}", delay=delay) for i in range(n + 1)]
-    coord = Coordinator(model.head, epoch=epoch, first_hop=names[1], chunk_timeout=chunk_timeout)
+    coord = Coordinator(
+        model.head, epoch=epoch, first_hop=names[1], chunk_timeout=chunk_timeout, compute_delay_s=compute_delay_s
+    )
     coord.attach(links[0])
     workers = [
-        StageWorker(st, epoch=epoch, upstream=names[i], is_tail=(i == n - 1))
+        StageWorker(st, epoch=epoch, upstream=names[i], is_tail=(i == n - 1), compute_delay_s=compute_delay_s)
         for i, st in enumerate(model.stages)
     ]
+    for w in workers:
+        w.trace = [] if trace else None
     ring = MemoryRing(coord, workers, links)
     results: list[RingGeneration | BaseException] = [RuntimeError("not run")] * len(jobs)
 

@@ -8,7 +8,7 @@ import trio.testing
 
 from swarm.errors import UsageError
 from swarm.net.streams import TrioStreamRaw, open_framed
-from swarm.node.failure import FailureDetector, PeerState
+from swarm.node.failure import MAX_PATIENCE, PATIENCE_DECAY_S, FailureDetector, PeerState
 from swarm.node.heartbeat import Liveness, run_ctl_link, serve_ctl_inbound
 from swarm.proto.frame import Frame
 from swarm.proto.messages import Advert
@@ -61,6 +61,42 @@ def test_lost_peer_returns_as_new_incarnation() -> None:
     fd.tick(10.0)
     [again] = fd.heard(A, 11.0)
     assert again.incarnation == 2
+
+
+def test_a_peer_that_was_slow_not_gone_gets_more_patience_each_time() -> None:
+    """Re-plans are rate-limited per peer: a peer lost for silence that comes back must be silent
+    twice as long to be lost again (up to MAX_PATIENCE), and the reason says so."""
+    fd = FailureDetector()
+    fd.heard(A, 0.0)
+    [lost] = [t for t in fd.tick(2.5) if t.new is PeerState.LOST]
+    assert "allowed 2.5 s" in lost.reason and "allowed 5.0 s" in lost.reason and "rate-limited" in lost.reason
+    [back] = fd.heard(A, 3.0)
+    assert back.rejoined and "slow, not gone" in back.reason and fd.patience(A) == 2.0
+    assert [t.new for t in fd.tick(3.0 + 2.6)] == [PeerState.SUSPECT]  # 2.6 s of silence: only suspect now
+    [lost2] = [t for t in fd.tick(3.0 + 5.0) if t.new is PeerState.LOST]
+    assert "allowed 5.0 s" in lost2.reason
+    t = 8.0
+    for _ in range(4):  # each return doubles it, up to the cap
+        t += 0.5
+        fd.heard(A, t)
+        t += 2.5 * fd.patience(A)
+        fd.tick(t)
+    assert fd.patience(A) == MAX_PATIENCE
+    fd.heard(A, t)
+    for k in range(1, 4):  # alive a minute: halved each time, back to the defaults
+        fd.heard(A, t + k * PATIENCE_DECAY_S)
+        fd.tick(t + k * PATIENCE_DECAY_S)
+    assert fd.patience(A) == 1.0
+
+
+def test_a_closed_connection_is_gone_at_once_and_earns_no_patience() -> None:
+    fd = FailureDetector()
+    fd.heard(A, 0.0)
+    [lost] = fd.declare_lost(A, 1.0, "connection closed")
+    assert lost.new is PeerState.LOST
+    [back] = fd.heard(A, 2.0)
+    assert back.rejoined and fd.patience(A) == 1.0
+    assert [t.new for t in fd.tick(2.0 + 2.5)][-1] is PeerState.LOST
 
 
 def test_out_of_order_reports_and_bad_config() -> None:

@@ -182,3 +182,43 @@ async def test_ring_and_one_box_agree_in_bf16_with_chunks_in_flight(ckpt: Path) 
     assert res.output_token_ids == ref.output_token_ids
     live = [c for c in res.chunks]  # every chunk the ring sent; the reference ran the live ones
     assert [c for c in ref.chunks if c in live] == ref.chunks
+
+
+async def test_batched_sessions_of_different_lengths_join_and_leave_each_equal_to_alone(ckpt: Path) -> None:
+    """Continuous batching: sessions of different lengths, one joining late and several ending
+    while others go on, a long prompt prefilled in pieces between the others' decode steps; each
+    session's tokens equal its run alone (fp32), and the forwards were really shared."""
+    blocks = [(0, 2), (2, 4), (4, 6)]
+    ref_model = _model(ckpt, blocks)
+    long_prompt = [(i * 37 + 11) % 256 for i in range(200)]  # 4 prefill pieces of 64
+    specs = [  # (prompt, new tokens, start after s)
+        (PROMPT, 30, 0.0), ([1, 2, 3, 4], 8, 0.0), ([200, 100, 50, 25, 12, 6], 16, 0.0),
+        ([9] * 20, 12, 0.0), (long_prompt, 6, 0.15), ([7, 7, 8], 10, 0.3),
+    ]  # fmt: skip
+    refs = [generate(ref_model, p, max_new_tokens=n, eos_token_ids=()).output_token_ids for p, n, _ in specs]
+
+    def job_for(prompt: list[int], n: int, after: float, drafted: bool):  # type: ignore[no-untyped-def]
+        async def job(c: Coordinator):  # type: ignore[no-untyped-def]
+            await trio.sleep(after)
+            kw = {"drafter": NgramDrafter(), "policy": KPolicy(fixed_k=2, max_depth=2)} if drafted else {}
+            return await c.generate(prompt, max_new_tokens=n, eos_token_ids=(), **kw)
+
+        return job
+
+    jobs = [job_for(p, n, after, i % 2 == 0) for i, (p, n, after) in enumerate(specs)]
+    results, ring = await run_memory_ring(_model(ckpt, blocks), jobs, delay=0.001, compute_delay_s=0.01, trace=True)
+    for res, want in zip(results, refs, strict=True):
+        assert not isinstance(res, BaseException), res
+        assert res.output_token_ids == want
+    assert sum(r.shared_head_calls for r in results if not isinstance(r, BaseException)) > 0
+    for w in ring.workers:
+        assert w.trace and max(len(b) for b in w.trace) >= 3, w.trace  # forwards were shared
+        assert all(len({s for s, _, _ in b}) == len(b) for b in w.trace)  # one chunk per session per forward
+        assert not w.stage.sessions()  # every session freed
+    first = ring.workers[0].trace
+    assert first is not None
+    long_session = next(s for b in first for s, pos, t in b if t == 64)
+    pieces = [i for i, b in enumerate(first) for s, pos, t in b if s == long_session and pos < 200]
+    assert len(pieces) == 4 and len(set(pieces)) == 4  # one prefill piece per forward...
+    # ...each shared with other sessions' decode steps, which therefore never waited for the whole prompt
+    assert any(any(s != long_session and t <= 3 for s, _, t in first[i]) for i in pieces[1:])
