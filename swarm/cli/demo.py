@@ -130,7 +130,10 @@ async def _run_one(addr: str, secret: bytes, swarm_id: str, timeout: float, req:
     async with client.open_client(addr, secret=secret, swarm_id=swarm_id, timeout=timeout) as (host, peer):
         await client.wait_ready(host, peer, timeout=timeout)
 
+        pieces: list[str] = []
+
         def show(ids: list[int], text: str) -> None:
+            pieces.append(text)
             if not quiet_stream:
                 sys.stdout.write(text)
                 sys.stdout.flush()
@@ -143,7 +146,7 @@ async def _run_one(addr: str, secret: bytes, swarm_id: str, timeout: float, req:
         receipt = await client.generate(host, peer, on_tokens=show, on_notice=notice, timeout=timeout, **req)
         if not quiet_stream:
             sys.stdout.write("\n")
-        return receipt
+        return {"text": "".join(pieces), **receipt}
 
 
 async def _serve_api(addr: str, secret: bytes, swarm_id: str, model_dir: Path, bind: str) -> None:

@@ -94,8 +94,7 @@ def _num(v: Any, fmt: str, unit: str = "") -> str:
     return "-" if v is None else f"{v:{fmt}}{unit}"
 
 
-def short(peer: str | None) -> str:
-    return "-" if not peer else (peer if len(peer) <= 16 else peer[:14] + "…")
+short = ui.short
 
 
 COLUMNS = ["#", "peer", "role", "layers", "device", "memory used/offered", "ms/layer", "rtt→next", "heartbeat",
@@ -170,7 +169,10 @@ async def _run(addrs: list[str], secret: bytes, swarm_id: str, *, as_json: bool,
                 return
         except PeerError as exc:
             last = exc
-            ui.notice(f"{addr}: {exc}")
+            if len(addrs) > 1:
+                ui.notice(f"{addr}: {exc}")
+    if len(addrs) == 1 and last is not None:
+        raise PeerError(f"the swarm did not answer: {last}")
     raise PeerError(f"no peer answered ({len(addrs)} tried){': ' + str(last) if last else ''}")
 
 

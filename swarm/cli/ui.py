@@ -40,7 +40,9 @@ class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
 def configure(*, verbose: bool = False, quiet: bool = False) -> None:
     global _quiet
     _quiet = quiet
-    level = logging.DEBUG if verbose else (logging.WARNING if quiet else logging.INFO)
+    # library news (connections admitted, epochs set up) is INFO: below the default level, shown
+    # with --verbose; what the user needs to know comes as notices (ui.notice), not as log lines
+    level = logging.DEBUG if verbose else logging.WARNING
     handler: logging.Handler
     if err.is_terminal:
         handler = RichHandler(console=err, show_path=False)
@@ -109,6 +111,11 @@ def progress(label: str) -> Iterator[_Reporter]:
         yield _Reporter(bar, task, label)
 
 
+def short(peer: str | None) -> str:
+    """A peer ID as every table and ring line shows it."""
+    return "-" if not peer else (peer if len(peer) <= 16 else peer[:14] + "…")
+
+
 def print_receipt_summary(receipt: dict[str, Any]) -> None:
     """The end-of-run summary on stderr: peers and blocks, ring with per-hop RTT, speed."""
     if _quiet:
@@ -116,10 +123,10 @@ def print_receipt_summary(receipt: dict[str, Any]) -> None:
     peers = {p["id"]: p for p in receipt.get("peers", [])}
     rtt = receipt.get("rtt_ms", {})
     coord = receipt.get("coordinator", "")
-    path = [coord, *receipt.get("ring", []), coord]
-
-    def short(pid: str) -> str:
-        return pid[:8] + "…" + pid[-4:] if len(pid) > 14 else pid
+    ring = list(receipt.get("ring", []))
+    # each machine once, as `status` shows it: the coordinator starts the path unless it holds
+    # the first block itself (then it is one machine, "coordinator+stage", not two)
+    path = [*([] if ring[:1] == [coord] else [coord]), *ring, coord]
 
     def hop_ms(a: str, b: str) -> str:
         if a == b:
@@ -133,13 +140,12 @@ def print_receipt_summary(receipt: dict[str, Any]) -> None:
     for pid, p in peers.items():
         block = p.get("block")
         ms = p.get("ms_per_layer")
-        table.add_row(short(pid), p.get("role", ""), f"[{block[0]}, {block[1]})" if block else "-",
+        role = "coordinator+stage" if pid == coord and block else p.get("role", "")
+        table.add_row(short(pid), role, f"[{block[0]}, {block[1]})" if block else "-",
                       p.get("device", ""), f"{ms:.2f}" if isinstance(ms, int | float) else "?")
     err.print(table)
-    hops = " -> ".join(
-        f"{short(a)} ({hop_ms(a, b)})" for a, b in zip(path[:-1], path[1:], strict=True)
-    )
-    err.print(f"ring: {hops} -> {short(coord)}", highlight=False, markup=False)
+    hops = "".join(f" -> {short(b)} ({hop_ms(a, b)})" for a, b in zip(path[:-1], path[1:], strict=True))
+    err.print(f"ring: {short(path[0])}{hops}", highlight=False, markup=False)
     tps = receipt.get("tokens_per_s") or 0.0
     trav = receipt.get("traversal_ms")
     acc = receipt.get("accepted_per_traversal")

@@ -36,6 +36,7 @@ def test_generate_cli_json_receipt_matches_one_box(tmp_path: Path) -> None:
         receipt = json.loads(out.stdout)
         assert receipt["output_token_ids"][: len(want)] == want[: len(receipt["output_token_ids"])]
         assert receipt["output_sha256"] == output_sha256(receipt["output_token_ids"])
+        assert receipt["text"] == ""  # what was streamed (this tiny checkpoint has no tokenizer: no text)
         assert json.loads(receipt_file.read_text()) == receipt
         # a tampered invite is refused with the manifest exit code, before any network traffic
         bad = tmp_path / "tampered.json"
