@@ -36,6 +36,7 @@ import trio
 import typer
 
 from swarm.cli import ui
+from swarm.cli.settings import flag_help, node_settings
 from swarm.errors import SwarmError, UsageError
 from swarm.manifest.identity import config_dir, load_identity, load_or_create_identity
 from swarm.manifest.manifest import Manifest, read_manifest
@@ -45,18 +46,20 @@ from swarm.node.membership import MemberEvent, Membership, MembershipService
 
 log = logging.getLogger("swarm.cli.join")
 
-_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*", re.IGNORECASE)
-_UNIT = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*", re.IGNORECASE)
+_POWER = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
 
 
 def parse_size(text: str) -> int:
-    """'24G', '512M', '1.5GiB', '1000000' -> bytes; 'auto' -> half the available memory."""
+    """'24G' or '24GB' -> 24 * 10^9 bytes (every message says GB, decimal, as the planner does);
+    '1.5GiB' -> 1.5 * 2^30; '1000000' -> bytes; 'auto' -> half the available memory."""
     if text.strip().lower() == "auto":
         return available_memory() // 2
     m = _SIZE.fullmatch(text)
     if not m:
         raise UsageError(f"--memory {text!r}: expected a size like 24G, 512M or 'auto'")
-    return int(float(m.group(1)) * _UNIT[m.group(2).lower()])
+    base = 1024 if m.group(3) else 1000
+    return int(float(m.group(1)) * base ** _POWER[m.group(2).lower()])
 
 
 def _serving_device(flag: str | None) -> str:
@@ -370,8 +373,8 @@ async def _diagnose(manifest: Manifest, seed: bytes, listen: list[str], as_json:
 def join(
     manifest_path: Path | None = typer.Option(None, "--manifest", help="Invite file (default: <config dir>/invite.json)."),
     model: Path | None = typer.Option(None, "--model", help="Local copy of the swarm's model, checked against the invite."),
-    listen: list[str] = typer.Option(["/ip4/0.0.0.0/tcp/0"], "--listen", help="Multiaddr to listen on (repeatable)."),
-    memory: str = typer.Option("auto", "--memory", help="Memory offered for layers, e.g. 24G (auto: half of free)."),
+    listen: list[str] | None = typer.Option(None, "--listen", help="Multiaddr to listen on (repeatable). " + flag_help("node.listen")),
+    memory: str | None = typer.Option(None, "--memory", help="E.g. 24G. " + flag_help("node.memory")),
     diagnose: bool = typer.Option(False, "--diagnose", help="Check how this node is reachable, then exit."),
     mdns: bool = typer.Option(True, "--mdns/--no-mdns", help="Announce and discover on the LAN."),
     relay: bool = typer.Option(True, "--relay/--no-relay", help="Use bootstrap nodes as relays (and hole punch)."),
@@ -381,11 +384,14 @@ def join(
     serve: bool = typer.Option(True, "--serve/--no-serve", help="Hold layers (or coordinate) for the swarm; --no-serve only shows peers."),
     api: str | None = typer.Option(None, "--api", help="Serve the OpenAI-compatible endpoint here, e.g. 127.0.0.1:8000."),
     api_token: str | None = typer.Option(None, "--api-token", envvar="SHARD_SWARM_API_TOKEN", help="Bearer token (required off localhost)."),
-    dtype: str = typer.Option("auto", "--dtype", help="auto, bf16, fp16 or fp32 for the layers this node holds."),
+    dtype: str | None = typer.Option(None, "--dtype", help=flag_help("node.dtype")),
     device: str | None = typer.Option(None, "--device", help="auto (CUDA, then MPS, else CPU), cpu, cuda, cuda:N or mps (default: node.device, else auto)."),
-    threads: int = typer.Option(0, "--threads", help="torch threads (0: every core)."),
+    threads: int | None = typer.Option(None, "--threads", help=flag_help("node.threads")),
 ) -> None:
     """Join a swarm: connect, be admitted, and show peers as they appear."""
+    cfg = node_settings({"node.listen": listen or None, "node.memory": memory, "node.dtype": dtype, "node.threads": threads})
+    listen, memory = list(cfg.get("node.listen")), str(cfg.get("node.memory"))
+    dtype, threads = str(cfg.get("node.dtype")), int(cfg.get("node.threads"))
     if logging.getLogger("swarm").getEffectiveLevel() > logging.DEBUG:
         logging.getLogger("libp2p").setLevel(logging.CRITICAL)  # its dial-retry noise, unless -v
     path = manifest_path or (config_dir() / "invite.json")
@@ -405,7 +411,7 @@ def join(
     identity = load_identity(key) if key is not None and key.exists() else load_or_create_identity(key)
     mem = parse_size(memory) if dev is None else offered_memory(memory, dev)
     on = f" on {dev}" if dev is not None else ""
-    ui.notice(f"joining swarm {manifest.swarm_name!r} as {identity.peer_id}, offering {mem / (1 << 30):.1f} GiB{on}")
+    ui.notice(f"joining swarm {manifest.swarm_name!r} as {identity.peer_id}, offering {ui.size(mem)}{on}")
     if diagnose:
         trio.run(_diagnose, manifest, identity.seed, listen, as_json)
         return

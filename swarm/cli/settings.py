@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 CONFIG_FILE = "config.toml"
 _SIZE = re.compile(r"\s*\d+(\.\d+)?\s*[kmgt]?i?b?\s*", re.IGNORECASE)
 _DEVICE = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
+DTYPES = ("auto", "bf16", "fp16", "fp32")
 
 
 def _check_memory(v: Any) -> str | None:
@@ -75,8 +76,9 @@ KEYS: tuple[Key, ...] = (
         "less a margin)", _check_memory),
     Key("node.device", "auto", "where layers run: auto (CUDA, then MPS, else CPU), cpu, mps, cuda or cuda:N",
         _check_device),
-    Key("node.threads", 0, "torch threads (0: torch's default)", _check_type(int)),
-    Key("node.dtype", "bf16", "bf16 or fp32", lambda v: None if v in ("bf16", "fp32") else "bf16 or fp32"),
+    Key("node.threads", 0, "torch threads (0: every core)", _check_type(int)),
+    Key("node.dtype", "auto", "auto (bf16 where the hardware has it, else fp32), bf16, fp16 or fp32",
+        lambda v: None if v in DTYPES else ", ".join(DTYPES)),
     Key("node.listen", ["/ip4/0.0.0.0/tcp/0"], "multiaddrs to listen on", _check_addrs),
     Key("node.key", "", "identity key file (empty: <config dir>/identity.key)", _check_type(str)),
     Key("swarm.manifest", "", "invite file (empty: <config dir>/invite.json)", _check_type(str)),
@@ -88,15 +90,28 @@ KEYS: tuple[Key, ...] = (
 )
 _BY_NAME = {k.name: k for k in KEYS}
 
+
+def flag_help(name: str) -> str:
+    """A flag's help text from its config key, so ``--help`` and ``config show`` say the same."""
+    k = _BY_NAME[name]
+    shown = " ".join(k.default) if isinstance(k.default, list) else k.default
+    return f"{k.help[:1].upper()}{k.help[1:]} (default: {name} in the config file, else {shown})."
+
+
+def node_settings(flags: Mapping[str, Any]) -> UserConfig:
+    """The node's settings: ``flags`` (None: not given) over the config file over the defaults."""
+    return load_config().with_flags(flags)
+
 TEMPLATE = """\
 # shard-swarm configuration: what you set once. Command-line flags override every value here.
 # `shard-swarm config show` prints the values in force and where each came from.
 
 [node]
-# memory = "24G"                    # memory offered for layers ("auto": half of what is free)
+# memory = "24G"                    # memory offered for layers: 24G = 24 GB (10^9 bytes), 24GiB = 24 x 2^30
+                                    # ("auto": half of free RAM; on a GPU its free memory less a margin)
 # device = "auto"                   # auto (CUDA, then MPS, else CPU), cpu, mps, cuda or cuda:N
-# threads = 0                       # torch threads (0: torch's default)
-# dtype = "bf16"                    # bf16 or fp32
+# threads = 0                       # torch threads (0: every core)
+# dtype = "auto"                    # auto (bf16 where the hardware has it, else fp32), bf16, fp16 or fp32
 # listen = ["/ip4/0.0.0.0/tcp/0"]   # multiaddrs to listen on
 # key = ""                          # identity key file
 

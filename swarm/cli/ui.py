@@ -111,6 +111,11 @@ def progress(label: str) -> Iterator[_Reporter]:
         yield _Reporter(bar, task, label)
 
 
+def size(nbytes: float) -> str:
+    """Bytes as every message shows them: decimal GB (MB below 0.1 GB), as the planner says."""
+    return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.1f} MB"
+
+
 def short(peer: str | None) -> str:
     """A peer ID as every table and ring line shows it."""
     return "-" if not peer else (peer if len(peer) <= 16 else peer[:14] + "…")

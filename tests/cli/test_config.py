@@ -97,3 +97,47 @@ def test_config_show(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert "hunter2" not in table.output
     init = CliRunner().invoke(app(), ["config", "init", "--file", str(tmp_path / "new.toml")])
     assert init.exit_code == 0 and (tmp_path / "new.toml").read_text() == TEMPLATE
+
+
+def test_config_show_defaults_are_what_join_uses_and_says(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``config show``'s defaults, ``join --help`` and what ``join`` runs with agree, and a value
+    in the file is what join uses when no flag is given."""
+    import re
+
+    from swarm.cli import join as join_cli
+    from swarm.cli.settings import KEYS
+    from swarm.manifest.identity import Identity
+    from swarm.manifest.manifest import new_manifest, sign_manifest, write_manifest
+
+    monkeypatch.setenv("SHARD_SWARM_CONFIG", str(tmp_path))
+    monkeypatch.setenv("COLUMNS", "400")
+    shown = {r["key"]: r for r in json.loads(CliRunner().invoke(app(), ["config", "show", "--json"]).stdout)["settings"]}
+    assert {k: r["value"] for k, r in shown.items() if k != "api.token"} == {k.name: k.default for k in KEYS if not k.secret}
+    flags = {"node.memory": "--memory", "node.dtype": "--dtype", "node.threads": "--threads", "node.listen": "--listen"}
+    ja = typer.Typer()
+    join_cli.register(ja)
+    ja.command("other")(lambda: None)
+    text = re.sub(r"[\s│|]+", " ", CliRunner().invoke(ja, ["join", "--help"]).output)
+    for key, flag in flags.items():
+        default = shown[key]["value"]
+        said = f"{shown[key]['help'][1:]} (default: {key} in the config file, else {' '.join(default) if isinstance(default, list) else default})"
+        assert flag in text and said in text, (flag, said, text)
+
+    ran: dict[str, object] = {}
+
+    async def fake_run_node(manifest, seed, signer, listen, memory, **kw):  # type: ignore[no-untyped-def]
+        ran.update(listen=listen, memory=memory, dtype=kw["dtype"], threads=kw["threads"])
+
+    monkeypatch.setattr(join_cli, "_run_node", fake_run_node)
+    ident = Identity(bytes([3]) * 32)
+    invite = tmp_path / "invite.json"
+    write_manifest(sign_manifest(new_manifest(swarm_name="lab", issuer=ident.public_key), ident), invite)
+    base = ["--manifest", str(invite), "--key", str(tmp_path / "k"), "--no-serve", "--no-mdns"]
+    assert join_cli.main(base) == 0
+    assert ran["listen"] == KEYS[[k.name for k in KEYS].index("node.listen")].default
+    assert (ran["dtype"], ran["threads"]) == ("auto", 0)
+    write(tmp_path, '[node]\nmemory = "2G"\ndtype = "fp32"\nthreads = 3\nlisten = ["/ip4/127.0.0.1/tcp/0"]\n')
+    assert join_cli.main(base) == 0
+    assert ran == {"listen": ["/ip4/127.0.0.1/tcp/0"], "memory": 2 * 10**9, "dtype": "fp32", "threads": 3}
+    assert join_cli.main([*base, "--threads", "1", "--memory", "1GiB"]) == 0  # flags win
+    assert (ran["threads"], ran["memory"]) == (1, 1 << 30)

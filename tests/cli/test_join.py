@@ -77,7 +77,9 @@ def _wait(pred, timeout: float, what: str, nodes: list[Node]) -> float:  # type:
 
 
 def test_parse_size() -> None:
-    assert parse_size("24G") == 24 << 30 and parse_size("512M") == 512 << 20 and parse_size("1.5GiB") == 3 << 29
+    # G/GB are decimal, as every message (and the planner) says GB; GiB is binary
+    assert parse_size("24G") == 24 * 10**9 and parse_size("512MB") == 512 * 10**6 and parse_size("1.5GiB") == 3 << 29
+    assert parse_size("120M") == 120 * 10**6 and parse_size("1000000") == 10**6
     assert parse_size("auto") >= 0
     with pytest.raises(UsageError, match="--memory"):
         parse_size("lots")
