@@ -101,9 +101,10 @@ def run_command(
     top_k: int = typer.Option(0, "--top-k", help="0 = off."),
     top_p: float = typer.Option(1.0, "--top-p", help="1.0 = off."),
     seed: int = typer.Option(0, "--seed", help="Seed of the sampling generators."),
-    draft: str = typer.Option("none", "--draft", help="Drafter: none, ngram, self (layer-skipped target) or a checkpoint PATH."),
+    draft: str = typer.Option("ngram", "--draft", help="Drafter: ngram (a ring's default), none, self (layer-skipped target) or a checkpoint PATH."),
     draft_k: int | None = typer.Option(None, "--draft-k", help="Fixed draft length (default: adaptive)."),
-    depth: int = typer.Option(1, "--depth", min=1, max=8, help="Verify chunks in flight (a ring receipt's draft.max_depth reproduces it)."),
+    depth: int = typer.Option(2, "--depth", min=1, max=8, help="Verify chunks in flight. A ring picks its own (1-4, from its predicted traversal) and records it in the receipt as draft.max_depth: --receipt replays it."),
+    receipt: Path | None = typer.Option(None, "--receipt", help="Replay a ring's run receipt (generate --json / demo --json): its prompt ids, length, sampling, drafter and depth; then say whether the output matches."),
     dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 where the hardware has it, else fp32), bf16 or fp32."),
     device: str | None = typer.Option(None, "--device", help="auto (CUDA, then MPS, else CPU), cpu, cuda, cuda:N or mps (default: node.device, else auto)."),
     threads: int | None = typer.Option(None, "--threads", help="torch threads (default: all cores)."),
@@ -122,6 +123,16 @@ def run_command(
     from swarm.model.sampling import SamplingParams
     from swarm.model.speculative import KPolicy
 
+    replay: dict[str, Any] | None = None
+    if receipt is not None:
+        replay = _read_receipt(receipt)
+        prompt, prompt_ids = None, ",".join(map(str, replay["prompt_token_ids"]))
+        max_new_tokens = len(replay["output_token_ids"])
+        samp, dr = replay.get("sampling") or {}, replay.get("draft") or {}
+        temperature, top_k = float(samp.get("temperature", 0.0)), int(samp.get("top_k", 0))
+        top_p, seed = float(samp.get("top_p", 1.0)), int(samp.get("seed", 0))
+        draft, depth = str(dr.get("name", "ngram")), int(dr.get("max_depth", 1))
+        draft_k = dr.get("draft_k")
     if (prompt is None) == (prompt_ids is None):
         raise UsageError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
     dev = chosen_device(device)
@@ -169,6 +180,10 @@ def run_command(
                       policy=policy, eos_token_ids=eos, on_tokens=streamer)
     out_ids = result.output_token_ids
     out_text = tok.decode(out_ids) if tok is not None else None
+    matches = None if replay is None else out_ids == list(replay["output_token_ids"])
+    if matches is not None and not as_json:
+        ui.notice(f"the receipt's output ({len(replay['output_token_ids'])} tokens) "  # type: ignore[index]
+                  + ("is reproduced exactly" if matches else "differs: see README, \"What is promised\""))  # fmt: skip
     if not as_json:
         if streamer is None:
             sys.stdout.write(",".join(map(str, out_ids)))
@@ -189,6 +204,7 @@ def run_command(
         "blocks": [list(b) for b in lm.blocks],
         "sampling": params.to_dict(),
         "draft": draft_name,
+        "depth": depth,
         "prompt_token_ids": ids,
         "output_token_ids": out_ids,
         "output_text": out_text,
@@ -205,7 +221,23 @@ def run_command(
         obj["acceptance_rate"] = (round(result.acceptance_rate, 3)
                                   if result.acceptance_rate is not None else 0.0)
         obj["rounds"] = result.rounds
+    if matches is not None:
+        obj["matches_receipt"] = matches
     ui.print_json(obj)
+
+
+def _read_receipt(path: Path) -> dict[str, Any]:
+    import json
+
+    try:
+        data = json.loads(path.read_text())
+        ids = data["prompt_token_ids"]
+        out = data["output_token_ids"]
+        if not (isinstance(ids, list) and isinstance(out, list) and all(isinstance(i, int) for i in ids + out) and out):
+            raise TypeError("prompt_token_ids and output_token_ids must be non-empty lists of token ids")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UsageError(f"--receipt {path}: not a run receipt ({exc})") from None
+    return dict(data)
 
 
 def register(app: typer.Typer) -> None:

@@ -36,10 +36,10 @@ def test_output_sha256_and_prompt_ids() -> None:
             parse_prompt_ids(bad)
 
 
-def test_run_json_on_a_tiny_checkpoint(tiny: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_run_json_on_a_tiny_checkpoint(tiny: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     base = ["--model", str(tiny), "--prompt-ids", "3,14,15,92,65", "--max-new-tokens", "12",
             "--dtype", "fp32"]
-    one = run_json(capsys, base)
+    one = run_json(capsys, [*base, "--draft", "none"])
     ids = one["output_token_ids"]
     assert isinstance(ids, list) and len(ids) == 12
     assert one["prompt_token_ids"] == [3, 14, 15, 92, 65]
@@ -52,6 +52,14 @@ def test_run_json_on_a_tiny_checkpoint(tiny: Path, capsys: pytest.CaptureFixture
     assert "accepted_per_round" in split
     drafted = run_json(capsys, [*base, "--stages", "2", "--draft", str(tiny), "--draft-k", "3"])
     assert drafted["output_token_ids"] == ids and drafted["acceptance_rate"] == 1.0
+    ringlike = run_json(capsys, base)  # the defaults are a ring's: ngram drafting, depth 2
+    assert ringlike["draft"] == "ngram" and ringlike["depth"] == 2 and ringlike["output_token_ids"] == ids
+    receipt = tmp_path / "receipt.json"  # a ring's receipt, as generate --json writes it
+    receipt.write_text(json.dumps({"prompt_token_ids": [3, 14, 15, 92, 65], "output_token_ids": ids[:9],
+                                   "sampling": {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0},
+                                   "draft": {"name": "ngram", "max_depth": 3, "draft_k": None}}))  # fmt: skip
+    replayed = run_json(capsys, ["--model", str(tiny), "--dtype", "fp32", "--receipt", str(receipt)])
+    assert replayed["matches_receipt"] is True and replayed["depth"] == 3 and replayed["output_token_ids"] == ids[:9]
     s1 = run_json(capsys, [*base, "--temperature", "0.8", "--top-p", "0.9", "--seed", "4"])
     s2 = run_json(capsys, [*base, "--temperature", "0.8", "--top-p", "0.9", "--seed", "4"])
     assert s1["output_token_ids"] == s2["output_token_ids"]
