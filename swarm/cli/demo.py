@@ -21,7 +21,7 @@ import typer
 
 from swarm.cli import ui
 from swarm.errors import UsageError
-from swarm.manifest.manifest import read_manifest
+from swarm.manifest.manifest import QUANTS, read_manifest
 
 DEFAULT_PROMPT = "Explain in two sentences why the sky is blue."
 
@@ -38,6 +38,7 @@ def demo(
     model: Path | None = typer.Option(None, "--model", help="Model directory (default: the bundled SmolLM2)."),
     dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 where the hardware has it, else fp32), bf16, fp16 or fp32."),
     device: str | None = typer.Option(None, "--device", help="auto (CUDA, then MPS, else CPU), cpu, cuda, cuda:N or mps, for every node (default: node.device, else auto)."),
+    quant: str = typer.Option("none", "--quant", help="How every node holds its layers: none, int8 or int4 (written into the invite)."),
     draft: str = typer.Option("ngram", "--draft", help="ngram or none."),
     chat: bool = typer.Option(True, "--chat/--no-chat", help="Wrap the prompt in the model's chat template."),
     temperature: float = typer.Option(0.0, "--temperature"),
@@ -56,12 +57,16 @@ def demo(
     from swarm.model.dtypes import dtype_name, resolve_dtype
     from swarm.node.launch import start_local_swarm
 
+    if quant not in QUANTS:
+        raise UsageError(f"--quant {quant!r}: choose one of {', '.join(QUANTS)}")
     dev = device_label(chosen_device(device))  # refuse a bad name or a missing device
     torch_dtype = resolve_dtype(dtype, dev)  # ... before starting anything
     with ui.progress("converting the bundled model (first run only)") as report:
         model_dir = model or default_model_dir(progress=report)
-    ui.notice(f"starting {nodes} node processes on loopback ({model_dir.name}, {dtype_name(torch_dtype)} on {dev})")
-    with start_local_swarm(nodes, model_dir, dtype=dtype, device=dev, draft=draft, delay_ms=delay_ms) as swarm:
+    held = dtype_name(torch_dtype) + ("" if quant == "none" else f", {quant} weights")
+    ui.notice(f"starting {nodes} node processes on loopback ({model_dir.name}, {held} on {dev})")
+    with start_local_swarm(nodes, model_dir, dtype=dtype, device=dev, draft=draft, delay_ms=delay_ms,
+                           quant=quant) as swarm:
         try:
             result = trio.run(
                 _run_one, swarm.addrs[-1], swarm.secret, swarm.swarm_id, timeout,

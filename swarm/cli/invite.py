@@ -19,6 +19,7 @@ from swarm.cli import ui
 from swarm.errors import UsageError
 from swarm.manifest.identity import load_or_create_identity, public_key_from_peer_id
 from swarm.manifest.manifest import (
+    QUANTS,
     Manifest,
     ManifestInvalid,
     new_manifest,
@@ -82,6 +83,9 @@ def create(
         "--rotate-secret",
         help="With --from: a new swarm secret (every member needs the new invite).",
     ),
+    quant: str | None = typer.Option(
+        None, "--quant", help="How every peer holds its layers: none, int8 or int4 (default none; --from keeps it)."
+    ),
 ) -> None:
     """Create a signed invite for a new swarm, or re-issue one with --from."""
     lifetime = parse_duration(expires)
@@ -93,6 +97,8 @@ def create(
         raise UsageError(
             "--rotate-secret needs --from FILE (a new swarm always gets a fresh secret)"
         )
+    if quant is not None and quant not in QUANTS:
+        raise UsageError(f"--quant {quant!r}: choose one of {', '.join(QUANTS)}")
     identity = load_or_create_identity()
     old = None
     if from_file is not None:
@@ -111,6 +117,7 @@ def create(
         revoked=revoked,
         swarm_id=old.swarm_id if old else None,
         secret=old.secret if old and not rotate_secret else None,
+        quant=quant or (old.quant if old else "none"),
     )
     m = sign_manifest(m, identity)
     write_manifest(m, output)
@@ -206,6 +213,7 @@ def show(
         )
     else:
         rows.append(["model", "(any)"])
+    rows.append(["quant", m.quant if m.quant != "none" else "none (layers in the serving dtype)"])
     rows += [["bootstrap", a] for a in m.bootstrap] or [["bootstrap", "(none: LAN discovery only)"]]
     rows += [["revoked", p] for p in m.revoked]
     ui.print_table(f"invite {file}", ["field", "value"], rows)

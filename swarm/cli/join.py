@@ -232,7 +232,7 @@ async def _serve_layers(
     settings = NodeSettings(
         seed=seed, swarm_id=manifest.swarm_id, secret=manifest.secret.value, model_dir=model_dir,
         listen=tuple(listen), bootstrap=tuple(manifest.bootstrap), memory_bytes=memory,
-        dtype=resolve_dtype(dtype, device), device=device,
+        dtype=resolve_dtype(dtype, device), device=device, quant=manifest.quant,
         threads=threads or max(1, (os.cpu_count() or 2)), revoked=frozenset(manifest.revoked),
         fastpath_host=first_ip,
     )  # fmt: skip

@@ -2,6 +2,11 @@
 
     shard-swarm plan --peers peers.json --model ./SmolLM2-135M-Instruct
     shard-swarm plan --peers peers.json --layers 80 --layer-gb 0.85 --coordinator-gb 2.1 --json
+    shard-swarm plan --peers peers.json --model ./Llama-3.3-70B --quant int4
+
+With ``--model`` the layers are budgeted at their resident bytes under ``--quant`` (weights held
+as int8/int4, norms in the serving dtype) plus the KV cache at ``--context``; when the model does
+not fit, the error says which other setting would.
 
 The peers file is the format a running swarm exports (see swarm/planner/peersfile.py). Exit
 codes: 0 planned; 2 bad flags or a malformed peers file; 3 an unreadable model config;
@@ -17,7 +22,8 @@ from typing import Any
 import typer
 
 from swarm.cli import ui
-from swarm.errors import UsageError
+from swarm.errors import PlanningError, UsageError
+from swarm.manifest.manifest import QUANTS
 from swarm.planner import GB, ModelSpec, Plan, parse_peers_file, plan
 
 SPECULATION_G = (1, 2, 4)  # accepted tokens per traversal shown in the output
@@ -48,14 +54,18 @@ def model_spec(
     kv_kb_per_token: float | None,
     context: int,
     dtype_bytes: int,
+    quant: str = "none",
 ) -> ModelSpec:
     """A ModelSpec from --model (its config.json) or from --layers/--layer-gb."""
     if context < 0:
         raise UsageError("--context must be >= 0")
+    if quant not in QUANTS:
+        raise UsageError(f"--quant {quant!r}: choose one of {', '.join(QUANTS)}")
     if model is not None:
         if layers is not None or layer_gb is not None:
             raise UsageError("give either --model or --layers/--layer-gb, not both")
         from swarm.model.config import ModelArgs
+        from swarm.model.quant import layer_bytes
 
         if model.is_file() and model.suffix == ".gguf":
             from swarm.model.gguf import config_from_gguf
@@ -71,13 +81,15 @@ def model_spec(
         )
         return ModelSpec(
             n_layers=args.n_layers,
-            layer_bytes=args.layer_bytes(dtype_bytes),
+            layer_bytes=layer_bytes(args, quant, dtype_bytes),
             kv_bytes_per_token_per_layer=int(kv),
             coordinator_bytes=int(coord + draft_gb * GB),
             context_tokens=context,
         )
     if layers is None or layer_gb is None:
         raise UsageError("give --model PATH, or --layers N with --layer-gb G")
+    if quant != "none":
+        raise UsageError("--quant needs --model (with --layer-gb, give the quantized size itself)")
     if layers < 1 or layer_gb <= 0:
         raise UsageError("--layers must be >= 1 and --layer-gb > 0")
     return ModelSpec(
@@ -95,6 +107,33 @@ def plan_json(p: Plan) -> dict[str, Any]:
         str(g): p.predicted_tokens_per_s(g) for g in SPECULATION_G
     }
     return out
+
+
+def _layer_line(spec: ModelSpec) -> str:
+    kv = spec.kv_bytes_per_token_per_layer * spec.context_tokens
+    return (f"{spec.bytes_per_layer / GB:.3f} GB = weights {spec.layer_bytes / GB:.3f} GB + KV "
+            f"{kv / GB:.3f} GB for {spec.context_tokens} tokens")
+
+
+def plan_or_hint(spec_for: Any, quant: str, peers: Any, latency: Any) -> tuple[Plan, ModelSpec]:
+    """Plan with ``spec_for(quant)``; when it does not fit, say which other setting would."""
+    spec = spec_for(quant)
+    try:
+        return plan(spec, peers, latency), spec
+    except PlanningError as exc:
+        if not str(exc).startswith("not enough memory"):
+            raise
+        for other in QUANTS:
+            if other == quant:
+                continue
+            try:
+                plan(spec_for(other), peers, latency)
+            except PlanningError:
+                continue
+            name = "bf16" if quant == "none" else quant
+            raise PlanningError(f"{exc}. It does not fit in {name} across these peers; fits with "
+                                f"--quant {other}") from None  # fmt: skip
+        raise
 
 
 def print_plan(p: Plan, spec: ModelSpec, memory: dict[str, int], speed: dict[str, float]) -> None:
@@ -157,6 +196,7 @@ def print_plan(p: Plan, spec: ModelSpec, memory: dict[str, int], speed: dict[str
         summary.append(
             [f"tokens/s, {g} accepted per traversal", f"{p.predicted_tokens_per_s(g):.1f}"]
         )
+    summary.append(["bytes per layer", _layer_line(spec)])
     summary.append(["standbys", ", ".join(p.standbys) or "-"])
     if p.note:
         summary.append(["note", p.note])
@@ -195,23 +235,38 @@ def register(app: typer.Typer) -> None:
         dtype_bytes: int = typer.Option(
             2, "--dtype-bytes", help="Bytes per weight when serving (bf16: 2)."
         ),
+        quant: str = typer.Option(
+            "none", "--quant", help="Layers held as none (the dtype), int8 or int4 (needs --model)."
+        ),
         as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
     ) -> None:
         """Show the coordinator, ring order, layer blocks and predicted speed for a set of peers."""
-        spec = model_spec(
-            model=model,
-            layers=layers,
-            layer_gb=layer_gb,
-            coordinator_gb=coordinator_gb,
-            draft_gb=draft_gb,
-            kv_kb_per_token=kv_kb_per_token,
-            context=context,
-            dtype_bytes=dtype_bytes,
-        )
+        def spec_for(q: str) -> ModelSpec:
+            return model_spec(
+                model=model,
+                layers=layers,
+                layer_gb=layer_gb,
+                coordinator_gb=coordinator_gb,
+                draft_gb=draft_gb,
+                kv_kb_per_token=kv_kb_per_token,
+                context=context,
+                dtype_bytes=dtype_bytes,
+                quant=q,
+            )
+
+        spec_for(quant)  # bad flags are usage errors before the peers file is read
         pf = parse_peers_file(read_peers_file(peers), where=f"peers file {peers}")
-        p = plan(spec, pf.peers, pf.latency())
+        if model is None:
+            spec = spec_for(quant)
+            p = plan(spec, pf.peers, pf.latency())
+        else:
+            p, spec = plan_or_hint(spec_for, quant, pf.peers, pf.latency())
         if as_json:
-            ui.print_json(plan_json(p))
+            out = plan_json(p)
+            out["quant"] = quant
+            out["layer_bytes"] = spec.layer_bytes
+            out["kv_bytes_per_layer"] = spec.kv_bytes_per_token_per_layer * spec.context_tokens
+            ui.print_json(out)
         else:
             print_plan(
                 p,

@@ -16,6 +16,7 @@ import typer
 
 from swarm.cli import ui
 from swarm.errors import ConfigError, TokenizerError, UsageError
+from swarm.manifest.manifest import QUANTS
 
 if TYPE_CHECKING:  # torch and the model load in the command, so other commands start fast
     import torch
@@ -106,6 +107,7 @@ def run_command(
     depth: int = typer.Option(2, "--depth", min=1, max=8, help="Verify chunks in flight. A ring picks its own (1-4, from its predicted traversal) and records it in the receipt as draft.max_depth: --receipt replays it."),
     receipt: Path | None = typer.Option(None, "--receipt", help="Replay a ring's run receipt (generate --json / demo --json): its prompt ids, length, sampling, drafter and depth; then say whether the output matches."),
     dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 where the hardware has it, else fp32), bf16 or fp32."),
+    quant: str = typer.Option("none", "--quant", help="Decoder layers held as none (the dtype), int8 or int4 (a ring receipt's quant reproduces it)."),
     device: str | None = typer.Option(None, "--device", help="auto (CUDA, then MPS, else CPU), cpu, cuda, cuda:N or mps (default: node.device, else auto)."),
     threads: int | None = typer.Option(None, "--threads", help="torch threads (default: all cores)."),
     chat: bool = typer.Option(True, "--chat/--no-chat", help="Wrap --prompt in the chat template."),
@@ -135,6 +137,8 @@ def run_command(
         draft_k = dr.get("draft_k")
     if (prompt is None) == (prompt_ids is None):
         raise UsageError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
+    if quant not in QUANTS:
+        raise UsageError(f"--quant {quant!r}: choose one of {', '.join(QUANTS)}")
     dev = chosen_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     dtype = dtype_name(torch_dtype)
@@ -153,7 +157,7 @@ def run_command(
         model_path = Path(model)
         name = model_path.name
     with ui.progress(f"loading {name} in {stages} stage(s)") as report:
-        lm = LocalModel.load(model_path, stages=stages, dtype=torch_dtype, device=dev, progress=report)
+        lm = LocalModel.load(model_path, stages=stages, dtype=torch_dtype, device=dev, progress=report, quant=quant)
     tok = _load_tokenizer(model_path)
 
     if prompt_ids is not None:
@@ -198,6 +202,7 @@ def run_command(
     obj: dict[str, Any] = {
         "model": {"name": name, "path": str(model_path), "config_sha256": lm.ckpt.config_sha256},
         "dtype": dtype,
+        "quant": quant,
         "device": dict(zip(("kind", "name"), describe_device(dev), strict=True)),
         "threads": torch.get_num_threads(),
         "stages": len(lm.stages),

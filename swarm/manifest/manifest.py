@@ -6,7 +6,8 @@ An invite is a JSON object (see ``manifests/schema.json`` and ``manifests/README
 
     {"version": 1, "swarm": {"name", "id"}, "model": null | {"name", "config_sha256", "files"},
      "bootstrap": [multiaddr, ...], "secret": b64(32 bytes), "issuer": b64(Ed25519 public key),
-     "created": unix s, "expires": unix s, "revoked": [peer ID, ...] (optional), "signature": b64}
+     "created": unix s, "expires": unix s, "revoked": [peer ID, ...] (optional),
+     "quant": "int8" | "int4" (optional; absent means "none"), "signature": b64}
 
 The signature is Ed25519 by ``issuer`` over ``b"shard-swarm/manifest/1\\0" + canonical(body)``,
 where body is the object minus ``signature`` *exactly as parsed* and canonical means sorted keys,
@@ -60,9 +61,13 @@ _FIELDS = {
     "created",
     "expires",
     "revoked",
+    "quant",
     "signature",
 }
-_OPTIONAL = {"revoked", "signature"}
+_OPTIONAL = {"revoked", "quant", "signature"}
+# how every peer holds its layers (swarm.model.quant.QUANTS; a test keeps the two equal). "none"
+# is never written, so invites made before the field existed keep their exact bytes and signature.
+QUANTS = ("none", "int8", "int4")
 
 
 class Reason(enum.Enum):
@@ -136,6 +141,7 @@ class Manifest:
     revoked: tuple[str, ...] = ()
     signature: bytes | None = None
     version: int = FORMAT_VERSION
+    quant: str = "none"
     # the body exactly as parsed from a file (what the signature covers); None when built here
     raw_body: dict[str, Any] | None = field(default=None, repr=False, compare=False)
 
@@ -159,6 +165,8 @@ class Manifest:
         }
         if self.revoked:
             out["revoked"] = list(self.revoked)
+        if self.quant != "none":
+            out["quant"] = self.quant
         return out
 
     def signed_bytes(self) -> bytes:
@@ -185,6 +193,7 @@ class Manifest:
             "created": self.created,
             "expires": self.expires,
             "revoked": list(self.revoked),
+            "quant": self.quant,
             "signed": self.signature is not None,
         }
 
@@ -225,6 +234,7 @@ def new_manifest(
     revoked: tuple[str, ...] = (),
     swarm_id: str | None = None,
     secret: SwarmSecret | None = None,
+    quant: str = "none",
 ) -> Manifest:
     """A fresh, unsigned manifest with a random swarm ID and secret (unless given: re-issuing)."""
     now = int(time.time()) if now is None else now
@@ -242,6 +252,7 @@ def new_manifest(
         created=now,
         expires=now + lifetime_s,
         revoked=tuple(revoked),
+        quant=quant,
     )
     # round-trip through the strict parser: we never write what we would refuse
     _parse_obj(json.loads(m.to_json_bytes()), "new manifest")
@@ -410,6 +421,9 @@ def _parse_obj(obj: Any, where: str) -> Manifest:
     for i, p in enumerate(revoked):
         if not isinstance(p, str) or not is_peer_id(p):
             raise r.bad(f"revoked[{i}]", f"{_show(p)} is not an Ed25519 libp2p peer ID")
+    quant = obj.get("quant", "none")
+    if "quant" in obj and (quant not in QUANTS[1:] or not isinstance(quant, str)):
+        raise r.bad("quant", f"{_show(quant)} is not one of {', '.join(QUANTS[1:])} (omit it for none)")
     signature = None
     if obj.get("signature") is not None:
         signature = r.get_b64(obj["signature"], "signature", 64)
@@ -426,7 +440,8 @@ def _parse_obj(obj: Any, where: str) -> Manifest:
         revoked,
         signature,
         version,
-        body,
+        quant=quant,
+        raw_body=body,
     )
 
 

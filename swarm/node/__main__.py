@@ -30,6 +30,7 @@ def settings_from_file(path: Path) -> NodeSettings:
         swarm_id=manifest.swarm_id,
         secret=manifest.secret.value,
         revoked=frozenset(manifest.revoked),
+        quant=manifest.quant,
         model_dir=Path(cfg["model_dir"]),
         listen=tuple(cfg.get("listen", ["/ip4/127.0.0.1/tcp/0"])),
         announce=tuple(cfg.get("announce", [])),

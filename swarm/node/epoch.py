@@ -234,7 +234,8 @@ class EpochRole:
         s = self.settings
         t0 = trio.current_time()
         stage = await trio.to_thread.run_sync(
-            lambda: Stage.load(self.args, self.ckpt.source, a, b, dtype=s.dtype, device=s.device), limiter=self.limiter
+            lambda: Stage.load(self.args, self.ckpt.source, a, b, dtype=s.dtype, device=s.device, quant=s.quant),
+            limiter=self.limiter,
         )
         self.life("loading", layers=[a, b], done=True, seconds=round(trio.current_time() - t0, 3))
         self._stage_cache[(a, b)] = stage

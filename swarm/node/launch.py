@@ -153,6 +153,7 @@ def start_local_swarm(
     fastpath: bool = True,
     workdir: Path | None = None,
     compute_delay_s: float = 0.0,
+    quant: str = "none",
 ) -> LocalSwarm:
     if n < 1:
         raise ValueError("a swarm needs at least one node")
@@ -170,7 +171,8 @@ def start_local_swarm(
     # an invite made on the spot: node 0 is the bootstrap, a throwaway issuer signs it
     issuer = Identity(os.urandom(32))
     manifest = sign_manifest(
-        new_manifest(swarm_name="demo", issuer=issuer.public_key, bootstrap=(addrs[0],), lifetime_s=86400),
+        new_manifest(swarm_name="demo", issuer=issuer.public_key, bootstrap=(addrs[0],), lifetime_s=86400,
+                     quant=quant),
         issuer,
     )
     manifest_file = workdir / "invite.json"
@@ -178,7 +180,7 @@ def start_local_swarm(
     secret, swarm_id = manifest.secret.value, manifest.swarm_id
     if memory_bytes is None:
         args = ModelArgs.from_dir(model_dir)
-        spec = model_spec(args, resolve_dtype(dtype, resolve_device(device)), context_tokens)
+        spec = model_spec(args, resolve_dtype(dtype, resolve_device(device)), context_tokens, quant)
         per = math.ceil(args.n_layers / n) * spec.bytes_per_layer + spec.coordinator_bytes
         memory_bytes = [int(per * 1.02)] * n
     swarm = LocalSwarm(workdir, swarm_id, secret, peer_ids, addrs, _tmp=tmp)

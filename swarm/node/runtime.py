@@ -48,6 +48,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -62,6 +63,8 @@ from swarm.errors import PeerError, PeerTimeout, PlanningError, ProtocolError, S
 from swarm.manifest.identity import Identity
 from swarm.model.config import ModelArgs
 from swarm.model.devices import auto_memory_bytes, describe_device, synchronize
+from swarm.model.quant import layer_bytes as quant_layer_bytes
+from swarm.model.quant import quantize_block
 from swarm.model.stage import Head, Stage
 from swarm.model.tokenizer import Tokenizer
 from swarm.model.weights import Checkpoint, open_checkpoint
@@ -122,6 +125,7 @@ class NodeSettings:
     bootstrap: tuple[str, ...] = ()
     memory_bytes: int = 0  # offered for layers; 0 = what the device has free (model/devices.py)
     dtype: torch.dtype = torch.bfloat16
+    quant: str = "none"  # the invite's: how the decoder layers are held (swarm.model.quant)
     device: str = "cpu"  # cpu, cuda:N or mps, already resolved (swarm.model.devices.resolve_device)
     threads: int = 1
     coordinator_ok: bool = True
@@ -138,18 +142,20 @@ class NodeSettings:
     compute_delay_s: float = 0.0  # fault injection (load tests): every forward and head call blocks this much longer
 
 
-def model_spec(args: ModelArgs, dtype: torch.dtype, context_tokens: int) -> ModelSpec:
+def model_spec(args: ModelArgs, dtype: torch.dtype, context_tokens: int, quant: str = "none") -> ModelSpec:
     nbytes = torch.empty(0, dtype=dtype).element_size()
     return ModelSpec(
         n_layers=args.n_layers,
-        layer_bytes=args.layer_bytes(nbytes),
+        layer_bytes=quant_layer_bytes(args, quant, nbytes),
         kv_bytes_per_token_per_layer=args.kv_bytes_per_token_per_layer(nbytes),
         coordinator_bytes=args.head_bytes(nbytes),
         context_tokens=context_tokens,
     )
 
 
-def measure_ms_per_layer(args: ModelArgs, dtype: torch.dtype, device: str, *, repeats: int = 15) -> float:
+def measure_ms_per_layer(
+    args: ModelArgs, dtype: torch.dtype, device: str, *, repeats: int = 15, quant: str = "none"
+) -> float:
     """Median time of one decoder layer on one token, with random weights of the model's shapes
     (on an accelerator each pass is waited for, so the figure is the work, not its launch)."""
     dev = torch.device(device)
@@ -159,6 +165,7 @@ def measure_ms_per_layer(args: ModelArgs, dtype: torch.dtype, device: str, *, re
         for p in stage.parameters():
             p.normal_(0.0, 0.02)
     stage.requires_grad_(False)
+    quantize_block(stage, quant, dtype=dtype)
     stage.open_session("probe", repeats + 2)
     h = torch.randn(1, args.dim, dtype=dtype, device=device)
     times = []
@@ -197,7 +204,7 @@ class Node(EpochRole):
         self.peer_id = self.identity.peer_id
         self.ckpt: Checkpoint = open_checkpoint(settings.model_dir)
         self.args = self.ckpt.args
-        self.spec = model_spec(self.args, settings.dtype, settings.context_tokens)
+        self.spec = model_spec(self.args, settings.dtype, settings.context_tokens, settings.quant)
         self.tokenizer: Tokenizer | None = None
         self.limiter = trio.CapacityLimiter(1)
         self._on_event = on_event or (lambda text: None)
@@ -241,7 +248,7 @@ class Node(EpochRole):
         s = self.settings
         torch.set_num_threads(max(1, s.threads))
         self.ms_per_layer = await trio.to_thread.run_sync(
-            measure_ms_per_layer, self.args, s.dtype, s.device, limiter=self.limiter
+            functools.partial(measure_ms_per_layer, self.args, s.dtype, s.device, quant=s.quant), limiter=self.limiter
         )
         memory, device = advertised_resources(s)
         async with open_host(s.seed, s.listen, secret=s.secret, swarm_id=s.swarm_id, revoked=s.revoked) as host:

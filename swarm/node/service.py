@@ -358,6 +358,7 @@ def build_receipt(node: Node, ep: Any, gen: RingGeneration, params: SamplingPara
     return {
         "version": __version__,
         "model": {"name": node.settings.model_dir.name, "config_sha256": node.ckpt.config_sha256},
+        "quant": node.settings.quant,
         "peers": peers,
         "coordinator": plan.coordinator,
         "ring": list(plan.ring),

@@ -180,3 +180,20 @@ def test_reissue_keeps_swarm_and_secret_and_adds_revocations(
         == 2
     )
     assert main(["invite", "create", "-o", str(tmp_path / "v6")]) == 2
+
+
+def test_quant_is_signed_into_the_invite_and_kept_on_reissue(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plain = _create(tmp_path)
+    assert "quant" not in json.loads(plain.read_text())  # none is never written: old invites keep their bytes
+    assert read_manifest(plain).quant == "none"
+    out = tmp_path / "q.invite"
+    assert main(["invite", "create", "--swarm", "q lab", "--quant", "int4", "-o", str(out)]) == 0
+    assert read_manifest(out).quant == "int4"
+    capsys.readouterr()
+    assert main(["invite", "show", "--json", str(out)]) == 0
+    assert json.loads(capsys.readouterr().out)["quant"] == "int4"
+    again = tmp_path / "q2.invite"
+    assert main(["invite", "create", "--from", str(out), "-o", str(again)]) == 0
+    assert read_manifest(again).quant == "int4"
+    assert main(["invite", "create", "--swarm", "x", "--quant", "nf4", "-o", str(tmp_path / "bad")]) == 2
+    assert "choose one of none, int8, int4" in capsys.readouterr().err

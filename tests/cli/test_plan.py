@@ -173,3 +173,50 @@ def test_peers_file_round_trip() -> None:
     assert again.peers == tuple(sorted(pf.peers, key=lambda p: p.id))
     assert again.rtt_ms == pf.rtt_ms
     assert pf.peers[0].memory_bytes == 22 * GB
+
+
+LLAMA_70B = {  # Llama-3.3-70B-Instruct's config.json, as published (config only, no weights)
+    **LLAMA_CONFIG,
+    "hidden_size": 8192, "intermediate_size": 28672, "num_attention_heads": 64, "num_key_value_heads": 8,
+    "num_hidden_layers": 80, "vocab_size": 128256, "rope_theta": 500000.0, "max_position_embeddings": 131072,
+    "tie_word_embeddings": False, "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009],
+    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+}  # fmt: skip
+THREE_24GB = {
+    "peers": [{"id": f"gpu-{c}", "memory_gb": 22, "ms_per_layer": 0.8} for c in "abc"],
+    "rtt_ms": {"gpu-a": {"gpu-b": 20.0, "gpu-c": 30.0}, "gpu-b": {"gpu-c": 25.0}},
+}
+
+
+def test_llama_70b_on_three_24gb_cards_is_refused_in_bf16_and_fits_in_int4(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "m").mkdir()
+    write(tmp_path / "m", LLAMA_70B, "config.json")
+    argv = ["plan", "--peers", str(write(tmp_path, THREE_24GB)), "--model", str(tmp_path / "m")]
+    assert main(argv) == 5
+    err = capsys.readouterr().err
+    assert "needs 142.45 GB" in err and "3 peers offer 66.00 GB" in err, err
+    assert "does not fit in bf16 across these peers; fits with --quant int4" in err, err
+    assert main([*argv, "--quant", "int8"]) == 5
+    assert "fits with --quant int4" in capsys.readouterr().err
+    out = run_json(capsys, [*argv, "--quant", "int4", "--json"])
+    assert out["quant"] == "int4" and sum(e - s for s, e in out["blocks"].values()) == 80
+    assert out["layer_bytes"] < 0.3 * 2 * 855_654_400  # int4 weights under 0.3 of bf16 per layer
+    assert out["kv_bytes_per_layer"] == 2 * 8 * 128 * 2 * 4096
+    for pid, (s, e) in out["blocks"].items():
+        used = (e - s) * (out["layer_bytes"] + out["kv_bytes_per_layer"])
+        used += 128256 * 8192 * 2 * 2 + 8192 * 2 if pid == out["coordinator"] else 0
+        assert used <= 22 * GB, pid
+    assert main([*argv, "--quant", "int4"]) == 0
+    table = capsys.readouterr().out
+    assert "bytes per layer" in table and "[0, " in table
+
+
+def test_bad_quant_flags_are_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    peers = str(write(tmp_path, THREE_24GB))
+    assert main(["plan", "--peers", peers, "--layers", "8", "--layer-gb", "1", "--quant", "int3"]) == 2
+    assert "choose one of none, int8, int4" in capsys.readouterr().err
+    assert main(["plan", "--peers", peers, "--layers", "8", "--layer-gb", "1", "--quant", "int4"]) == 2
+    assert "--quant needs --model" in capsys.readouterr().err

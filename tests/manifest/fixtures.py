@@ -60,6 +60,7 @@ def examples() -> dict[str, bytes]:
             model=MODEL, bootstrap=("/ip4/203.0.113.7/tcp/4001/p2p/" + ISSUER.peer_id,)
         ).to_json_bytes(),
         "with-revocation.json": make(revoked=(OTHER.peer_id,)).to_json_bytes(),
+        "with-quant.json": make(model=MODEL, quant="int4").to_json_bytes(),
     }
 
 
@@ -144,6 +145,9 @@ def broken() -> dict[str, tuple[bytes, str, str | None]]:
         "expires",
         lambda o: o.update(expires=o["created"]),
     )
+    variant("bad-quant.json", "malformed", "quant", lambda o: o.update(quant="int3"))
+    variant("none-quant.json", "malformed", "quant", lambda o: o.update(quant="none"))
+    variant("tampered-quant.json", "bad-signature", "signature", lambda o: o.update(quant="int8"))
     variant("bad-swarm-id.json", "malformed", "swarm.id", lambda o: o["swarm"].update(id="xyz"))
     out["not-json.json"] = (b'{"version": 1, "swarm": ', "malformed", None)
     out["not-an-object.json"] = (b"[1, 2, 3]\n", "malformed", None)

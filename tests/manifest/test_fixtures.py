@@ -44,8 +44,16 @@ def test_fixtures_on_disk_are_current() -> None:
         assert EXPECTED[name] == {"reason": reason, "field": fld}
 
 
+def test_quant_names_agree_with_the_runtime() -> None:
+    from swarm.manifest.manifest import QUANTS
+    from swarm.model import quant
+
+    assert QUANTS == quant.QUANTS
+    assert json.loads((ROOT / "schema.json").read_text())["properties"]["quant"]["enum"] == list(QUANTS[1:])
+
+
 def test_schema_names_the_same_fields() -> None:
     schema = json.loads((ROOT / "schema.json").read_text())
     assert set(schema["properties"]) == _FIELDS
-    assert set(schema["required"]) == _FIELDS - {"revoked", "signature"}
+    assert set(schema["required"]) == _FIELDS - {"revoked", "quant", "signature"}
     assert schema["additionalProperties"] is False

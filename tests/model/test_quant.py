@@ -58,19 +58,23 @@ def test_int4_round_trip_is_within_half_a_step_per_group(group: int) -> None:
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 @pytest.mark.parametrize("shape", [(64, 128), (40, 96)])  # 40 rows: int4 has no packed kernel there
-def test_quantlinear_multiplies_by_the_weights_it_holds(kind: str, shape: tuple[int, int]) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantlinear_multiplies_by_the_weights_it_holds(kind: str, shape: tuple[int, int], dtype: torch.dtype) -> None:
     n, k = shape
     lin = nn.Linear(k, n, bias=True)
     with torch.no_grad():
         lin.weight.copy_(_w(n, k, 1))
-    m = quantize_block(nn.Sequential(lin), kind, group=32)[0]
+    w = lin.weight.detach().clone()
+    m = quantize_block(nn.Sequential(lin).to(dtype), kind, group=32)[0]
     assert isinstance(m, QuantLinear)
-    if kind == "int4":
-        assert m.kernel == ("int4pack_cpu" if n % 16 == 0 else "dequant")
+    packed = dtype == torch.bfloat16 and (kind == "int8" or n % 16 == 0)
+    assert m.kernel == ("dequant" if not packed else "int8pack" if kind == "int8" else "int4pack_cpu")
     x = torch.randn(2, 3, k)
-    want = x @ m.dequantized().T + lin.bias  # (2, 3, N)
-    torch.testing.assert_close(m(x), want, rtol=1e-5, atol=1e-5)
-    w = lin.weight.detach()
+    want = x @ m.dequantized().T + lin.bias.float()  # (2, 3, N)
+    tol = 1e-5 if dtype == torch.float32 else 0.05
+    torch.testing.assert_close(m(x.to(dtype)).float(), want, rtol=tol, atol=tol)
+    if dtype == torch.bfloat16:
+        return  # the weight was rounded to bf16 before quantizing; the bound below is fp32's
     bound = 0.5 * (w.abs().amax(1, keepdim=True) / 127 if kind == "int8" else (w.max() - w.min()) / 15)
     assert float((m.dequantized() - w).abs().max()) <= float(bound.max()) * 1.001
 
@@ -139,18 +143,22 @@ def _splits(n: int) -> list[list[tuple[int, int]]]:
 
 
 @pytest.mark.parametrize("quant", ["int8", "int4"])
-def test_every_split_of_a_quantized_checkpoint_equals_one_process(tmp_path: Path, quant: str) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # dequant path, packed kernels
+def test_every_split_of_a_quantized_checkpoint_equals_one_process(tmp_path: Path, quant: str, dtype: torch.dtype) -> None:
+    """fp32 is exact on any CPU; bf16 (the packed kernels) compares this CPU with itself."""
     torch.set_num_threads(1)
     ckpt = write_checkpoint(tmp_path / "m", TinySpec(n_layers=4, row_gain_spread=1.0), seed=3)
-    one = LocalModel.load(ckpt, stages=1, dtype=torch.float32, quant=quant)
+    one = LocalModel.load(ckpt, stages=1, dtype=dtype, quant=quant)
+    q_proj = one.stages[0].layers[0].self_attn.q_proj
+    assert q_proj.kernel == ("dequant" if dtype == torch.float32 else f"{quant}pack" + ("_cpu" if quant == "int4" else ""))
     assert all(isinstance(one.stages[0].layers[0].get_submodule(p), QuantLinear)
                for p in ("self_attn.q_proj", "mlp.down_proj"))  # fmt: skip
     want = generate(one, PROMPT, max_new_tokens=24, eos_token_ids=()).output_token_ids
-    plain = generate(LocalModel.load(ckpt, stages=1, dtype=torch.float32), PROMPT, max_new_tokens=24,
+    plain = generate(LocalModel.load(ckpt, stages=1, dtype=dtype), PROMPT, max_new_tokens=24,
                      eos_token_ids=()).output_token_ids  # fmt: skip
-    if quant == "int4":
+    if quant == "int4" and dtype == torch.float32:
         assert want != plain  # the quantization really changed the model (so the splits test it)
     for blocks in _splits(4):
-        model = LocalModel.load(ckpt, stages=blocks, dtype=torch.float32, quant=quant)
+        model = LocalModel.load(ckpt, stages=blocks, dtype=dtype, quant=quant)
         got = generate(model, PROMPT, max_new_tokens=24, eos_token_ids=()).output_token_ids
         assert got == want, blocks

@@ -14,7 +14,7 @@ from gguf import GGMLQuantizationType as Q
 from swarm.errors import WeightsError
 from swarm.model.bundled import bundled_gguf_path
 from swarm.model.gguf_quant import repack_int4
-from swarm.model.quant import QuantLinear
+from swarm.model.quant import Int4Groups, QuantLinear
 from swarm.model.stage import Stage
 from swarm.model.weights import open_checkpoint
 
@@ -41,8 +41,13 @@ def test_repacked_blocks_equal_gguf_dequantization(qtype: Q) -> None:
     assert g.group == 32 and g.q.dtype == torch.uint8
     torch.testing.assert_close(g.dequantize(), want, rtol=1e-6, atol=1e-7)
     m = QuantLinear.int4(g, None, torch.float32, torch.device("cpu"))
-    assert m.kernel == "int4pack_cpu"
+    assert m.kernel == "dequant"
     torch.testing.assert_close(m.dequantized(), want, rtol=1e-6, atol=1e-6)
+    # the packed CPU kernel's (private) layout holds the same integers, with bf16 scales
+    mb = QuantLinear.int4(g, None, torch.bfloat16, torch.device("cpu"))
+    assert mb.kernel == "int4pack_cpu"
+    bf = Int4Groups(g.q, g.scale.bfloat16().float(), g.zero.bfloat16().float(), 32)
+    torch.testing.assert_close(mb.dequantized(), bf.dequantize(), rtol=1e-6, atol=1e-6)
 
 
 def _write(path: Path, qtype: Q) -> Path:
@@ -86,7 +91,7 @@ def test_q4_files_load_compact_and_equal_gguf(tmp_path: Path, qtype: Q) -> None:
     got = _linears(stage)
     assert len(got) == 7 * L
     for name, m in got.items():
-        assert m.group == 32 and m.kernel == "int4pack_cpu", name
+        assert m.group == 32 and m.kernel == "dequant", name  # fp32 activations: see quant.py
         # the float path dequantizes with gguf (and undoes llama.cpp's Q/K row permutation)
         want = ck.source.load(name, torch.float32)
         torch.testing.assert_close(m.dequantized(), want, rtol=1e-6, atol=1e-6, msg=name)

@@ -1,0 +1,241 @@
+"""Weight-only int8 / int4 against the serving dtype on the bundled SmolLM2-135M, side by side.
+
+    .venv/bin/python benchmarks/bench_quant.py [--threads 1] [--repeats 3] [--new-tokens 24] [--quick]
+
+Reports, into benchmarks/results/quant.json:
+
+- ``resident``: bytes of all 30 layers' weights (parameters + compact buffers) under int8 / int4
+  ÷ bf16 (targets ≤ 0.55 / ≤ 0.30), and int4 at group sizes 32 / 64 / 128 (the choice).
+- ``gguf_load``: a fresh process loads all 30 layers from the bundled Q4_1 GGUF as int4 (blocks
+  repacked, no float copy) and, for comparison, from the converted safetensors (bf16 loaded one
+  layer at a time, then quantized): peak RSS growth (VmHWM) ÷ the block's final compact bytes, and
+  the peak of anonymous memory sampled every ms (the GGUF's mapped pages are file-backed).
+- ``quality``: perplexity on a text no one here wrote (the Apache-2.0 licence shipped in
+  transformers' dist-info), windows of 512 tokens, int8 and int4 ÷ bf16 (targets ≤ 1.02 / ≤ 1.10);
+  int4 per group size; greedy agreement with bf16 over 16 chat prompts (first differing token).
+- ``decode``: greedy decode tok/s, one process, same threads, int8 and int4 ÷ unquantized, in
+  bf16 (the packed kernels) and fp32 (the dequantizing path), interleaved repeats, medians.
+- ``plan_70b``: ``shard-swarm plan`` for Llama-3.3-70B's config (no weights) on three 24 GB GPUs
+  offering 22 GB each: refused in bf16, fits with --quant int4 (the per-peer blocks).
+
+No GPU figure: this session had no GPU machine (see README, Quantization).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import math
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+RESULTS = ROOT / "benchmarks" / "results" / "quant.json"
+
+from swarm.model.bundled import bundled_gguf_path, default_model_dir  # noqa: E402
+from swarm.model.generate import LocalModel, generate  # noqa: E402
+from swarm.model.quant import block_nbytes, quantize_block  # noqa: E402
+from swarm.model.tokenizer import Tokenizer  # noqa: E402
+
+PROMPTS = [
+    "What is the capital of France?", "Write a haiku about autumn.", "Explain photosynthesis briefly.",
+    "List three prime numbers.", "How do I boil an egg?", "What is 12 times 7?",
+    "Name a famous painter.", "Why is the sky blue?", "Translate 'thank you' into Spanish.",
+    "Give me a tip for learning to code.", "What does a compiler do?", "Describe a cat in one sentence.",
+    "What year did humans land on the Moon?", "Suggest a name for a dog.", "What is gravity?",
+    "How many legs does a spider have?",
+]  # fmt: skip
+
+CHILD = r"""
+import json, sys, threading, time, torch
+torch.set_num_threads(1)
+from swarm.model.stage import Stage
+from swarm.model.weights import open_checkpoint
+from swarm.model.quant import block_nbytes
+
+def status():
+    out = {}
+    for line in open("/proc/self/status"):
+        k, _, v = line.partition(":")
+        if k in ("VmHWM", "VmRSS", "RssAnon", "RssFile"):
+            out[k] = int(v.split()[0]) * 1024
+    return out
+
+path, quant, dtype = sys.argv[1], sys.argv[2], {"bf16": torch.bfloat16, "fp32": torch.float32}[sys.argv[3]]
+ck = open_checkpoint(path)
+open("/proc/self/clear_refs", "w").write("5")  # reset VmHWM to the current RSS
+base = status()
+peak_anon = [base["RssAnon"]]
+done = threading.Event()
+def sample():
+    while not done.is_set():
+        peak_anon[0] = max(peak_anon[0], status()["RssAnon"])
+        time.sleep(0.001)
+t = threading.Thread(target=sample); t.start()
+stage = Stage.load(ck.args, ck.source, 0, ck.args.n_layers, dtype=dtype, quant=quant)
+done.set(); t.join()
+end = status()
+print(json.dumps({"final_bytes": block_nbytes(stage), "peak_rss_growth": end["VmHWM"] - base["VmRSS"],
+                  "peak_anon_growth": peak_anon[0] - base["RssAnon"], "file_pages_after": end["RssFile"] - base["RssFile"],
+                  "one_layer_bf16_bytes": ck.args.layer_bytes(2)}))
+"""
+
+
+def gguf_load(model_dir: Path) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for name, path in (("gguf_q4_1_to_int4", bundled_gguf_path()), ("safetensors_bf16_to_int4", model_dir)):
+        r = subprocess.run([sys.executable, "-c", CHILD, str(path), "int4", "bf16"], capture_output=True,
+                           text=True, timeout=600, cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})  # fmt: skip
+        if r.returncode != 0:
+            raise SystemExit(r.stderr[-2000:])
+        m = json.loads(r.stdout.strip().splitlines()[-1])
+        m["peak_rss_over_final"] = m["peak_rss_growth"] / m["final_bytes"]
+        m["peak_anon_over_final"] = m["peak_anon_growth"] / m["final_bytes"]
+        out[name] = m
+    return out
+
+
+def _load(model_dir: Path, dtype: torch.dtype, quant: str, group: int = 64) -> LocalModel:
+    lm = LocalModel.load(model_dir, stages=1, dtype=dtype)
+    for layer in lm.stages[0].layers:
+        quantize_block(layer, quant, dtype=dtype, group=group)
+    return lm
+
+
+@torch.inference_mode()
+def perplexity(lm: LocalModel, ids: list[int], window: int = 512) -> float:
+    nll, n = 0.0, 0
+    for start in range(0, len(ids) - 1, window):
+        chunk = ids[start : start + window + 1]
+        if len(chunk) < 2:
+            break
+        s = lm.open_session(len(chunk))
+        try:
+            h = lm.head.embed(torch.tensor(chunk[:-1]))
+            for st in lm.stages:
+                h = st(s, h)
+            logits = lm.head.logits(h)  # (T, V) float32
+        finally:
+            lm.close_session(s)
+        nll += float(torch.nn.functional.cross_entropy(logits, torch.tensor(chunk[1:]), reduction="sum"))
+        n += len(chunk) - 1
+    return math.exp(nll / n)
+
+
+def greedy(lm: LocalModel, prompts: list[list[int]], new: int) -> list[list[int]]:
+    return [generate(lm, p, max_new_tokens=new, eos_token_ids=()).output_token_ids for p in prompts]
+
+
+def first_diff(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+
+
+def plan_70b() -> dict[str, object]:
+    from swarm.cli.plan import model_spec, plan_or_hint
+    from swarm.errors import PlanningError
+    from swarm.planner import Latency, Peer
+
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 8192,
+           "intermediate_size": 28672, "num_attention_heads": 64, "num_key_value_heads": 8,
+           "num_hidden_layers": 80, "vocab_size": 128256, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+           "max_position_embeddings": 131072, "tie_word_embeddings": False, "hidden_act": "silu",
+           "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                            "original_max_position_embeddings": 8192, "rope_type": "llama3"}}  # fmt: skip
+    peers = [Peer(f"gpu-{c}", 22 * 10**9, 0.8) for c in "abc"]
+    lat = Latency({"gpu-a": {"gpu-b": 20.0, "gpu-c": 30.0}, "gpu-b": {"gpu-c": 25.0}})
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "config.json").write_text(json.dumps(cfg))
+
+        def spec_for(q: str):  # type: ignore[no-untyped-def]
+            return model_spec(model=Path(d), layers=None, layer_gb=None, coordinator_gb=None, draft_gb=0.0,
+                              kv_kb_per_token=None, context=4096, dtype_bytes=2, quant=q)  # fmt: skip
+
+        out: dict[str, object] = {}
+        try:
+            plan_or_hint(spec_for, "none", peers, lat)
+            out["bf16"] = "fits (unexpected)"
+        except PlanningError as e:
+            out["bf16"] = str(e)
+        p, spec = plan_or_hint(spec_for, "int4", peers, lat)
+        out["int4"] = {"blocks": {k: list(v) for k, v in p.blocks.items()}, "coordinator": p.coordinator,
+                       "layer_bytes": spec.layer_bytes, "bytes_per_layer_with_kv": spec.bytes_per_layer,
+                       "bf16_layer_bytes": spec_for("none").layer_bytes}  # fmt: skip
+        return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--new-tokens", type=int, default=24)
+    ap.add_argument("--quick", action="store_true", help="4 prompts, 1 perplexity window, 1 repeat")
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    model_dir = default_model_dir()
+    tok = Tokenizer.from_dir(model_dir)
+    res: dict[str, object] = {"machine": {"cpu": platform.processor() or platform.machine(), "threads": a.threads,
+                              "torch": torch.__version__, "native_bf16": torch.backends.mkldnn.is_available()
+                              and torch.ops.mkldnn._is_mkldnn_bf16_supported()}}  # fmt: skip
+    bf = torch.bfloat16
+    models = {q: _load(model_dir, bf, q) for q in ("none", "int8", "int4")}
+    groups = {g: _load(model_dir, bf, "int4", g) for g in (32, 128)} | {64: models["int4"]}
+    size = {q: block_nbytes(m.stages[0]) for q, m in models.items()}
+    res["resident"] = {"bytes": size, "int8_over_bf16": size["int8"] / size["none"],
+                       "int4_over_bf16": size["int4"] / size["none"],
+                       "int4_over_bf16_by_group": {g: block_nbytes(m.stages[0]) / size["none"] for g, m in groups.items()},
+                       "note": "group 128 falls back to 64 where K=576 (q/k/v/gate/up); only down_proj (K=1536) uses 128"}  # fmt: skip
+    print(json.dumps(res["resident"], indent=1), flush=True)
+    res["gguf_load"] = gguf_load(model_dir)
+    print(json.dumps(res["gguf_load"], indent=1), flush=True)
+
+    lic = Path(str(importlib.metadata.distribution("transformers").locate_file("transformers-"
+               f"{importlib.metadata.version('transformers')}.dist-info/licenses/LICENSE")))  # fmt: skip
+    ids = tok.encode(lic.read_text(encoding="utf-8"))[: 513 if a.quick else 2049]
+    ppl = {q: perplexity(m, ids) for q, m in models.items()}
+    ppl_g = {g: perplexity(m, ids) for g, m in groups.items()}
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}])) for p in PROMPTS[: 4 if a.quick else 16]]
+    outs = {q: greedy(m, prompts, a.new_tokens) for q, m in models.items()}
+    agree = {q: [first_diff(outs["none"][i], outs[q][i]) for i in range(len(prompts))] for q in ("int8", "int4")}
+    res["quality"] = {
+        "text": f"{lic.relative_to(lic.parents[2])} ({len(ids)} tokens, windows of 512)",
+        "perplexity": ppl, "int8_over_bf16": ppl["int8"] / ppl["none"], "int4_over_bf16": ppl["int4"] / ppl["none"],
+        "int4_perplexity_by_group": ppl_g,
+        "greedy_first_difference": {q: {"per_prompt": v, "identical": sum(x is None for x in v), "of": len(v),
+                                        "median_first_difference": statistics.median([a.new_tokens if x is None else x for x in v])}
+                                    for q, v in agree.items()},  # fmt: skip
+    }
+    print(json.dumps(res["quality"], indent=1), flush=True)
+
+    decode: dict[str, object] = {}
+    for dname, dt in (("bf16", bf), ("fp32", torch.float32)):
+        ms = models if dt == bf else {q: _load(model_dir, dt, q) for q in ("none", "int8", "int4")}
+        runs: dict[str, list[float]] = {q: [] for q in ms}
+        for _ in range(1 if a.quick else a.repeats):
+            for q in ("none", "int8", "int4", "int4", "int8", "none"):  # interleaved
+                r = generate(ms[q], prompts[0], max_new_tokens=a.new_tokens, eos_token_ids=())
+                runs[q].append(r.decode_tokens_per_s)
+        med = {q: statistics.median(v) for q, v in runs.items()}
+        decode[dname] = {"tok_s": runs, "median_tok_s": med, "int8_over_none": med["int8"] / med["none"],
+                         "int4_over_none": med["int4"] / med["none"]}  # fmt: skip
+        print(dname, json.dumps(decode[dname]), flush=True)
+    res["decode"] = decode
+    res["plan_70b"] = plan_70b()
+    print(json.dumps(res["plan_70b"], indent=1))
+    res["gpu"] = "not measured: no GPU machine was lent to this session"
+    res["command"] = "python benchmarks/bench_quant.py " + " ".join(sys.argv[1:])
+    res["when"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    RESULTS.write_text(json.dumps(res, indent=2) + "\n")
+    print(f"wrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()
