@@ -135,6 +135,7 @@ def run_command(
         top_p, seed = float(samp.get("top_p", 1.0)), int(samp.get("seed", 0))
         draft, depth = str(dr.get("name", "ngram")), int(dr.get("max_depth", 1))
         draft_k = dr.get("draft_k")
+        quant = str(replay.get("quant", "none"))  # how the ring held its layers
     if (prompt is None) == (prompt_ids is None):
         raise UsageError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
     if quant not in QUANTS:
