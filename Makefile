@@ -7,16 +7,29 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 TORCH   ?= torch==2.13.0
+# to build libp2p's fastecdsa
 SYSPKGS := gcc libgmp-dev python3-dev
+# for the tests: network-namespace labs (ip, iptables, nft) and the wire-capture test (tshark)
+TESTPKGS := iproute2 iptables nftables tshark
 
-.PHONY: demo test lint sysdeps venv bench clean
+.PHONY: demo test lint sysdeps testdeps venv bench clean
+
+# $(call apt_install,PACKAGES): apt-get install those not yet installed, as root or through sudo,
+# never asking (DEBIAN_FRONTEND=noninteractive also answers tshark's debconf question with its
+# default: no capturing for non-root users); fails naming what is missing when it cannot.
+apt_install = missing=""; for p in $(1); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -z "$$missing" ]; then true; \
+	elif ! command -v apt-get >/dev/null; then echo "missing system packages:$$missing (no apt-get here: install them by hand)"; false; \
+	elif [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+	elif command -v sudo >/dev/null; then sudo apt-get update -qq && sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+	else echo "missing system packages:$$missing (apt-get install$$missing as root)"; false; fi
 
 sysdeps:
-	@missing=""; for p in $(SYSPKGS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
-	if [ -n "$$missing" ]; then \
-	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
-	  elif command -v sudo >/dev/null; then sudo apt-get update -qq && sudo apt-get install -y -qq $$missing; \
-	  else echo "missing system packages:$$missing (apt-get install$$missing)"; exit 1; fi; fi
+	@$(call apt_install,$(SYSPKGS))
+
+# The tests that need these skip with a reason naming the package when they are still missing.
+testdeps:
+	@$(call apt_install,$(TESTPKGS)) || echo "note: the tests that need these packages will skip"
 
 $(STAMP): pyproject.toml
 	$(MAKE) sysdeps
@@ -32,7 +45,7 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/shard-swarm demo
 
-test: $(STAMP)
+test: $(STAMP) testdeps
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)

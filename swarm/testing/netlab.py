@@ -44,16 +44,30 @@ class LabUnavailable(SwarmError):
     """Network namespaces cannot be built here (not root, no iproute2/iptables, no netns)."""
 
 
-def lab_unavailable_reason(*, need_nat: bool = False) -> str | None:
-    """Why a lab cannot run here, or None when it can. Tests skip with this reason."""
+# command -> the Debian package that provides it (the Makefile's TESTPKGS installs them all)
+TOOL_PACKAGES = {"ip": "iproute2", "iptables": "iptables", "nft": "nftables", "tshark": "tshark"}
+
+
+def missing_tools_reason(*tools: str) -> str | None:
+    """None when every command is on PATH, else a skip reason naming the packages to install."""
+    missing = [t for t in tools if shutil.which(t) is None]
+    if not missing:
+        return None
+    pkgs = " ".join(dict.fromkeys(TOOL_PACKAGES.get(t, t) for t in missing))
+    return (f"{', '.join(missing)} not installed (package {pkgs}: apt-get install {pkgs}; "
+            "`make test` installs it when run as root or with sudo)")
+
+
+def lab_unavailable_reason(*, need_nat: bool = False, tools: Sequence[str] = ()) -> str | None:
+    """Why a lab cannot run here, or None when it can. Tests skip with this reason. ``tools``:
+    further commands the test runs inside the lab (e.g. ``nft``)."""
     if os.name != "posix" or not hasattr(os, "geteuid"):
         return "network namespaces need Linux"
     if os.geteuid() != 0:
         return "network namespaces need root (CI runs as root)"
-    if shutil.which("ip") is None:
-        return "iproute2 is not installed (apt-get install iproute2)"
-    if need_nat and shutil.which("iptables") is None:
-        return "iptables is not installed (apt-get install iptables)"
+    missing = missing_tools_reason("ip", *(["iptables"] if need_nat else []), *tools)
+    if missing is not None:
+        return missing
     name = f"ssprobe{os.getpid()}"
     probe = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
     if probe.returncode != 0:

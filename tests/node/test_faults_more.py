@@ -470,7 +470,7 @@ def run_lab_client(
 
 
 @pytest.mark.skipif(
-    lab_unavailable_reason() is not None, reason=f"no network lab: {lab_unavailable_reason()}"
+    lab_unavailable_reason(tools=["nft"]) is not None, reason=f"no network lab: {lab_unavailable_reason(tools=['nft'])}"
 )
 def test_silent_link_cut_in_netns_lab(ckpt: Path, tmp_path: Path) -> None:
     """Four nodes in four namespaces on one bridge, the client in a fifth. A middle stage's

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import os
-import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -22,6 +21,7 @@ import trio
 
 from swarm.errors import PeerError
 from swarm.node import client
+from swarm.testing.netlab import missing_tools_reason
 
 from .swarmkit import MAX_NEW, PROMPT, LiveSwarm, honest_client
 
@@ -79,7 +79,7 @@ async def _plaintext_control(payload: bytes) -> None:
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="capturing on loopback needs root")
 @pytest.mark.skipif(
-    shutil.which("tshark") is None, reason="tshark is not installed (apt-get install tshark)"
+    missing_tools_reason("tshark") is not None, reason=str(missing_tools_reason("tshark"))
 )
 async def test_capture_shows_no_prompt_or_token_ids(live: LiveSwarm, tmp_path: Path) -> None:
     marker = f"MARKER-{os.urandom(6).hex()}-prompt text"
