@@ -5,6 +5,14 @@ fp32): exactly the values the next stage would have received in one process, so 
 the same numbers as the in-process reference. Everything that arrives is checked before use:
 dtype, rank, hidden size, token count and finiteness. A violation is a ProtocolError that names
 the peer and the field; the caller treats that peer as faulty.
+
+Devices: a stage on a GPU hands its output here and ``encode_hidden`` copies it to the host once
+(``.cpu()``, which waits for the stage's kernels); ``decode_hidden`` returns a host tensor that
+the next Stage moves to its device once, in ``Stage.forward``. On a CPU neither is a copy. No
+pinned staging buffers: a hidden state is 2-4 bytes x hidden size per token (kilobytes per
+decode step), so pinning saves microseconds per hop against a hop cost of ~1.4 ms on loopback,
+and allocating pinned memory per message would cost more than it saves (not yet measured on a
+GPU; benchmarks/gpu_check.py times the ring there).
 """
 
 from __future__ import annotations

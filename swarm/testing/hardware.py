@@ -27,8 +27,8 @@ def fake_hardware(monkeypatch: pytest.MonkeyPatch, *, cuda: int = 0, mps: bool =
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: f"NVIDIA GeForce RTX 4090 #{i}")
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i=0: types.SimpleNamespace(total_memory=total))
 
-    def mem_get_info(device: object = None) -> tuple[int, int]:
-        dev = torch.device(device) if device is not None else torch.device("cuda", 0)  # type: ignore[arg-type]
+    def mem_get_info(device: str | int | torch.device | None = None) -> tuple[int, int]:
+        dev = torch.device(device) if device is not None else torch.device("cuda", 0)
         if dev.type != "cuda" or (dev.index or 0) >= cuda:
             raise RuntimeError(f"fake mem_get_info: no such device {dev}")
         return free, total
