@@ -79,6 +79,11 @@ class PeerTimeout(PeerError):
     """A peer did not answer within its deadline."""
 
 
+class CannotServe(PeerError):
+    """The swarm answered, but its live peers cannot hold the model right now (a client may
+    retry later; resuming a generation now is pointless)."""
+
+
 class PeerLost(PeerError):
     """A peer closed its connection or was declared dead by the failure detector."""
 

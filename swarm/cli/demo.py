@@ -148,10 +148,59 @@ async def _run_one(addr: str, secret: bytes, swarm_id: str, timeout: float, req:
                 sys.stdout.write("\n")
             ui.notice(text)
 
-        receipt = await client.generate(host, peer, on_tokens=show, on_notice=notice, timeout=timeout, **req)
+        committed: list[int] = []
+
+        def on_tokens(ids: list[int], text: str) -> None:
+            committed.extend(ids)
+            show(ids, text)
+
+        receipt = await _resuming(host, peer, req, committed, on_tokens, notice, timeout)
         if not quiet_stream:
             sys.stdout.write("\n")
         return {"text": "".join(pieces), **receipt}
+
+
+RESUME_TIMEOUT_S = 60.0  # as the API's (swarm/api/server.py)
+
+
+async def _resuming(host: Any, peer: str, req: dict[str, Any], committed: list[int], on_tokens: Any, notice: Any,
+                    timeout: float) -> dict[str, Any]:  # fmt: skip
+    """One generation that survives a lost coordinator: the tokens committed so far are kept
+    here, and a failed generation is asked again from the prompt plus them, on whatever
+    coordinator the swarm serves next (the peer waits for it: wait_s), for RESUME_TIMEOUT_S.
+    The receipt then covers the whole output. CannotServe (the live peers cannot hold the
+    model) is not retried."""
+    from swarm.errors import CannotServe, PeerError
+    from swarm.node import client
+
+    lost_since: float | None = None
+    while True:
+        done = list(committed)
+        left = int(req["max_new_tokens"]) - len(done)
+        try:
+            receipt = await client.generate(host, peer, on_tokens=on_tokens, on_notice=notice, timeout=timeout,
+                                            continue_ids=done or None, wait_s=10.0 if done else 0.0,
+                                            **{**req, "max_new_tokens": left})  # fmt: skip
+        except CannotServe:
+            raise
+        except PeerError as exc:
+            now = trio.current_time()
+            lost_since = now if lost_since is None else lost_since
+            if now - lost_since > RESUME_TIMEOUT_S or left <= 0:
+                raise
+            notice(f"the swarm lost this generation after {len(committed)} tokens ({exc}); resuming on the "
+                   "next coordinator from the prompt and those tokens")  # fmt: skip
+            await trio.sleep(0.5)
+            continue
+        if done:
+            from swarm.node.coordinator import output_sha256
+
+            n = len(done)
+            receipt["prompt_token_ids"] = list(receipt["prompt_token_ids"])[: len(receipt["prompt_token_ids"]) - n]
+            receipt["output_token_ids"] = [*done, *receipt["output_token_ids"]]
+            receipt["output_sha256"] = output_sha256(receipt["output_token_ids"])
+            receipt["resumed_at_tokens"] = [*receipt.get("resumed_at_tokens", []), n]
+        return receipt
 
 
 async def _serve_api(addr: str, secret: bytes, swarm_id: str, model_dir: Path, bind: str) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 
 import trio
 
-from swarm.errors import PeerError, PeerTimeout, ProtocolError
+from swarm.errors import CannotServe, PeerError, PeerTimeout, ProtocolError
 from swarm.net.host import SwarmHost, open_host
 from swarm.node.heartbeat import Liveness, serve_ctl_inbound
 from swarm.proto.control import Control
@@ -116,9 +116,11 @@ async def generate(
     timeout: float = 60.0,
     on_tokens: Callable[[list[int], str], None] | None = None,
     on_notice: Callable[[str], None] | None = None,
+    continue_ids: list[int] | None = None,
 ) -> dict[str, Any]:
     """Run one generation; returns the receipt. ``on_tokens(ids, text)`` streams as they commit;
-    ``on_notice(text)`` gets the coordinator's one-line news (a pause for a re-plan, the resume)."""
+    ``on_notice(text)`` gets the coordinator's one-line news (a pause for a re-plan, the resume).
+    ``continue_ids``: with ``text``, tokens already generated after it (a resume)."""
     body: dict[str, Any] = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k,
                             "top_p": top_p, "chat": chat, "wait_s": wait_s}
     if seed is not None:
@@ -133,6 +135,9 @@ async def generate(
         if text is None:
             raise ValueError("give text or prompt_ids")
         body["text"] = text
+        prompt_ids = continue_ids
+    elif continue_ids:
+        prompt_ids = [*prompt_ids, *continue_ids]
     msg = Control("gen", body, tuple(prompt_ids or ()))
     async with host.open_stream(peer, PROTO_GEN, timeout=timeout) as fs:
         await fs.send(msg.to_frame())
@@ -149,6 +154,8 @@ async def generate(
             elif reply.op == "done":
                 return reply.body
             elif reply.op == "fail":
+                if reply.body.get("code") == "cannot_serve":  # the live peers cannot hold the model
+                    raise CannotServe(f"generation failed: {reply.body.get('message', '')}")
                 raise PeerError(f"generation failed: {reply.body.get('message', '')}")
             else:
                 raise ProtocolError(f"peer {peer}: unexpected {reply.op} during a generation")

@@ -160,9 +160,9 @@ async def _generate(node: Node, ep: Any, msg: Control, fs: FramedStream) -> None
     body = msg.body_reader()
     coord = ep.coordinator
     tok = node.tokenizer
-    if msg.ids:
+    if msg.ids and body.optional("text") is None:
         prompt = list(msg.ids)
-    else:
+    else:  # text (with ids: the tokens a lost coordinator had committed, resumed after the text's)
         text = body.str("text", MAX_TEXT)
         if tok is None:
             raise UsageError("this coordinator has no tokenizer: send prompt token ids")
@@ -172,6 +172,7 @@ async def _generate(node: Node, ep: Any, msg: Control, fs: FramedStream) -> None
             prompt = await trio.to_thread.run_sync(lambda: tok.encode(text, add_special_tokens=False))
         else:
             prompt = tok.encode(text, add_special_tokens=False)
+        prompt += list(msg.ids)
     max_new = body.int("max_new_tokens", 1, MAX_NEW_TOKENS, default=64)
     params = sampling_from(body)
     draft_name = body.str("draft", 16, default=node.settings.draft)

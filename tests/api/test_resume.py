@@ -1,27 +1,38 @@
 """A lost coordinator through the official ``openai`` client: the API server holds the committed
 tokens and resumes on the next coordinator, or answers with an OpenAI error object (503).
 
-Three node processes (fp32); the endpoint is a client of a peer that is not the coordinator.
-The coordinator is SIGKILLed mid-stream: the stream completes, its text identical to an
-uninterrupted run's, and the raw event stream carries the notice. Then the new coordinator is
-killed too: the one survivor cannot hold the model, and the client gets an APIError naming why,
-never a bare connection error.
+Four node processes (fp32, any two hold the model); the endpoint is a client of a peer that is
+not the coordinator. The coordinator is SIGKILLed mid-stream: the stream completes, its text
+identical to an uninterrupted run's, and the raw event stream carries the notice. Then
+``shard-swarm generate`` loses its coordinator the same way and resumes. Then one more peer goes:
+the one survivor cannot hold the model, and the client gets an APIError naming why, never a
+bare connection error.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import signal
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
+import torch
 import trio
 
+from swarm.model.config import ModelArgs
+from swarm.model.tokenizer import Tokenizer
 from swarm.node import client
 from swarm.node.launch import start_local_swarm
+from swarm.node.runtime import model_spec
 from tests.api.conftest import MODEL_NAME, api_on
+
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 N = 120
@@ -34,13 +45,38 @@ async def _coordinator(swarm, peer_index: int) -> str:  # type: ignore[no-untype
     return str(st["plan"]["coordinator"])
 
 
+def _generate_cli(swarm, peer: int, ids: list[int], receipt: Path, kill_after: int, victim: int) -> str:  # type: ignore[no-untyped-def]
+    """``shard-swarm generate`` as a user runs it, its coordinator SIGKILLed once it has printed
+    ``kill_after`` characters; returns its stderr."""
+    cmd = [sys.executable, "-m", "swarm.cli.main", "generate", "--manifest", str(swarm.workdir / "invite.json"),
+           "--peer", swarm.addrs[peer], "--prompt-ids", ",".join(map(str, ids)), "--max-new-tokens", str(N),
+           "--receipt", str(receipt), "--timeout", "90"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+    err: list[str] = []
+    threading.Thread(target=lambda: err.extend(proc.stderr), daemon=True).start()  # type: ignore[arg-type]
+    seen = 0
+    assert proc.stdout is not None
+    while proc.stdout.read(1):
+        seen += 1
+        if seen == kill_after:
+            swarm.kill(victim, signal.SIGKILL)
+    assert proc.wait(timeout=150) == 0, "".join(err)
+    return "".join(err)
+
+
 async def test_coordinator_killed_mid_stream_resumes_then_503_when_none_can_serve(tiny_chat_dir: Path) -> None:
-    with start_local_swarm(3, tiny_chat_dir, dtype="fp32", context_tokens=1536) as swarm:
+    spec = model_spec(ModelArgs.from_dir(tiny_chat_dir), torch.float32, 1536)
+    two_layers = 2 * spec.bytes_per_layer + spec.coordinator_bytes + 1  # 4 layers: any two peers hold them
+    with start_local_swarm(4, tiny_chat_dir, dtype="fp32", context_tokens=1536, memory_bytes=[two_layers] * 4) as swarm:
         async with api_on(swarm, tiny_chat_dir, relay=True) as (url, st):
             coord = swarm.peer_ids.index(st["plan"]["coordinator"])
             aio = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
             want = (await aio.completions.create(**BODY)).choices[0].text  # type: ignore[call-overload]
             assert len(want) == N  # one character per token with this tokenizer
+            ids = Tokenizer.from_dir(tiny_chat_dir).encode("Tell me a story")
+            async with client.open_client(swarm.addrs[0], secret=swarm.secret, swarm_id=swarm.swarm_id) as (h, p):
+                ref = (await client.generate(h, p, prompt_ids=ids, max_new_tokens=N, timeout=60))["output_token_ids"]
 
             # 1. killed mid-stream: the stream completes, identical, with a notice in it
             pieces: list[str] = []
@@ -67,11 +103,21 @@ async def test_coordinator_killed_mid_stream_resumes_then_503_when_none_can_serv
             stream = await aio.completions.create(**BODY, stream=True)  # type: ignore[call-overload]
             assert "".join([c.choices[0].text async for c in stream]) == want
 
-            # 2. the new coordinator (or, if it is the peer the endpoint talks to, the other
-            # survivor) is killed: one peer cannot hold the model; the client is told so
+            # 2. `generate` from the command line, its coordinator killed mid-stream: it resumes too
             api_peer = next(i for i, p in enumerate(swarm.peer_ids) if p != st["plan"]["coordinator"])
+            coord2 = swarm.peer_ids.index(await _coordinator(swarm, api_peer))
+            asked = next(i for i in range(4) if swarm.alive()[i] and i != coord2)
+            receipt = swarm.workdir / "receipt.json"
+            err = await trio.to_thread.run_sync(lambda: _generate_cli(swarm, asked, ids, receipt, 25, coord2))
+            got = json.loads(receipt.read_text())
+            assert got["output_token_ids"] == ref and got["resumed_at_tokens"], got
+            assert "resuming on the next coordinator" in err, err
+
+            # 3. the new coordinator (or, if it is the peer the endpoint talks to, the other
+            # survivor) is killed: one peer cannot hold the model; the client is told so
             new_coord = swarm.peer_ids.index(await _coordinator(swarm, api_peer))
-            victim = new_coord if new_coord != api_peer else next(i for i in range(3) if i not in (coord, api_peer))
+            victim = new_coord if new_coord != api_peer else next(
+                i for i in range(4) if swarm.alive()[i] and i != api_peer)  # fmt: skip
             got: list[str] = []
             with pytest.raises(openai.APIError) as info:
                 with trio.fail_after(150):
