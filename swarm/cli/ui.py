@@ -53,6 +53,12 @@ def configure(*, verbose: bool = False, quiet: bool = False) -> None:
     root.handlers[:] = [handler]
     root.setLevel(level)
     root.propagate = False
+    # py-libp2p logs its dial retries and refused handshakes at ERROR ("failed to upgrade
+    # security for peer ..." dozens of times on a WAN): our own messages say what matters
+    lib = logging.getLogger("libp2p")
+    lib.handlers[:] = [handler]
+    lib.setLevel(logging.DEBUG if verbose else logging.CRITICAL)
+    lib.propagate = False
 
 
 def error(message: str, hint: str | None = None) -> None:
