@@ -88,3 +88,12 @@ def test_run_on_the_bundled_model(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["run", "--prompt", "What is 2+2?", "--max-new-tokens", "8", "--stages", "1",
                  "--threads", "1"]) == 0
     assert capsys.readouterr().out.strip() == str(obj["output_text"]).strip()
+
+
+def test_quant_flags(tiny: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "--model", str(tiny), "--prompt-ids", "1", "--quant", "int3"]) == 2
+    assert main(["demo", "--model", str(tiny), "--quant", "nf4"]) == 2  # refused before any node starts
+    assert capsys.readouterr().err.count("choose one of none, int8, int4") == 2
+    obj = run_json(capsys, ["--model", str(tiny), "--prompt-ids", "5,17,99", "--max-new-tokens", "4",
+                            "--dtype", "fp32", "--quant", "int8"])  # fmt: skip
+    assert obj["quant"] == "int8" and len(obj["output_token_ids"]) == 4  # type: ignore[arg-type]
