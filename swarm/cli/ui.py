@@ -55,8 +55,12 @@ def configure(*, verbose: bool = False, quiet: bool = False) -> None:
     root.propagate = False
     # py-libp2p logs its dial retries and refused handshakes at ERROR ("failed to upgrade
     # security for peer ..." dozens of times on a WAN): our own messages say what matters
+    # (its modules set their own levels, so the level goes on a handler of its own)
+    lib_handler = _StderrHandler()
+    lib_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    lib_handler.setLevel(logging.DEBUG if verbose else logging.CRITICAL + 1)
     lib = logging.getLogger("libp2p")
-    lib.handlers[:] = [handler]
+    lib.handlers[:] = [lib_handler]
     lib.setLevel(logging.DEBUG if verbose else logging.CRITICAL)
     lib.propagate = False
 
