@@ -165,6 +165,10 @@ class Generation:
                 text = str(msg.body.get("message", "generation failed"))
                 if msg.body.get("code") == "bad_request":
                     raise ApiError(text, status=400, code="invalid_value")
+                if msg.body.get("code") == "busy":  # every slot of the ring's KV memory taken, queue full
+                    err = ApiError(text, status=429, type="server_error", code="swarm_busy")
+                    err.retry_after_s = int(msg.body.get("retry_after_s", 5))
+                    raise err
                 if msg.body.get("code") == "cannot_serve":  # the live peers cannot hold the model: no use retrying now
                     raise ApiError(f"the swarm cannot serve this request now: {text}", status=503, type="server_error",
                                    code="swarm_too_small")  # fmt: skip

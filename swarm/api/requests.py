@@ -37,6 +37,7 @@ class ApiError(SwarmError):
     ) -> None:
         super().__init__(message)
         self.message, self.status, self.type, self.param, self.code = message, status, type, param, code
+        self.retry_after_s: int | None = None  # sent as Retry-After (a 429 when the swarm is busy)
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}

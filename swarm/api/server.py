@@ -71,7 +71,8 @@ def is_loopback(host: str) -> bool:
 
 
 def error_response(err: ApiError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status)
+    headers = {"Retry-After": str(err.retry_after_s)} if err.retry_after_s is not None else None
+    return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
 
 class _Auth:

@@ -2,22 +2,40 @@
 
 The stage worker (swarm/node/stage_worker.py) hands every chunk that waits for it, from
 different sessions, to one call. Each session keeps its own KV cache and positions; the result
-for each is what ``stage.forward(session, h)`` alone gives (up to float rounding: see below).
+for each is what ``stage.forward(session, h)`` alone gives, up to float rounding (below).
 
-This first implementation runs the sessions one after another inside the one call: one thread
-hand-off for the whole batch instead of one per chunk, but no shared matrix products.
+Theory of operation
+-------------------
+Ragged batches without padding: the sessions' rows are concatenated, (1, N, D) with N the sum of
+their lengths, for everything that works row by row (the norms, the Q/K/V and output
+projections, the MLP): one matrix product per weight for the whole batch, which is where a
+small batch is nearly free (a decode step reads every weight once whatever its row count).
+Attention alone is per session: each session's rows get its own rotary positions, write its own
+cache at its own position and attend over its own keys, with the same three shapes as
+``layers.Attention`` (one token, a prefill from position 0, a chunk after a cache).
 
-Exactness: each session's rows are computed alone, so fp32 and bf16 results equal
-``Stage.forward`` bit for bit.
+Exactness: a row of a batched matrix product can differ in the last bits from the same row
+computed alone (the kernel's blocking depends on the row count), so batched results are not
+bit-identical to ``Stage.forward``. In fp32 that never changed a greedy token in the tests
+(tests/model/test_batched.py, tests/node/); in bf16 a near-tie can flip, as between any two
+machines. ``BATCHED`` False (or a stage whose layers are not the hand-written ones, e.g.
+transformers' layers) runs the sessions one after another instead: one call and one thread
+hand-off for the batch, rows computed alone, bit for bit ``Stage.forward``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from typing import cast
 
 import torch
+import torch.nn.functional as F
 
+from swarm.errors import ModelError
+from swarm.model.layers import _NATIVE_GQA, Attention, DecoderLayer, _repeat_kv, apply_rope
 from swarm.model.stage import Stage
+
+BATCHED = True  # shared matrix products across sessions (False: one session after another)
 
 
 def forward_many(stage: Stage, items: Sequence[tuple[Hashable, torch.Tensor]]) -> list[torch.Tensor]:
@@ -25,5 +43,78 @@ def forward_many(stage: Stage, items: Sequence[tuple[Hashable, torch.Tensor]]) -
     appends T_i entries to each session's cache, as ``stage.forward`` does."""
     sessions = [s for s, _ in items]
     if len(set(sessions)) != len(sessions):
-        raise ValueError(f"forward_many: a session appears twice in one batch ({sessions})")
-    return [stage.forward(session, h) for session, h in items]
+        raise ModelError(f"forward_many: a session appears twice in one batch ({sessions})")
+    if len(items) == 1 or not BATCHED or not all(type(layer) is DecoderLayer for layer in stage.layers):
+        return [stage.forward(session, h) for session, h in items]
+    return _forward_batched(stage, items)
+
+
+@torch.inference_mode()
+def _forward_batched(stage: Stage, items: Sequence[tuple[Hashable, torch.Tensor]]) -> list[torch.Tensor]:
+    dim = stage.args.dim
+    caches, lens, poss = [], [], []
+    for session, h in items:
+        if h.dim() != 2 or h.shape[1] != dim or h.shape[0] == 0:
+            raise ModelError(
+                f"stage [{stage.start}, {stage.end}) expects hidden states (T, {dim}) with T >= 1, got {tuple(h.shape)}"
+            )
+        cache = stage._cache(session)
+        poss.append(cache.reserve(h.shape[0]))
+        caches.append(cache)
+        lens.append(h.shape[0])
+    x = torch.cat([h.to(device=stage.device, dtype=stage.dtype) for _, h in items]).unsqueeze(0)  # (1, N, D)
+    rope = [(stage._cos[p : p + t], stage._sin[p : p + t]) for p, t in zip(poss, lens, strict=True)]
+    for li, module in enumerate(stage.layers):
+        layer = cast(DecoderLayer, module)  # forward_many checked the type
+        attn = cast(Attention, layer.self_attn)
+        hn = layer.input_layernorm(x)
+        q, k, v = attn.q_proj(hn), attn.k_proj(hn), attn.v_proj(hn)  # (1, N, H*hd), (1, N, KV*hd) x2
+        outs, off = [], 0
+        for cache, t, pos, (cos, sin) in zip(caches, lens, poss, rope, strict=True):
+            sl = slice(off, off + t)
+            outs.append(_attend(attn, q[:, sl], k[:, sl], v[:, sl], cos, sin, cache.k[li], cache.v[li], pos))
+            off += t
+        h = x + attn.o_proj(torch.cat(outs, dim=1))  # (1, N, D)
+        x = h + layer.mlp(layer.post_attention_layernorm(h))
+    for cache, t in zip(caches, lens, strict=True):
+        cache.advance(t)
+    return list(torch.split(x[0], lens))  # [(T_i, D)]
+
+
+def _attend(
+    attn: Attention,
+    q: torch.Tensor,  # (1, T, H*hd) projected, before rotary
+    k: torch.Tensor,  # (1, T, KV*hd)
+    v: torch.Tensor,  # (1, T, KV*hd)
+    cos: torch.Tensor,  # (T, hd)
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,  # (KV, max_len, hd) of this layer, written in place
+    v_cache: torch.Tensor,
+    pos: int,
+) -> torch.Tensor:
+    """One session's attention, as ``layers.Attention.forward`` does it after its projections
+    (kept in step with it: the golden batched test compares the two) -> (1, T, H*hd)."""
+    _, T, _ = q.shape
+    H, KV, hd = attn.n_heads, attn.n_kv_heads, attn.head_dim
+    q = apply_rope(q.reshape(1, T, H, hd).transpose(1, 2), cos, sin)  # (1, H, T, hd)
+    k = apply_rope(k.reshape(1, T, KV, hd).transpose(1, 2), cos, sin)  # (1, KV, T, hd)
+    v = v.reshape(1, T, KV, hd).transpose(1, 2)
+    end = pos + T
+    k_cache[:, pos:end] = k[0]
+    v_cache[:, pos:end] = v[0]
+    keys = k_cache[:, :end].unsqueeze(0)  # (1, KV, L, hd)
+    values = v_cache[:, :end].unsqueeze(0)
+    if T == 1:
+        qp = q.reshape(1, KV, attn.n_rep, hd)  # (1, KV, n_rep, hd): no repeat, no mask
+        out = F.scaled_dot_product_attention(qp, keys, values, scale=attn.scale).reshape(1, H, 1, hd)
+    elif pos == 0:
+        native = attn.n_rep > 1 and q.device.type in _NATIVE_GQA
+        if attn.n_rep > 1 and not native:
+            keys, values = _repeat_kv(keys, attn.n_rep), _repeat_kv(values, attn.n_rep)
+        out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=attn.scale, enable_gqa=native)
+    else:
+        mask = torch.arange(end, device=q.device)[None, :] <= torch.arange(pos, end, device=q.device)[:, None]
+        if attn.n_rep > 1:
+            keys, values = _repeat_kv(keys, attn.n_rep), _repeat_kv(values, attn.n_rep)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=attn.scale)
+    return out.transpose(1, 2).reshape(1, T, H * hd)

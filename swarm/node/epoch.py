@@ -32,6 +32,7 @@ from swarm.errors import PeerError, ProtocolError, SwarmError
 from swarm.model.stage import Head, Stage
 from swarm.model.tokenizer import Tokenizer
 from swarm.node.authority import EPOCH_MAX
+from swarm.node.capacity import MAX_SESSIONS, ring_capacity, stage_capacity
 from swarm.node.coordinator import Coordinator
 from swarm.node.errors_util import unwrap
 from swarm.node.fastlink import FrameLink
@@ -150,6 +151,9 @@ class EpochRole:
     fastpath: FastpathService | None
     epoch: Epoch | None
     limiter: trio.CapacityLimiter
+    spec: Any  # the planner's ModelSpec of this node's model, dtype and context
+    service: Any  # the MembershipService (None before the host runs)
+    admission: Any  # capacity.Admission: generations the ring holds at once
     tokenizer: Tokenizer | None
     hop_paths: dict[int, str]
     replans: Any  # a bounded deque of epoch ends
@@ -220,6 +224,9 @@ class EpochRole:
                 head, epoch=plan.epoch, first_hop=first, chunk_timeout=s.chunk_timeout, limiter=self.limiter,
                 compute_delay_s=s.compute_delay_s,
             )  # fmt: skip
+            if self.service is not None:  # how many generations the ring's KV memory holds (capacity.py)
+                memory = {p: a.memory_bytes for p, a in self.service.membership.view().items()}
+                self.admission.set_capacity(ring_capacity(self.spec, plan, memory))
             if self.tokenizer is None:
                 with contextlib.suppress(SwarmError):  # parsing tokenizer.json takes a while: off the loop
                     self.tokenizer = await trio.to_thread.run_sync(Tokenizer.from_dir, s.model_dir)
@@ -278,13 +285,21 @@ class EpochRole:
                 ep.stage, epoch=epoch, upstream=upstream, is_tail=idx == len(ep.plan.ring) - 1,
                 max_len=min(self.settings.context_tokens, self.args.max_seq_len), limiter=self.limiter,
                 on_bad_input=lambda peer, why: nursery.start_soon(self.report_fault, peer, why, epoch),
-                compute_delay_s=self.settings.compute_delay_s,
+                compute_delay_s=self.settings.compute_delay_s, max_sessions=self._stage_capacity(ep),
             )  # fmt: skip
             if self.corrupt:
                 ep.worker.corrupt_after = 0
             self._nursery.start_soon(self._run_worker, ep, idx)
             if ep.coordinator is None:
                 self.life("serving", epoch=epoch, role="stage")
+
+    def _stage_capacity(self, ep: Epoch) -> int:
+        """Sessions our block's KV caches fit in the memory we offered (capacity.py)."""
+        if self.service is None:
+            return MAX_SESSIONS
+        offered = self.service.membership.local.memory_bytes
+        block = ep.plan.blocks[self.peer_id]
+        return stage_capacity(self.spec, offered, block, coordinator=ep.plan.coordinator == self.peer_id)
 
     def _set_outbound(self, ep: Epoch, hop: int, link: Link) -> None:
         """Hop 0 is the coordinator's send link; hop i + 1 is ring[i]'s downstream."""

@@ -77,6 +77,7 @@ from swarm.node.authority import (
     check_epoch_step,
     check_fault_report,
 )
+from swarm.node.capacity import Admission
 from swarm.node.epoch import (
     LINK_TIMEOUT_S,
     PROTO_ACT,
@@ -238,6 +239,7 @@ class Node(EpochRole):
         self.fastpath: FastpathService | None = None
         self.hop_paths: dict[int, str] = {}  # hop index -> "direct" | "libp2p" | "local", for status
         self.loopwatch = LoopWatch()  # how long the trio loop is held (status "loop")
+        self.admission = Admission()  # generations the ring's KV memory holds at once (capacity.py)
 
     def __repr__(self) -> str:
         return f"Node({self.peer_id[:12]}…)"

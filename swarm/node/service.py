@@ -37,6 +37,7 @@ from swarm.model.drafters import NgramDrafter
 from swarm.model.sampling import SamplingParams
 from swarm.model.speculative import DraftSource, KPolicy
 from swarm.net.streams import FramedStream
+from swarm.node.capacity import Busy
 from swarm.node.coordinator import RingGeneration, RingRun
 from swarm.node.errors_util import unwrap
 from swarm.proto.control import Body, Control
@@ -79,8 +80,11 @@ async def serve_generation(node: Node, peer: str, fs: FramedStream) -> None:
     except SwarmError as exc:
         log.info("request from %s failed: %s", peer, exc)
         code = "bad_request" if isinstance(exc, UsageError | ProtocolError) else (
-            "cannot_serve" if isinstance(exc, PlanningError) else "unavailable")  # fmt: skip
-        await fs.send(Control("fail", {"code": code, "message": str(exc)[:900]}).to_frame())
+            "cannot_serve" if isinstance(exc, PlanningError) else "busy" if isinstance(exc, Busy) else "unavailable")  # fmt: skip
+        body: dict[str, Any] = {"code": code, "message": str(exc)[:900]}
+        if isinstance(exc, Busy):
+            body["retry_after_s"] = exc.retry_after_s
+        await fs.send(Control("fail", body).to_frame())
 
 
 async def _serving_epoch(node: Node, wait_s: float) -> Any:
@@ -231,7 +235,11 @@ async def _generate(node: Node, ep: Any, msg: Control, fs: FramedStream) -> None
             try:
                 async with trio.open_nursery() as inner:
                     inner.start_soon(watch_client, inner.cancel_scope)
-                    ep = await _drive_with_recovery(node, ep, run, replans, last_token, send.send_nowait)
+                    await node.admission.enter(send.send_nowait)  # a slot of the ring's KV memory (capacity.py)
+                    try:
+                        ep = await _drive_with_recovery(node, ep, run, replans, last_token, send.send_nowait)
+                    finally:
+                        node.admission.leave()
                     inner.cancel_scope.cancel()
             finally:
                 send.close()
@@ -449,4 +457,6 @@ def status(node: Node, *, loop_window_s: int = 60) -> dict[str, Any]:
         "replans": list(node.replans),
         "loop": node.loopwatch.summary(loop_window_s),  # how long the trio loop was held (loopwatch.py)
         "stage": dataclasses.asdict(worker.stats) if worker is not None else None,  # this epoch's batching
+        "capacity": {"sessions": node.admission.capacity, "active": node.admission.active,
+                     "stage_sessions": worker.max_sessions if worker is not None else None},  # fmt: skip
     }

@@ -81,3 +81,45 @@ async def test_eight_sessions_on_a_slow_ring_lose_no_peer_and_match_alone(ckpt: 
         assert loop["window_max_step_ms"] < 1000 * DELAY_S, loop
     stages = [st["stage"] for st in statuses if st["stage"]]
     assert stages and max(s["max_batch"] for s in stages) > 1, stages  # the sessions shared forwards
+
+
+async def test_a_kill_during_a_batch_of_four_sessions_resumes_them_all_identical(ckpt: Path) -> None:
+    """Fault tolerance carries over to batches: four sessions share the ring's forwards, a stage is
+    killed mid-way, the swarm re-plans once, and every session resumes and ends exactly as it
+    would alone (fp32; replay rebuilds each session's caches on the new ring)."""
+    from swarm.model.config import ModelArgs
+    from swarm.node.runtime import model_spec
+
+    torch.set_num_threads(1)
+    model = LocalModel.load(ckpt, stages=1, dtype=torch.float32)
+    jobs = [(p, 40) for p, _ in _jobs()[:4]]
+    want = [generate(model, p, max_new_tokens=n, eos_token_ids=()).output_token_ids for p, n in jobs]
+    spec = model_spec(ModelArgs.from_dir(ckpt), torch.float32, 1024)
+    memory = 3 * spec.bytes_per_layer + spec.coordinator_bytes + 1  # 3 of the 4 hold the 6 layers: one can go
+    with start_local_swarm(4, ckpt, dtype="fp32", memory_bytes=[memory] * 4, chunk_timeout=5.0) as swarm:
+        async with client.open_client(swarm.addrs[0], secret=swarm.secret, swarm_id=swarm.swarm_id) as (h, peer):
+            st = await client.wait_ready(h, peer, timeout=120)
+        plan = st["plan"]
+        victim = next(swarm.peer_ids.index(p) for p in plan["ring"] if p != plan["coordinator"])
+        coord = swarm.peer_ids.index(plan["coordinator"])
+        got: list[dict | None] = [None] * len(jobs)
+        async with client.open_client(swarm.addrs[coord], secret=swarm.secret, swarm_id=swarm.swarm_id) as (h, peer):
+            seen = [0]
+
+            async def one(i: int) -> None:
+                def on_tokens(ids: list[int], text: str) -> None:
+                    seen[0] += len(ids)
+                    if seen[0] >= 40 and swarm.alive()[victim]:  # all four are decoding by then
+                        swarm.kill(victim)
+
+                prompt, n = jobs[i]
+                got[i] = await client.generate(h, peer, prompt_ids=prompt, max_new_tokens=n, timeout=150,
+                                               on_tokens=on_tokens)  # fmt: skip
+
+            async with trio.open_nursery() as nursery:
+                for i in range(len(jobs)):
+                    nursery.start_soon(one, i)
+        assert not swarm.alive()[victim]
+    for i, r in enumerate(got):
+        assert r is not None and r["output_token_ids"] == want[i], (i, r and r["output_token_ids"], want[i])
+        assert len(r["replans"]) == 1 and swarm.peer_ids[victim] in r["replans"][0]["lost"], r["replans"]

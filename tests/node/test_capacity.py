@@ -1,0 +1,76 @@
+"""Capacity: sessions per KV memory at the context length, and the queue in front of the ring."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+import trio.testing
+
+from swarm.node.capacity import MAX_SESSIONS, Admission, Busy, ring_capacity, stage_capacity
+from swarm.planner import ModelSpec, Plan
+
+SPEC = ModelSpec(n_layers=4, layer_bytes=1000, kv_bytes_per_token_per_layer=2, coordinator_bytes=500, context_tokens=100)
+
+
+def test_stage_and_ring_capacity_follow_kv_memory_at_the_context_length() -> None:
+    # 2 layers: weights 2000, one session's KV 2 * 2 * 100 = 400
+    assert stage_capacity(SPEC, 2000 + 400 * 3 + 399, (0, 2), coordinator=False) == 3
+    assert stage_capacity(SPEC, 2000 + 500 + 400 * 3, (0, 2), coordinator=True) == 3
+    assert stage_capacity(SPEC, 2000, (0, 2), coordinator=False) == 1  # the planner reserved one
+    assert stage_capacity(SPEC, 10**12, (0, 2), coordinator=False) == MAX_SESSIONS
+    plan = Plan(epoch=1, n_layers=4, coordinator="a", ring=("a", "b"), blocks={"a": (0, 2), "b": (2, 4)},
+                standbys=(), predicted_latency_ms=1.0, predicted_compute_ms=1.0)
+    assert ring_capacity(SPEC, plan, {"a": 2000 + 500 + 400 * 5, "b": 2000 + 400 * 2}) == 2
+
+
+async def test_admission_queues_in_order_with_a_notice_and_refuses_past_the_queue(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    adm = Admission(2, max_queued=2)
+    order: list[str] = []
+    notices: list[str] = []
+
+    async def gen(name: str, seconds: float) -> None:
+        await adm.enter(notices.append)
+        order.append(name)
+        try:
+            await trio.sleep(seconds)
+        finally:
+            adm.leave()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(gen, "a", 5.0)
+        nursery.start_soon(gen, "b", 1.0)
+        await trio.sleep(0.1)
+        nursery.start_soon(gen, "c", 1.0)
+        await trio.sleep(0.1)
+        nursery.start_soon(gen, "d", 1.0)
+        await trio.sleep(0.1)
+        assert order == ["a", "b"] and adm.active == 2
+        with pytest.raises(Busy, match="retry in") as info:
+            await adm.enter()
+        assert info.value.retry_after_s > 0
+    assert order == ["a", "b", "c", "d"] and adm.active == 0
+    assert len(notices) == 2 and notices[0].startswith("queued: the ring holds 2")
+
+
+async def test_a_waiter_that_goes_away_gives_its_place_up(autojump_clock: trio.testing.MockClock) -> None:
+    adm = Admission(1)
+    await adm.enter()
+    with trio.move_on_after(1.0):
+        await adm.enter()  # the client hung up while queued
+    adm.leave()
+    with trio.fail_after(0.1):
+        await adm.enter()
+    assert adm.active == 1
+
+
+def test_the_api_answers_busy_with_429_and_retry_after() -> None:
+    from swarm.api.requests import ApiError
+    from swarm.api.server import error_response
+
+    err = ApiError("the swarm is busy", status=429, type="server_error", code="swarm_busy")
+    err.retry_after_s = 5
+    resp = error_response(err)
+    assert resp.status_code == 429 and resp.headers["retry-after"] == "5"
+    assert "retry-after" not in error_response(ApiError("bad", status=400)).headers
