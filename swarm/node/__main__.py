@@ -48,6 +48,7 @@ def settings_from_file(path: Path) -> NodeSettings:
         fastpath_port=int(cfg.get("fastpath_port", 0)),
         fastpath_advertise=tuple(cfg.get("fastpath_advertise", [])),
         compute_delay_s=float(cfg.get("compute_delay_s", 0.0)),
+        sessions=int(cfg.get("sessions", 8)),
     )
 
 

@@ -7,7 +7,10 @@ can hold is explicit: (the memory its peer offered - its block's weights - the h
 also the coordinator) // (its block's KV bytes for one session at the context length). The
 planner reserves one session's KV per layer (planner/spec.py), so every planned stage holds at
 least one. The ring holds the least of its stages (capped at MAX_SESSIONS, the stage worker's
-own bound).
+own bound). A node also always holds at least ``NodeSettings.sessions`` (default
+MIN_SESSIONS): the KV of that many sessions comes on top of the memory it offered for layers
+(the planner reserves one; a local demo offers just enough for its block), so a swarm whose
+offers are tight still serves several users at once; status ``capacity`` shows both figures.
 
 The coordinator admits that many generations at once (:class:`Admission`); the next ones wait in
 a FIFO queue, each told its place in a one-line notice, up to MAX_QUEUED; past that a request is
@@ -26,6 +29,7 @@ from swarm.errors import PeerError
 from swarm.planner import ModelSpec, Plan
 
 MAX_SESSIONS = 64  # a stage never holds more (stage_worker.StageWorker.max_sessions)
+MIN_SESSIONS = 8  # ... and always at least this many (NodeSettings.sessions), KV on top of --memory
 MAX_QUEUED = 32  # generations waiting for a slot at one coordinator
 RETRY_AFTER_S = 5
 

@@ -226,7 +226,7 @@ class EpochRole:
             )  # fmt: skip
             if self.service is not None:  # how many generations the ring's KV memory holds (capacity.py)
                 memory = {p: a.memory_bytes for p, a in self.service.membership.view().items()}
-                self.admission.set_capacity(ring_capacity(self.spec, plan, memory))
+                self.admission.set_capacity(max(self.settings.sessions, ring_capacity(self.spec, plan, memory)))
             if self.tokenizer is None:
                 with contextlib.suppress(SwarmError):  # parsing tokenizer.json takes a while: off the loop
                     self.tokenizer = await trio.to_thread.run_sync(Tokenizer.from_dir, s.model_dir)
@@ -299,7 +299,8 @@ class EpochRole:
             return MAX_SESSIONS
         offered = self.service.membership.local.memory_bytes
         block = ep.plan.blocks[self.peer_id]
-        return stage_capacity(self.spec, offered, block, coordinator=ep.plan.coordinator == self.peer_id)
+        fits = stage_capacity(self.spec, offered, block, coordinator=ep.plan.coordinator == self.peer_id)
+        return min(MAX_SESSIONS, max(self.settings.sessions, fits))
 
     def _set_outbound(self, ep: Epoch, hop: int, link: Link) -> None:
         """Hop 0 is the coordinator's send link; hop i + 1 is ring[i]'s downstream."""

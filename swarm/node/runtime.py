@@ -140,6 +140,7 @@ class NodeSettings:
     fastpath_port: int = 0
     fastpath_host: str = ""  # IP the direct socket binds (default: the first /ip4 listen address)
     fastpath_advertise: tuple[str, ...] = ()  # "ip:port" to announce (e.g. behind a proxy or NAT)
+    sessions: int = 8  # generations held at once at least (their KV on top of memory_bytes): capacity.py
     compute_delay_s: float = 0.0  # fault injection (load tests): every forward and head call blocks this much longer
 
 
