@@ -28,7 +28,7 @@ from swarm.errors import UsageError
 from swarm.manifest.identity import Identity, save_identity
 from swarm.manifest.manifest import new_manifest, sign_manifest, write_manifest
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -107,7 +107,7 @@ def test_join_processes_admit_converge_survive_a_frozen_peer_and_leave_cleanly(t
         # started at the same time (interpreter start-up dominates on a busy machine)
         nodes.append(Node("intruder", ["--manifest", str(other), "--key", str(keys[3]), "--listen", "/ip4/127.0.0.1/tcp/0", *common], env))
         pid = [i.peer_id for i in ids]
-        _wait(lambda: all(n.saw("joined", pid[j]) for i, n in enumerate(nodes[:2]) for j in range(2) if j != i), 45, "convergence", nodes)
+        _wait(lambda: all(n.saw("joined", pid[j]) for i, n in enumerate(nodes[:2]) for j in range(2) if j != i), 300, "convergence", nodes)  # start-ups: slow on a busy box
         _wait(lambda: all(any(e["event"] == "rtt" for e in n.events) for n in nodes[:2]), 15, "measured RTTs", nodes)
         assert all(e["rtt_ms"] is None or 0 < e["rtt_ms"] < 2000 for n in nodes for e in n.events if "rtt_ms" in e)
         joined = next(e for e in nodes[1].events if e["event"] == "joined" and e["peer"] == pid[0])
