@@ -228,6 +228,7 @@ class SwarmHost:
         self._admitted_changed = trio.Event()
         self._subscribers: list[trio.MemorySendChannel[HostEvent]] = []
         self._closed = False
+        self.relay: Any = None  # a RelayNode once attach_relay() ran: circuit dials, path labels
 
     def __repr__(self) -> str:
         return f"SwarmHost({self.peer_id})"
@@ -239,13 +240,51 @@ class SwarmHost:
         """The underlying py-libp2p host, for net/ modules (mDNS, relay, NAT) only."""
         return self._h
 
-    def addrs(self) -> list[str]:
-        """Our dialable multiaddrs, each ending in ``/p2p/<peer id>``."""
+    def listen_addrs(self) -> list[str]:
+        """The addresses we listen on, as bound (a wildcard stays 0.0.0.0), with ``/p2p/``."""
         out = []
         for a in self._h.get_addrs():
             text = str(a)
+            if "/p2p-circuit" in text:
+                continue
             out.append(text if "/p2p/" in text else f"{text}/p2p/{self.peer_id}")
         return out
+
+    def addrs(self) -> list[str]:
+        """Our dialable multiaddrs, each ending in ``/p2p/<peer id>``: the listen addresses with
+        a wildcard (0.0.0.0, ::) replaced by this machine's interface addresses (see
+        :func:`dialable_addrs`), then our relay circuit addresses. Never a wildcard: a peer that
+        dials 0.0.0.0 reaches its own listener."""
+        from swarm.net.mdns import interface_table
+
+        out = dialable_addrs(self.listen_addrs(), interface_table())
+        if self.relay is not None:
+            out += [a for a in self.relay.circuit_addrs if a not in out]
+        return out
+
+    def attach_relay(self, relay: Any) -> None:
+        """Use ``relay`` (a running ``swarm.net.relay.RelayNode`` on this host) to dial
+        ``/p2p-circuit`` addresses, for our circuit addresses and for path labels."""
+        self.relay = relay
+
+    async def settle_path(self, peer: str, *, timeout: float) -> None:
+        """Let hole punching to ``peer`` finish (bounded) before a long-lived stream opens: a
+        stream on a relayed connection dies when DCUtR's direct one replaces it."""
+        if self.relay is not None:
+            with contextlib.suppress(SwarmError):
+                await self.relay.settle(peer, timeout=timeout)
+
+    def path_label(self, peer: str) -> str:
+        """How ``peer`` is reached now: "direct", "hole-punched", "relayed via <relay>", "none"."""
+        from swarm.net.relay import path_to
+
+        if self.relay is not None:
+            with contextlib.suppress(Exception):
+                return str(self.relay.path_label(peer))
+        try:
+            return str(path_to(self._h, peer).value)
+        except Exception:
+            return "none"
 
     def is_admitted(self, peer: str) -> bool:
         return peer in self._admitted
@@ -256,6 +295,16 @@ class SwarmHost:
     def admission_info(self, peer: str) -> HostEvent | None:
         """The "admitted" event of a peer (address, direction), or None if not admitted."""
         return self._admitted.get(peer)
+
+    def has_other_connection(self, peer: str, stream: FramedStream) -> bool:
+        """Whether ``peer`` has an open connection other than the one ``stream`` runs on (after
+        DCUtR, a relayed and a direct one coexist until the relayed one is closed)."""
+        mine = getattr(stream.raw, "muxed_conn", None)
+        try:
+            conns = self._h.get_network().get_connections(ID.from_base58(peer))
+        except Exception:
+            return False
+        return any(c.muxed_conn is not mine and not c.is_closed for c in conns)
 
     def connected_peers(self) -> list[str]:
         return sorted(str(p) for p in self._h.get_connected_peers())
@@ -307,9 +356,19 @@ class SwarmHost:
         if peer not in self.connected_peers():
             with contextlib.suppress(Exception):
                 self._h.get_peerstore().clear_addrs(info.peer_id)
+        circuit = "/p2p-circuit" in addr and peer not in self.connected_peers()
+        if circuit and self.relay is None:
+            raise PeerError(f"cannot dial {addr}: relay circuits are off on this node (join --relay)")
         try:
             with trio.fail_after(limit):
-                await self._h.connect(info)
+                if circuit:
+                    # py-libp2p's Swarm.dial_peer drops every /p2p-circuit address ("this node
+                    # has no relay transport": "All addresses ... are unusable (relay-only or
+                    # blocked by connection gate)") even when a CircuitV2Transport runs beside
+                    # it; the relay's transport dials it and registers the connection instead.
+                    await self.relay.dial_circuit(addr)
+                else:
+                    await self._h.connect(info)
         except BaseException as exc:
             if is_foreign_io_error(exc) or isinstance(exc, trio.TooSlowError):
                 raise map_exception(exc, peer, f"dialing {addr}") from None
@@ -579,6 +638,28 @@ async def _close_raw(raw: INetStream) -> None:
         await raw.close()
 
 
+def is_wildcard(addr: str) -> bool:
+    """A listen-everywhere address (0.0.0.0, ::): no peer can dial it."""
+    return addr.startswith(("/ip4/0.0.0.0/", "/ip6/::/"))
+
+
+def dialable_addrs(addrs: Sequence[str], table: dict[str, list[str]]) -> list[str]:
+    """``addrs`` as other machines can dial them: a wildcard IPv4 listen address becomes one
+    address per IPv4 interface address in ``table`` (interface -> IPs); loopback only when the
+    machine has nothing else (a peer elsewhere dialing 127.0.0.1 reaches itself). IPv6
+    wildcards are dropped (no IPv6 routing is assumed). Order kept, duplicates removed."""
+    ips = [ip for v in table.values() for ip in v if ":" not in ip]
+    public = [ip for ip in ips if not ip.startswith("127.")]
+    use = public or [ip for ip in ips if ip.startswith("127.")] or ["127.0.0.1"]
+    out: list[str] = []
+    for a in addrs:
+        if a.startswith("/ip4/0.0.0.0/"):
+            out += [a.replace("/ip4/0.0.0.0/", f"/ip4/{ip}/", 1) for ip in use]
+        elif not is_wildcard(a):
+            out.append(a)
+    return list(dict.fromkeys(out))
+
+
 def _strip_p2p(addr: str) -> str:
     i = addr.find("/p2p/")
     return addr[:i] if i >= 0 else addr
@@ -661,4 +742,4 @@ async def open_host(
             nursery.cancel_scope.cancel()
 
 
-__all__ = ["HostEvent", "SwarmHost", "build_libp2p_host", "open_host"]
+__all__ = ["HostEvent", "SwarmHost", "build_libp2p_host", "dialable_addrs", "is_wildcard", "open_host"]

@@ -48,6 +48,7 @@ from swarm.errors import PeerError, PeerTimeout, UsageError
 
 __all__ = [
     "DCUTR_PROTOCOL",
+    "HOLE_PUNCHED",
     "HOP_PROTOCOL",
     "STOP_PROTOCOL",
     "Path",
@@ -60,12 +61,15 @@ __all__ = [
     "open_relay_host",
     "parse_peer_addr",
     "path_to",
+    "relay_of",
 ]
 
 log = logging.getLogger("swarm.net.relay")
 
 # Reservations last an hour on a py-libp2p relay (RelayConfig.reservation_ttl): renew well before.
 REFRESH_S = 600.0
+PUNCH_RETRY_S = 6.0  # between our own hole-punch rounds on a relayed-only peer
+PUNCH_ROUNDS = 8  # ... at most this many (then the hop stays relayed)
 
 # Called with a peer's address right after a connection to it exists (SwarmHost.dial: it runs
 # admission on the existing connection, which a SwarmHost requires of every peer, relays too).
@@ -85,14 +89,19 @@ class RelayPolicy:
     """What a relay grants each reserving peer (circuit-relay v2 "limits").
 
     The defaults suit a small friends' swarm: a few dozen reservations, circuits long enough to
-    hold a relayed ring if punching fails, and a data cap per circuit so one peer cannot turn
-    the bootstrap node into a free tunnel.
+    hold a relayed ring if punching fails (a symmetric NAT), and a data cap per circuit so one
+    peer cannot turn the bootstrap node into a free tunnel. py-libp2p enforces both caps per
+    circuit (both directions together); past either the circuit ends, the peers' control link
+    over it ends, and they re-dial (a ring hop on it is re-planned). A relayed hop of the
+    bundled model carries ~2.3 kB per token each way in fp32 (hidden 576, plus framing), so
+    16 GiB is millions of tokens; only members hold connections to a bootstrap that has the
+    invite, so a day-long circuit is no open tunnel.
     """
 
     max_reservations: int = 64
     max_circuits_per_peer: int = 16
-    circuit_seconds: int = 3600
-    circuit_bytes: int = 1 << 30
+    circuit_seconds: int = 24 * 3600
+    circuit_bytes: int = 16 << 30
 
     def limits(self) -> RelayLimits:
         if min(self.max_reservations, self.max_circuits_per_peer, self.circuit_seconds) <= 0:
@@ -149,6 +158,19 @@ def path_to(host: IHost, peer: ID | str) -> Path:
         if addrs and all("/p2p-circuit" not in a for a in addrs):
             return Path.DIRECT
     return Path.RELAYED
+
+
+HOLE_PUNCHED = "hole-punched"
+
+
+def relay_of(host: IHost, peer: ID | str) -> str:
+    """Peer ID of the relay our relayed connection to ``peer`` goes through ("" if none)."""
+    for a in connection_addrs(host, peer):
+        if "/p2p-circuit" in a:
+            before = a.split("/p2p-circuit", 1)[0]
+            if "/p2p/" in before:
+                return before.rsplit("/p2p/", 1)[1].split("/")[0]
+    return ""
 
 
 def forget_dial_failure(host: IHost, peer: ID | str) -> None:
@@ -248,6 +270,20 @@ class RelayNode:
         except Exception:
             return False
 
+    async def dial_circuit(self, addr: str) -> None:
+        """Open a relayed connection at a ``/p2p-circuit`` address (no admission; the caller,
+        SwarmHost.dial, runs it and bounds the time). py-libp2p's host cannot dial these
+        addresses itself: its Swarm drops them before dialing."""
+        info = parse_peer_addr(addr, what="circuit address")
+        forget_dial_failure(self.host, info.peer_id)
+        try:
+            await self._transport.dial(multiaddr.Multiaddr(addr))
+        except (trio.Cancelled, KeyboardInterrupt):
+            raise
+        except Exception as exc:
+            raise PeerError(f"cannot reach {info.peer_id} through the relay at {addr}: {exc}") from exc
+        self.seen_relayed.add(str(info.peer_id))
+
     async def dial(self, addr: str, *, timeout: float = 15.0) -> str:
         """Connect to a peer at a direct or ``/p2p-circuit`` address; return its peer ID.
 
@@ -296,11 +332,9 @@ class RelayNode:
         """The current path to ``peer``, remembering relayed-then-direct upgrades."""
         path = path_to(self.host, peer)
         key = str(peer)
-        # A relayed connection stays open for a grace period after an upgrade, so a peer whose
-        # direct connection came from DCUtR still shows one here for a while.
-        if path is Path.RELAYED or any(
-            "/p2p-circuit" in a for a in connection_addrs(self.host, peer)
-        ):
+        # Only a peer we reached through relays alone (dial_circuit, or seen so here) counts:
+        # a spare relayed connection beside a direct one we dialed is no hole punch.
+        if path is Path.RELAYED:
             self.seen_relayed.add(key)
         if path is Path.DIRECT and key in self.seen_relayed and key not in self.upgraded:
             self.upgraded.add(key)
@@ -308,16 +342,53 @@ class RelayNode:
         return path
 
     def path_label(self, peer: ID | str) -> str:
-        """How ``peer`` is reached, for people: "direct", "direct (hole-punched)", "relayed"..."""
+        """How ``peer`` is reached, for people and JSON: "direct", "hole-punched" (a direct
+        connection that DCUtR made from a relayed one), "relayed via <relay peer ID>", "none"."""
         path = self._observe(peer)
         if path is Path.DIRECT and str(peer) in self.upgraded:
-            return "direct (hole-punched)"
+            return HOLE_PUNCHED
+        if path is Path.RELAYED:
+            via = relay_of(self.host, peer)
+            if via in ("", str(self.host.get_id())):
+                # an inbound circuit's address names us, not the relay: it came through the
+                # relay where we hold our slot
+                via = next((r.rsplit("/p2p/", 1)[1] for r in self._reservations), "")
+            return f"relayed via {via}" if via else "relayed"
         return path.value
 
     async def watch(self, *, interval: float = 0.5, refresh_s: float = REFRESH_S) -> None:
-        """Track relayed connections and their upgrades to direct ones, and renew reservations
-        before the relay lets them lapse (runs in open_relay's nursery)."""
+        """Track relayed connections and their upgrades to direct ones, retry hole punching on
+        relayed-only peers, and renew reservations before the relay lets them lapse (runs in
+        open_relay's nursery)."""
         next_refresh = trio.current_time() + refresh_s
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._retry_punches)
+            await self._watch(interval, refresh_s, next_refresh)
+
+    async def _retry_punches(self) -> None:
+        """py-libp2p's DCUtR drives up to 3 attempts per peer, then gives up for good; under a
+        busy CPU all 3 can miss (a round lasts 5 s). From the lower peer ID of each pair (so the
+        two sides do not start sessions that cross), try again every PUNCH_RETRY_S, up to
+        PUNCH_ROUNDS times; a symmetric NAT stays relayed after that, which works."""
+        if self._dcutr is None:
+            return
+        rounds: dict[str, int] = {}
+        me = str(self.host.get_id())
+        while True:
+            await trio.sleep(PUNCH_RETRY_S)
+            for peer in list(self.host.get_connected_peers()):
+                key = str(peer)
+                if key > me or rounds.get(key, 0) >= PUNCH_ROUNDS or path_to(self.host, peer) is not Path.RELAYED:
+                    continue
+                if peer in getattr(self._dcutr, "_in_progress", ()):
+                    continue
+                rounds[key] = rounds.get(key, 0) + 1
+                with contextlib.suppress(Exception):
+                    self._dcutr._hole_punch_attempts.pop(peer, None)  # its own budget of 3
+                ok = await self.punch(peer, timeout=PUNCH_RETRY_S * 2)
+                log.info("hole punch to %s, round %d: %s", key, rounds[key], "direct" if ok else "still relayed")
+
+    async def _watch(self, interval: float, refresh_s: float, next_refresh: float) -> None:
         while True:
             for peer in list(self.host.get_connected_peers()):
                 self._observe(peer)
@@ -329,6 +400,28 @@ class RelayNode:
                     except (PeerError, UsageError) as exc:
                         log.warning("could not renew the relay slot at %s: %s", relay_addr, exc)
             await trio.sleep(interval)
+
+    async def settle(self, peer: ID | str, *, timeout: float) -> str:
+        """Before a long-lived stream goes to ``peer``: if we reach it only through a relay and
+        hole punching may still work, give DCUtR up to ``timeout`` to make the direct connection
+        first (the higher peer ID of the pair drives, as in _retry_punches; the other waits).
+        Streams on a relayed connection die when a direct one replaces it. Returns the label."""
+        pid = _as_id(peer)
+        if self._dcutr is None or path_to(self.host, pid) is not Path.RELAYED:
+            return self.path_label(pid)
+        if str(pid) > str(self.host.get_id()):
+            await self.wait_direct(pid, timeout=timeout)
+        else:
+            with trio.move_on_after(timeout):
+                while path_to(self.host, pid) is Path.RELAYED:
+                    with contextlib.suppress(Exception):
+                        self._dcutr._hole_punch_attempts.pop(pid, None)
+                    if await self.punch(pid, timeout=timeout):
+                        break
+                    await trio.sleep(0.5)
+        label = self.path_label(pid)
+        log.info("path to %s before linking: %s", pid, label)
+        return label
 
     async def wait_direct(self, peer: ID | str, *, timeout: float) -> bool:
         """Wait until ``peer`` is reachable directly (e.g. the other side punched); True if so."""

@@ -22,7 +22,18 @@ failure detector declares a peer lost, its advert is dropped and its connection 
 comes back it is admitted again and rejoins as a new incarnation.
 
 Discovery hooks: :meth:`MembershipService.add_candidate` takes a dialable multiaddr from any
-source (mDNS, a relay, the manifest's bootstrap list).
+source (mDNS, a relay, the manifest's bootstrap list); wildcard addresses and our own peer ID are
+never dialed. A circuit address (``<relay>/p2p-circuit/p2p/<peer>``) names the peer last.
+
+Hubs. The bootstrap runs a service with ``publish=False``: it forwards every advert like any
+member but never sends its own, so it is never in anyone's view (never planned, never leader),
+and it links back only to peers that open a ctl link to it, so a client or a relay-only peer is
+not dropped as silent. Members are peers that advertised: a client (status, generate) or the hub
+is admitted and beats but never "joins" or "leaves" in anyone's events.
+
+After DCUtR, a relayed and a direct connection to one peer coexist until the relayed one is
+closed (py-libp2p waits 60 s); a ctl link on the relayed one then ends, and it is reopened on
+the direct one at once instead of the peer being declared lost.
 """
 
 from __future__ import annotations
@@ -41,7 +52,7 @@ from typing import Any
 import trio
 
 from swarm.errors import AdmissionError, PeerError, PeerLost, ProtocolError, SwarmError, UsageError
-from swarm.net.host import HostEvent, SwarmHost
+from swarm.net.host import HostEvent, SwarmHost, is_wildcard
 from swarm.net.streams import FramedStream
 from swarm.node.failure import PeerState, Transition
 from swarm.node.heartbeat import DEFAULT_INTERVAL, Liveness, run_ctl_link, serve_ctl_inbound
@@ -230,11 +241,16 @@ class MembershipService:
         interval: float = DEFAULT_INTERVAL,
         on_event: Callable[[MemberEvent], None] | None = None,
         on_stall: Callable[[float], None] | None = None,
+        publish: bool = True,
     ) -> None:
         if host.peer_id != membership.peer_id:
             raise UsageError("the host's peer ID and the membership signer's peer ID differ (one seed for both)")
         self.host = host
         self.membership = membership
+        # False: a hub (the bootstrap) that forwards adverts, never its own, and links only to
+        # peers that link to it
+        self.publish = publish
+        self._announced: set[str] = set()  # peers whose "joined" was emitted (they advertised)
         self.interval = interval
         self.liveness = liveness or Liveness()
         self.liveness._on_transition = self._on_transition
@@ -250,17 +266,20 @@ class MembershipService:
 
     def add_candidate(self, addr: str, source: str = "manual") -> None:
         """A multiaddr (with ``/p2p/<id>``) worth dialing: bootstrap, mDNS, relay circuit."""
-        i = addr.find("/p2p/")
+        i = addr.rfind("/p2p/")  # the last one: a circuit address names its relay first
         if i < 0:
             raise UsageError(f"{source} address {addr!r} lacks /p2p/<peer id>")
         peer = addr[i + 5 :].split("/")[0]
-        if peer == self.host.peer_id or addr in self._candidates:
-            return
+        if peer == self.host.peer_id or addr in self._candidates or is_wildcard(addr):
+            return  # never dial ourselves, nor a wildcard (it reaches our own listener)
         self._candidates[addr] = _Candidate(addr, peer, source, trio.current_time())
 
     def members(self) -> list[str]:
-        """Live members (alive or suspect) other than us, sorted."""
-        return [p for p in self.liveness.detector.live_peers() if self.host.is_admitted(p)]
+        """Live members (alive or suspect, admitted, and advertised) other than us, sorted.
+        A client (status, generate) or the bootstrap hub is admitted and beats, but never
+        advertises: it is no member."""
+        view = self.membership.view()
+        return [p for p in self.liveness.detector.live_peers() if self.host.is_admitted(p) and p in view]
 
     def rtt_ms(self, peer: str) -> float | None:
         return self.liveness.rtt_ms(peer)
@@ -291,8 +310,8 @@ class MembershipService:
                 self._emit(MemberEvent("refused", ev.peer, ev.addr, reason=ev.reason))
 
     def _admitted(self, ev: HostEvent) -> None:
-        if self._nursery is None or ev.peer in self._links:
-            return
+        if self._nursery is None or ev.peer in self._links or not self.publish:
+            return  # a hub links to a peer once the peer links to it (see _serve_inbound)
         self.liveness.heard(ev.peer)
         self._start_link(ev.peer)
 
@@ -301,7 +320,8 @@ class MembershipService:
         assert self._nursery is not None
         send, recv = trio.open_memory_channel[Frame](256)
         self._outboxes[peer] = send
-        send.send_nowait(self.membership.local.to_frame())
+        if self.publish:
+            send.send_nowait(self.membership.local.to_frame())
         for other, advert in self.membership.view().items():
             if other not in (peer, self.host.peer_id):
                 send.send_nowait(advert.to_frame())
@@ -310,20 +330,25 @@ class MembershipService:
         self._nursery.start_soon(self._link, peer, scope, recv)
 
     async def _link(self, peer: str, scope: trio.CancelScope, outbox: trio.MemoryReceiveChannel[Frame]) -> None:
+        link: FramedStream | None = None
         try:
             with scope:
                 async with self.host.open_stream(peer, PROTO_CTL, timeout=self.interval * 6) as fs:
+                    link = fs
                     await run_ctl_link(fs, self.liveness, outbox, interval=self.interval)
         except (PeerLost, AdmissionError) as exc:  # gone (EOF, reset) or dropped: lost at once
+            if isinstance(exc, PeerLost) and link is not None and self.host.has_other_connection(peer, link):
+                # Only the connection under this link closed (a relayed one, after DCUtR made a
+                # direct one): the peer is still here; reopen the link on the other connection.
+                log.debug("ctl link to %s lost its connection (%s); another is up: reopening", peer, exc)
+                self._reopen(peer, scope, delay=0.0)
+                return
             reason = str(exc)
             log.debug("ctl link to %s ended: %s", peer, exc)
             self.liveness.lost(peer, reason)
         except PeerError as exc:  # a stalled write: silence is the failure detector's call
             log.debug("ctl link to %s stalled: %s; reopening", peer, exc)
-            if self._links.get(peer) is scope and self._nursery is not None:
-                del self._links[peer]
-                self._outboxes.pop(peer, None)
-                self._nursery.start_soon(self._relink, peer)
+            self._reopen(peer, scope)
         except SwarmError as exc:
             reason = str(exc)
             log.warning("ctl link to %s failed: %s", peer, exc)
@@ -333,13 +358,26 @@ class MembershipService:
                 del self._links[peer]
                 self._outboxes.pop(peer, None)
 
-    async def _relink(self, peer: str) -> None:
-        """Reopen a stalled link after a beat, unless the peer was lost or dropped meanwhile."""
-        await trio.sleep(self.interval)
+    def _reopen(self, peer: str, scope: trio.CancelScope, *, delay: float | None = None) -> None:
+        if self._links.get(peer) is scope and self._nursery is not None:
+            del self._links[peer]
+            self._outboxes.pop(peer, None)
+            self._nursery.start_soon(self._relink, peer, self.interval if delay is None else delay)
+
+    async def _relink(self, peer: str, delay: float) -> None:
+        """Reopen a link after ``delay`` (a stalled one: a beat), unless the peer was lost or
+        dropped meanwhile."""
+        await trio.sleep(delay)
         if self.host.is_admitted(peer) and peer not in self._links and self.liveness.state(peer) is not PeerState.LOST:
             self._start_link(peer)
 
     async def _serve_inbound(self, peer: str, fs: FramedStream) -> None:
+        if not self.publish and peer not in self._links and self._nursery is not None:
+            # A hub only links back to peers that run membership themselves: a client, or a
+            # `join --diagnose` or a relay-only peer, speaks no ctl and must not be dropped as
+            # silent (it may be using this node as its relay).
+            self.liveness.heard(peer)
+            self._start_link(peer)
         await serve_ctl_inbound(fs, self.liveness, self._on_advert)
 
     async def _on_advert(self, from_peer: str, advert: Advert) -> None:
@@ -350,9 +388,12 @@ class MembershipService:
             return
         if not news:
             return
-        self._emit(MemberEvent("updated", advert.peer_id, advert.addrs[0] if advert.addrs else ""))
+        peer = advert.peer_id
+        if peer not in self._announced and self.liveness.state(peer) in (PeerState.ALIVE, PeerState.SUSPECT):
+            self._announce(peer)  # its first advert: now it is a member we can name
+        self._emit(MemberEvent("updated", peer, advert.addrs[0] if advert.addrs else ""))
         for addr in advert.addrs:
-            if "/p2p/" in addr:
+            if "/p2p/" in addr and not is_wildcard(addr):
                 with contextlib.suppress(UsageError):
                     self.add_candidate(addr, source=f"advert via {from_peer[-8:]}")
         frame = advert.to_frame()
@@ -361,11 +402,23 @@ class MembershipService:
                 with contextlib.suppress(trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
                     box.send_nowait(frame)
 
+    def _announce(self, peer: str) -> None:
+        self._announced.add(peer)
+        info = self.host.admission_info(peer)
+        addr = info.addr if info else ""
+        how = ("dialed" if info.outbound else "inbound") if info else ""
+        incarnation = self.liveness.detector.incarnation(peer)
+        self._emit(MemberEvent("rejoined" if incarnation else "joined", peer, addr, how, incarnation=incarnation))
+
     def _on_transition(self, t: Transition) -> None:
         info = self.host.admission_info(t.peer)
         addr = info.addr if info else ""
         how = ("dialed" if info.outbound else "inbound") if info else ""
+        # Only members (peers that advertised) are news: a client or the bootstrap hub beats
+        # but never advertises, so it never "joins" or "leaves" in anyone's output.
+        announced = t.peer in self._announced
         if t.new is PeerState.LOST:
+            self._announced.discard(t.peer)
             self.membership.forget(t.peer)
             for cand in self._candidates.values():  # try to reach it again promptly
                 if cand.peer == t.peer:
@@ -376,7 +429,13 @@ class MembershipService:
                 scope.cancel()
             if self._nursery is not None and self.host.is_admitted(t.peer):
                 self._nursery.start_soon(self.host.disconnect, t.peer)
-            self._emit(MemberEvent("left", t.peer, addr, how, reason=t.reason, incarnation=t.incarnation))
+            if announced:
+                self._emit(MemberEvent("left", t.peer, addr, how, reason=t.reason, incarnation=t.incarnation))
+        elif not announced:
+            if t.peer in self.membership.view():  # back before its advert was forgotten, or known by gossip
+                self._announced.add(t.peer)
+                kind = "rejoined" if t.rejoined else "joined"
+                self._emit(MemberEvent(kind, t.peer, addr, how, reason=t.reason, incarnation=t.incarnation))
         elif t.new is PeerState.SUSPECT:
             self._emit(MemberEvent("suspect", t.peer, addr, how, reason=t.reason, incarnation=t.incarnation))
         elif t.old is None:
@@ -431,7 +490,7 @@ class MembershipService:
             rtts = {p: v for p, v in self.liveness.rtts_ms().items() if self.host.is_admitted(p)}
             now = trio.current_time()
             due = set(rtts) != set(last) or (now - last_at >= READVERT_PERIOD and _rtts_changed(last, rtts))
-            if due and self.membership.update_local(rtt_ms=rtts):
+            if due and self.publish and self.membership.update_local(rtt_ms=rtts):
                 last, last_at = rtts, now
                 frame = self.membership.local.to_frame()
                 for box in list(self._outboxes.values()):
@@ -440,6 +499,8 @@ class MembershipService:
 
     def readvertise(self) -> None:
         """Send our current advert to every peer now (after update_local)."""
+        if not self.publish:
+            return
         frame = self.membership.local.to_frame()
         for box in list(self._outboxes.values()):
             with contextlib.suppress(trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):

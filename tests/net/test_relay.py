@@ -74,7 +74,7 @@ async def test_reserve_relayed_dial_admission_and_upgrade() -> None:
         # On loopback nothing blocks a direct dial: DCUtR upgrades the relayed connection.
         assert await rb.punch(a.peer_id, timeout=20) is True
         assert path_to(b.libp2p, a.peer_id) is ConnPath.DIRECT
-        assert rb.path_label(a.peer_id) == "direct (hole-punched)"
+        assert rb.path_label(a.peer_id) == "hole-punched"
         assert await b.libp2p_ping(a.peer_id, timeout=5) > 0
 
 
@@ -145,9 +145,12 @@ async def test_open_relay_host_without_secret_is_an_open_relay() -> None:
 
 def test_dialable_expands_wildcards() -> None:
     table = {"lo": ["127.0.0.1"], "eth0": ["203.0.113.5"], "v6": ["fe80::1"]}
-    got = dialable(["/ip4/0.0.0.0/tcp/4001/p2p/X", "/ip4/10.1.1.1/tcp/5/p2p/X"], table)
-    assert got == ["/ip4/203.0.113.5/tcp/4001/p2p/X", "/ip4/127.0.0.1/tcp/4001/p2p/X",
-                   "/ip4/10.1.1.1/tcp/5/p2p/X"]  # fmt: skip
+    got = dialable(["/ip4/0.0.0.0/tcp/4001/p2p/X", "/ip6/::/tcp/4001/p2p/X", "/ip4/10.1.1.1/tcp/5/p2p/X"], table)
+    # never a wildcard, never loopback beside a real address: a peer elsewhere dialing either
+    # reaches its own listener
+    assert got == ["/ip4/203.0.113.5/tcp/4001/p2p/X", "/ip4/10.1.1.1/tcp/5/p2p/X"]
+    # a machine with nothing but loopback (tests, one-box swarms) keeps it
+    assert dialable(["/ip4/0.0.0.0/tcp/7/p2p/X"], {"lo": ["127.0.0.1"]}) == ["/ip4/127.0.0.1/tcp/7/p2p/X"]
 
 
 def test_bootstrap_command_registers_and_refuses_a_bad_manifest(tmp_path: Path) -> None:
@@ -170,3 +173,28 @@ def test_bootstrap_command_registers_and_refuses_a_bad_manifest(tmp_path: Path) 
         app(["bootstrap", "--manifest", str(bad), "--key", str(tmp_path / "k"),
              "--listen", "/ip4/127.0.0.1/tcp/0"], standalone_mode=False)  # fmt: skip
     assert err.value.exit_code == 4 and str(bad) in str(err.value)
+
+
+def test_id_prints_the_peer_id_then_dialable_addresses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from typer.testing import CliRunner
+
+    from swarm.cli.bootstrap import register
+    from swarm.manifest.identity import load_identity
+
+    monkeypatch.setenv("SHARD_SWARM_CONFIG", str(tmp_path))
+    app = typer.Typer()
+    register(app)
+
+    @app.callback()
+    def _root() -> None: ...
+
+    out = CliRunner().invoke(app, ["id", "--listen", "/ip4/0.0.0.0/tcp/4001", "--listen", "/ip4/10.9.8.7/tcp/5"])
+    assert out.exit_code == 0, out.output
+    peer, *addrs = out.output.split()
+    assert peer == load_identity(tmp_path / "identity.key").peer_id  # the node identity, created once
+    assert addrs and all(a.endswith(f"/p2p/{peer}") and "/0.0.0.0/" not in a for a in addrs)
+    assert addrs[-1] == f"/ip4/10.9.8.7/tcp/5/p2p/{peer}"
+    again = CliRunner().invoke(app, ["id", "--listen", "/ip4/10.9.8.7/tcp/5"])
+    assert again.output.split()[0] == peer
+    bad = CliRunner().invoke(app, ["id", "--listen", "/ip4/1.2.3.4/udp/5"])
+    assert bad.exit_code != 0

@@ -154,3 +154,33 @@ async def test_three_nodes_converge_then_a_dead_one_is_lost_and_rejoins_as_new_i
         assert rejoin and rejoin[-1].incarnation == 1
         assert a.liveness.detector.incarnation(c_id) == 1
         nursery.cancel_scope.cancel()
+
+
+async def test_a_hub_that_never_advertises_introduces_members_and_keeps_silent_clients() -> None:
+    """The bootstrap's role: members that know only the hub learn of each other through it and
+    dial each other; the hub is never a member, and a peer that speaks no ctl (a client, a
+    `join --diagnose`) stays connected to it and is never reported by anyone."""
+    ev: list[list[MemberEvent]] = [[], [], []]
+    async with (
+        trio.open_nursery() as nursery,
+        open_host(IDS[0].seed, ["/ip4/127.0.0.1/tcp/0"], secret=SECRET, swarm_id=SWARM) as hub_host,
+        _node(1, nursery, ev[1]) as b,
+        _node(2, nursery, ev[2]) as c,
+        open_host(IDS[3].seed, ["/ip4/127.0.0.1/tcp/0"], secret=SECRET, swarm_id=SWARM) as client,
+    ):
+        hub = MembershipService(hub_host, Membership(IDS[0], SWARM, memory_bytes=0), on_event=ev[0].append,
+                                publish=False)  # fmt: skip
+        await nursery.start(hub.run)
+        boot = hub_host.addrs()[0]
+        b.add_candidate(boot, "bootstrap")
+        c.add_candidate(boot, "bootstrap")
+        await client.dial(boot)
+        await _until(lambda: b.members() == [c.host.peer_id] and c.members() == [b.host.peer_id], 20)
+        assert b.host.is_admitted(c.host.peer_id)  # they dialed each other, learned by the hub's gossip
+        assert sorted(hub.members()) == sorted([b.host.peer_id, c.host.peer_id])
+        assert IDS[0].peer_id not in b.membership.view() and IDS[0].peer_id not in c.membership.view()
+        await trio.sleep(3.5)  # past the failure detector's 2.5 s limit for a silent peer
+        assert hub_host.is_admitted(client.peer_id)  # not dropped as silent
+        assert all(e.peer in (b.host.peer_id, c.host.peer_id) for e in ev[0])
+        assert all(e.peer != IDS[0].peer_id for e in ev[1] + ev[2])  # the hub never "joins"
+        nursery.cancel_scope.cancel()
