@@ -22,6 +22,7 @@ Exit codes: 0 left cleanly; 2 bad flags; 4 invite refused; 7 could not listen.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
@@ -91,22 +92,6 @@ def available_memory() -> int:
     return 0
 
 
-def _dialable(addrs: list[str]) -> list[str]:
-    """Our listen addresses as others can dial them: 0.0.0.0 expands to the interface addresses."""
-    out: list[str] = []
-    for a in addrs:
-        if "/ip4/0.0.0.0/" not in a:
-            out.append(a)
-            continue
-        ips: list[str] = ["127.0.0.1"]
-        with contextlib.suppress(Exception):
-            from swarm.net.mdns import interface_table  # net-discovery's; optional
-
-            ips = sorted({ip for v in interface_table().values() for ip in v if ":" not in ip}, key=lambda ip: ip.startswith("127."))
-        out += [a.replace("/ip4/0.0.0.0/", f"/ip4/{ip}/") for ip in ips]
-    return out
-
-
 class _Printer:
     """Membership changes as stdout lines; RTTs filled in as they are measured."""
 
@@ -114,17 +99,10 @@ class _Printer:
         self.host = host
         self.as_json = as_json
         self.rtt_shown: dict[str, float] = {}
-        self.relay: Any = None  # net-discovery's RelayNode, when running
+        self.path_shown: dict[str, str] = {}
 
     def path(self, peer: str) -> str:
-        if self.relay is not None:
-            with contextlib.suppress(Exception):
-                return str(self.relay.path_label(peer))
-        with contextlib.suppress(Exception):
-            from swarm.net.relay import path_to  # net-discovery's; optional
-
-            return str(path_to(self.host.libp2p, peer).value)
-        return "direct"
+        return self.host.path_label(peer)  # direct, hole-punched, relayed via <relay>
 
     def line(
         self, kind: str, peer: str, addr: str, how: str, rtt: float | None, reason: str = "", incarnation: int = 0
@@ -149,16 +127,24 @@ class _Printer:
             self.line(ev.kind, ev.peer, ev.addr, ev.how, ev.rtt_ms, ev.reason, ev.incarnation)
             if ev.kind in ("left", "refused"):
                 self.rtt_shown.pop(ev.peer, None)
+                self.path_shown.pop(ev.peer, None)
+            else:
+                self.path_shown[ev.peer] = self.path(ev.peer)
 
     def refresh(self, service: MembershipService) -> None:
-        """Print a peer again when its RTT is first known or has moved by more than 25%."""
+        """Print a peer again when its RTT is first known or has moved by more than 25% ("rtt"),
+        and when the way we reach it changes ("path": relayed -> hole-punched, say)."""
         for peer in service.members():
             rtt = service.rtt_ms(peer)
             old = self.rtt_shown.get(peer)
+            info = self.host.admission_info(peer)
+            how = ("dialed" if info.outbound else "inbound") if info else ""
+            path = self.path(peer)
+            if path != self.path_shown.setdefault(peer, path):
+                self.path_shown[peer] = path
+                self.line("path", peer, info.addr if info else "", how, rtt)
             if rtt is not None and (old is None or abs(rtt - old) > 0.25 * old + 0.5):
                 self.rtt_shown[peer] = rtt
-                info = self.host.admission_info(peer)
-                how = ("dialed" if info.outbound else "inbound") if info else ""
                 self.line("rtt", peer, info.addr if info else "", how, rtt)
 
 
@@ -188,7 +174,7 @@ async def _run_node(
     async with open_host(
         seed, listen, secret=manifest.secret.value, swarm_id=manifest.swarm_id, revoked=frozenset(manifest.revoked)
     ) as host:
-        addrs = _dialable(host.addrs())
+        addrs = host.addrs()
         ui.notice(f"node {host.peer_id} listening on {', '.join(addrs)}")
         membership = Membership(
             signer, manifest.swarm_id, addrs=addrs, memory_bytes=memory, revoked=frozenset(manifest.revoked)
@@ -198,7 +184,7 @@ async def _run_node(
         async with trio.open_nursery() as nursery:
             await nursery.start(service.run)
             if relay:
-                nursery.start_soon(_relay_client, service, host, printer, list(manifest.bootstrap))
+                nursery.start_soon(_relay_client, service, host, list(manifest.bootstrap))
             for addr in manifest.bootstrap:
                 try:
                     service.add_candidate(addr, source="bootstrap")
@@ -224,9 +210,11 @@ async def _serve_layers(
 ) -> None:
     """A full node: membership as above, plus the ring (its block, or the coordinator role)."""
     from swarm.model.dtypes import resolve_dtype
+    from swarm.net.host import dialable_addrs
+    from swarm.net.mdns import interface_table
     from swarm.node.runtime import Node, NodeSettings
 
-    dialable = _dialable([a for a in listen])
+    dialable = dialable_addrs(list(listen), interface_table())
     first_ip = next((a.split("/")[2] for a in dialable if a.startswith("/ip4/") and not a.startswith("/ip4/127.")),
                     "127.0.0.1")
     settings = NodeSettings(
@@ -252,9 +240,9 @@ async def _serve_layers(
         host, service = node.host, node.service
         printer = _Printer(host, as_json)
         if relay:
-            nursery.start_soon(_relay_client, service, host, printer, list(manifest.bootstrap))
+            nursery.start_soon(_relay_client, service, host, list(manifest.bootstrap))
         if mdns:
-            nursery.start_soon(_mdns_discovery, service, host, manifest.swarm_id, _dialable(host.addrs()))
+            nursery.start_soon(_mdns_discovery, service, host, manifest.swarm_id, host.addrs())
         if api is not None:
             from swarm.api.backend import NodeBackend
             from swarm.api.server import serve_api
@@ -299,31 +287,31 @@ def _exit_now(code: int) -> None:
     os._exit(code)
 
 
-async def _relay_client(service: MembershipService, host: SwarmHost, printer: _Printer, bootstrap: list[str]) -> None:
-    """Hook for NAT traversal (net-discovery's swarm/net/relay.py): accept relayed connections,
-    hole-punch them to direct ones, and hold a relay slot on the first bootstrap node that grants
-    one, advertising our circuit address so peers behind other NATs can reach us."""
-    try:
-        from swarm.net.relay import open_relay
-    except ImportError:
-        ui.notice("relay / hole punching unavailable in this build")
-        return
+async def _relay_client(service: MembershipService, host: SwarmHost, bootstrap: list[str]) -> None:
+    """NAT traversal (swarm/net/relay.py): accept relayed connections, dial /p2p-circuit
+    addresses, let DCUtR hole-punch relayed connections into direct ones, and hold a relay slot
+    on the first bootstrap node that grants one, advertising our circuit address so peers behind
+    other NATs can reach us."""
+    from swarm.net.relay import open_relay
+
     try:
         async with open_relay(host.libp2p, admit=host.dial) as node:
-            printer.relay = node
+            host.attach_relay(node)
             for addr in bootstrap:
-                with contextlib.suppress(SwarmError):
+                try:
                     circuit = await node.reserve(addr, timeout=15.0)
-                    ui.notice(f"reachable through relay {circuit}")
-                    addrs = list(service.membership.local.addrs)
-                    if service.membership.update_local(addrs=[*addrs, circuit]):
-                        service.readvertise()
-                    break
+                except SwarmError as exc:
+                    log.info("no relay slot at %s: %s", addr, exc)
+                    continue
+                ui.notice(f"reachable through relay {circuit}")
+                if service.membership.update_local(addrs=host.addrs()):
+                    service.readvertise()
+                break
             await trio.sleep_forever()
     except SwarmError as exc:
         ui.notice(f"relay off: {exc}")
     finally:
-        printer.relay = None
+        host.attach_relay(None)
 
 
 async def _mdns_discovery(service: MembershipService, host: SwarmHost, swarm_id: str, addrs: list[str]) -> None:
@@ -347,27 +335,29 @@ async def _mdns_discovery(service: MembershipService, host: SwarmHost, swarm_id:
         ui.notice(f"mDNS off: {exc}")
 
 
-async def _diagnose(manifest: Manifest, seed: bytes, listen: list[str], as_json: bool) -> None:
-    async with open_host(seed, listen, secret=manifest.secret.value, swarm_id=manifest.swarm_id) as host:
-        try:
-            from swarm.net.nat import diagnose
-        except ImportError:
-            diagnose = None  # type: ignore[assignment]
-        if diagnose is None:
-            ui.print_json({"peer_id": host.peer_id, "listen": host.addrs(), "bootstrap": list(manifest.bootstrap),
-                           "note": "reachability checks unavailable in this build"})  # fmt: skip
-            return
-        local_ips: list[str] = []
-        with contextlib.suppress(Exception):
-            from swarm.net.mdns import interface_table
+async def _diagnose(manifest: Manifest, seed: bytes, listen: list[str], as_json: bool, relay: bool) -> None:
+    """What join does, reported: admission with each bootstrap, dial-back, a relay reservation
+    and DCUtR readiness (swarm.net.nat.diagnose). Network failures are facts in the report."""
+    from swarm.net.mdns import interface_table
+    from swarm.net.nat import diagnose
+    from swarm.net.relay import open_relay
 
-            local_ips = [ip for v in interface_table().values() for ip in v]
-        report = await diagnose(host.libp2p, bootstrap_addrs=list(manifest.bootstrap), local_ips=local_ips)
-        if as_json:
-            ui.print_json(report.to_dict())
-        else:
-            for line in report.lines():
-                sys.stdout.write(line + "\n")
+    local_ips = [ip for v in interface_table().values() for ip in v]
+    async with (
+        open_host(seed, listen, secret=manifest.secret.value, swarm_id=manifest.swarm_id,
+                  revoked=frozenset(manifest.revoked)) as host,
+        contextlib.AsyncExitStack() as stack,
+    ):  # fmt: skip
+        node = await stack.enter_async_context(open_relay(host.libp2p, admit=host.dial)) if relay else None
+        host.attach_relay(node)
+        report = await diagnose(host.libp2p, bootstrap_addrs=list(manifest.bootstrap), relay=node,
+                                local_ips=local_ips, admit=host.dial)  # fmt: skip
+        host.attach_relay(None)
+    if as_json:
+        ui.print_json(report.to_dict())
+    else:
+        for line in report.lines():
+            sys.stdout.write(line + "\n")
 
 
 def join(
@@ -387,6 +377,7 @@ def join(
     dtype: str | None = typer.Option(None, "--dtype", help=flag_help("node.dtype")),
     device: str | None = typer.Option(None, "--device", help="auto (CUDA, then MPS, else CPU), cpu, cuda, cuda:N or mps (default: node.device, else auto)."),
     threads: int | None = typer.Option(None, "--threads", help=flag_help("node.threads")),
+    peers: list[str] = typer.Option([], "--peer", help="Also dial this peer first, like a bootstrap (a multiaddr ending in /p2p/ID; repeatable; see `shard-swarm id`)."),
 ) -> None:
     """Join a swarm: connect, be admitted, and show peers as they appear."""
     cfg = node_settings({"node.listen": listen or None, "node.memory": memory, "node.dtype": dtype, "node.threads": threads})
@@ -401,6 +392,12 @@ def join(
     if check_pin(manifest):
         ui.notice(f"pinned issuer {manifest.issuer_peer_id} for swarm {manifest.swarm_name!r} (trust on first use)")
     dev = _serving_device(device) if serve and not diagnose else None  # a missing device: exit 2 now
+    if peers:
+        from swarm.net.relay import parse_peer_addr
+
+        for p in peers:
+            parse_peer_addr(p, what="--peer")
+        manifest = dataclasses.replace(manifest, bootstrap=tuple(dict.fromkeys([*peers, *manifest.bootstrap])))
     if model is not None:
         if manifest.model is None:
             raise UsageError(f"--model given but the invite {path} names no model")
@@ -409,12 +406,13 @@ def join(
         with ui.progress(f"checking {model.name}") as report:
             check_model(manifest.model, model, report)
     identity = load_identity(key) if key is not None and key.exists() else load_or_create_identity(key)
+    if diagnose:
+        ui.notice(f"checking how {identity.peer_id} is reachable for swarm {manifest.swarm_name!r}...")
+        trio.run(_diagnose, manifest, identity.seed, listen, as_json, relay)
+        return
     mem = parse_size(memory) if dev is None else offered_memory(memory, dev)
     on = f" on {dev}" if dev is not None else ""
     ui.notice(f"joining swarm {manifest.swarm_name!r} as {identity.peer_id}, offering {ui.size(mem)}{on}")
-    if diagnose:
-        trio.run(_diagnose, manifest, identity.seed, listen, as_json)
-        return
     model_dir: Path | None = None
     if serve:
         if model is not None:

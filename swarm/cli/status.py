@@ -87,6 +87,7 @@ def build_view(st: dict[str, Any]) -> dict[str, Any]:
         "ring_rtt_ms": sum(hop_rtts) if rows and all(v is not None for v in hop_rtts) else None,
         "tokens_per_s": recent.get("tokens_per_s"), "accepted_per_traversal": recent.get("accepted_per_traversal"),
         "replans": len(st.get("replans") or []),
+        "hops": [h for h in st.get("hops") or [] if isinstance(h, dict)],
     }  # fmt: skip
 
 
@@ -120,6 +121,9 @@ def headline(view: dict[str, Any]) -> list[str]:
     lines.append(f"ring: {_num(view['ring_rtt_ms'], '.1f', ' ms')} of hops per traversal · recent "
                  f"{_num(view['tokens_per_s'], '.1f', ' tok/s')} · "
                  f"{_num(view['accepted_per_traversal'], '.2f')} tokens per traversal · {view['replans']} replans")  # fmt: skip
+    if view.get("hops"):
+        lines.append("hops: " + " · ".join(f"{short(h.get('from'))} → {short(h.get('to'))} {h.get('path', '?')}"
+                                           for h in view["hops"]))  # fmt: skip
     return lines
 
 

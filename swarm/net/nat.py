@@ -363,6 +363,8 @@ class Diagnosis:
     reachability: Reachability
     peers: list[dict[str, str]] = field(default_factory=list)  # {"peer", "path"}
     advice: list[str] = field(default_factory=list)
+    relay_error: str = ""  # why no reservation was granted (when one was tried and failed)
+    hole_punch: str = ""  # DCUtR readiness: "not needed", "ready", "unlikely", "off", "unknown"
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -384,6 +386,10 @@ class Diagnosis:
         for f in self.dialback_failed:
             out.append(f"dial-back:     port {f['port']} NOT reachable ({f['error']})")
         out += [f"relay address: {a}" for a in self.relay_addrs]
+        if self.relay_error:
+            out.append(f"relay slot:    FAILED: {self.relay_error}")
+        if self.hole_punch:
+            out.append(f"hole punching: {self.hole_punch}")
         out += [f"peer:          {p['peer']}: {p['path']}" for p in self.peers]
         out += [f"advice:        {a}" for a in self.advice]
         return out
@@ -407,9 +413,9 @@ def _advice(d: Diagnosis) -> list[str]:
             tips.append("peers reach you through the relay (slower); to be dialed directly, "
                         f"forward TCP port(s) {ports} on your router to this machine")  # fmt: skip
         else:
-            tips.append("nobody can dial you and you hold no relay slot: the bootstrap node "
-                        "may not be a relay, or refused a reservation; forward TCP port(s) "
-                        f"{ports} on your router")  # fmt: skip
+            why = f" ({d.relay_error})" if d.relay_error else ""
+            tips.append(f"nobody can dial you and no bootstrap node granted a relay slot{why}; "
+                        f"forward TCP port(s) {ports} on your router")  # fmt: skip
         if d.nat is NatKind.PORT_PRESERVING:
             tips.append("your NAT keeps ports: hole punching (direct connections to other "
                         "NATed peers) should work")  # fmt: skip
@@ -430,6 +436,7 @@ async def diagnose(
     local_ips: Sequence[str] = (),
     peers: Sequence[str] = (),
     timeout: float = 10.0,
+    admit: Any = None,
 ) -> Diagnosis:
     """Check how this node is reachable and say what to do about it.
 
@@ -438,6 +445,9 @@ async def diagnose(
     reservation is attempted on the first answering bootstrap if it holds none);
     ``local_ips`` this machine's interface addresses (to tell "no NAT" from "NAT");
     ``peers`` peer IDs whose current path (direct / hole-punched / relayed) is reported.
+    ``admit`` (``SwarmHost.dial``), when given, connects to each bootstrap with admission, as
+    ``join`` does: a bootstrap that holds the invite drops connections that do not prove the
+    secret within its admission timeout, which a bare connect plus a 4 s dial-back raced.
     Never raises for network failures: they become facts in the report.
     """
     listen = [str(a) for a in host.get_addrs() if "/p2p-circuit" not in str(a)]
@@ -451,7 +461,10 @@ async def diagnose(
             continue
         try:
             with trio.fail_after(timeout):
-                await host.connect(info)
+                if admit is not None:
+                    await admit(addr)
+                else:
+                    await host.connect(info)
                 rtt = await _ping(host, info.peer_id)
             boots.append({"addr": addr, "ok": True, "ms": round(rtt * 1e3, 1)})
             first_ok = first_ok or (addr, str(info.peer_id))
@@ -466,9 +479,17 @@ async def diagnose(
             dial = await dialback_check(host, first_ok[1], timeout=timeout)
         except (PeerError, ProtocolError, UsageError) as exc:
             dial_error = str(exc)
-        if relay is not None and not relay.circuit_addrs and not (dial and dial.reachable):
-            with contextlib.suppress(PeerError, UsageError):
-                await relay.reserve(first_ok[0], timeout=timeout)
+    relay_error = ""
+    if relay is not None and not relay.circuit_addrs and not (dial and dial.reachable):
+        for b in boots:  # what join does: a slot on the first bootstrap that grants one
+            if not b.get("ok"):
+                continue
+            try:
+                await relay.reserve(b["addr"], timeout=timeout)
+                relay_error = ""
+                break
+            except (PeerError, UsageError) as exc:
+                relay_error = str(exc)[:200]
     relay_addrs = relay.circuit_addrs if relay is not None else []
     peer_rows = []
     for p in peers:
@@ -487,6 +508,23 @@ async def diagnose(
         relay_addrs=relay_addrs,
         reachability=classify(dial, relayed=bool(relay_addrs), bootstrap_ok=first_ok is not None),
         peers=peer_rows,
+        relay_error=relay_error,
     )
+    d.hole_punch = _hole_punch_readiness(d, relay)
     d.advice = _advice(d)
     return d
+
+
+def _hole_punch_readiness(d: Diagnosis, relay: RelayNode | None) -> str:
+    """Whether DCUtR can turn relayed connections to other NATed peers into direct ones."""
+    if d.reachability is Reachability.PUBLIC:
+        return "not needed (peers dial you directly)"
+    if relay is None or getattr(relay, "_dcutr", None) is None:
+        return "off (join --no-relay)"
+    if not d.relay_addrs:
+        return "not possible without a relay slot (DCUtR starts from a relayed connection)"
+    if d.nat is NatKind.PORT_PRESERVING:
+        return "ready (DCUtR runs on; your NAT keeps ports)"
+    if d.nat is NatKind.PORT_CHANGING:
+        return "unlikely (your NAT changes ports): hops to other NATed peers stay relayed"
+    return "unknown (the NAT could not be classified)"

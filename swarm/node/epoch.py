@@ -20,6 +20,7 @@ so tearing down old links can never end the epoch that replaced them.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -54,6 +55,7 @@ log = logging.getLogger("swarm.node")
 
 PROTO_ACT = "/shard-swarm/act/1"
 LINK_TIMEOUT_S = 20.0
+PUNCH_SETTLE_S = 8.0  # of the connect phase's LINK_TIMEOUT_S, spent at most on letting a hole punch finish
 RPC_TIMEOUT_S = 20.0
 
 
@@ -75,6 +77,7 @@ class Epoch:
     cause: str = ""  # the leader's words for why this epoch was planned (signed with the plan)
     msg: PlanMsg | None = None  # the signed plan as received (a peer catching up is shown it)
     phases: set[str] = field(default_factory=set)  # set-up steps taken ("connect", "serve"): once each
+    hop_labels: dict[int, str] = field(default_factory=dict)  # hop -> "direct", "hole-punched", "relayed via …"
 
     def wait_inbound(self, hop: int) -> trio.Event:
         return self.inbound_ready.setdefault(hop, trio.Event())
@@ -265,6 +268,12 @@ class EpochRole:
         ep.phases.add("connect")
         assert self._nursery is not None
         nursery = self._nursery
+        if self.host is not None:  # a hop opened on a relayed connection dies when DCUtR replaces it
+            with trio.move_on_after(PUNCH_SETTLE_S):
+                async with trio.open_nursery() as settling:
+                    for src, dst in hops(ep.plan):
+                        if src == self.peer_id and dst != self.peer_id:
+                            settling.start_soon(functools.partial(self.host.settle_path, dst, timeout=PUNCH_SETTLE_S))
         for i, (src, dst) in enumerate(hops(ep.plan)):
             if src != self.peer_id:
                 continue
@@ -382,8 +391,25 @@ class EpochRole:
         except (SwarmError, trio.TooSlowError) as exc:
             self._end_epoch(f"stage worker: {exc}", only=ep)
 
-    async def _start_serving(self, epoch: int) -> None:
+    def hop_labels(self, epoch: int) -> dict[int, str]:
+        """How each hop leaving this node travels, for receipts and status: "local" (in this
+        process), "direct" (a direct socket or connection), "hole-punched" (a direct connection
+        DCUtR made from a relayed one) or "relayed via <relay>"."""
         ep = self._current(epoch)
+        out: dict[int, str] = {}
+        for i, (src, dst) in enumerate(hops(ep.plan)):
+            if src != self.peer_id:
+                continue
+            kind = self.hop_paths.get(i, "")
+            if kind in ("local", "direct"):
+                out[i] = kind  # "direct": the fast path's own sealed TCP socket
+            elif self.host is not None:
+                out[i] = self.host.path_label(dst)
+        return out
+
+    async def _start_serving(self, epoch: int, hop_labels: dict[int, str] | None = None) -> None:
+        ep = self._current(epoch)
+        ep.hop_labels = dict(hop_labels or {})
         if ep.coordinator is None:
             raise ProtocolError(f"{self.peer_id} is not the coordinator of epoch {epoch}")
         if "serve" in ep.phases:
@@ -431,6 +457,12 @@ class EpochRole:
         ep.done.set()
         self.life("replan", ended_epoch=ep.plan.epoch, cause=reason[:300])
         self._kick_leader()
+        with contextlib.suppress(AssertionError, IndexError):  # a node not running yet has no leader
+            if self._nursery is not None and self.leader() != self.peer_id:
+                self._nursery.start_soon(self._nudge_leader, ep)  # if no new plan comes, say so
+
+    async def _nudge_leader(self, ended: Epoch) -> None:  # Node's
+        raise NotImplementedError
 
     def _kick_leader(self) -> None:
         """Wake the leader loop once. The event is replaced after being set: one left set would

@@ -307,10 +307,7 @@ class Node(EpochRole):
         if ev.kind in ("left", "lost") and self.epoch is not None:
             ring = {*self.epoch.plan.ring, self.epoch.plan.coordinator}
             if ev.peer in ring:
-                ended = self.epoch
-                self._end_epoch(f"ring member {ev.peer} {ev.kind}" + (f" ({ev.reason})" if ev.reason else ""))
-                if self._nursery is not None and self.leader() != self.peer_id:
-                    self._nursery.start_soon(self._nudge_leader, ended)
+                self._end_epoch(f"ring member {ev.peer} {ev.kind}" + (f" ({ev.reason})" if ev.reason else ""))  # nudges the leader
 
     async def _nudge_leader(self, ended: Epoch) -> None:
         """A ring we served ended; if no new plan comes within NUDGE_AFTER_S, tell the leader
@@ -463,9 +460,10 @@ class Node(EpochRole):
         t0 = trio.current_time()
         await self._phase(participants, "plan", lambda: msg.to_frame(), "loaded", LOAD_TIMEOUT_S, best_effort=others)
         t1 = trio.current_time()
-        await self._phase(participants, "connect", lambda: Control("connect", {"epoch": plan.epoch}).to_frame(), "linked", LINK_TIMEOUT_S)
+        linked = await self._phase(participants, "connect", lambda: Control("connect", {"epoch": plan.epoch}).to_frame(), "linked", LINK_TIMEOUT_S)
         t2 = trio.current_time()
-        await self._phase([plan.coordinator], "serve", lambda: Control("serve", {"epoch": plan.epoch}).to_frame(), "serving", LINK_TIMEOUT_S)
+        labels = {str(k): v for body in linked.values() for k, v in _hop_labels(body.get("hops")).items()}
+        await self._phase([plan.coordinator], "serve", lambda: Control("serve", {"epoch": plan.epoch, "hops": labels}).to_frame(), "serving", LINK_TIMEOUT_S)
         t3 = trio.current_time()
         since = "" if ended_at is None else f", {t3 - ended_at:.3f} s after the last one ended"
         log.info(
@@ -571,7 +569,10 @@ class Node(EpochRole):
     async def _phase(
         self, peers: list[str], name: str, make: Callable[[], Any], want: str, timeout: float,
         best_effort: Sequence[str] = (),
-    ) -> None:
+    ) -> dict[str, dict[str, Any]]:
+        """Send ``make()`` to every peer, wait for ``want`` from each; their reply bodies."""
+        bodies: dict[str, dict[str, Any]] = {}
+
         async def maybe(peer: str) -> None:
             try:
                 with trio.move_on_after(RPC_TIMEOUT_S):
@@ -588,6 +589,7 @@ class Node(EpochRole):
             if not isinstance(reply, Control) or reply.op != want:
                 detail = reply.body.get("message", "") if isinstance(reply, Control) else repr(reply)
                 raise PeerError(f"peer {peer} answered {name} with {getattr(reply, 'op', reply)}: {detail}")
+            bodies[peer] = dict(reply.body)
 
         try:
             with trio.fail_after(timeout + 5):
@@ -603,6 +605,7 @@ class Node(EpochRole):
             if err is None:
                 raise
             raise err from None
+        return bodies
 
     # -- every peer: the ring protocol ------------------------------------------------------
 
@@ -638,6 +641,12 @@ class Node(EpochRole):
                 if peer not in self.members():
                     raise ProtocolError(f"ended from {peer}, which is not an advertised member")
                 check_epoch_step(n, mine, f"ended from {peer}")
+                ep = self.epoch
+                if n == mine and ep is not None and not ep.done.is_set() and self.leader() == self.peer_id:
+                    # a hop of our ring broke where we cannot see it (a relayed connection that
+                    # DCUtR replaced took its streams along): the ring cannot serve; re-plan
+                    self._end_epoch(f"{peer} reports that epoch {n} ended")
+                    return Control("serving", {})
                 if n > mine and self.leader() == self.peer_id and self._cut_off_since is None:
                     self.notice(f"{peer} served epoch {n}, newer than ours ({mine}): catching up with the swarm")
                     self._cut_off_since = float("-inf")  # no settling: the swarm waits on us
@@ -647,7 +656,7 @@ class Node(EpochRole):
                 epoch = msg.body_reader().int("epoch", 0, EPOCH_MAX)
                 self._check_from_plan_signer(peer, "connect", epoch)
                 await self._connect(epoch)
-                return Control("linked", {})
+                return Control("linked", {"hops": {str(k): v for k, v in self.hop_labels(epoch).items()}})
             if isinstance(msg, Control) and msg.op == "leaving":  # never plan with it, nor take its plans
                 if peer not in self.members():
                     raise ProtocolError(f"leaving from {peer}, which is not an advertised member")
@@ -666,7 +675,7 @@ class Node(EpochRole):
             if isinstance(msg, Control) and msg.op == "serve":
                 epoch = msg.body_reader().int("epoch", 0, EPOCH_MAX)
                 self._check_from_plan_signer(peer, "serve", epoch)
-                await self._start_serving(epoch)
+                await self._start_serving(epoch, _hop_labels(msg.body.get("hops")))
                 return Control("serving", {})
             raise ProtocolError(f"unexpected {msg!r} on {PROTO_RING}")
         except SwarmError as exc:
@@ -815,6 +824,16 @@ class Node(EpochRole):
         from swarm.node.service import serve_generation
 
         await serve_generation(self, peer, fs)
+
+
+def _hop_labels(raw: Any) -> dict[int, str]:
+    """A peer's ``{"hop index": "path label"}`` (linked / serve bodies), bounded; junk dropped."""
+    out: dict[int, str] = {}
+    if isinstance(raw, dict):
+        for k, v in list(raw.items())[:64]:
+            if isinstance(k, str) and k.isdigit() and isinstance(v, str):
+                out[int(k)] = v[:200]
+    return out
 
 
 def _listen_ip(listen: tuple[str, ...]) -> str:

@@ -388,9 +388,17 @@ def build_receipt(node: Node, ep: Any, gen: RingGeneration, params: SamplingPara
         "shared_head_calls": gen.shared_head_calls,
         "chunks": len(gen.chunks),
         "predicted_traversal_ms": plan.predicted_traversal_ms,
+        "hops": _hops(ep),
         "replans": list(node.replans),
         "started_unix": started,
     }
+
+
+def _hops(ep: Any) -> list[dict[str, str]]:
+    """Each hop of the ring with how it travels (the leader collected it at set-up)."""
+    from swarm.node.epoch import hops
+
+    return [{"from": a, "to": b, "path": ep.hop_labels.get(i, "?")} for i, (a, b) in enumerate(hops(ep.plan))]
 
 
 def _recent(node: Node) -> dict[str, Any]:
@@ -427,13 +435,8 @@ def _peer_info(node: Node, plan: Any) -> dict[str, Any]:
 
 
 def _path(node: Node, peer: str) -> str:
-    """How we reach ``peer``: direct, direct (hole-punched) or relayed (net/relay.py knows)."""
-    try:
-        from swarm.net.relay import path_to
-
-        return str(path_to(node.host.libp2p, peer).value) if node.host is not None else "?"
-    except Exception:  # no connection right now, or an address the relay module cannot classify
-        return "?"
+    """How we reach ``peer``: direct, hole-punched, relayed via <relay> (net/ knows)."""
+    return node.host.path_label(peer) if node.host is not None else "?"
 
 
 def status(node: Node, *, loop_window_s: int = 60) -> dict[str, Any]:
@@ -452,6 +455,7 @@ def status(node: Node, *, loop_window_s: int = 60) -> dict[str, Any]:
         "peers_file": node.peers_file() if node.service is not None else None,
         "ms_per_layer": node.ms_per_layer,
         "hop_paths": {str(k): v for k, v in node.hop_paths.items()},
+        "hops": _hops(ep) if plan else [],
         "peer_info": _peer_info(node, plan),
         "recent": _recent(node),
         "replans": list(node.replans),
