@@ -9,6 +9,7 @@ The swarm secret is never printed: ``show`` leaves it out and every repr hides i
 from __future__ import annotations
 
 import re
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -214,9 +215,14 @@ def show(
     else:
         rows.append(["model", "(any)"])
     rows.append(["quant", m.quant if m.quant != "none" else "none (layers in the serving dtype)"])
-    rows += [["bootstrap", a] for a in m.bootstrap] or [["bootstrap", "(none: LAN discovery only)"]]
+    if not m.bootstrap:
+        rows.append(["bootstrap", "(none: LAN discovery only)"])
     rows += [["revoked", p] for p in m.revoked]
     ui.print_table(f"invite {file}", ["field", "value"], rows)
+    # Multiaddrs are longer than a terminal's table cell: print them whole, one per line, so
+    # they can be copied (a table would cut them with "…" or fold them).
+    for a in m.bootstrap:
+        sys.stdout.write(f"bootstrap: {a}\n")
 
 
 def pin(

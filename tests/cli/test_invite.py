@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from swarm.cli.main import main
-from swarm.manifest.identity import load_identity
+from swarm.manifest.identity import Identity, load_identity
 from swarm.manifest.manifest import read_manifest
 
 ROOT = Path(__file__).resolve().parents[2] / "manifests"
@@ -197,3 +197,14 @@ def test_quant_is_signed_into_the_invite_and_kept_on_reissue(tmp_path: Path, cap
     assert read_manifest(again).quant == "int4"
     assert main(["invite", "create", "--swarm", "x", "--quant", "nf4", "-o", str(tmp_path / "bad")]) == 2
     assert "choose one of none, int8, int4" in capsys.readouterr().err
+
+
+def test_show_prints_bootstrap_addresses_whole(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    peer = Identity.generate().peer_id
+    addr = f"/ip4/198.51.100.2/tcp/4001/p2p/{peer}"
+    out = tmp_path / "long.json"
+    assert main(["invite", "create", "--swarm", "lab", "--bootstrap", addr, "-o", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["invite", "show", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert f"bootstrap: {addr}" in lines  # one line, whole: copyable into `join --peer`
