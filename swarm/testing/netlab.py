@@ -86,8 +86,10 @@ def lab_unavailable_reason(*, need_nat: bool = False, tools: Sequence[str] = ())
     return None
 
 
-def _run(argv: Sequence[str], *, check: bool = True) -> subprocess.CompletedProcess[str]:
-    result = subprocess.run(list(argv), capture_output=True, text=True, timeout=20)
+def _run(
+    argv: Sequence[str], *, check: bool = True, env: dict[str, str] | None = None, timeout: float = 20
+) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, env=env)
     if check and result.returncode != 0:
         raise LabUnavailable(f"lab command failed: {' '.join(argv)}: {result.stderr.strip()}")
     return result
@@ -102,9 +104,11 @@ class Namespace:
     role: str
     addr: str | None = None
 
-    def run(self, *argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        """Run a short command inside this namespace (waits for it)."""
-        return _run(["ip", "netns", "exec", self.name, *argv], check=check)
+    def run(
+        self, *argv: str, check: bool = True, env: dict[str, str] | None = None, timeout: float = 20
+    ) -> subprocess.CompletedProcess[str]:
+        """Run a short command inside this namespace (waits for it, at most ``timeout`` s)."""
+        return _run(["ip", "netns", "exec", self.name, *argv], check=check, env=env, timeout=timeout)
 
     def spawn(self, argv: Sequence[str], *, env: dict[str, str] | None = None) -> LabProcess:
         """Start a long-running process inside this namespace; the lab kills it on teardown.
@@ -253,10 +257,11 @@ def _router(lab: Lab, idx: int, wan_switch: Namespace, plan: NatPlan, *, symmetr
 
 
 @contextlib.contextmanager
-def nat_lab(plan: NatPlan | None = None, *, symmetric: bool = False) -> Iterator[Lab]:
+def nat_lab(plan: NatPlan | None = None, *, symmetric: bool = False, public: int = 0) -> Iterator[Lab]:
     """A relay on a public "internet" and two homes behind their own NAT routers.
 
-    Namespaces: ``wan`` (bridge), ``relay`` (``plan.relay``), ``router0``/``router1`` (MASQUERADE,
+    Namespaces: ``wan`` (bridge), ``relay`` (``plan.relay``), ``public0``.. (``public`` more
+    hosts on the internet, at ``plan.relay`` + 1, + 2, ...), ``router0``/``router1`` (MASQUERADE,
     ``symmetric`` adds ``--random-fully``, which defeats hole punching), ``home0``/``home1``
     (private addresses, default route through their router). Homes reach the relay; nothing on
     the WAN reaches a home unless the home opened the mapping first.
@@ -277,6 +282,13 @@ def nat_lab(plan: NatPlan | None = None, *, symmetric: bool = False) -> Iterator
         _addr(relay, "eth0", f"{plan.relay}/24")
         for idx in (0, 1):
             _router(lab, idx, wan, plan, symmetric=symmetric)
+        base = plan.relay.rsplit(".", 1)
+        for i in range(public):
+            host = lab.add(f"public{i}")
+            lab.veth(host, "eth0", wan, f"pub{i}")
+            wan.run("ip", "link", "set", f"pub{i}", "master", "br0")
+            host.addr = f"{base[0]}.{int(base[1]) + 1 + i}"
+            _addr(host, "eth0", f"{host.addr}/24")
         yield lab
     finally:
         lab.close()
