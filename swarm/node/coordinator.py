@@ -320,7 +320,7 @@ class Coordinator:
         t0 = time.perf_counter()
         if self.compute_delay_s > 0:
             time.sleep(self.compute_delay_s)  # fault injection: compute that blocks
-        out = self.head.logits(rows)
+        out = self.head.logits(rows).cpu()  # on a GPU: wait here (timed, off the loop); CPU: no copy
         return out, time.perf_counter() - t0
 
     async def _batched_logits(self, rows: torch.Tensor) -> tuple[torch.Tensor, bool]:

@@ -262,7 +262,9 @@ class StageWorker:
         t0 = time.perf_counter()
         if self.compute_delay_s > 0:
             time.sleep(self.compute_delay_s)  # fault injection: compute that blocks (module doc)
-        outs = forward_many(self.stage, items)
+        # on a GPU, .cpu() waits for the kernels here, so the time is the work's and the trio
+        # loop never blocks on the device when it encodes the result (on a CPU: no copy)
+        outs = [o.cpu() for o in forward_many(self.stage, items)]
         return outs, time.perf_counter() - t0
 
     async def _run_batch(self, batch: list[tuple[Chunk, torch.Tensor]], outbound: Link) -> None:
