@@ -4,15 +4,25 @@ For seeded random tiny checkpoints of every supported family (several shapes, fp
 sharded) every contiguous split into 1..L stages must reproduce ``generate(do_sample=False)``.
 Then the bundled SmolLM2-135M: one balanced split per stage count 1..30.
 
-A match against a tie proves nothing, so every compared step must also have a *decisive*
-reference: the gap between transformers' best and second-best logit must exceed the numerical
-disagreement between our logits and its logits at that step (and be non-zero in bf16). If a seed
-ever produces a near-tie the test fails and says so; pick another seed.
+Right on any CPU, by design (see ``check_tokens``):
+
+- fp32 compares every token exactly, and every step must be decisive in the reference.
+- bf16 rounds differently on every kernel (AVX2 emulation, AVX512-BF16, AMX, aarch64), so two
+  correct implementations may disagree where the reference is a near-tie. Whether a step is a
+  near-tie is decided from the *reference's own logits* with a margin derived from bf16 precision
+  (``bf16_tie_margin``), never from our error (a broken stage has a large error, which would
+  excuse every step). Our stages are fed the reference's tokens (teacher forcing), so until the
+  first near-tie this is exactly the free-running greedy comparison; at a near-tie a different
+  token is reported, not failed, and the comparison goes on from the reference's token, so every
+  later decisive step is still checked. A decisive step that differs fails.
+- The guard keeps its power: ``test_a_perturbed_stage_fails_the_bf16_comparison``.
 """
 
 from __future__ import annotations
 
 import functools
+import math
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +35,6 @@ from swarm.testing.checkpoints import (
     TinySpec,
     balanced_split,
     contiguous_splits,
-    greedy_tokens,
     write_checkpoint,
 )
 
@@ -77,22 +86,81 @@ def reference(model_dir: Path, dtype: torch.dtype, prompt: list[int], n: int) ->
     return tokens, [s[0].float() for s in out.logits]
 
 
-def assert_decisive(ref_logits: list[torch.Tensor], ours: list[torch.Tensor], dtype: torch.dtype, what: str) -> None:
-    """Every step's reference arg-max beats the runner-up by more than our numerical disagreement."""
-    for step, (r, o) in enumerate(zip(ref_logits, ours, strict=True)):
+BF16_UNIT_ROUNDOFF = 2.0**-8  # bf16 keeps 8 significant bits: each rounding is off by <= 2^-8 relative
+
+
+def bf16_tie_margin(top: float, n_layers: int) -> float:
+    """How far apart two correct bf16 implementations' top-2 logits may be ranked differently.
+
+    Each of the model's ``n_layers`` residual layers leaves the hidden stream rounded to bf16 in a
+    kernel-dependent way (relative error <= 2^-8 each; independent, so about sqrt(n_layers) of
+    them add up), and every logit inherits that relative error of the stream; the gap between two
+    logits can be off by both of theirs. So a step whose reference top-2 gap is at most
+    2 * sqrt(n_layers) * 2^-8 * |top logit| is a near-tie. (Measured for scale, not tuned: on an
+    AMX CPU our logits differed from transformers' by at most 0.44 at a top logit of ~27, against
+    a margin of 1.2 there for the 30-layer bundled model; on this AVX2 CPU they are bit-identical.)
+    """
+    return 2.0 * math.sqrt(n_layers) * BF16_UNIT_ROUNDOFF * abs(top)
+
+
+class NearTieFlip(UserWarning):
+    """Our token differs from transformers' at a step that is a near-tie in the reference."""
+
+
+def check_tokens(
+    ref_tokens: list[int], ref_logits: list[torch.Tensor], ours: list[int], our_logits: list[torch.Tensor],
+    dtype: torch.dtype, n_layers: int, what: str,
+) -> list[int]:
+    """Fail on a differing token at a decisive step; report (warn) one at a near-tie. Returns the
+    near-tie steps. fp32: every step must be decisive and equal (see the module docstring)."""
+    ties: list[int] = []
+    for step, (r, o) in enumerate(zip(ref_logits, our_logits, strict=True)):
         top2 = r.topk(2).values
-        gap = float(top2[0] - top2[1])
-        err = float((r - o).abs().max())
-        floor = 0.0 if dtype == torch.bfloat16 else 1e-5 * float(top2[0].abs().clamp(min=1))
-        assert gap > 2 * err and gap > floor, (
-            f"{what}: step {step} is a near-tie in the reference (top-2 gap {gap:.3g}, our max "
-            f"logit error {err:.3g}): the comparison would prove nothing; change the seed"
+        gap, top = float(top2[0] - top2[1]), float(top2[0])
+        if dtype == torch.float32:
+            err = float((r - o).abs().max())
+            assert gap > 2 * err and gap > 1e-5 * max(1.0, abs(top)), (
+                f"{what}: step {step} is a near-tie in the fp32 reference (top-2 gap {gap:.3g}, our max "
+                f"logit error {err:.3g}): the comparison would prove nothing; change the seed"
+            )
+        elif gap <= bf16_tie_margin(top, n_layers):
+            ties.append(step)
+            if ours[step] != ref_tokens[step]:
+                warnings.warn(NearTieFlip(
+                    f"{what}: step {step} took token {ours[step]}, transformers {ref_tokens[step]}, at a bf16 "
+                    f"near-tie (gap {gap:.3g} <= margin {bf16_tie_margin(top, n_layers):.3g}); not a failure"
+                ), stacklevel=2)
+            continue
+        assert ours[step] == ref_tokens[step], (
+            f"{what}: step {step} took token {ours[step]}, transformers {ref_tokens[step]}, where the "
+            f"reference is decisive (top-2 gap {gap:.3g}); steps so far: ours {ours[: step + 1]}, "
+            f"reference {ref_tokens[: step + 1]}"
         )
+    return ties
+
+
+def forced_greedy(
+    head: Head, stages: list[Stage], session: Any, prompt: list[int], ref_tokens: list[int],
+    logits_out: list[torch.Tensor],
+) -> list[int]:
+    """Our greedy choice at each step, chunked as transformers' generate is (one prefill, then one
+    token per step, logits of the last row only), fed the *reference's* previous token."""
+    ids = torch.tensor(prompt, dtype=torch.int64)
+    out: list[int] = []
+    for ref_tok in ref_tokens:
+        h = head.embed(ids)
+        for s in stages:
+            h = s(session, h)
+        logits = head.logits(h[-1:])[0]  # (V,) float32
+        logits_out.append(logits)
+        out.append(int(logits.argmax()))
+        ids = torch.tensor([ref_tok], dtype=torch.int64)
+    return out
 
 
 def run_split(
     ck: Any, stages_cache: dict[tuple[int, int], Stage], head: Head, split: list[tuple[int, int]],
-    dtype: torch.dtype, session: Any, logits_out: list[torch.Tensor] | None = None,
+    dtype: torch.dtype, session: Any, ref_tokens: list[int], logits_out: list[torch.Tensor],
 ) -> list[int]:
     stages = []
     for a, b in split:
@@ -102,7 +170,7 @@ def run_split(
     for s in stages:
         s.open_session(session, len(PROMPT) + NEW_TOKENS)
     try:
-        return greedy_tokens(head, stages, session, PROMPT, NEW_TOKENS, logits_out)
+        return forced_greedy(head, stages, session, PROMPT, ref_tokens, logits_out)
     finally:
         for s in stages:
             s.close_session(session)
@@ -124,9 +192,8 @@ def test_every_split_matches_transformers(case: tuple[str, TinySpec, torch.dtype
     assert len(splits) == 2 ** (spec.n_layers - 1)
     for i, split in enumerate(splits):
         ours_logits: list[torch.Tensor] = []
-        tokens = run_split(ck, cache, head, split, dtype, f"s{i}", ours_logits)
-        assert tokens == ref_tokens, f"{name}: split {split} diverged"
-        assert_decisive(ref_logits, ours_logits, dtype, f"{name} split {split}")
+        tokens = run_split(ck, cache, head, split, dtype, f"s{i}", ref_tokens, ours_logits)
+        check_tokens(ref_tokens, ref_logits, tokens, ours_logits, dtype, spec.n_layers, f"{name} split {split}")
 
 
 # ---------------------------------------------------------------------------------- bundled
@@ -170,9 +237,8 @@ def test_bundled_n_stages_match_transformers(dtype: torch.dtype, n: int) -> None
     for s in stages:
         s.open_session(n, len(BUNDLED_PROMPT) + 32)
     ours: list[torch.Tensor] = []
-    tokens = greedy_tokens(head, stages, n, BUNDLED_PROMPT, 32, ours)
-    assert tokens == ref_tokens, f"bundled {dtype}: {n} stages {split} diverged"
-    _assert_no_tie_or_identical(ref_logits, ours, dtype)
+    tokens = forced_greedy(head, stages, n, BUNDLED_PROMPT, ref_tokens, ours)
+    check_tokens(ref_tokens, ref_logits, tokens, ours, dtype, len(layers), f"bundled {dtype} {n} stages {split}")
     if n == 30:  # the last case of this dtype: drop the shared model (hundreds of MB)
         bundled_state.cache_clear()
 
@@ -184,18 +250,62 @@ def _merge(parts: list[Stage]) -> Stage:
     return s
 
 
-def _assert_no_tie_or_identical(ref: list[torch.Tensor], ours: list[torch.Tensor], dtype: torch.dtype) -> None:
-    """Real weights: each step must be decisive, or our logits must equal the reference bit for bit.
+# ---------------------------------------------------------------------------- the guard's power
+PERTURBED = CASES[-1]  # smollm-tied-bf16-sharded: bf16, 4 layers, no near-tie in its reference here
 
-    In bf16 a real 49k vocabulary does produce exact ties in the reference; when our logits are
-    bit-identical to transformers', both take the first maximal index (torch.argmax), so the
-    comparison is still exact rather than lucky.
-    """
-    for step, (r, o) in enumerate(zip(ref, ours, strict=True)):
-        top2 = r.topk(2).values
-        gap = float(top2[0] - top2[1])
-        err = float((r - o).abs().max())
-        assert gap > 2 * err or err == 0.0, (
-            f"bundled {dtype}: step {step} is a near-tie (gap {gap:.3g}, our error {err:.3g})"
-        )
 
+def _decisive_misses(ref_logits: list[torch.Tensor], ref_tokens: list[int], ours: list[int], n_layers: int) -> list[int]:
+    return [
+        i for i, (r, t, rt) in enumerate(zip(ref_logits, ours, ref_tokens, strict=True))
+        if t != rt and float(r.topk(2).values[0] - r.topk(2).values[1]) > bf16_tie_margin(float(r.max()), n_layers)
+    ]
+
+
+@pytest.mark.parametrize("bug", ["wrong-layer", "stale-cache-row"])
+def test_a_perturbed_stage_fails_the_bf16_comparison(bug: str, tmp_path: Path) -> None:
+    """Pipeline bugs in one stage of a 2-stage split must fail at decisive steps, several times
+    over so that no CPU's rounding could rescue them, while the correct split passes:
+
+    - ``wrong-layer``: the second stage runs layers [1, 3) instead of [2, 4) (an off-by-one in
+      the block a peer loads);
+    - ``stale-cache-row``: the second stage's cache holds one row more than the first's (a lost
+      rollback), so its attention and positions are off by one.
+
+    (A 3% error in one layer's weights changes no decisive token of even the bundled model here
+    — 0 of 18 — so token comparison cannot see it on any CPU; the old guard caught it only by
+    failing on correct output on CPUs that round differently.)"""
+    name, spec, dtype, shards, seed = PERTURBED
+    assert dtype == torch.bfloat16
+    d = write_checkpoint(tmp_path / name, spec, seed=seed, dtype=dtype, shards=shards)
+    ref_tokens, ref_logits = reference(d, dtype, PROMPT, NEW_TOKENS)
+    ck = open_checkpoint(d)
+    head = Head.load(ck.args, ck.source, dtype=dtype)
+    first, second = Stage.load(ck.args, ck.source, 0, 2, dtype=dtype), Stage.load(ck.args, ck.source, 2, 4, dtype=dtype)
+    good: list[torch.Tensor] = []
+    tokens = run_split(ck, {(0, 2): first, (2, 4): second}, head, [(0, 2), (2, 4)], dtype, "g", ref_tokens, good)
+    check_tokens(ref_tokens, ref_logits, tokens, good, dtype, spec.n_layers, "correct split")
+
+    if bug == "wrong-layer":
+        second = Stage.load(ck.args, ck.source, 1, 3, dtype=dtype)
+    for s in (first, second):
+        s.open_session("b", len(PROMPT) + NEW_TOKENS + 1)
+    if bug == "stale-cache-row":
+        second.forward("b", head.embed(torch.tensor(PROMPT[:1])))
+    bad: list[torch.Tensor] = []
+    tokens = forced_greedy(head, [first, second], "b", PROMPT, ref_tokens, bad)
+    with pytest.raises(AssertionError, match="where the reference is decisive"):
+        check_tokens(ref_tokens, ref_logits, tokens, bad, dtype, spec.n_layers, bug)
+    misses = _decisive_misses(ref_logits, ref_tokens, tokens, spec.n_layers)
+    assert len(misses) >= 3, f"{bug}: only steps {misses} differ where the reference is decisive"
+
+
+def test_a_near_tie_flip_is_reported_and_a_decisive_one_fails() -> None:
+    """check_tokens on hand-made logits: ties are judged from the reference alone."""
+    ref = [torch.tensor([10.0, 9.99, 0.0]), torch.tensor([0.0, 10.0, 5.0])]  # step 0 a near-tie, step 1 decisive
+    ours_logits = [torch.tensor([9.99, 10.0, 0.0]), torch.tensor([0.0, 10.0, 5.0])]
+    with pytest.warns(NearTieFlip, match="step 0 took token 1, transformers 0"):
+        assert check_tokens([0, 1], ref, [1, 1], ours_logits, torch.bfloat16, 4, "t") == [0]
+    with pytest.raises(AssertionError, match="step 1 took token 2, transformers 1, where the reference is decisive"):
+        check_tokens([0, 1], ref, [0, 2], ours_logits, torch.bfloat16, 4, "t")
+    with pytest.raises(AssertionError, match="near-tie in the fp32 reference"):  # fp32 never excuses a tie
+        check_tokens([0, 1], ref, [0, 1], ours_logits, torch.float32, 4, "t")
