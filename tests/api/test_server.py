@@ -159,3 +159,36 @@ async def test_hang_up_frees_the_session_inside_the_node(served: tuple[str, Node
             await trio.sleep(0.01)
         r = await http.post("/v1/completions", json={**body, "stream": False, "max_tokens": 3})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+
+async def test_hung_up_is_logged_only_when_the_client_hung_up(node_api: str) -> None:
+    import logging
+
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    log = logging.getLogger("swarm.api")
+    keep, old_level = Keep(), log.level
+    log.addHandler(keep)
+    log.setLevel(logging.INFO)
+    try:
+        body = {"model": MODEL, "prompt": "Once", "max_tokens": 6, "temperature": 0, "stream": True}
+        async with httpx.AsyncClient(base_url=node_api, timeout=60) as http:
+            async with http.stream("POST", "/v1/completions", json=body) as resp:
+                lines = [line async for line in resp.aiter_lines() if line.startswith("data: ")]
+            assert lines[-1] == "data: [DONE]"
+            await trio.sleep(0.5)
+            assert not [r for r in records if "hung up" in r], records  # it read the stream to the end
+            async with http.stream("POST", "/v1/completions", json={**body, "max_tokens": 400}) as resp:
+                async for line in resp.aiter_lines():
+                    if line.startswith("data: {"):
+                        break  # hang up mid-stream
+            with trio.fail_after(10):
+                while not [r for r in records if "hung up mid-stream" in r]:
+                    await trio.sleep(0.05)
+    finally:
+        log.removeHandler(keep)
+        log.setLevel(old_level)
