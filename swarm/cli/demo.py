@@ -114,8 +114,8 @@ def generate(
         except ValueError:
             raise UsageError(f"--prompt-ids must be comma-separated integers, got {prompt_ids!r}") from None
     m = read_manifest(manifest)
-    addr = peer or (m.bootstrap[0] if m.bootstrap else None)
-    if addr is None:
+    addr: list[str] = [peer] if peer else list(m.bootstrap)  # every bootstrap address in turn
+    if not addr:
         raise UsageError("the invite names no bootstrap peer: give --peer MULTIADDR")
     result = trio.run(
         _run_one, addr, m.secret.value, m.swarm_id, timeout,
@@ -126,7 +126,7 @@ def generate(
     _finish(result, json_out, receipt)
 
 
-async def _run_one(addr: str, secret: bytes, swarm_id: str, timeout: float, req: dict[str, Any], quiet_stream: bool) -> dict[str, Any]:
+async def _run_one(addr: str | list[str], secret: bytes, swarm_id: str, timeout: float, req: dict[str, Any], quiet_stream: bool) -> dict[str, Any]:
     from swarm.node import client
 
     net_log = logging.getLogger("swarm.net")

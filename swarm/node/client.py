@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import trio
@@ -25,8 +25,12 @@ PROTO_GEN = "/shard-swarm/gen/1"
 
 
 @contextlib.asynccontextmanager
-async def open_client(addr: str, *, secret: bytes, swarm_id: str, timeout: float = 60.0) -> AsyncIterator[tuple[SwarmHost, str]]:
-    """A client host connected and admitted to the peer at ``addr`` (a multiaddr with /p2p/)."""
+async def open_client(
+    addr: str | Sequence[str], *, secret: bytes, swarm_id: str, timeout: float = 60.0
+) -> AsyncIterator[tuple[SwarmHost, str]]:
+    """A client host connected and admitted to the peer at ``addr`` (a multiaddr with /p2p/), or
+    to the first of several that answers (an invite's bootstrap list: each gets an equal share
+    of ``timeout``, at least 10 s)."""
     async with open_host(os.urandom(32), ("/ip4/127.0.0.1/tcp/0",), secret=secret, swarm_id=swarm_id) as host:
         liveness = Liveness()
 
@@ -35,7 +39,18 @@ async def open_client(addr: str, *, secret: bytes, swarm_id: str, timeout: float
 
         # echo the peers' heartbeats so they keep us connected; we never advertise
         host.handle(PROTO_CTL, lambda peer, fs: serve_ctl_inbound(fs, liveness, ignore_advert))
-        peer = await _dial_retrying(host, addr, timeout)
+        addrs = [addr] if isinstance(addr, str) else list(addr)
+        if not addrs:
+            raise PeerError("no peer address to dial (the invite lists no bootstrap: give --peer MULTIADDR)")
+        share = max(10.0, timeout / len(addrs)) if len(addrs) > 1 else timeout
+        peer = ""
+        for i, a in enumerate(addrs):
+            try:
+                peer = await _dial_retrying(host, a, share)
+                break
+            except PeerError:
+                if i == len(addrs) - 1:
+                    raise
         yield host, peer
 
 
