@@ -50,6 +50,11 @@ DEFAULT_BIND = "127.0.0.1:8000"
 RESUME_TIMEOUT_S = 60.0  # how long a lost generation is retried on the next coordinator
 RESUME_PAUSE_S = 0.5  # between two tries (each also waits for a serving ring, backend.READY_WAIT_S)
 MAX_BODY = 1 << 20
+BODY_TIMEOUT_S = 30.0  # a body that trickles in slower than this is dropped (408)
+INLINE_BODY = 16 << 10  # bodies up to this are parsed on the event loop; larger ones in a thread,
+# so that big prompts never hold the loop that answers the swarm's heartbeats (issue 14:
+# 8 concurrent 1 MiB bodies parsed inline stalled it 3.1 s)
+_PARSE_LIMITER = trio.CapacityLimiter(2)
 CREATED = int(time.time())
 
 
@@ -176,13 +181,18 @@ class Api:
         return await self._handle(request, "completion")
 
     async def _handle(self, request: Request, kind: str) -> Response:
-        try:
-            body = await _read_json(request)
-            b = self.backend
+        b = self.backend
+
+        def parse(raw: bytes) -> GenSpec:
+            body = _loads(raw)
             if kind == "chat":
-                spec = parse_chat(body, b.tokenizer, b.model_name, b.context_tokens)
-            else:
-                spec = parse_completion(body, b.tokenizer, b.model_name, b.context_tokens, b.vocab_size)
+                return parse_chat(body, b.tokenizer, b.model_name, b.context_tokens)
+            return parse_completion(body, b.tokenizer, b.model_name, b.context_tokens, b.vocab_size)
+
+        try:
+            raw = await _read_body(request)
+            # JSON, chat template and tokenizer are CPU work in proportion to the body
+            spec = parse(raw) if len(raw) <= INLINE_BODY else await trio.to_thread.run_sync(parse, raw, limiter=_PARSE_LIMITER)
         except ApiError as err:
             return error_response(err)
         if spec.stream:
@@ -338,14 +348,24 @@ def _ids(spec: GenSpec, *, chunk: bool = False) -> tuple[str, dict[str, Any]]:
                                         "system_fingerprint": None}  # fmt: skip
 
 
-async def _read_json(request: Request) -> Any:
+async def _read_body(request: Request) -> bytes:
+    """The body, at most MAX_BODY bytes (413) and within BODY_TIMEOUT_S (408)."""
     if request.headers.get("content-length", "0").isdigit() and int(request.headers.get("content-length", "0")) > MAX_BODY:
         raise ApiError(f"the request body is over {MAX_BODY} bytes", status=413, code="request_too_large")
-    raw = b""
-    async for part in request.stream():
-        raw += part
-        if len(raw) > MAX_BODY:
-            raise ApiError(f"the request body is over {MAX_BODY} bytes", status=413, code="request_too_large")
+    parts: list[bytes] = []
+    size = 0
+    with trio.move_on_after(BODY_TIMEOUT_S) as scope:
+        async for part in request.stream():
+            parts.append(part)
+            size += len(part)
+            if size > MAX_BODY:
+                raise ApiError(f"the request body is over {MAX_BODY} bytes", status=413, code="request_too_large")
+    if scope.cancelled_caught:
+        raise ApiError(f"the request body did not arrive within {BODY_TIMEOUT_S:.0f} s", status=408, code="request_timeout")
+    return b"".join(parts)
+
+
+def _loads(raw: bytes) -> Any:
     try:
         return json.loads(raw)
     except ValueError as exc:

@@ -89,6 +89,22 @@ def test_context_limit(tok: Tokenizer) -> None:
         chat(tok, context=n + 5, max_tokens=6)
 
 
+def test_a_prompt_that_cannot_fit_is_refused_unread(tok: Tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bytes / (2 x the longest token) is a lower bound on the token count: past the context, the
+    prompt is refused without tokenizing it; just under the bound, it is tokenized as before."""
+    assert tok.max_token_bytes == len("<|endoftext|>")  # the tiny vocabulary's longest entry
+    calls: list[int] = []
+    real = tok.encode
+    monkeypatch.setattr(tok, "encode", lambda text, **kw: calls.append(len(text)) or real(text, **kw))
+    huge = "a" * (2 * tok.max_token_bytes * 513)
+    with pytest.raises(ApiError, match="at least 513 tokens") as info:
+        parse_completion({"model": MODEL, "prompt": huge}, tok, MODEL, 512, 200)
+    assert info.value.code == "context_length_exceeded" and calls == []
+    with pytest.raises(ApiError, match="the prompt is 100 tokens"):
+        parse_completion({"model": MODEL, "prompt": "a" * 100}, tok, MODEL, 99, 200)
+    assert calls == [100]
+
+
 def test_missing_or_wrong_model(tok: Tokenizer) -> None:
     with pytest.raises(ApiError) as info:
         parse_chat({"messages": [{"role": "user", "content": "x"}]}, tok, MODEL, 64)

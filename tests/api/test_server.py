@@ -192,3 +192,34 @@ async def test_hung_up_is_logged_only_when_the_client_hung_up(node_api: str) -> 
     finally:
         log.removeHandler(keep)
         log.setLevel(old_level)
+
+
+async def test_big_bodies_never_hold_the_event_loop(served: tuple[str, Node]) -> None:
+    """Issue 14: 16 concurrent 1 MiB chat bodies are parsed and tokenized off the event loop, so
+    the loop that answers the swarm's heartbeats (suspicion after ~1.4 s) keeps ticking; before,
+    8 such bodies held it 3.1 s. Each body is refused cleanly (its prompt is over the context)."""
+    url, _node = served
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "a" * ((1 << 20) - 200)}], "max_tokens": 4}
+    lag = [0.0]
+
+    async def ticker() -> None:
+        while True:
+            t0 = trio.current_time()
+            await trio.sleep(0.02)
+            lag[0] = max(lag[0], trio.current_time() - t0 - 0.02)
+
+    statuses: list[int] = []
+    async with httpx.AsyncClient(base_url=url, timeout=120) as http, trio.open_nursery() as nursery:
+        nursery.start_soon(ticker)
+
+        async def post() -> None:
+            statuses.append((await http.post("/v1/chat/completions", json=body)).status_code)
+
+        async with trio.open_nursery() as posts:
+            for _ in range(16):
+                posts.start_soon(post)
+        r = await http.post("/v1/chat/completions", content=b"{" + b" " * (2 << 20))
+        nursery.cancel_scope.cancel()
+    assert statuses == [400] * 16, statuses
+    assert lag[0] < 1.0, f"the event loop was held {lag[0]:.2f} s"
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
