@@ -7,6 +7,8 @@ Files (filled in as the runtime grows; keep this list current):
 - ``kvcache.py``  preallocated per-session KV cache with O(1) rollback
 - ``weights.py``  tensor sources: safetensors (single or sharded) and GGUF, read lazily by name
 - ``gguf.py``     GGUF reading/dequantization and conversion to a Hugging Face style directory
+- ``quant.py``    int8/int4 weight-only ``QuantLinear`` (torch's packed kernels), ``quantize_block``, bytes
+- ``gguf_quant.py`` GGUF Q4_0/Q4_1/Q4_K blocks repacked straight into int4; which types stay compact
 - ``bundled.py``  the bundled SmolLM2-135M-Instruct: locate, convert on first use, cache
 - ``stage.py``    ``Stage(args, start, end)``: a layer range with its own caches; the head part
 - ``batched.py``  ``forward_many``: several sessions' chunks through one stage in one call

@@ -47,10 +47,11 @@ from swarm.model.config import ModelArgs
 from swarm.model.weights import layer_tensor_shapes
 
 QUANTS = ("none", "int8", "int4")
-# int4 group size, chosen by benchmarks/bench_quant.py: 64 keeps int4 under 0.30 of bf16 bytes
-# (32 costs 0.31) with perplexity within a percent of 32's on the bundled model; 128 does not
-# divide SmolLM2's hidden size (576). A layer whose K the group does not divide uses 32.
-INT4_GROUP = 64
+# int4 group size, chosen by benchmarks/bench_quant.py on the bundled model: 32 keeps perplexity
+# at 1.000x the unquantized model's (its weights came from Q4_1 blocks of 32, which a group of 32
+# reproduces) where 64 and 128 cost 1.45x; the price is 0.31 of bf16's bytes instead of 0.28,
+# because torch's int4 kernels read a bf16 scale and zero per group (0.125 byte per weight at 32).
+INT4_GROUP = 32
 _INT4_GROUPS = (256, 128, 64, 32)
 
 

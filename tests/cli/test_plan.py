@@ -203,7 +203,7 @@ def test_llama_70b_on_three_24gb_cards_is_refused_in_bf16_and_fits_in_int4(
     assert "fits with --quant int4" in capsys.readouterr().err
     out = run_json(capsys, [*argv, "--quant", "int4", "--json"])
     assert out["quant"] == "int4" and sum(e - s for s, e in out["blocks"].values()) == 80
-    assert out["layer_bytes"] < 0.3 * 2 * 855_654_400  # int4 weights under 0.3 of bf16 per layer
+    assert out["layer_bytes"] < 0.32 * 2 * 855_654_400  # int4 (groups of 32) weights: 0.3125 of bf16
     assert out["kv_bytes_per_layer"] == 2 * 8 * 128 * 2 * 4096
     for pid, (s, e) in out["blocks"].items():
         used = (e - s) * (out["layer_bytes"] + out["kv_bytes_per_layer"])

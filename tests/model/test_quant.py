@@ -107,7 +107,7 @@ def test_bad_names_and_shapes_are_refused() -> None:
         check_quant("int3", "invite field 'quant'")
     with pytest.raises(ConfigError, match="unknown quantization"):
         quantize_block(nn.Linear(4, 4), "nf4")
-    assert int4_group_for(576) == 64 and int4_group_for(96) == 32
+    assert int4_group_for(576) == 32 and int4_group_for(576, 64) == 64 and int4_group_for(96, 64) == 32
     with pytest.raises(ConfigError, match="40 inputs"):
         int4_group_for(40)
 
