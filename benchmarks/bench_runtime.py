@@ -11,6 +11,12 @@ Ratios written to benchmarks/results/runtime.json:
 - drafts_bf16 / fp32.drafts: per drafter (K = 4), accepted drafted tokens per round, acceptance
   rate, and decode tok/s / plain decode tok/s.
 - fp32: the same model in fp32 (on CPUs without native bf16, fp32 is the faster dtype).
+- layers_vs_handwritten (bf16 and fp32): one whole-model Stage of transformers' decoder layers
+  against the hand-written Llama layers (swarm/model/llama_layers.py),
+  same weights, dtype and threads, timed alternately on the same chunks after the prompt: time
+  ratio transformers / hand-written for a decode step (1 row) and verify chunks (5 and 9 rows);
+  below 1.05 would have been "within 5%" (one runtime); see llama_layers.py for the decision.
+  ``--compare-only`` runs just this part.
 """
 
 from __future__ import annotations
@@ -55,6 +61,43 @@ def hf_decode_tps(hf: Any, ids: list[int], n: int) -> float:
     return (n - 1) / (timed(n) - timed(1))
 
 
+def layers_vs_handwritten(path: Path, ids: list[int], dtype: torch.dtype, repeats: int) -> dict[str, Any]:
+    """Paired per-chunk time ratios: transformers' layers (Stage) / hand-written layers."""
+    from swarm.model.stage import Head, Stage
+    from swarm.model.weights import open_checkpoint
+
+    ck = open_checkpoint(path)
+    head = Head.load(ck.args, ck.source, dtype=dtype)
+    ours = Stage.load(ck.args, ck.source, 0, ck.args.n_layers, dtype=dtype, runtime="transformers")
+    base = Stage.load(ck.args, ck.source, 0, ck.args.n_layers, dtype=dtype, runtime="handwritten")
+    h = head.embed(torch.tensor(ids))
+    outs = []
+    for st in (ours, base):
+        st.open_session("b", 512)
+        outs.append(st("b", h))
+    rows: dict[str, Any] = {}
+    for t in (1, 5, 9):
+        x = h[:t]
+        ratios, t_ours, t_base = [], [], []
+        for _ in range(15 * repeats):
+            times = []
+            for st in (ours, base):
+                t0 = time.perf_counter()
+                st("b", x)
+                times.append(time.perf_counter() - t0)
+                st.rollback("b", len(ids))
+            ratios.append(times[0] / times[1])
+            t_ours.append(times[0])
+            t_base.append(times[1])
+        rows[f"rows{t}"] = {
+            "transformers_ms": round(1000 * median(t_ours), 3),
+            "handwritten_ms": round(1000 * median(t_base), 3),
+            "ratio": round(median(ratios), 3),
+        }
+    rows["prefill_max_abs_diff"] = float((outs[0].float() - outs[1].float()).abs().max())
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=1)
@@ -62,11 +105,20 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--stages", type=int, default=3)
     ap.add_argument("--out", default="benchmarks/results/runtime.json")
+    ap.add_argument("--compare-only", action="store_true", help="only layers_vs_handwritten")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     path = default_model_dir()
     tok = Tokenizer.from_dir(path)
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}])) for p in PROMPTS]
+    compare = {
+        "bf16": layers_vs_handwritten(path, prompts[0], torch.bfloat16, a.repeats),
+        "fp32": layers_vs_handwritten(path, prompts[0], torch.float32, a.repeats),
+    }
+    if a.compare_only:
+        result_c = {"model": BUNDLED_NAME, "threads": a.threads, "layers_vs_handwritten": compare}
+        print(json.dumps(result_c, indent=2))
+        return
     one = LocalModel.load(path, stages=1, dtype=torch.bfloat16)
     split = LocalModel.load(path, stages=a.stages, dtype=torch.bfloat16)
     from transformers import AutoModelForCausalLM  # the reference: benchmarks/tests only
@@ -148,6 +200,7 @@ def main() -> None:
 
     result = {
         "model": BUNDLED_NAME, "dtype": "bf16", "threads": a.threads, "new_tokens": n,
+        "layers_vs_handwritten": compare,
         "prompt_tokens": len(ids), "repeats": a.repeats,
         "ours_decode_tok_s": round(median(ours), 2),
         "transformers_decode_tok_s": round(median(theirs), 2),

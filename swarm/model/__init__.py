@@ -2,15 +2,18 @@
 
 Files (filled in as the runtime grows; keep this list current):
 
-- ``config.py``   ``ModelArgs`` from a checkpoint's config.json (Llama 2/3, Mistral, Qwen2, SmolLM)
-- ``layers.py``   RMSNorm, rotary embeddings, attention (GQA), SwiGLU MLP, one decoder layer
-- ``kvcache.py``  preallocated per-session KV cache with O(1) rollback
+- ``config.py``   ``ModelArgs`` from a checkpoint's config.json (sizes, tokens; bytes from the meta model)
+- ``families.py`` transformers' own model classes on the meta device: supported architectures,
+                  tensor loading through transformers' checkpoint conversion, windows, rotary
+- ``llama_layers.py`` hand-written Llama/Qwen2 layers, kept where a benchmark measured them faster
+- ``kvcache.py``  per-session KV cache (transformers' ``cache.update`` contract), O(1) rollback
 - ``weights.py``  tensor sources: safetensors (single or sharded) and GGUF, read lazily by name
 - ``gguf.py``     GGUF reading/dequantization and conversion to a Hugging Face style directory
 - ``quant.py``    int8/int4 weight-only ``QuantLinear`` (torch's packed kernels), ``quantize_block``, bytes
 - ``gguf_quant.py`` GGUF Q4_0/Q4_1/Q4_K blocks repacked straight into int4; which types stay compact
 - ``bundled.py``  the bundled SmolLM2-135M-Instruct: locate, convert on first use, cache
 - ``stage.py``    ``Stage(args, start, end)``: a layer range with its own caches; the head part
+                  (embedding, final norm, LM head with soft-capping and tied weights)
 - ``batched.py``  ``forward_many``: several sessions' chunks through one stage in one call
 - ``tokenizer.py`` tokenizer.json and the chat template
 - ``sampling.py`` greedy, temperature/top-k/top-p with a seeded generator

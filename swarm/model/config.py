@@ -1,60 +1,50 @@
-"""``ModelArgs``: one dataclass for the Llama family, built from a Hugging Face config.json.
+"""``ModelArgs``: the facts about a checkpoint the swarm needs, built from its config.json.
 
-Families differ by fields, not by code paths:
+The model itself is transformers' (families.py): ``config`` keeps the parsed config.json, and
+``families.hf_config(config)`` turns it into the family's transformers config. The fields here
+are what the rest of the swarm reads without building a model: sizes for the planner and the
+wire (``dim``), the vocabulary, the special tokens, the context limit. Byte counts come from
+the family's own modules built on the meta device, so a MoE layer is budgeted with all its
+experts, router and shared experts, and a tied head is counted once.
 
-- Llama 2/3 (``LlamaForCausalLM``): grouped-query attention (``num_key_value_heads``), optional
-  ``rope_scaling`` of type ``llama3`` (also accepted: null, or type ``default``).
-- SmolLM / SmolLM2: Llama with ``tie_word_embeddings: true`` (the LM head *is* the embedding).
-- Mistral (``MistralForCausalLM``): Llama with an optional ``sliding_window``. We do **not**
-  implement windowed attention; instead a KV cache longer than the window is refused when a
-  session is opened (``ModelArgs.check_context``), so a result is never silently wrong. Within the
-  window, full causal attention *is* sliding-window attention.
-- Qwen2 (``Qwen2ForCausalLM``): biases on q/k/v projections (``qkv_bias``); ``use_sliding_window``
-  is handled like Mistral's window.
-
-Every missing or malformed field raises :class:`swarm.errors.ConfigError` naming the field and the
-file it came from. The byte-count helpers are what the planner uses to place layers on peers.
+Supported architectures are ``families.ARCHITECTURES``; anything else is refused with a
+:class:`swarm.errors.ConfigError` naming the architecture. Every missing or malformed field we
+read raises a ConfigError naming the field and the file it came from.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from swarm.errors import ConfigError
-
-# HF "architectures" entry -> our family name
-ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-}
-MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
-SUPPORTED_ACTS = ("silu",)
+from swarm.model.families import (
+    ARCHITECTURES,
+    architecture_of,
+    hf_config,
+    layer_window,
+    param_counts,
+)
 
 
 @dataclass(frozen=True)
 class ModelArgs:
-    architecture: str  # "llama" (also SmolLM), "mistral", "qwen2"
+    architecture: str  # transformers model_type: "llama", "qwen3_moe", "gemma3_text", ...
     vocab_size: int
     dim: int
     n_layers: int
     n_heads: int
     n_kv_heads: int
     head_dim: int
-    intermediate_size: int
-    norm_eps: float
-    rope_theta: float
-    rope_scaling: dict[str, Any] | None  # llama3 scaling: factor, low/high_freq_factor, original_max_position_embeddings
     max_seq_len: int
     tie_word_embeddings: bool
-    qkv_bias: bool
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
-    sliding_window: int | None = None  # attention window (Mistral, Qwen2); contexts past it are refused
+    sliding_window: int | None = None  # the widest attention window of any layer (None: all full)
+    config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)  # config.json
 
     # ----------------------------------------------------------------------------- construction
     @classmethod
@@ -62,8 +52,9 @@ class ModelArgs:
         """Build from a parsed config.json; ConfigError names the offending field and ``where``."""
         if not isinstance(config, dict):
             raise ConfigError(f"{where}: expected a JSON object, got {type(config).__name__}")
-        arch = _architecture(config, where)
+        arch = ARCHITECTURES[architecture_of(config, where)]
         dim = _int(config, "hidden_size", where)
+        n_layers = _int(config, "num_hidden_layers", where)
         n_heads = _int(config, "num_attention_heads", where)
         n_kv_heads = _int(config, "num_key_value_heads", where, default=n_heads)
         if n_heads % n_kv_heads:
@@ -71,8 +62,7 @@ class ModelArgs:
                 f"{where}: num_attention_heads ({n_heads}) is not a multiple of "
                 f"num_key_value_heads ({n_kv_heads})"
             )
-        head_dim_raw = config.get("head_dim")
-        if head_dim_raw is None:
+        if config.get("head_dim") is None:
             if dim % n_heads:
                 raise ConfigError(
                     f"{where}: hidden_size ({dim}) is not divisible by num_attention_heads ({n_heads}) "
@@ -81,28 +71,10 @@ class ModelArgs:
             head_dim = dim // n_heads
         else:
             head_dim = _int(config, "head_dim", where)
-        if head_dim % 2:
-            raise ConfigError(f"{where}: head_dim must be even for rotary embeddings, got {head_dim}")
-        act = config.get("hidden_act", "silu")
-        if act not in SUPPORTED_ACTS:
-            raise ConfigError(f"{where}: hidden_act {act!r} is not supported (only 'silu')")
-        if config.get("mlp_bias"):
-            raise ConfigError(f"{where}: mlp_bias=true is not supported")
-        if arch == "qwen2":
-            qkv_bias = True
-        else:
-            qkv_bias = bool(config.get("attention_bias", False))
-            if qkv_bias:
-                raise ConfigError(
-                    f"{where}: attention_bias=true is not supported for {arch} (it would also bias o_proj)"
-                )
-        rope_theta = _float(config, "rope_theta", where, default=10000.0)
-        rope_scaling = _rope_scaling(config, where)
-        sliding_window: int | None = None
-        if arch == "mistral" and config.get("sliding_window") is not None:
-            sliding_window = _int(config, "sliding_window", where)
-        if arch == "qwen2" and config.get("use_sliding_window") and config.get("sliding_window"):
-            sliding_window = _int(config, "sliding_window", where)
+        vocab = _int(config, "vocab_size", where)
+        for key in ("rms_norm_eps", "rope_theta"):
+            if config.get(key) is not None:
+                _float(config, key, where)
         eos = config.get("eos_token_id")
         if eos is None:
             eos_ids: tuple[int, ...] = ()
@@ -115,24 +87,24 @@ class ModelArgs:
         bos = config.get("bos_token_id")
         if bos is not None and (not isinstance(bos, int) or isinstance(bos, bool)):
             raise ConfigError(f"{where}: bos_token_id must be an int or null, got {bos!r}")
+        _bool(config, "tie_word_embeddings", where, default=False)
+        hf = hf_config(config, where=where)
+        tie = bool(getattr(hf, "tie_word_embeddings", False))  # the family's default when absent
+        windows = [w for w in (layer_window(hf, i) for i in range(n_layers)) if w is not None]
         return cls(
             architecture=arch,
-            vocab_size=_int(config, "vocab_size", where),
+            vocab_size=vocab,
             dim=dim,
-            n_layers=_int(config, "num_hidden_layers", where),
+            n_layers=n_layers,
             n_heads=n_heads,
             n_kv_heads=n_kv_heads,
             head_dim=head_dim,
-            intermediate_size=_int(config, "intermediate_size", where),
-            norm_eps=_float(config, "rms_norm_eps", where, default=1e-6),
-            rope_theta=rope_theta,
-            rope_scaling=rope_scaling,
             max_seq_len=_int(config, "max_position_embeddings", where, default=2048),
-            tie_word_embeddings=_bool(config, "tie_word_embeddings", where, default=False),
-            qkv_bias=qkv_bias,
+            tie_word_embeddings=tie,
             bos_token_id=bos,
             eos_token_ids=eos_ids,
-            sliding_window=sliding_window,
+            sliding_window=max(windows) if windows else None,
+            config=dict(config),
         )
 
     @classmethod
@@ -153,15 +125,14 @@ class ModelArgs:
 
     # ----------------------------------------------------------------------------- sizes
     def layer_bytes(self, dtype_bytes: int) -> int:
-        """Bytes of the weights of one decoder layer (attention, MLP, two norms)."""
-        q = self.n_heads * self.head_dim
-        kv = self.n_kv_heads * self.head_dim
-        attn = self.dim * q + 2 * self.dim * kv + q * self.dim
-        if self.qkv_bias:
-            attn += q + 2 * kv
-        mlp = 3 * self.dim * self.intermediate_size
-        norms = 2 * self.dim
-        return (attn + mlp + norms) * dtype_bytes
+        """Bytes of the weights of the largest decoder layer (all experts, router, norms)."""
+        per_layer, _, _, _ = param_counts(self.config)
+        return max(per_layer) * dtype_bytes
+
+    def layer_bytes_each(self, dtype_bytes: int) -> list[int]:
+        """Bytes of each decoder layer (they differ where some layers are dense, e.g. DeepSeek)."""
+        per_layer, _, _, _ = param_counts(self.config)
+        return [n * dtype_bytes for n in per_layer]
 
     def kv_bytes_per_token_per_layer(self, dtype_bytes: int) -> int:
         """Bytes one cached token costs in one layer (keys and values)."""
@@ -169,43 +140,11 @@ class ModelArgs:
 
     def head_bytes(self, dtype_bytes: int) -> int:
         """Embedding + final norm + LM head (a tied head is counted once)."""
-        emb = self.vocab_size * self.dim
-        head = 0 if self.tie_word_embeddings else self.vocab_size * self.dim
-        return (emb + self.dim + head) * dtype_bytes
-
-    # ----------------------------------------------------------------------------- checks
-    def check_context(self, max_len: int) -> None:
-        """Refuse a KV cache longer than the attention window (we run full causal attention)."""
-        if self.sliding_window is not None and max_len > self.sliding_window:
-            raise ConfigError(
-                f"a context of {max_len} tokens exceeds this {self.architecture} model's "
-                f"sliding_window ({self.sliding_window}); windowed attention is not implemented, "
-                f"so use at most {self.sliding_window} tokens"
-            )
+        _, emb, norm, head = param_counts(self.config)
+        return (emb + norm + head) * dtype_bytes
 
 
 # ------------------------------------------------------------------------------------ helpers
-def _architecture(config: dict[str, Any], where: str) -> str:
-    archs = config.get("architectures")
-    if archs is not None:
-        if not isinstance(archs, list) or not archs or not all(isinstance(a, str) for a in archs):
-            raise ConfigError(f"{where}: architectures must be a non-empty list of names, got {archs!r}")
-        for a in archs:
-            if a in ARCHITECTURES:
-                return ARCHITECTURES[a]
-        raise ConfigError(
-            f"{where}: architectures {archs} is not supported "
-            f"(supported: {', '.join(sorted(ARCHITECTURES))})"
-        )
-    model_type = config.get("model_type")
-    if model_type in MODEL_TYPES:
-        return MODEL_TYPES[str(model_type)]
-    raise ConfigError(
-        f"{where}: neither architectures nor model_type names a supported model "
-        f"(model_type={model_type!r}; supported: {', '.join(sorted(MODEL_TYPES))})"
-    )
-
-
 _MISSING = object()
 
 
@@ -238,27 +177,3 @@ def _bool(config: dict[str, Any], key: str, where: str, default: bool) -> bool:
     if not isinstance(v, bool):
         raise ConfigError(f"{where}: field {key!r} must be true or false, got {v!r}")
     return v
-
-
-def _rope_scaling(config: dict[str, Any], where: str) -> dict[str, Any] | None:
-    rs = config.get("rope_scaling")
-    if rs is None:
-        return None
-    if not isinstance(rs, dict):
-        raise ConfigError(f"{where}: rope_scaling must be an object or null, got {rs!r}")
-    kind = rs.get("rope_type", rs.get("type"))
-    if kind in (None, "default"):
-        return None
-    if kind != "llama3":
-        raise ConfigError(
-            f"{where}: rope_scaling type {kind!r} is not supported (supported: llama3, default)"
-        )
-    out: dict[str, Any] = {"rope_type": "llama3"}
-    for key in ("factor", "low_freq_factor", "high_freq_factor"):
-        out[key] = _float(rs, key, f"{where} rope_scaling")
-    out["original_max_position_embeddings"] = _int(
-        rs, "original_max_position_embeddings", f"{where} rope_scaling"
-    )
-    if out["high_freq_factor"] == out["low_freq_factor"]:
-        raise ConfigError(f"{where}: rope_scaling high_freq_factor must differ from low_freq_factor")
-    return out

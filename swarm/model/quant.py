@@ -44,7 +44,6 @@ from torch import nn
 
 from swarm.errors import ConfigError
 from swarm.model.config import ModelArgs
-from swarm.model.weights import layer_tensor_shapes
 
 QUANTS = ("none", "int8", "int4")
 # int4 group size, chosen by benchmarks/bench_quant.py on the bundled model: 32 keeps perplexity
@@ -305,11 +304,11 @@ def layer_bytes(args: ModelArgs, quant: str, dtype_bytes: int) -> int:
     Every 2-D weight of the layer is a linear that quantize_block replaces; the rest (norms,
     biases) stays in the serving dtype.
     """
+    from swarm.model.families import linear_shapes
+
     total = args.layer_bytes(dtype_bytes)
-    for name, shape in layer_tensor_shapes(args, 0).items():
-        if len(shape) == 2 and name.endswith(".weight"):
-            n, k = shape
-            total += linear_bytes(n, k, quant, dtype_bytes) - n * k * dtype_bytes
+    for n, k in linear_shapes(args.config):  # the nn.Linear modules of the largest layer
+        total += linear_bytes(n, k, quant, dtype_bytes) - n * k * dtype_bytes
     return total
 
 

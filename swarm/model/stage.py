@@ -11,12 +11,22 @@ rejected speculative tail, ``rollback(session, n)`` forgets everything from posi
 
 Because every stage appends exactly the rows it is given, the caches of all stages of a session
 stay at the same length as long as each stage sees the same chunks; the chain of stages computes
-exactly what one stage holding all layers would (the golden tests check this against
-transformers for every split).
+exactly what one stage holding all layers would (the family tests check this against
+transformers' ``generate`` for every split).
 
-Loading builds the modules on the ``meta`` device (no allocation, no random init) and then assigns
-tensors read one by one from the :class:`~swarm.model.weights.TensorSource`, each checked against
-the shape config.json implies. Only the stage's own tensors are ever read.
+The layers are transformers' own (families.py): the family's ``XxxForCausalLM`` is built on the
+meta device, the stage keeps ``model.layers[start:end]`` and loads only their tensors. Each layer
+is called as the family's model forward calls it: ``position_embeddings`` from the model's rotary
+module, an attention mask for its layer type (full causal or sliding window), the session's
+cache. The Head keeps ``embed_tokens`` (Gemma's scaled embedding included), the final norm and
+``lm_head`` (tied to the embedding where the config says so) and applies the family's final
+logit soft-capping.
+
+Two runtimes behind this one interface, because a measurement said so (llama_layers.py has the
+figures): plain Llama / SmolLM / Qwen2 / unwindowed Mistral run the hand-written layers of
+llama_layers.py (``runtime="handwritten"``), every other family, and any of those with a window
+that can matter, runs transformers' layers (``runtime="transformers"``). Both append to the same
+:class:`KVCache`; ``Stage(..., runtime=...)`` forces one (the benchmark compares them).
 
 Threads: torch's intra-op thread count is a per-process setting; the process that owns stages
 (CLI, node) calls ``torch.set_num_threads`` once. Nothing here changes it.
@@ -25,16 +35,17 @@ Threads: torch's intra-op thread count is a per-process setting; the process tha
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
+from typing import Any
 
 import torch
 from torch import nn
 
-from swarm.errors import ModelError
+from swarm.errors import ModelError, WeightsError
+from swarm.model import families, llama_layers
 from swarm.model.config import ModelArgs
 from swarm.model.kvcache import KVCache
-from swarm.model.layers import DecoderLayer, RMSNorm, rope_inv_freq, rope_tables
 from swarm.model.quant import check_quant, linear_paths, quantize_block
-from swarm.model.weights import TensorSource, head_tensor_shapes, layer_tensor_shapes, load_checked
+from swarm.model.weights import TensorSource
 
 Progress = Callable[[int, int], None]
 
@@ -50,8 +61,13 @@ class Stage(nn.Module):
         *,
         dtype: torch.dtype = torch.bfloat16,
         device: str | torch.device = "cpu",
+        runtime: str | None = None,
     ) -> None:
-        """Build an *unloaded* stage on the meta device; use :meth:`load` to get a usable one."""
+        """Build an *unloaded* stage on the meta device; use :meth:`load` to get a usable one.
+
+        ``runtime``: "handwritten" or "transformers"; by default the hand-written layers where
+        ``llama_layers.supports`` the config, else transformers'.
+        """
         super().__init__()
         if not (0 <= start < end <= args.n_layers):
             raise ModelError(
@@ -62,13 +78,29 @@ class Stage(nn.Module):
         self.end = end
         self.dtype = dtype
         self.device = torch.device(device)
-        with torch.device("meta"):
-            self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(end - start))
-        self._inv_freq = rope_inv_freq(args)
-        self._cos = torch.empty(0, args.head_dim, dtype=dtype, device=self.device)
-        self._sin = torch.empty(0, args.head_dim, dtype=dtype, device=self.device)
+        handwritten_ok = llama_layers.supports(args.config)
+        self.runtime = runtime or ("handwritten" if handwritten_ok else "transformers")
+        if self.runtime not in ("handwritten", "transformers") or (self.runtime == "handwritten" and not handwritten_ok):
+            raise ModelError(f"runtime {self.runtime!r} cannot run a {args.architecture} stage")
+        self.hf_config = families.hf_config(args.config, where=args.architecture)
+        self._model: list[Any] = []
+        if self.runtime == "handwritten":
+            largs = llama_layers.ModelArgs.from_config(args.config)
+            with torch.device("meta"):
+                self.layers = nn.ModuleList(llama_layers.DecoderLayer(largs, i) for i in range(start, end))
+            self._inv_freq = llama_layers.rope_inv_freq(largs)
+            self._cos = self._sin = torch.empty(0, args.head_dim, dtype=dtype, device=self.device)
+        else:
+            model = families.meta_model(self.hf_config, dtype)
+            self.layers = nn.ModuleList(model.model.layers[start:end])
+            self._model = [model]  # not a submodule: the rest of it stays on meta and is never loaded
+            # not a submodule either, so that to_empty()/to(dtype) leave its float32 tables alone
+            self._rotary = families.Rotary(model, self.device)
+            self._eager = model.config._attn_implementation == "eager"  # additive float masks
         self._sessions: dict[Hashable, KVCache] = {}
+        self._bound: nn.ModuleList | None = None
         self.quant = "none"  # set by load: how the linear layers are held (see swarm.model.quant)
+        self._plan: list[tuple[nn.Module, int | None, str]] = []
 
     @classmethod
     def load(
@@ -82,65 +114,47 @@ class Stage(nn.Module):
         device: str | torch.device = "cpu",
         progress: Progress | None = None,
         quant: str = "none",
+        runtime: str | None = None,
     ) -> Stage:
         """Read only the tensors of layers [start, end) from ``source`` (WeightsError on trouble).
 
         Layers are loaded one at a time and, with ``quant`` int8/int4, quantized before the next
         is read, so loading never holds more than one layer in ``dtype`` beyond the compact rest;
-        a source with compact blocks (GGUF Q4_*) hands int4 groups over without a float copy.
+        a source with compact blocks (GGUF Q4_*) hands int4 groups to the hand-written layers
+        without a float copy.
         """
         check_quant(quant)
-        stage = cls(args, start, end, dtype=dtype, device=device)
+        stage = cls(args, start, end, dtype=dtype, device=device, runtime=runtime)
         stage.quant = quant
-        per_layer = [layer_tensor_shapes(args, i) for i in range(start, end)]
-        total, done = sum(len(s) for s in per_layer), 0
         compact = getattr(source, "compact", None) if quant != "none" else None
-        for i, (layer, shapes) in enumerate(zip(stage.layers, per_layer, strict=True), start):
+        n = end - start
+        for done, i in enumerate(range(start, end), 1):  # one layer at a time: bounded peak memory
             prefix = f"model.layers.{i}."
-            linears = set(linear_paths(layer))
-            sd: dict[str, torch.Tensor] = {}
-            given = {}
-            for name, shape in shapes.items():
-                key = name[len(prefix) :]
-                packed = None
-                if compact is not None and key.endswith(".weight") and key[: -len(".weight")] in linears:
-                    packed = compact(name, quant)
-                if packed is not None:
-                    if tuple(packed.q.shape) != shape:
-                        raise ModelError(f"{source.path}: tensor {name} has shape {list(packed.q.shape)} "
-                                         f"but config.json implies {list(shape)}")  # fmt: skip
-                    given[key[: -len(".weight")]] = packed
-                    sd[key] = torch.empty(shape, dtype=dtype, device="meta")
-                else:
-                    sd[key] = load_checked(source, name, shape, dtype, stage.device)
-                done += 1
-                if progress is not None:
-                    progress(done, total)
-            layer.load_state_dict(sd, strict=True, assign=True)
-            quantize_block(layer, quant, dtype=dtype, given=given)
+            names = families.tensor_names(source, [prefix])
+            given: dict[str, Any] = {}
+            if stage._model:
+                model = stage._model[0]
+                families.load_modules(model, source, names, {prefix: model.model.layers[i]}, dtype, stage.device)
+            else:
+                given = _load_handwritten(stage.layers[i - start], source, prefix, names, dtype, stage.device, compact, quant)
+            quantize_block(stage.layers[i - start], quant, dtype=dtype, given=given)
+            if progress is not None:
+                progress(done, n)
+        stage._model = []  # drop the meta shell; the layers keep their loaded tensors
         stage.requires_grad_(False)
         stage.eval()
         return stage
 
     # ------------------------------------------------------------------------- sessions
     def open_session(self, session: Hashable, max_len: int) -> None:
-        """Allocate a KV cache for ``max_len`` positions (ModelError if the session exists)."""
+        """Make a KV cache for ``max_len`` positions (ModelError if the session exists)."""
         if session in self._sessions:
             raise ModelError(f"session {session!r} is already open on stage [{self.start}, {self.end})")
         if max_len > self.args.max_seq_len:
             raise ModelError(
                 f"max_len {max_len} exceeds the model's max_position_embeddings {self.args.max_seq_len}"
             )
-        self.args.check_context(max_len)
-        self._sessions[session] = KVCache(
-            self.end - self.start,
-            self.args.n_kv_heads,
-            max_len,
-            self.args.head_dim,
-            dtype=self.dtype,
-            device=self.device,
-        )
-        self._ensure_rope(max_len)
+        self._sessions[session] = KVCache(max_len, dtype=self.dtype, device=self.device)
 
     def close_session(self, session: Hashable) -> None:
         """Free a session's cache; closing an unknown session is a no-op (idempotent)."""
@@ -162,11 +176,40 @@ class Stage(nn.Module):
             raise ModelError(f"no session {session!r} open on stage [{self.start}, {self.end})")
         return c
 
-    def _ensure_rope(self, length: int) -> None:
-        if self._cos.shape[0] < length:
-            self._cos, self._sin = rope_tables(self._inv_freq, length, self.dtype, self.device)
-
     # ------------------------------------------------------------------------- compute
+    def _rope_tables(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._cos.shape[0] < length:
+            n = max(length, min(2 * self._cos.shape[0], self.args.max_seq_len))
+            self._cos, self._sin = llama_layers.rope_tables(self._inv_freq, n, self.dtype, self.device)
+        return self._cos, self._sin
+
+    def _layer_plan(self) -> list[tuple[nn.Module, int | None, str]]:
+        """(layer, attention window, layer type) per layer, from each layer's own index."""
+        if self._bound is not self.layers:
+            plan = []
+            for layer in self.layers:
+                idx = int(layer.self_attn.layer_idx)
+                plan.append((layer, families.layer_window(self.hf_config, idx), families.layer_type(self.hf_config, idx)))
+            self._plan, self._bound = plan, self.layers
+        return self._plan
+
+    def _mask(self, pos: int, T: int, window: int | None) -> torch.Tensor | None:
+        """(1, 1, T, pos+T) mask for queries pos..pos+T-1, or None where none is needed."""
+        end = pos + T
+        in_window = window is None or end <= window
+        if in_window and (T == 1 or (pos == 0 and not self._eager)):
+            return None  # one query sees every key; or sdpa's is_causal from an empty cache
+        q = torch.arange(pos, end, device=self.device)[:, None]
+        k = torch.arange(end, device=self.device)[None, :]
+        allowed = k <= q
+        if window is not None:
+            allowed &= k > q - window  # masking_utils.sliding_window_overlay
+        allowed = allowed[None, None]  # (1, 1, T, L)
+        if not self._eager:
+            return allowed
+        zero = torch.zeros((), dtype=self.dtype, device=self.device)
+        return torch.where(allowed, zero, torch.finfo(self.dtype).min)
+
     @torch.inference_mode()
     def forward(self, session: Hashable, h: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         """h (T, D) at positions session_len .. session_len+T-1 -> (T, D); appends T cache entries."""
@@ -177,29 +220,74 @@ class Stage(nn.Module):
                 f"with T >= 1, got {tuple(h.shape)}"
             )
         T = h.shape[0]
-        pos = cache.reserve(T)
+        pos = cache.begin(T)
         x = h.to(device=self.device, dtype=self.dtype).unsqueeze(0)  # (1, T, D)
-        cos = self._cos[pos : pos + T]  # (T, hd)
-        sin = self._sin[pos : pos + T]
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache.k[i], cache.v[i], pos)
+        if self.runtime == "handwritten":
+            cos, sin = self._rope_tables(pos + T)
+            cos, sin = cos[pos : pos + T], sin[pos : pos + T]  # (T, hd)
+            for layer in self.layers:
+                x = layer(x, cos, sin, cache, pos)
+            cache.advance(T)
+            return x[0]  # (T, D)
+        position_ids = torch.arange(pos, pos + T, device=self.device)[None]  # (1, T)
+        rope: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        masks: dict[int | None, torch.Tensor | None] = {}
+        for layer, window, kind in self._layer_plan():
+            if kind not in rope:
+                rope[kind] = self._rotary(x, position_ids, kind)
+            if window not in masks:
+                masks[window] = self._mask(pos, T, window)
+            x = layer(
+                x, attention_mask=masks[window], position_embeddings=rope[kind],
+                position_ids=position_ids, cache=cache, use_cache=True,
+            )
+            if isinstance(x, tuple):
+                x = x[0]
         cache.advance(T)
         return x[0]  # (T, D)
+
+
+def _load_handwritten(
+    layer: nn.Module, source: TensorSource, prefix: str, names: list[str], dtype: torch.dtype,
+    device: torch.device, compact: Callable[[str, str], Any] | None, quant: str,
+) -> dict[str, Any]:
+    """Assign one hand-written layer's tensors, each checked against the shape config.json implies;
+    return the compact int4 groups a GGUF source handed over instead (for quantize_block)."""
+    want = {k: tuple(v.shape) for k, v in layer.state_dict().items()}
+    have = {n[len(prefix):]: n for n in names}
+    linears = set(linear_paths(layer))
+    sd: dict[str, torch.Tensor] = {}
+    given: dict[str, Any] = {}
+    for key, shape in want.items():
+        name = have.get(key, prefix + key)
+        packed = None
+        if compact is not None and key.endswith(".weight") and key[: -len(".weight")] in linears:
+            packed = compact(name, quant)
+        got = tuple(packed.q.shape) if packed is not None else tuple(source.shape(name))  # names a missing file
+        if got != shape:
+            raise WeightsError(
+                f"{source.path}: tensor {name} has shape {list(got)} but config.json implies {list(shape)}"
+            )
+        if packed is not None:
+            given[key[: -len(".weight")]] = packed
+            sd[key] = torch.empty(shape, dtype=dtype, device="meta")
+        else:
+            sd[key] = source.load(name, dtype, device)
+    layer.load_state_dict(sd, strict=True, assign=True)
+    return given
 
 
 class Head(nn.Module):
     """Embedding, final norm and LM head: what the coordinator holds (no decoder layers)."""
 
-    def __init__(
-        self, args: ModelArgs, embedding: torch.Tensor, norm: torch.Tensor, lm_head: torch.Tensor
-    ) -> None:
+    def __init__(self, args: ModelArgs, model: Any) -> None:
         super().__init__()
         self.args = args
-        self.embed_tokens = nn.Parameter(embedding, requires_grad=False)  # (V, D)
-        self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.norm.weight = nn.Parameter(norm, requires_grad=False)  # (D,)
-        self.tied = lm_head is embedding
-        self.lm_head = self.embed_tokens if self.tied else nn.Parameter(lm_head, requires_grad=False)
+        self.embed_tokens = model.model.embed_tokens  # (V, D), Gemma's scaled embedding included
+        self.norm = model.model.norm
+        self.lm_head = model.lm_head  # weight tied to embed_tokens.weight where the config says so
+        self.tied = self.lm_head.weight is self.embed_tokens.weight
+        self.softcap = families.final_softcap(model.config)
 
     @classmethod
     def load(
@@ -211,14 +299,17 @@ class Head(nn.Module):
         device: str | torch.device = "cpu",
     ) -> Head:
         """Read only the embedding, final norm and LM head (a tied head reuses the embedding)."""
-        shapes = head_tensor_shapes(args)
-        emb = load_checked(source, "model.embed_tokens.weight", shapes["model.embed_tokens.weight"], dtype, device)
-        norm = load_checked(source, "model.norm.weight", shapes["model.norm.weight"], dtype, device)
-        if args.tie_word_embeddings:
-            head = emb
-        else:
-            head = load_checked(source, "lm_head.weight", shapes["lm_head.weight"], dtype, device)
-        return cls(args, emb, norm, head).eval()
+        dev = torch.device(device)
+        model = families.meta_model(families.hf_config(args.config, where=args.architecture), dtype)
+        targets: dict[str, nn.Module] = {"model.embed_tokens.": model.model.embed_tokens, "model.norm.": model.model.norm}
+        prefixes = list(targets)
+        if not args.tie_word_embeddings:
+            targets["lm_head."] = model.lm_head
+            prefixes.append("lm_head.")
+        names = families.tensor_names(source, prefixes)
+        families.load_modules(model, source, names, targets, dtype, dev)
+        families.tie_head(model)
+        return cls(args, model).requires_grad_(False).eval()
 
     @torch.inference_mode()
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -227,7 +318,7 @@ class Head(nn.Module):
             raise ModelError(f"embed expects token ids of shape (T,), got {tuple(ids.shape)}")
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.args.vocab_size):
             raise ModelError(f"token id out of range [0, {self.args.vocab_size}) in {ids.tolist()}")
-        return torch.nn.functional.embedding(ids.to(self.embed_tokens.device), self.embed_tokens)
+        return self.embed_tokens(ids.to(self.embed_tokens.weight.device))  # type: ignore[no-any-return]
 
     @torch.inference_mode()
     def logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -236,5 +327,9 @@ class Head(nn.Module):
         Pass only the rows you need (e.g. ``h[-1:]`` after a prefill): that is both cheaper and
         what transformers' ``generate`` computes, so greedy ties resolve identically.
         """
-        x = self.norm(h.to(device=self.embed_tokens.device, dtype=self.embed_tokens.dtype))
-        return torch.nn.functional.linear(x, self.lm_head).float()  # (T, V)
+        w = self.lm_head.weight
+        x = self.norm(h.to(device=w.device, dtype=w.dtype)[None])  # (1, T, D)
+        out = self.lm_head(x)[0]  # (T, V)
+        if self.softcap is not None:
+            out = torch.tanh(out / self.softcap) * self.softcap
+        return out.float()

@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -184,64 +183,6 @@ def _diagnose(file: Path, message: str) -> str:
             f"the file ({size} bytes)"
         )
     return base
-
-
-# ------------------------------------------------------------------------------ expected shapes
-def layer_tensor_shapes(args: ModelArgs, layer: int) -> dict[str, tuple[int, ...]]:
-    """HF names and shapes of one decoder layer's tensors."""
-    p = f"model.layers.{layer}."
-    q = args.n_heads * args.head_dim
-    kv = args.n_kv_heads * args.head_dim
-    out: dict[str, tuple[int, ...]] = {
-        p + "input_layernorm.weight": (args.dim,),
-        p + "post_attention_layernorm.weight": (args.dim,),
-        p + "self_attn.q_proj.weight": (q, args.dim),
-        p + "self_attn.k_proj.weight": (kv, args.dim),
-        p + "self_attn.v_proj.weight": (kv, args.dim),
-        p + "self_attn.o_proj.weight": (args.dim, q),
-        p + "mlp.gate_proj.weight": (args.intermediate_size, args.dim),
-        p + "mlp.up_proj.weight": (args.intermediate_size, args.dim),
-        p + "mlp.down_proj.weight": (args.dim, args.intermediate_size),
-    }
-    if args.qkv_bias:
-        out[p + "self_attn.q_proj.bias"] = (q,)
-        out[p + "self_attn.k_proj.bias"] = (kv,)
-        out[p + "self_attn.v_proj.bias"] = (kv,)
-    return out
-
-
-def head_tensor_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
-    out: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (args.vocab_size, args.dim),
-        "model.norm.weight": (args.dim,),
-    }
-    if not args.tie_word_embeddings:
-        out["lm_head.weight"] = (args.vocab_size, args.dim)
-    return out
-
-
-def load_checked(
-    source: TensorSource,
-    name: str,
-    expected: tuple[int, ...],
-    dtype: torch.dtype,
-    device: str | torch.device,
-) -> torch.Tensor:
-    """Load one tensor after checking its shape against what config.json implies."""
-    got = tuple(source.shape(name))
-    if got != expected:
-        raise WeightsError(
-            f"{source.path}: tensor {name} has shape {list(got)} but config.json implies "
-            f"{list(expected)}"
-        )
-    return source.load(name, dtype, device)
-
-
-def iter_checked(
-    source: TensorSource, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, device: str | torch.device
-) -> Iterator[tuple[str, torch.Tensor]]:
-    for name, shape in shapes.items():
-        yield name, load_checked(source, name, shape, dtype, device)
 
 
 # ------------------------------------------------------------------------------ entry point
