@@ -21,13 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from swarm.errors import ConfigError
-from swarm.model.families import (
-    ARCHITECTURES,
-    architecture_of,
-    hf_config,
-    layer_window,
-    param_counts,
-)
+from swarm.model import llama_layers
+from swarm.model.families import ARCHITECTURES, architecture_of, hf_config, layer_window, meta_sizes
 
 
 @dataclass(frozen=True)
@@ -88,9 +83,14 @@ class ModelArgs:
         if bos is not None and (not isinstance(bos, int) or isinstance(bos, bool)):
             raise ConfigError(f"{where}: bos_token_id must be an int or null, got {bos!r}")
         _bool(config, "tie_word_embeddings", where, default=False)
-        hf = hf_config(config, where=where)
-        tie = bool(getattr(hf, "tie_word_embeddings", False))  # the family's default when absent
-        windows = [w for w in (layer_window(hf, i) for i in range(n_layers)) if w is not None]
+        if llama_layers.supports(config):  # no transformers import where the hand-written layers run
+            tie = bool(config.get("tie_word_embeddings", False))
+            w = llama_layers.sliding_window(config)
+            windows = [] if w is None else [int(w)]
+        else:
+            hf = hf_config(config, where=where)
+            tie = bool(getattr(hf, "tie_word_embeddings", False))  # the family's default when absent
+            windows = [w for w in (layer_window(hf, i) for i in range(n_layers)) if w is not None]
         return cls(
             architecture=arch,
             vocab_size=vocab,
@@ -124,15 +124,22 @@ class ModelArgs:
         return cls.from_config(config, where=str(file))
 
     # ----------------------------------------------------------------------------- sizes
+    def _sizes(self) -> tuple[list[int], int, int, int, list[tuple[int, int]]]:
+        if llama_layers.supports(self.config):
+            return llama_layers.sizes(self.config)
+        return meta_sizes(self.config)
+
     def layer_bytes(self, dtype_bytes: int) -> int:
         """Bytes of the weights of the largest decoder layer (all experts, router, norms)."""
-        per_layer, _, _, _ = param_counts(self.config)
-        return max(per_layer) * dtype_bytes
+        return max(self._sizes()[0]) * dtype_bytes
 
     def layer_bytes_each(self, dtype_bytes: int) -> list[int]:
         """Bytes of each decoder layer (they differ where some layers are dense, e.g. DeepSeek)."""
-        per_layer, _, _, _ = param_counts(self.config)
-        return [n * dtype_bytes for n in per_layer]
+        return [n * dtype_bytes for n in self._sizes()[0]]
+
+    def linear_shapes(self) -> list[tuple[int, int]]:
+        """(out, in) of each nn.Linear of the largest layer: what quantization replaces."""
+        return self._sizes()[4]
 
     def kv_bytes_per_token_per_layer(self, dtype_bytes: int) -> int:
         """Bytes one cached token costs in one layer (keys and values)."""
@@ -140,7 +147,7 @@ class ModelArgs:
 
     def head_bytes(self, dtype_bytes: int) -> int:
         """Embedding + final norm + LM head (a tied head is counted once)."""
-        _, emb, norm, head = param_counts(self.config)
+        _, emb, norm, head, _ = self._sizes()
         return (emb + norm + head) * dtype_bytes
 
 

@@ -170,7 +170,7 @@ def self_drafter(head: Head, ckpt: Checkpoint, *, dtype: torch.dtype,
                  max_len: int) -> ModelDrafter:
     """A layer-skipped copy of a target sharing its Head, on the Head's device (see
     ``self_draft_layers``)."""
-    device = head.embed_tokens.device
+    device = head.embed_tokens.weight.device
     stages = [Stage.load(ckpt.args, ckpt.source, a, b, dtype=dtype, device=device)
               for a, b in self_draft_layers(ckpt.args.n_layers)]
     return ModelDrafter(head, stages, max_len=max_len, name="self-skip")

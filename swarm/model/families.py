@@ -169,14 +169,8 @@ def _meta_sizes(config_json: str) -> tuple[list[int], int, int, int, list[tuple[
     return per_layer, emb, norm, head, linears
 
 
-def param_counts(raw: dict[str, Any]) -> tuple[list[int], int, int, int]:
-    per_layer, emb, norm, head, _ = _meta_sizes(json.dumps(raw, sort_keys=True))
-    return per_layer, emb, norm, head
-
-
-def linear_shapes(raw: dict[str, Any]) -> list[tuple[int, int]]:
-    """(out, in) of every nn.Linear in the largest decoder layer (what quantization replaces)."""
-    return _meta_sizes(json.dumps(raw, sort_keys=True))[4]
+def meta_sizes(raw: dict[str, Any]) -> tuple[list[int], int, int, int, list[tuple[int, int]]]:
+    return _meta_sizes(json.dumps(raw, sort_keys=True))
 
 
 def _tied(model: Any) -> bool:

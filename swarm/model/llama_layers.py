@@ -101,6 +101,29 @@ def supports(c: dict[str, Any]) -> bool:
     return window is None or window >= c.get("max_position_embeddings", 2048)
 
 
+def sliding_window(c: dict[str, Any]) -> int | None:
+    """The window config.json declares for these families (None: none)."""
+    arch = _arch(c)
+    if arch == "mistral":
+        return c.get("sliding_window")
+    if arch == "qwen2" and c.get("use_sliding_window"):
+        return c.get("sliding_window")
+    return None
+
+
+def sizes(c: dict[str, Any]) -> tuple[list[int], int, int, int, list[tuple[int, int]]]:
+    """What ``families`` measures on the meta model, counted without transformers: per-layer
+    parameter counts, embedding, final norm, untied lm_head, and the layer's (out, in) linears."""
+    a = ModelArgs.from_config(c)
+    q, kv = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
+    linears = [(q, a.dim), (kv, a.dim), (kv, a.dim), (a.dim, q)]
+    linears += [(a.intermediate_size, a.dim), (a.intermediate_size, a.dim), (a.dim, a.intermediate_size)]
+    layer = sum(n * k for n, k in linears) + 2 * a.dim + ((q + 2 * kv) if a.qkv_bias else 0)
+    vocab = c["vocab_size"]
+    head = 0 if c.get("tie_word_embeddings") else vocab * a.dim
+    return [layer] * c["num_hidden_layers"], vocab * a.dim, a.dim, head, linears
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()

@@ -304,10 +304,8 @@ def layer_bytes(args: ModelArgs, quant: str, dtype_bytes: int) -> int:
     Every 2-D weight of the layer is a linear that quantize_block replaces; the rest (norms,
     biases) stays in the serving dtype.
     """
-    from swarm.model.families import linear_shapes
-
     total = args.layer_bytes(dtype_bytes)
-    for n, k in linear_shapes(args.config):  # the nn.Linear modules of the largest layer
+    for n, k in args.linear_shapes():  # the nn.Linear modules of the largest layer
         total += linear_bytes(n, k, quant, dtype_bytes) - n * k * dtype_bytes
     return total
 

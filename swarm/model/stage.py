@@ -82,7 +82,6 @@ class Stage(nn.Module):
         self.runtime = runtime or ("handwritten" if handwritten_ok else "transformers")
         if self.runtime not in ("handwritten", "transformers") or (self.runtime == "handwritten" and not handwritten_ok):
             raise ModelError(f"runtime {self.runtime!r} cannot run a {args.architecture} stage")
-        self.hf_config = families.hf_config(args.config, where=args.architecture)
         self._model: list[Any] = []
         if self.runtime == "handwritten":
             largs = llama_layers.ModelArgs.from_config(args.config)
@@ -91,6 +90,7 @@ class Stage(nn.Module):
             self._inv_freq = llama_layers.rope_inv_freq(largs)
             self._cos = self._sin = torch.empty(0, args.head_dim, dtype=dtype, device=self.device)
         else:
+            self.hf_config = families.hf_config(args.config, where=args.architecture)
             model = families.meta_model(self.hf_config, dtype)
             self.layers = nn.ModuleList(model.model.layers[start:end])
             self._model = [model]  # not a submodule: the rest of it stays on meta and is never loaded
@@ -280,14 +280,16 @@ def _load_handwritten(
 class Head(nn.Module):
     """Embedding, final norm and LM head: what the coordinator holds (no decoder layers)."""
 
-    def __init__(self, args: ModelArgs, model: Any) -> None:
+    def __init__(
+        self, args: ModelArgs, embed_tokens: nn.Module, norm: nn.Module, lm_head: nn.Module, softcap: float | None
+    ) -> None:
         super().__init__()
         self.args = args
-        self.embed_tokens = model.model.embed_tokens  # (V, D), Gemma's scaled embedding included
-        self.norm = model.model.norm
-        self.lm_head = model.lm_head  # weight tied to embed_tokens.weight where the config says so
+        self.embed_tokens = embed_tokens  # (V, D), Gemma's scaled embedding included
+        self.norm = norm
+        self.lm_head = lm_head  # weight tied to embed_tokens.weight where the config says so
         self.tied = self.lm_head.weight is self.embed_tokens.weight
-        self.softcap = families.final_softcap(model.config)
+        self.softcap = softcap
 
     @classmethod
     def load(
@@ -298,8 +300,15 @@ class Head(nn.Module):
         dtype: torch.dtype = torch.bfloat16,
         device: str | torch.device = "cpu",
     ) -> Head:
-        """Read only the embedding, final norm and LM head (a tied head reuses the embedding)."""
+        """Read only the embedding, final norm and LM head (a tied head reuses the embedding).
+
+        The modules are the family's own (transformers'), except where the hand-written layers
+        run the stages: there plain ``nn.Embedding``/RMSNorm/``nn.Linear`` do the same arithmetic
+        without importing transformers (a node's start-up stays as quick as it was).
+        """
         dev = torch.device(device)
+        if llama_layers.supports(args.config):
+            return _handwritten_head(args, source, dtype, dev)
         model = families.meta_model(families.hf_config(args.config, where=args.architecture), dtype)
         targets: dict[str, nn.Module] = {"model.embed_tokens.": model.model.embed_tokens, "model.norm.": model.model.norm}
         prefixes = list(targets)
@@ -309,7 +318,8 @@ class Head(nn.Module):
         names = families.tensor_names(source, prefixes)
         families.load_modules(model, source, names, targets, dtype, dev)
         families.tie_head(model)
-        return cls(args, model).requires_grad_(False).eval()
+        head = cls(args, model.model.embed_tokens, model.model.norm, model.lm_head, families.final_softcap(model.config))
+        return head.requires_grad_(False).eval()
 
     @torch.inference_mode()
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -333,3 +343,21 @@ class Head(nn.Module):
         if self.softcap is not None:
             out = torch.tanh(out / self.softcap) * self.softcap
         return out.float()
+
+
+def _handwritten_head(args: ModelArgs, source: TensorSource, dtype: torch.dtype, device: torch.device) -> Head:
+    def checked(name: str, shape: tuple[int, ...]) -> nn.Parameter:
+        got = tuple(source.shape(name))
+        if got != shape:
+            raise WeightsError(f"{source.path}: tensor {name} has shape {list(got)} but config.json implies {list(shape)}")
+        return nn.Parameter(source.load(name, dtype, device), requires_grad=False)
+
+    V, D = args.vocab_size, args.dim
+    largs = llama_layers.ModelArgs.from_config(args.config)
+    with torch.device("meta"):
+        embed, norm = nn.Embedding(V, D), llama_layers.RMSNorm(D, largs.norm_eps)
+        lm_head = nn.Linear(D, V, bias=False)
+    embed.weight = checked("model.embed_tokens.weight", (V, D))
+    norm.weight = checked("model.norm.weight", (D,))
+    lm_head.weight = embed.weight if args.tie_word_embeddings else checked("lm_head.weight", (V, D))
+    return Head(args, embed, norm, lm_head, None).requires_grad_(False).eval()
