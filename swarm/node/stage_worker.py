@@ -64,11 +64,12 @@ from swarm.model.stage import Stage
 from swarm.node.errors_util import unwrap
 from swarm.node.links import Link
 from swarm.node.wire import decode_hidden, encode_hidden
-from swarm.proto.frame import Frame, MsgType
+from swarm.proto.frame import DType, Frame, MsgType
 from swarm.proto.limits import DEFAULT_LIMITS, Limits
 from swarm.proto.messages import Chunk, Error, Result, Rollback, SessionEnd, parse_message
 
 log = logging.getLogger("swarm.node.stage")
+Encoded = tuple[DType, tuple[int, ...], bytes]
 
 INLINE_MAX_S = 0.005  # a batch predicted to compute in less runs on the trio thread (see above)
 MAX_BATCH = 16  # sessions in one forward
@@ -211,6 +212,7 @@ class StageWorker:
                 batch.append((msg, h))
                 busy.add(msg.session)
                 tokens += msg.tokens
+            await trio.lowlevel.checkpoint()  # one frame per step: heartbeats run in between
         self._pending = keep
         return batch
 
@@ -258,14 +260,18 @@ class StageWorker:
             return None
         return h
 
-    def _forward(self, items: list[tuple[int, torch.Tensor]]) -> tuple[list[torch.Tensor], float]:
+    def _forward(self, items: list[tuple[int, torch.Tensor]]) -> tuple[list[Encoded], float]:
+        """The batch's forward and its outputs' encoding, in one go (in the worker thread, so the
+        trio loop makes no torch call per result: each would wait for the GIL behind the compute)."""
         t0 = time.perf_counter()
         if self.compute_delay_s > 0:
             time.sleep(self.compute_delay_s)  # fault injection: compute that blocks (module doc)
-        # on a GPU, .cpu() waits for the kernels here, so the time is the work's and the trio
-        # loop never blocks on the device when it encodes the result (on a CPU: no copy)
-        outs = [o.cpu() for o in forward_many(self.stage, items)]
-        return outs, time.perf_counter() - t0
+        # encoding copies to the CPU: on a GPU that waits for the kernels here, so the time is the
+        # work's and the trio loop never blocks on the device
+        outs = forward_many(self.stage, items)
+        if self.corrupt_after is not None and self.stats.chunks >= self.corrupt_after:
+            outs = [torch.full_like(o, float("nan")) for o in outs]  # fault injection (chaos tests): a broken peer
+        return [encode_hidden(o) for o in outs], time.perf_counter() - t0
 
     async def _run_batch(self, batch: list[tuple[Chunk, torch.Tensor]], outbound: Link) -> None:
         items = [(msg.session, h) for msg, h in batch]
@@ -285,18 +291,16 @@ class StageWorker:
         st.max_batch = max(st.max_batch, len(batch))
         if len(batch) > 1:
             st.batched_chunks += len(batch)
-        for (msg, _), out in zip(batch, outs, strict=True):
-            if self.corrupt_after is not None and st.chunks >= self.corrupt_after:
-                out = torch.full_like(out, float("nan"))  # fault injection (chaos tests): a broken peer
+        for (msg, _), (dt, shape, data) in zip(batch, outs, strict=True):
             st.chunks += 1
             st.tokens += msg.tokens
-            dt, shape, data = encode_hidden(out)
             reply: Chunk | Result
             if self.is_tail:
                 reply = Result(msg.session, msg.chunk_id, msg.pos, "hidden", dt, shape, data, msg.epoch)
             else:
                 reply = Chunk(msg.session, msg.chunk_id, msg.pos, msg.mode, dt, shape, data, msg.epoch, msg.flags)
             await outbound.send(reply.to_frame(), timeout=SEND_TIMEOUT_S)
+            await trio.lowlevel.checkpoint()  # the fast path's hot send never yields
 
     def _prepare_cache(self, msg: Chunk, where: str) -> None:
         session = msg.session
