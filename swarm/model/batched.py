@@ -12,7 +12,7 @@ projections, the MLP): one matrix product per weight for the whole batch, which 
 small batch is nearly free (a decode step reads every weight once whatever its row count).
 Attention alone is per session: each session's rows get its own rotary positions, write its own
 cache at its own position and attend over its own keys, with the same three shapes as
-``layers.Attention`` (one token, a prefill from position 0, a chunk after a cache).
+``llama_layers.Attention`` (one token, a prefill from position 0, a chunk after a cache).
 
 Exactness: a row of a batched matrix product can differ in the last bits from the same row
 computed alone (the kernel's blocking depends on the row count), so batched results are not
@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 
 from swarm.errors import ModelError
-from swarm.model.layers import _NATIVE_GQA, Attention, DecoderLayer, _repeat_kv, apply_rope
+from swarm.model.kvcache import KVCache
+from swarm.model.llama_layers import _NATIVE_GQA, Attention, DecoderLayer, _repeat_kv, apply_rope
 from swarm.model.stage import Stage
 
 BATCHED = True  # shared matrix products across sessions (False: one session after another)
@@ -44,7 +45,8 @@ def forward_many(stage: Stage, items: Sequence[tuple[Hashable, torch.Tensor]]) -
     sessions = [s for s, _ in items]
     if len(set(sessions)) != len(sessions):
         raise ModelError(f"forward_many: a session appears twice in one batch ({sessions})")
-    if len(items) == 1 or not BATCHED or not all(type(layer) is DecoderLayer for layer in stage.layers):
+    handwritten = getattr(stage, "runtime", "handwritten") == "handwritten"
+    if len(items) == 1 or not BATCHED or not handwritten or not all(type(x) is DecoderLayer for x in stage.layers):
         return [stage.forward(session, h) for session, h in items]
     return _forward_batched(stage, items)
 
@@ -59,12 +61,13 @@ def _forward_batched(stage: Stage, items: Sequence[tuple[Hashable, torch.Tensor]
                 f"stage [{stage.start}, {stage.end}) expects hidden states (T, {dim}) with T >= 1, got {tuple(h.shape)}"
             )
         cache = stage._cache(session)
-        poss.append(cache.reserve(h.shape[0]))
+        poss.append(cache.begin(h.shape[0]))  # this chunk's positions: update() writes them
         caches.append(cache)
         lens.append(h.shape[0])
     x = torch.cat([h.to(device=stage.device, dtype=stage.dtype) for _, h in items]).unsqueeze(0)  # (1, N, D)
-    rope = [(stage._cos[p : p + t], stage._sin[p : p + t]) for p, t in zip(poss, lens, strict=True)]
-    for li, module in enumerate(stage.layers):
+    cos_all, sin_all = stage._rope_tables(max(p + t for p, t in zip(poss, lens, strict=True)))
+    rope = [(cos_all[p : p + t], sin_all[p : p + t]) for p, t in zip(poss, lens, strict=True)]
+    for module in stage.layers:
         layer = cast(DecoderLayer, module)  # forward_many checked the type
         attn = cast(Attention, layer.self_attn)
         hn = layer.input_layernorm(x)
@@ -72,7 +75,7 @@ def _forward_batched(stage: Stage, items: Sequence[tuple[Hashable, torch.Tensor]
         outs, off = [], 0
         for cache, t, pos, (cos, sin) in zip(caches, lens, poss, rope, strict=True):
             sl = slice(off, off + t)
-            outs.append(_attend(attn, q[:, sl], k[:, sl], v[:, sl], cos, sin, cache.k[li], cache.v[li], pos))
+            outs.append(_attend(attn, q[:, sl], k[:, sl], v[:, sl], cos, sin, cache, layer.layer_idx, pos))
             off += t
         h = x + attn.o_proj(torch.cat(outs, dim=1))  # (1, N, D)
         x = h + layer.mlp(layer.post_attention_layernorm(h))
@@ -88,22 +91,19 @@ def _attend(
     v: torch.Tensor,  # (1, T, KV*hd)
     cos: torch.Tensor,  # (T, hd)
     sin: torch.Tensor,
-    k_cache: torch.Tensor,  # (KV, max_len, hd) of this layer, written in place
-    v_cache: torch.Tensor,
+    cache: KVCache,  # the session's: update() writes this chunk, returns every key/value so far
+    layer_idx: int,
     pos: int,
 ) -> torch.Tensor:
-    """One session's attention, as ``layers.Attention.forward`` does it after its projections
-    (kept in step with it: the golden batched test compares the two) -> (1, T, H*hd)."""
+    """One session's attention, as ``llama_layers.Attention.forward`` does it after its projections
+    (kept in step with it: tests/model/test_batched.py compares the two) -> (1, T, H*hd)."""
     _, T, _ = q.shape
     H, KV, hd = attn.n_heads, attn.n_kv_heads, attn.head_dim
     q = apply_rope(q.reshape(1, T, H, hd).transpose(1, 2), cos, sin)  # (1, H, T, hd)
     k = apply_rope(k.reshape(1, T, KV, hd).transpose(1, 2), cos, sin)  # (1, KV, T, hd)
     v = v.reshape(1, T, KV, hd).transpose(1, 2)
     end = pos + T
-    k_cache[:, pos:end] = k[0]
-    v_cache[:, pos:end] = v[0]
-    keys = k_cache[:, :end].unsqueeze(0)  # (1, KV, L, hd)
-    values = v_cache[:, :end].unsqueeze(0)
+    keys, values = cache.update(k, v, layer_idx)  # (1, KV, L, hd)
     if T == 1:
         qp = q.reshape(1, KV, attn.n_rep, hd)  # (1, KV, n_rep, hd): no repeat, no mask
         out = F.scaled_dot_product_attention(qp, keys, values, scale=attn.scale).reshape(1, H, 1, hd)
