@@ -16,7 +16,7 @@ Ratios written to benchmarks/results/runtime.json:
   same weights, dtype and threads, timed alternately on the same chunks after the prompt: time
   ratio transformers / hand-written for a decode step (1 row) and verify chunks (5 and 9 rows);
   below 1.05 would have been "within 5%" (one runtime); see llama_layers.py for the decision.
-  ``--compare-only`` runs just this part.
+  ``--compare-only`` runs just this part and writes benchmarks/results/runtime_layers.json.
 """
 
 from __future__ import annotations
@@ -116,7 +116,10 @@ def main() -> None:
         "fp32": layers_vs_handwritten(path, prompts[0], torch.float32, a.repeats),
     }
     if a.compare_only:
-        result_c = {"model": BUNDLED_NAME, "threads": a.threads, "layers_vs_handwritten": compare}
+        result_c = {"model": BUNDLED_NAME, "threads": a.threads, "repeats": a.repeats,
+                    "layers_vs_handwritten": compare}
+        out_c = Path(a.out).with_name("runtime_layers.json")
+        out_c.write_text(json.dumps(result_c, indent=2) + "\n")
         print(json.dumps(result_c, indent=2))
         return
     one = LocalModel.load(path, stages=1, dtype=torch.bfloat16)

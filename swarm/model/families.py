@@ -65,6 +65,13 @@ def hf_config(raw: dict[str, Any], *, where: str) -> Any:
 
     arch = architecture_of(raw, where)
     model_type = ARCHITECTURES[arch]
+    qc = raw.get("quantization_config")
+    if qc is not None:
+        method = qc.get("quant_method") if isinstance(qc, dict) else qc
+        raise ConfigError(
+            f"{where}: {arch} weights quantized with {method!r} are not supported yet "
+            "(use unquantized bf16/fp32 weights; --quant int8/int4 quantizes them on load)"
+        )
     cfg = dict(raw)
     cfg["model_type"] = model_type
     cfg["architectures"] = [arch]
