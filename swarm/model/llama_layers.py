@@ -1,9 +1,10 @@
 """Hand-written Llama-family layers: the faster runtime for plain Llama / SmolLM / Qwen2 / Mistral.
 
 Why a second runtime exists beside transformers' layers (families.py): benchmarks/bench_runtime.py
-(``layers_vs_handwritten``) measured transformers' decoder layers 8-10% slower than these on the
-bundled SmolLM2-135M for a one-token decode step (bf16 and fp32, 1 thread; 3-6% on verify chunks
-of 5 and 9 rows): at hidden 576 a layer is only a few small GEMMs, and transformers' per-layer
+(``layers_vs_handwritten``, benchmarks/results/runtime_layers.json) measured transformers' decoder
+layers 6-10% slower than these on the bundled SmolLM2-135M for a one-token decode step (bf16 and
+fp32, 1 thread, paired medians of three runs on a loaded 2-core AVX2 machine; -1% to +7% on verify
+chunks): at hidden 576 a layer is only a few small GEMMs, and transformers' per-layer
 Python (kwargs, deprecation wrappers, attention dispatch) is a measurable share of it. The issue's
 rule is "within 5% or keep both", so ``Stage`` runs these layers where they are exact
 (:func:`supports`: silu SwiGLU, RMSNorm, default or llama3 rope, no sliding window in use, Qwen2's
