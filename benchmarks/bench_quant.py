@@ -44,7 +44,7 @@ RESULTS = ROOT / "benchmarks" / "results" / "quant.json"
 
 from swarm.model.bundled import bundled_gguf_path, default_model_dir  # noqa: E402
 from swarm.model.generate import LocalModel, generate  # noqa: E402
-from swarm.model.quant import block_nbytes, quantize_block  # noqa: E402
+from swarm.model.quant import INT4_GROUP, block_nbytes, quantize_block  # noqa: E402
 from swarm.model.tokenizer import Tokenizer  # noqa: E402
 
 PROMPTS = [
@@ -112,7 +112,7 @@ def gguf_load(model_dir: Path) -> dict[str, object]:
     return out
 
 
-def _load(model_dir: Path, dtype: torch.dtype, quant: str, group: int = 64) -> LocalModel:
+def _load(model_dir: Path, dtype: torch.dtype, quant: str, group: int = INT4_GROUP) -> LocalModel:
     lm = LocalModel.load(model_dir, stages=1, dtype=dtype)
     for layer in lm.stages[0].layers:
         quantize_block(layer, quant, dtype=dtype, group=group)
