@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Hashable, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 
@@ -170,7 +170,7 @@ def self_drafter(head: Head, ckpt: Checkpoint, *, dtype: torch.dtype,
                  max_len: int) -> ModelDrafter:
     """A layer-skipped copy of a target sharing its Head, on the Head's device (see
     ``self_draft_layers``)."""
-    device = head.embed_tokens.weight.device
+    device = cast(torch.Tensor, head.embed_tokens.weight).device
     stages = [Stage.load(ckpt.args, ckpt.source, a, b, dtype=dtype, device=device)
               for a, b in self_draft_layers(ckpt.args.n_layers)]
     return ModelDrafter(head, stages, max_len=max_len, name="self-skip")

@@ -234,7 +234,7 @@ def load_modules(
     if not state:
         raise WeightsError(f"{source.path}: none of the tensors of {', '.join(targets)} are in the checkpoint")
     cfg = LoadStateDictConfig(
-        dtype=dtype, weight_mapping=get_model_conversion_mapping(model), device_map={"": device}
+        dtype=dtype, weight_mapping=get_model_conversion_mapping(model), device_map={"": device}  # type: ignore[arg-type]
     )
     info, _ = convert_and_load_state_dict_in_model(model, state, cfg)
     if info.mismatched_keys:

@@ -91,7 +91,7 @@ def supports(c: dict[str, Any]) -> bool:
     kind = rs.get("rope_type", rs.get("type")) if isinstance(rs, dict) else None
     if kind not in (None, "default", "llama3"):
         return False
-    if kind == "llama3" and not all(
+    if kind == "llama3" and isinstance(rs, dict) and not all(
         k in rs for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
     ):
         return False

@@ -128,6 +128,11 @@ class QuantLinear(nn.Module):
     serving dtype of its norms); ``nbytes`` counts them.
     """
 
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    scales_and_zeros: torch.Tensor
+    bias: torch.Tensor | None
+
     def __init__(self, kind: str, in_features: int, out_features: int, dtype: torch.dtype,
                  kernel: str, group: int = 0) -> None:  # fmt: skip
         super().__init__()

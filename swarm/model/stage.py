@@ -35,7 +35,7 @@ Threads: torch's intra-op thread count is a per-process setting; the process tha
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -188,7 +188,7 @@ class Stage(nn.Module):
         if self._bound is not self.layers:
             plan = []
             for layer in self.layers:
-                idx = int(layer.self_attn.layer_idx)
+                idx = int(cast(Any, layer).self_attn.layer_idx)
                 plan.append((layer, families.layer_window(self.hf_config, idx), families.layer_type(self.hf_config, idx)))
             self._plan, self._bound = plan, self.layers
         return self._plan
@@ -328,7 +328,8 @@ class Head(nn.Module):
             raise ModelError(f"embed expects token ids of shape (T,), got {tuple(ids.shape)}")
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.args.vocab_size):
             raise ModelError(f"token id out of range [0, {self.args.vocab_size}) in {ids.tolist()}")
-        return self.embed_tokens(ids.to(self.embed_tokens.weight.device))  # type: ignore[no-any-return]
+        weight = cast(torch.Tensor, self.embed_tokens.weight)
+        return self.embed_tokens(ids.to(weight.device))  # type: ignore[no-any-return]
 
     @torch.inference_mode()
     def logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -337,7 +338,7 @@ class Head(nn.Module):
         Pass only the rows you need (e.g. ``h[-1:]`` after a prefill): that is both cheaper and
         what transformers' ``generate`` computes, so greedy ties resolve identically.
         """
-        w = self.lm_head.weight
+        w = cast(torch.Tensor, self.lm_head.weight)
         x = self.norm(h.to(device=w.device, dtype=w.dtype)[None])  # (1, T, D)
         out = self.lm_head(x)[0]  # (T, V)
         if self.softcap is not None:
