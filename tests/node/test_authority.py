@@ -87,9 +87,14 @@ class _Standby:
         self.peer_id = "standby"
         self._leader = leader_identity.peer_id  # type: ignore[attr-defined]
         self.ended: list[str] = []
+        self.events: list[str] = []
+        self._epoch_ended_at = 0.0
 
     def leader(self) -> str:
         return self._leader
+
+    def life(self, event: str, **fields: object) -> None:
+        self.events.append(event)
 
     def _end_epoch(self, reason: str, *, only: object = None) -> None:
         assert self.epoch is not None
