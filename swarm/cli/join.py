@@ -55,7 +55,9 @@ def parse_size(text: str) -> int:
     """'24G' or '24GB' -> 24 * 10^9 bytes (every message says GB, decimal, as the planner does);
     '1.5GiB' -> 1.5 * 2^30; '1000000' -> bytes; 'auto' -> half the available memory."""
     if text.strip().lower() == "auto":
-        return available_memory() // 2
+        from swarm.model.devices import host_available_bytes
+
+        return host_available_bytes() // 2
     m = _SIZE.fullmatch(text)
     if not m:
         raise UsageError(f"--memory {text!r}: expected a size like 24G, 512M or 'auto'")
@@ -80,16 +82,6 @@ def offered_memory(text: str, device: str) -> int:
     from swarm.model.devices import auto_memory_bytes
 
     return auto_memory_bytes(torch.device(device))
-
-
-def available_memory() -> int:
-    with contextlib.suppress(OSError, ValueError):
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    with contextlib.suppress(ValueError, OSError, AttributeError):
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return 0
 
 
 class _Printer:
