@@ -533,10 +533,13 @@ class Node(EpochRole):
                 nonlocal answered
                 answered += 1
                 if isinstance(msg, PlanMsg) and msg.signer is not None:
-                    # only the peer that led this view while we were away may have signed it
+                    # only the peer that led this view while we were away may have signed it, or
+                    # we did (we were cut off while not in the ring: the swarm still serves our plan)
                     signer = peer_id_of(msg.signer)
-                    if signer != interim_leader:
-                        raise ProtocolError(f"its plan epoch {msg.epoch} is signed by {signer}, not {interim_leader}")
+                    if signer not in (interim_leader, self.peer_id):
+                        raise ProtocolError(
+                            f"its plan epoch {msg.epoch} is signed by {signer}, not {interim_leader} nor us"
+                        )
                     verify_plan(msg, msg.signer, self.settings.swarm_id)
                     check_epoch_step(msg.epoch, mine, f"plan shown by {peer}")
                     plan_from_body(msg.epoch, msg.plan)  # well-formed, or it is not taken

@@ -64,13 +64,15 @@ def swarm(tiny_chat_dir: Path) -> Iterator[LocalSwarm]:
 
 @contextlib.asynccontextmanager
 async def api_on(swarm: LocalSwarm, model_dir: Path, *, relay: bool = False, token: str | None = None,
-                 bind: str = "127.0.0.1:0") -> AsyncIterator[tuple[str, dict]]:  # type: ignore[type-arg]
+                 bind: str = "127.0.0.1:0", peer: int | None = None) -> AsyncIterator[tuple[str, dict]]:  # type: ignore[type-arg]
     """An API server in this trio.run, a client of the coordinator (``relay``: of another peer,
-    which relays to the coordinator). Yields (base URL, coordinator status)."""
-    async with client.open_client(swarm.addrs[0], secret=swarm.secret, swarm_id=swarm.swarm_id) as (h, p):
+    which relays to the coordinator; ``peer``: of that peer, whatever its role). Yields (base
+    URL, status as that peer sees it)."""
+    ask = 0 if peer is None else peer
+    async with client.open_client(swarm.addrs[ask], secret=swarm.secret, swarm_id=swarm.swarm_id) as (h, p):
         st = await client.wait_ready(h, p, timeout=90)
         coord = st["plan"]["coordinator"]
-        idx = next(i for i, p in enumerate(swarm.peer_ids) if (p != coord) == relay)
+        idx = peer if peer is not None else next(i for i, p in enumerate(swarm.peer_ids) if (p != coord) == relay)
         async with client.open_client(swarm.addrs[idx], secret=swarm.secret, swarm_id=swarm.swarm_id) as (h2, p2):
             backend = ClientBackend(h2, p2, model_dir, context_tokens=1536)
             async with trio.open_nursery() as nursery:
