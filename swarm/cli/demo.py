@@ -100,7 +100,10 @@ def generate(
     draft: str | None = typer.Option(None, "--draft", help="ngram or none (default: the node's)."),
     json_out: bool = typer.Option(False, "--json"),
     receipt: Path | None = typer.Option(None, "--receipt"),
-    timeout: float = typer.Option(60.0, "--timeout"),
+    timeout: float = typer.Option(
+        60.0, "--timeout", min=1.0,
+        help="Seconds to reach the swarm, and the longest wait for the next token (a re-plan's pause included).",
+    ),
 ) -> None:
     """Run one generation on a running swarm."""
     if manifest is None:
@@ -169,16 +172,22 @@ async def _resuming(host: Any, peer: str, req: dict[str, Any], committed: list[i
     here, and a failed generation is asked again from the prompt plus them, on whatever
     coordinator the swarm serves next (the peer waits for it: wait_s), for RESUME_TIMEOUT_S.
     The receipt then covers the whole output. CannotServe (the live peers cannot hold the
-    model) is not retried."""
+    model) is not retried, nor is anything once ``timeout`` has passed without a new token."""
     from swarm.errors import CannotServe, PeerError
     from swarm.node import client
 
     lost_since: float | None = None
+    last_token = [trio.current_time()]
+
+    def progress(ids: list[int], text: str) -> None:
+        last_token[0] = trio.current_time()
+        on_tokens(ids, text)
+
     while True:
         done = list(committed)
         left = int(req["max_new_tokens"]) - len(done)
         try:
-            receipt = await client.generate(host, peer, on_tokens=on_tokens, on_notice=notice, timeout=timeout,
+            receipt = await client.generate(host, peer, on_tokens=progress, on_notice=notice, timeout=timeout,
                                             continue_ids=done or None, wait_s=10.0 if done else 0.0,
                                             **{**req, "max_new_tokens": left})  # fmt: skip
         except CannotServe:
@@ -186,7 +195,7 @@ async def _resuming(host: Any, peer: str, req: dict[str, Any], committed: list[i
         except PeerError as exc:
             now = trio.current_time()
             lost_since = now if lost_since is None else lost_since
-            if now - lost_since > RESUME_TIMEOUT_S or left <= 0:
+            if now - lost_since > RESUME_TIMEOUT_S or now - last_token[0] > timeout or left <= 0:
                 raise
             notice(f"the swarm lost this generation after {len(committed)} tokens ({exc}); resuming on the "
                    "next coordinator from the prompt and those tokens")  # fmt: skip

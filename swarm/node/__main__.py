@@ -57,11 +57,14 @@ async def _main(settings: NodeSettings) -> None:
         print(text, file=sys.stderr, flush=True)
 
     async with trio.open_nursery() as nursery:
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGUSR1) as signals:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2) as signals:
             node = await nursery.start(Node(settings, on_event=event).run)
             async for signum in signals:
                 if signum == signal.SIGUSR1:  # fault injection for chaos tests
                     node.start_corrupting()
+                    continue
+                if signum == signal.SIGUSR2:  # fault injection: a hop that silently stops delivering
+                    node.start_swallowing()
                     continue
                 event("leaving")
                 await node.leave()  # the swarm re-plans without us first (bounded)

@@ -135,7 +135,9 @@ async def generate(
 ) -> dict[str, Any]:
     """Run one generation; returns the receipt. ``on_tokens(ids, text)`` streams as they commit;
     ``on_notice(text)`` gets the coordinator's one-line news (a pause for a re-plan, the resume).
-    ``continue_ids``: with ``text``, tokens already generated after it (a resume)."""
+    ``continue_ids``: with ``text``, tokens already generated after it (a resume). ``timeout``
+    bounds each wait for progress (the first token: plus ``wait_s``): a notice that the swarm is
+    still re-planning is news, not progress, so it never stretches the wait."""
     body: dict[str, Any] = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k,
                             "top_p": top_p, "chat": chat, "wait_s": wait_s}
     if seed is not None:
@@ -156,11 +158,16 @@ async def generate(
     msg = Control("gen", body, tuple(prompt_ids or ()))
     async with host.open_stream(peer, PROTO_GEN, timeout=timeout) as fs:
         await fs.send(msg.to_frame())
+        progress_by = trio.current_time() + timeout + wait_s
         while True:
-            reply = parse_message(await fs.receive(timeout=timeout + wait_s))
+            left = progress_by - trio.current_time()
+            if left <= 0:
+                raise PeerTimeout(f"peer {peer}: no new token within {timeout:.0f} s")
+            reply = parse_message(await fs.receive(timeout=left))
             if not isinstance(reply, Control):
                 raise ProtocolError(f"peer {peer}: expected CONTROL, got {reply!r}")
             if reply.op == "tokens":
+                progress_by = trio.current_time() + timeout
                 if on_tokens is not None:
                     on_tokens(list(reply.ids), str(reply.body.get("text", "")))
             elif reply.op == "notice":

@@ -745,6 +745,14 @@ class Node(EpochRole):
         except SwarmError as exc:
             log.info("could not tell %s that we leave: %s", peer, exc)
 
+    def start_swallowing(self) -> None:
+        """Fault injection: this epoch's stage drops every frame it reads and the node stays up,
+        answering heartbeats (a hop whose stream died silently, as a relayed one can). A new
+        epoch's stage serves normally."""
+        self.notice("fault injection: this node's stage drops what it receives in this epoch")
+        if self.epoch is not None and self.epoch.worker is not None:
+            self.epoch.worker.swallow = True
+
     def start_corrupting(self) -> None:
         """Fault injection for chaos tests: from now on our stage's outputs are NaN."""
         self.notice("fault injection: this node now sends NaN activations")

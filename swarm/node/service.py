@@ -277,6 +277,12 @@ async def _drive_with_recovery(
                 raise
             failed_at = time.time()
             old = ep.plan
+            # Whatever broke (a lost peer, a hop gone silent, a stage's error), this ring cannot
+            # carry the run: end its epoch here. A loss already ended it; a ring that stalls with
+            # every peer alive (a relayed stream that died silently) ends only here, and ending
+            # it nudges the leader to re-plan (runtime.py), so the run never waits on a ring
+            # nobody else knows is broken.
+            node._end_epoch(f"a generation on epoch {old.epoch} failed: {str(exc)[:200]}", only=ep)
             if isinstance(exc, FaultyPeer):
                 # a peer that sends NaN or malformed activations is not waited for: it is dropped
                 await node.report_fault(exc.peer, str(exc), old.epoch)

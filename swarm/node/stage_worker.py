@@ -122,6 +122,7 @@ class StageWorker:
         self.max_batch = max(1, max_batch)
         self._predict_s = math.inf  # a small batch's forward time: rises at once, decays slowly
         self.corrupt_after: int | None = None  # fault injection for chaos tests: NaN after N chunks
+        self.swallow = False  # fault injection: drop every frame read (a hop that silently stopped)
         # fault injection for load tests: every forward blocks this much longer (a blocking sleep
         # inside the compute, as a busy box's compute does), wherever the forward runs
         self.compute_delay_s = compute_delay_s
@@ -158,7 +159,8 @@ class StageWorker:
                         frame = await inbound.receive(timeout=IDLE_POLL_S)
                     except PeerTimeout:
                         continue
-                    send.send_nowait(frame)  # unbounded: what is in flight is bounded upstream
+                    if not self.swallow:
+                        send.send_nowait(frame)  # unbounded: what is in flight is bounded upstream
                     await trio.lowlevel.checkpoint()  # the fast path's hot receive never yields
             except PeerLost:
                 log.info("%r: upstream %s closed", self, self.upstream)

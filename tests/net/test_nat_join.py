@@ -174,11 +174,5 @@ def test_homes_behind_nat_serve_through_join_hole_punched(tmp_path: Path) -> Non
     _swarm(tmp_path, symmetric=False)
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="known defect (issue 18 stays open): in one full-suite run the relayed ring stopped "
-    "delivering after 6 tokens and no re-plan came (the coordinator waited on 'still waiting for "
-    "the swarm to re-plan'); the same test passed alone before and after (61 s)",
-)
 def test_symmetric_nat_hop_stays_relayed_and_the_ring_serves(tmp_path: Path) -> None:
     _swarm(tmp_path, symmetric=True)

@@ -102,6 +102,23 @@ async def generate(
         return receipt
 
 
+async def test_a_hop_gone_silent_with_every_peer_alive_is_replanned(ckpt: Path) -> None:
+    """A stage stops passing activations on but stays up, answering heartbeats (SIGUSR2: the
+    stall a relayed stream that died silently causes). Nobody is lost, so only the coordinator
+    can tell: its run gets no result within the chunk deadline, it ends the epoch, the leader
+    re-plans the same peers, and the generation resumes, identical."""
+    with start_local_swarm(
+        3, ckpt, dtype="bf16", memory_bytes=[memory_for(ckpt, 4)] * 3, chunk_timeout=3.0
+    ) as swarm:
+        coord, stages = roles(swarm, await ready_plan(swarm))
+        reference = await generate(swarm, coord, PROMPT)
+        got = await generate(swarm, coord, PROMPT, {20: (stages[0], signal.SIGUSR2)})
+        assert got["output_token_ids"] == reference["output_token_ids"]
+        assert all(swarm.alive())
+        assert len(got["replans"]) == 1 and got["replans"][0]["lost"] == [], got["replans"]
+        assert "no result from the ring" in got["replans"][0]["reason"], got["replans"]
+
+
 async def test_two_peers_lost_one_after_the_other(ckpt: Path) -> None:
     with start_local_swarm(
         5, ckpt, dtype="bf16", memory_bytes=[memory_for(ckpt, 3)] * 5, chunk_timeout=3.0
