@@ -16,6 +16,10 @@ Reports, into benchmarks/results/quant.json:
   chat prompts, 16 new tokens (first differing token).
 - ``decode``: greedy decode tok/s, one process, same threads, int8 and int4 ÷ unquantized, in
   bf16 (the packed kernels) and fp32 (the dequantizing path), interleaved repeats, medians.
+- ``moe_layer``: one decoder layer of Qwen3-30B-A3B's config (128 experts of 768 x 2048, the
+  shape users pool for; random weights, no checkpoint) built in a fresh process in bf16 and
+  quantized: the planner's bytes for that layer ÷ the bytes it holds (tensors) and ÷ the growth of
+  the process's anonymous memory (glibc's mmap threshold fixed, as in ``gguf_load``).
 - ``plan_70b``: ``shard-swarm plan`` for Llama-3.3-70B's config (no weights) on three 24 GB GPUs
   offering 22 GB each: refused in bf16, fits with --quant int4 (the per-peer blocks).
 
@@ -112,6 +116,58 @@ def gguf_load(model_dir: Path) -> dict[str, object]:
     return out
 
 
+MOE_CONFIG = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
+              "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
+              "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_hidden_layers": 48,
+              "vocab_size": 151936, "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True,
+              "rope_theta": 1000000.0, "max_position_embeddings": 40960, "rms_norm_eps": 1e-06,
+              "tie_word_embeddings": False, "hidden_act": "silu"}  # Qwen3-30B-A3B's config.json  # fmt: skip
+
+MOE_CHILD = r"""
+import gc, json, sys, torch
+torch.set_num_threads(1)
+from swarm.model.config import ModelArgs
+from swarm.model.quant import block_nbytes, layer_bytes_each, quantize_block
+from swarm.model.stage import Stage
+
+def anon():
+    for line in open("/proc/self/status"):
+        if line.startswith("RssAnon"):
+            return int(line.split()[1]) * 1024
+
+args = ModelArgs.from_config(json.loads(sys.argv[1]))
+quant = sys.argv[2]
+stage = Stage(args, 0, 1, dtype=torch.bfloat16)  # on meta: transformers imported, nothing allocated
+base = anon()
+stage = stage.to_empty(device="cpu")
+with torch.no_grad():
+    for p in stage.parameters():
+        p.normal_(0.0, 0.02)
+quantize_block(stage.layers[0], quant, dtype=torch.bfloat16)
+gc.collect()
+print(json.dumps({"planned": layer_bytes_each(args, quant, 2)[0], "tensor_bytes": block_nbytes(stage.layers[0]),
+                  "anon_growth": anon() - base}))
+"""
+
+
+def moe_layer() -> dict[str, object]:
+    out: dict[str, object] = {"model": "Qwen3-30B-A3B config, layer 0 (128 experts, 8 active), bf16, random weights"}
+    for quant in ("none", "int8", "int4"):
+        env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "MALLOC_MMAP_THRESHOLD_": "131072"}
+        r = subprocess.run([sys.executable, "-c", MOE_CHILD, json.dumps(MOE_CONFIG), quant], capture_output=True,
+                           text=True, timeout=900, cwd=ROOT, env=env)  # fmt: skip
+        if r.returncode != 0:
+            raise SystemExit(r.stderr[-2000:])
+        m = json.loads(r.stdout.strip().splitlines()[-1])
+        m["planned_over_tensor_bytes"] = m["planned"] / m["tensor_bytes"]
+        m["planned_over_anon_growth"] = m["planned"] / m["anon_growth"]
+        out[quant] = m
+    none = out["none"]["planned"]  # type: ignore[index]
+    out["int8_over_bf16"] = out["int8"]["planned"] / none  # type: ignore[index]
+    out["int4_over_bf16"] = out["int4"]["planned"] / none  # type: ignore[index]
+    return out
+
+
 def _load(model_dir: Path, dtype: torch.dtype, quant: str, group: int = INT4_GROUP) -> LocalModel:
     lm = LocalModel.load(model_dir, stages=1, dtype=dtype)
     for layer in lm.stages[0].layers:
@@ -187,11 +243,13 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=24)
     ap.add_argument("--quick", action="store_true", help="4 prompts, 1 perplexity window, 1 repeat")
     ap.add_argument("--only-load", action="store_true", help="re-measure gguf_load into the existing JSON")
+    ap.add_argument("--only-moe", action="store_true", help="re-measure moe_layer into the existing JSON")
     a = ap.parse_args()
-    if a.only_load:
+    if a.only_load or a.only_moe:
         res = json.loads(RESULTS.read_text())
-        res["gguf_load"] = gguf_load(default_model_dir())
-        print(json.dumps(res["gguf_load"], indent=1))
+        key = "gguf_load" if a.only_load else "moe_layer"
+        res[key] = gguf_load(default_model_dir()) if a.only_load else moe_layer()
+        print(json.dumps(res[key], indent=1))
         RESULTS.write_text(json.dumps(res, indent=2) + "\n")
         return
     torch.set_num_threads(a.threads)
@@ -211,6 +269,8 @@ def main() -> None:
     print(json.dumps(res["resident"], indent=1), flush=True)
     res["gguf_load"] = gguf_load(model_dir)
     print(json.dumps(res["gguf_load"], indent=1), flush=True)
+    res["moe_layer"] = moe_layer()
+    print(json.dumps(res["moe_layer"], indent=1), flush=True)
 
     # perplexity with fp32 activations: it isolates the weights' error, and dense bf16 matmuls of
     # 512-token windows take minutes on a CPU without native bf16

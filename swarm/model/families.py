@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from swarm.errors import ConfigError, WeightsError
+from swarm.model.quant_experts import expert_shapes, is_experts
 
 # HF "architectures" entry -> model_type (the families we prove against transformers' generate)
 ARCHITECTURES: dict[str, str] = {
@@ -160,24 +161,48 @@ def meta_model(config: Any, dtype: torch.dtype) -> Any:
     return model.eval().requires_grad_(False)
 
 
+# per decoder layer: its quantizable weights as (count, out, in): each nn.Linear (count 1) and each
+# fused experts projection (count = experts)
+WeightShapes = list[list[tuple[int, int, int]]]
+_SIZE_DTYPES = {2: torch.bfloat16, 4: torch.float32}
+
+
 @functools.lru_cache(maxsize=8)
-def _meta_sizes(config_json: str) -> tuple[list[int], int, int, int, list[tuple[int, int]]]:
-    """(per-layer parameter counts, embedding, final norm, lm_head counts, the (out, in) shapes of
-    the largest layer's nn.Linear modules) of the full model, built on the meta device."""
+def _meta_sizes(config_json: str, dtype_bytes: int) -> tuple[list[int], int, int, int, WeightShapes]:
+    """(per-layer bytes, embedding, final norm, lm_head parameter counts, per-layer quantizable
+    weight shapes) of the full model, built on the meta device in the serving dtype of that width.
+
+    Layer bytes are measured, not multiplied: parameters and persistent buffers at the dtypes the
+    family gives them (DeepSeek-V3 and GLM-4.5 keep their routers in float32 whatever the model's
+    dtype; the router's score-correction bias is a buffer)."""
+    if dtype_bytes not in _SIZE_DTYPES:
+        raise ValueError(f"sizes are measured for 2- or 4-byte dtypes, not {dtype_bytes}-byte ones")
     raw = json.loads(config_json)
-    model = meta_model(hf_config(raw, where="config.json"), torch.float32)
+    model = meta_model(hf_config(raw, where="config.json"), _SIZE_DTYPES[dtype_bytes])
     inner = model.model
-    per_layer = [sum(p.numel() for p in layer.parameters()) for layer in inner.layers]
+    per_layer = [_resident_bytes(layer) for layer in inner.layers]
     emb = sum(p.numel() for p in inner.embed_tokens.parameters())
     norm = sum(p.numel() for p in inner.norm.parameters())
     head = 0 if _tied(model) else sum(p.numel() for p in model.lm_head.parameters())
-    big = inner.layers[max(range(len(per_layer)), key=per_layer.__getitem__)]
-    linears = [(m.out_features, m.in_features) for m in big.modules() if isinstance(m, nn.Linear)]
-    return per_layer, emb, norm, head, linears
+    weights: WeightShapes = []
+    for layer in inner.layers:
+        shapes = [(1, m.out_features, m.in_features) for m in layer.modules() if isinstance(m, nn.Linear)]
+        shapes += [s for m in layer.modules() if is_experts(m) for s in expert_shapes(m)]
+        weights.append(shapes)
+    return per_layer, emb, norm, head, weights
 
 
-def meta_sizes(raw: dict[str, Any]) -> tuple[list[int], int, int, int, list[tuple[int, int]]]:
-    return _meta_sizes(json.dumps(raw, sort_keys=True))
+def _resident_bytes(module: nn.Module) -> int:
+    """Parameters and persistent buffers (what a checkpoint fills and a stage keeps)."""
+    persistent = [
+        b for m in module.modules() for name, b in m.named_buffers(recurse=False)
+        if name not in m._non_persistent_buffers_set
+    ]
+    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *persistent])
+
+
+def meta_sizes(raw: dict[str, Any], dtype_bytes: int) -> tuple[list[int], int, int, int, WeightShapes]:
+    return _meta_sizes(json.dumps(raw, sort_keys=True), dtype_bytes)
 
 
 def _tied(model: Any) -> bool:
