@@ -47,6 +47,8 @@ def _load_tokenizer(model_dir: Path) -> Tokenizer | None:
 
     if model_dir.is_dir() and (model_dir / "tokenizer.json").is_file():
         return Tokenizer.from_dir(model_dir)
+    if model_dir.is_file() and model_dir.suffix.lower() == ".gguf":  # a GGUF carries its own
+        return Tokenizer.load(model_dir)
     return None
 
 
@@ -168,9 +170,10 @@ def run_command(
         if tok is None:
             raise TokenizerError(f"{model_path}: no tokenizer.json; give the prompt as --prompt-ids")
         text = prompt
-        if chat and tok.chat_template is not None:
+        chat = chat and tok.chat_template is not None
+        if chat:
             text = tok.apply_chat_template([{"role": "user", "content": prompt}])
-        ids = tok.encode(text)
+        ids = tok.encode(text, add_special_tokens=not chat)  # plain text: the BOS its tokenizer asks for
         if not ids:
             raise UsageError("the prompt encodes to no tokens")
     eos = tok.eos_token_ids if tok is not None and tok.eos_token_ids else None

@@ -1,4 +1,5 @@
-"""transformers as the model runtime: each family's own causal-LM classes, built on the meta device.
+"""transformers as the model runtime: each family's own causal-LM classes, built on the meta device
+(and the one module that imports transformers: its GGUF tokenizer converter is reached here too).
 
 Theory of operation
 -------------------
@@ -302,3 +303,16 @@ def tie_head(model: Any) -> None:
 def final_softcap(config: Any) -> float | None:
     cap = getattr(config, "final_logit_softcapping", None)
     return float(cap) if cap else None
+
+
+def gguf_tokenizer(path: str) -> tuple[Any, dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """transformers' GGUF tokenizer converter: (tokenizers.Tokenizer, the tokenizer fields it read,
+    tokenizer_config fields, the file's metadata with string arrays left as counts)."""
+    from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
+    from transformers.integrations.gguf.reader import read_gguf_metadata
+
+    _quiet_transformers()
+    arch, tdict, tcfg = get_gguf_tokenizer(path)
+    tok, _ = convert_gguf_tokenizer(arch, tdict)
+    md, _ = read_gguf_metadata(path)
+    return tok, tdict, tcfg, md
