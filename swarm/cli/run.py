@@ -95,7 +95,7 @@ class _Streamer:
 
 
 def run_command(
-    model: str | None = typer.Option(None, "--model", help="Model directory or .gguf (default: the bundled SmolLM2-135M-Instruct)."),
+    model: str | None = typer.Option(None, "--model", help="Model directory, .gguf, or packaged model: smollm2 (the default, SmolLM2-135M-Instruct) or gemma3-270m."),
     stages: int = typer.Option(1, "--stages", help="Split the model into N in-process stages."),
     prompt: str | None = typer.Option(None, "--prompt", help="Prompt text."),
     prompt_ids: str | None = typer.Option(None, "--prompt-ids", help="Prompt as token IDs, e.g. 1,2,3."),
@@ -157,7 +157,10 @@ def run_command(
             model_path = default_model_dir(report)
         name = BUNDLED_NAME
     else:
-        model_path = Path(model)
+        from swarm.model.packaged import resolve_model
+
+        with ui.progress("preparing the model (first use only)") as report:
+            model_path = resolve_model(model, report)  # a path, or a packaged model's name
         name = model_path.name
     with ui.progress(f"loading {name} in {stages} stage(s)") as report:
         lm = LocalModel.load(model_path, stages=stages, dtype=torch_dtype, device=dev, progress=report, quant=quant)
