@@ -57,6 +57,12 @@ ARCHITECTURES: dict[str, str] = {
 MODEL_TYPES: dict[str, str] = {v: k for k, v in ARCHITECTURES.items()}
 MODEL_TYPES["gemma3"] = "Gemma3ForCausalLM"  # text-only checkpoints sometimes say "gemma3"
 
+# checkpoints quantized at rest that a stage dequantizes as it loads them (quant_method, model_type):
+# gpt-oss's MXFP4 experts, through transformers' own MXFP4 integration (its Mxfp4Dequantize op, the
+# CPU path from_pretrained takes without a GPU kernel); --quant int8/int4 then re-packs them
+_DEQUANTIZED_AT_LOAD = frozenset({("mxfp4", "gpt_oss")})
+_PACKED_SUFFIXES = ("_blocks", "_scales")  # MXFP4's uint8 tensors, read as stored
+
 # families whose model forward applies config.sliding_window to every layer (no layer_types)
 _WINDOW_EVERY_LAYER = frozenset({"mistral", "mixtral", "phi3", "qwen3_moe"})
 
@@ -70,10 +76,12 @@ def hf_config(raw: dict[str, Any], *, where: str) -> Any:
     qc = raw.get("quantization_config")
     if qc is not None:
         method = qc.get("quant_method") if isinstance(qc, dict) else qc
-        raise ConfigError(
-            f"{where}: {arch} weights quantized with {method!r} are not supported yet "
-            "(use unquantized bf16/fp32 weights; --quant int8/int4 quantizes them on load)"
-        )
+        if (method, model_type) not in _DEQUANTIZED_AT_LOAD:
+            raise ConfigError(
+                f"{where}: {arch} weights quantized with {method!r} are not supported "
+                f"(supported: {', '.join(f'{m} ({t})' for m, t in sorted(_DEQUANTIZED_AT_LOAD))}; or unquantized "
+                "bf16/fp32 weights, which --quant int8/int4 quantizes on load)"
+            )
     cfg = dict(raw)
     cfg["model_type"] = model_type
     cfg["architectures"] = [arch]
@@ -256,11 +264,15 @@ def load_modules(
     from transformers.core_model_loading import convert_and_load_state_dict_in_model
     from transformers.modeling_utils import LoadStateDictConfig
 
-    state = {n: source.load(n, dtype, device) for n in names}
+    quantizer = _dequantizer(model.config)
+    packed = _PACKED_SUFFIXES if quantizer is not None else ()
+    # tensors quantized at rest stay in their stored integer dtype until the quantizer's op decodes them
+    state = {n: source.load(n, torch.uint8 if n.endswith(packed) else dtype, device) for n in names}
     if not state:
         raise WeightsError(f"{source.path}: none of the tensors of {', '.join(targets)} are in the checkpoint")
+    mapping = get_model_conversion_mapping(model, hf_quantizer=quantizer)
     cfg = LoadStateDictConfig(
-        dtype=dtype, weight_mapping=get_model_conversion_mapping(model), device_map={"": device}  # type: ignore[arg-type]
+        dtype=dtype, weight_mapping=mapping, device_map={"": device}, hf_quantizer=quantizer  # type: ignore[arg-type]
     )
     info, _ = convert_and_load_state_dict_in_model(model, state, cfg)
     if info.mismatched_keys:
@@ -276,6 +288,24 @@ def load_modules(
             if p.device.type == "meta":
                 raise WeightsError(f"{source.path}: tensor {prefix}{pname} is missing")
     _fix_buffers(targets.values(), device)
+
+
+def _dequantizer(config: Any) -> Any:
+    """transformers' quantizer for a checkpoint quantized at rest, set to dequantize (None: plain).
+
+    For MXFP4 that is ``Mxfp4HfQuantizer(Mxfp4Config(dequantize=True))``: the conversion mapping it
+    extends turns each expert projection's ``*_blocks`` and ``*_scales`` into the float 3-D
+    parameter the family's experts module holds, at the serving dtype."""
+    qc = getattr(config, "quantization_config", None)
+    if qc is None:
+        return None
+    method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
+    if str(getattr(method, "value", method)) != "mxfp4":
+        raise ConfigError(f"{config.architectures[0]}: no dequantizer for {method!r} weights")
+    from transformers.quantizers.quantizer_mxfp4 import Mxfp4HfQuantizer
+    from transformers.utils.quantization_config import Mxfp4Config
+
+    return Mxfp4HfQuantizer(Mxfp4Config(dequantize=True), pre_quantized=True)
 
 
 def _fix_buffers(modules: Iterable[nn.Module], device: torch.device) -> None:
