@@ -147,7 +147,11 @@ class ModelArgs:
         return self._sizes()[4]
 
     def kv_bytes_per_token_per_layer(self, dtype_bytes: int) -> int:
-        """Bytes one cached token costs in one layer (keys and values)."""
+        """Bytes one cached token costs in one layer (keys and values). DeepSeek-V3's multi-head
+        latent attention caches its compressed latent and the shared RoPE key instead
+        (transformers' attention writes ``kv_lora_rank + qk_rope_head_dim`` values per token)."""
+        if self.architecture == "deepseek_v3" and self.config.get("kv_lora_rank"):
+            return (int(self.config["kv_lora_rank"]) + int(self.config.get("qk_rope_head_dim") or 0)) * dtype_bytes
         return 2 * self.n_kv_heads * self.head_dim * dtype_bytes
 
     def head_bytes(self, dtype_bytes: int) -> int:

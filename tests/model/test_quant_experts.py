@@ -164,3 +164,13 @@ def test_every_split_of_a_quantized_moe_checkpoint_equals_one_process(
         got = generate(LocalModel.load(d, stages=blocks, dtype=dtype, quant=quant), PROMPT, max_new_tokens=12,
                        eos_token_ids=()).output_token_ids  # fmt: skip
         assert got == want, blocks
+
+
+@pytest.mark.parametrize("family", MOE)
+def test_kv_bytes_agree_with_the_cache_a_stage_writes(family: str, ckpts: dict[str, Path]) -> None:
+    """DeepSeek-V3 caches its latent (kv_lora_rank + rope dims), the others keys and values."""
+    ck = open_checkpoint(ckpts[family])
+    st = Stage.load(ck.args, ck.source, 0, ck.args.n_layers, dtype=torch.bfloat16)
+    st.open_session("s", 10)
+    st("s", torch.randn(10, ck.args.dim))
+    assert st._cache("s").nbytes() == ck.args.n_layers * 10 * ck.args.kv_bytes_per_token_per_layer(2)
