@@ -42,8 +42,10 @@ from swarm.errors import ConfigError
 
 # int4 group size, chosen by benchmarks/bench_quant.py on the bundled model: 32 keeps perplexity
 # at 1.000x the unquantized model's (its weights came from Q4_1 blocks of 32, which a group of 32
-# reproduces) where 64 and 128 cost 1.45x; the price is 0.31 of bf16's bytes instead of 0.28,
+# reproduces) where 64 and 128 cost 1.45x; the price is 0.3125 of bf16's bytes instead of 0.28,
 # because torch's int4 kernels read a bf16 scale and zero per group (0.125 byte per weight at 32).
+# Larger groups for some kinds of matrix only (results: int4_group_by_matrix) reach <= 0.30 only
+# with the MLP's, which cost 2-15% perplexity on both offline models, so every matrix keeps 32.
 INT4_GROUP = 32
 _INT4_GROUPS = (256, 128, 64, 32)
 
