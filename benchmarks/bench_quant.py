@@ -16,6 +16,16 @@ Reports, into benchmarks/results/quant.json:
   chat prompts, 16 new tokens (first differing token).
 - ``decode``: greedy decode tok/s, one process, same threads, int8 and int4 ÷ unquantized, in
   bf16 (the packed kernels) and fp32 (the dequantizing path), interleaved repeats, medians.
+- ``moe_layer``: one decoder layer of Qwen3-30B-A3B's config (128 experts of 768 x 2048, the
+  shape users pool for; random weights, no checkpoint) built in a fresh process in bf16 and
+  quantized: the planner's bytes for that layer ÷ the bytes it holds (tensors) and ÷ the growth of
+  the process's anonymous memory (glibc's mmap threshold fixed, as in ``gguf_load``).
+- ``int4_group_by_matrix``: the int4 byte target (≤ 0.30 of bf16) needs a larger group than 32 for
+  a good share of the weights (torch's int4 kernels hold a bf16 scale and zero per group). For
+  each kind of matrix (q, k, v, o, gate, up, down) held at groups of 64 and of 128, the rest at
+  32: perplexity (fp32 activations) ÷ all at 32 and the bytes ÷ bf16, on the bundled SmolLM2 (a
+  Q4_1 model: its weights sit on a grid of 32) and on Gemma 3 270M (Q4_K_M: Q5_0, Q4_K, Q6_K
+  and Q8_0 tensors) when its packages are installed.
 - ``plan_70b``: ``shard-swarm plan`` for Llama-3.3-70B's config (no weights) on three 24 GB GPUs
   offering 22 GB each: refused in bf16, fits with --quant int4 (the per-peer blocks).
 
@@ -112,6 +122,58 @@ def gguf_load(model_dir: Path) -> dict[str, object]:
     return out
 
 
+MOE_CONFIG = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
+              "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
+              "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_hidden_layers": 48,
+              "vocab_size": 151936, "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True,
+              "rope_theta": 1000000.0, "max_position_embeddings": 40960, "rms_norm_eps": 1e-06,
+              "tie_word_embeddings": False, "hidden_act": "silu"}  # Qwen3-30B-A3B's config.json  # fmt: skip
+
+MOE_CHILD = r"""
+import gc, json, sys, torch
+torch.set_num_threads(1)
+from swarm.model.config import ModelArgs
+from swarm.model.quant import block_nbytes, layer_bytes_each, quantize_block
+from swarm.model.stage import Stage
+
+def anon():
+    for line in open("/proc/self/status"):
+        if line.startswith("RssAnon"):
+            return int(line.split()[1]) * 1024
+
+args = ModelArgs.from_config(json.loads(sys.argv[1]))
+quant = sys.argv[2]
+stage = Stage(args, 0, 1, dtype=torch.bfloat16)  # on meta: transformers imported, nothing allocated
+base = anon()
+stage = stage.to_empty(device="cpu")
+with torch.no_grad():
+    for p in stage.parameters():
+        p.normal_(0.0, 0.02)
+quantize_block(stage.layers[0], quant, dtype=torch.bfloat16)
+gc.collect()
+print(json.dumps({"planned": layer_bytes_each(args, quant, 2)[0], "tensor_bytes": block_nbytes(stage.layers[0]),
+                  "anon_growth": anon() - base}))
+"""
+
+
+def moe_layer() -> dict[str, object]:
+    out: dict[str, object] = {"model": "Qwen3-30B-A3B config, layer 0 (128 experts, 8 active), bf16, random weights"}
+    for quant in ("none", "int8", "int4"):
+        env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "MALLOC_MMAP_THRESHOLD_": "131072"}
+        r = subprocess.run([sys.executable, "-c", MOE_CHILD, json.dumps(MOE_CONFIG), quant], capture_output=True,
+                           text=True, timeout=900, cwd=ROOT, env=env)  # fmt: skip
+        if r.returncode != 0:
+            raise SystemExit(r.stderr[-2000:])
+        m = json.loads(r.stdout.strip().splitlines()[-1])
+        m["planned_over_tensor_bytes"] = m["planned"] / m["tensor_bytes"]
+        m["planned_over_anon_growth"] = m["planned"] / m["anon_growth"]
+        out[quant] = m
+    none = out["none"]["planned"]  # type: ignore[index]
+    out["int8_over_bf16"] = out["int8"]["planned"] / none  # type: ignore[index]
+    out["int4_over_bf16"] = out["int4"]["planned"] / none  # type: ignore[index]
+    return out
+
+
 def _load(model_dir: Path, dtype: torch.dtype, quant: str, group: int = INT4_GROUP) -> LocalModel:
     lm = LocalModel.load(model_dir, stages=1, dtype=dtype)
     for layer in lm.stages[0].layers:
@@ -180,6 +242,79 @@ def plan_70b() -> dict[str, object]:
         return out
 
 
+ROLES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _load_groups(model: Path, groups: dict[str, int]) -> LocalModel:
+    """fp32 model whose int4 linears use ``groups[role]`` (default 32) per kind of matrix."""
+    from swarm.model.quant import QuantLinear, linear_paths
+    from swarm.model.quant_formats import pack
+
+    lm = LocalModel.load(model, stages=1, dtype=torch.float32)
+    for layer in lm.stages[0].layers:
+        for path in linear_paths(layer):
+            lin = layer.get_submodule(path)
+            g = groups.get(path.rsplit(".", 1)[-1], INT4_GROUP)
+            layer.set_submodule(path, QuantLinear(*pack(lin.weight.detach(), "int4", torch.float32, lin.weight.device, g),
+                                                  lin.bias))  # fmt: skip
+    return lm
+
+
+def int4_group_by_matrix(models: dict[str, Path], text: str, n_tokens: int) -> dict[str, object]:
+    from swarm.model.tokenizer import Tokenizer
+
+    out: dict[str, object] = {"note": "perplexity with fp32 activations over the first tokens of the text; "
+                                      "bytes: int4 weights of all layers ÷ bf16; noisy box, single runs"}  # fmt: skip
+    for name, path in models.items():
+        tok = Tokenizer.load(path)
+        ids = tok.encode(text, add_special_tokens=True)[: n_tokens + 1]
+        bf16 = sum(block_nbytes(s) for s in LocalModel.load(path, stages=1, dtype=torch.bfloat16).stages)
+        base = _load_groups(path, {})
+        base_ppl = perplexity(base, ids)
+        rows: dict[str, object] = {"all_32": {"perplexity": base_ppl, "bytes_over_bf16": _int4_bytes(base) / bf16}}
+        del base
+        for g in (64, 128):
+            for role in ROLES:
+                lm = _load_groups(path, {role: g})
+                ppl = perplexity(lm, ids)
+                rows[f"{role}@{g}"] = {"perplexity_over_all_32": ppl / base_ppl,
+                                       "bytes_over_bf16": _int4_bytes(lm) / bf16}  # fmt: skip
+                print(name, role, g, rows[f"{role}@{g}"], flush=True)
+        out[name] = rows
+    return out
+
+
+def _licence() -> Path:
+    return Path(str(importlib.metadata.distribution("transformers").locate_file("transformers-"
+                f"{importlib.metadata.version('transformers')}.dist-info/licenses/LICENSE")))  # fmt: skip
+
+
+def _group_models() -> dict[str, Path]:
+    from swarm.errors import ModelError
+    from swarm.model.packaged import gemma_gguf_path
+
+    models = {"smollm2": default_model_dir()}
+    try:
+        models["gemma3-270m"] = gemma_gguf_path()
+    except ModelError as e:
+        print(f"gemma3-270m not measured: {e}", flush=True)
+    return models
+
+
+def _int4_bytes(lm: LocalModel) -> int:
+    """What the int4 layers hold in bf16 serving (the fp32 copy here keeps fp32 scales: count bf16)."""
+    from swarm.model.quant import QuantLinear
+
+    total = 0
+    for layer in lm.stages[0].layers:
+        for m in layer.modules():
+            if isinstance(m, QuantLinear):
+                total += m.qweight.numel() * m.qweight.element_size() + m.scales.numel() * 2
+            elif not list(m.children()):
+                total += sum(p.numel() * 2 for p in m.parameters(recurse=False))
+    return total
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=1)
@@ -187,11 +322,20 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=24)
     ap.add_argument("--quick", action="store_true", help="4 prompts, 1 perplexity window, 1 repeat")
     ap.add_argument("--only-load", action="store_true", help="re-measure gguf_load into the existing JSON")
+    ap.add_argument("--only-moe", action="store_true", help="re-measure moe_layer into the existing JSON")
+    ap.add_argument("--only-groups", action="store_true", help="re-measure int4_group_by_matrix into the existing JSON")
     a = ap.parse_args()
-    if a.only_load:
+    if a.only_groups:
+        torch.set_num_threads(a.threads)
         res = json.loads(RESULTS.read_text())
-        res["gguf_load"] = gguf_load(default_model_dir())
-        print(json.dumps(res["gguf_load"], indent=1))
+        res["int4_group_by_matrix"] = int4_group_by_matrix(_group_models(), _licence().read_text(encoding="utf-8"), 256)
+        RESULTS.write_text(json.dumps(res, indent=2) + "\n")
+        return
+    if a.only_load or a.only_moe:
+        res = json.loads(RESULTS.read_text())
+        key = "gguf_load" if a.only_load else "moe_layer"
+        res[key] = gguf_load(default_model_dir()) if a.only_load else moe_layer()
+        print(json.dumps(res[key], indent=1))
         RESULTS.write_text(json.dumps(res, indent=2) + "\n")
         return
     torch.set_num_threads(a.threads)
@@ -211,13 +355,14 @@ def main() -> None:
     print(json.dumps(res["resident"], indent=1), flush=True)
     res["gguf_load"] = gguf_load(model_dir)
     print(json.dumps(res["gguf_load"], indent=1), flush=True)
+    res["moe_layer"] = moe_layer()
+    print(json.dumps(res["moe_layer"], indent=1), flush=True)
 
     # perplexity with fp32 activations: it isolates the weights' error, and dense bf16 matmuls of
     # 512-token windows take minutes on a CPU without native bf16
     f32 = {q: _load(model_dir, torch.float32, q) for q in ("none", "int8", "int4")}
     f32_groups = {64: _load(model_dir, torch.float32, "int4", 64), 32: f32["int4"]}
-    lic = Path(str(importlib.metadata.distribution("transformers").locate_file("transformers-"
-               f"{importlib.metadata.version('transformers')}.dist-info/licenses/LICENSE")))  # fmt: skip
+    lic = _licence()
     ids = tok.encode(lic.read_text(encoding="utf-8"))[: 513 if a.quick else 2049]
     ppl = {q: perplexity(m, ids) for q, m in f32.items()}
     print("perplexity", ppl, flush=True)
@@ -251,6 +396,7 @@ def main() -> None:
                          "int4_over_none": med["int4"] / med["none"]}  # fmt: skip
         print(dname, json.dumps(decode[dname]), flush=True)
     res["decode"] = decode
+    res["int4_group_by_matrix"] = int4_group_by_matrix(_group_models(), lic.read_text(encoding="utf-8"), 256)
     res["plan_70b"] = plan_70b()
     print(json.dumps(res["plan_70b"], indent=1))
     res["gpu"] = "not measured: no GPU machine was lent to this session"

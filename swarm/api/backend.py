@@ -30,8 +30,8 @@ import trio.testing
 
 from swarm.api.requests import ApiError, GenSpec
 from swarm.errors import PeerError, SwarmError
-from swarm.model.config import ModelArgs
 from swarm.model.tokenizer import Tokenizer
+from swarm.model.weights import open_checkpoint
 from swarm.net.streams import TrioStreamRaw, open_framed
 from swarm.proto.control import Control
 from swarm.proto.frame import Frame
@@ -75,8 +75,8 @@ class _ModelInfo:
 
 
 def _model_info(model_dir: Path, context_tokens: int | None, name: str | None) -> _ModelInfo:
-    args = ModelArgs.from_dir(model_dir)
-    tok = Tokenizer.from_dir(model_dir)
+    args = open_checkpoint(model_dir).args  # a directory or a .gguf
+    tok = Tokenizer.load(model_dir)
     ctx = args.max_seq_len if context_tokens is None else min(context_tokens, args.max_seq_len)
     return _ModelInfo(name or model_dir.name, tok, ctx, args.vocab_size)
 

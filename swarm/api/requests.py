@@ -190,14 +190,15 @@ def _content(msg: dict[str, Any], i: int) -> str:
                    code="invalid_value")  # fmt: skip
 
 
-def _encode(tok: Tokenizer, text: str, context: int, param: str) -> list[int]:
-    """Token ids of ``text``; a text that cannot fit the context whatever its tokens is refused
-    before tokenizing it (a 1 MiB prompt took 11 s to tokenize here)."""
+def _encode(tok: Tokenizer, text: str, context: int, param: str, special: bool = False) -> list[int]:
+    """Token ids of ``text`` (``special``: with the BOS its tokenizer asks for, as for a plain
+    prompt; a chat template writes its own); a text that cannot fit the context whatever its
+    tokens is refused before tokenizing it (a 1 MiB prompt took 11 s to tokenize here)."""
     at_least = len(text.encode("utf-8", "surrogatepass")) // (2 * tok.max_token_bytes)  # 2x: normalizers
     if at_least > context:
         raise ApiError(f"the prompt is at least {at_least} tokens; this swarm's context holds {context}",
                        param=param, code="context_length_exceeded")  # fmt: skip
-    return tok.encode(text, add_special_tokens=False)
+    return tok.encode(text, add_special_tokens=special)
 
 
 def parse_chat(body: Any, tok: Tokenizer, served: str, context: int) -> GenSpec:
@@ -238,7 +239,7 @@ def parse_completion(body: Any, tok: Tokenizer, served: str, context: int, vocab
     if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str | list):
         p = p[0]  # a batch of one
     if isinstance(p, str):
-        ids = _encode(tok, p, context, "prompt")
+        ids = _encode(tok, p, context, "prompt", special=True)
     elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
         bad = [t for t in p if not 0 <= t < vocab_size]
         if bad:

@@ -35,7 +35,7 @@ def demo(
     nodes: int = typer.Option(3, "--nodes", "-n", min=1, max=8, help="Local node processes to start."),
     prompt: str = typer.Option(DEFAULT_PROMPT, "--prompt", "-p"),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=1, max=4096),
-    model: Path | None = typer.Option(None, "--model", help="Model directory (default: the bundled SmolLM2)."),
+    model: str | None = typer.Option(None, "--model", help="Model directory, .gguf file, or packaged model: smollm2 (the default) or gemma3-270m."),
     dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 where the hardware has it, else fp32), bf16, fp16 or fp32."),
     device: str | None = typer.Option(None, "--device", help="auto (CUDA, then MPS, else CPU), cpu, cuda, cuda:N or mps, for every node (default: node.device, else auto)."),
     quant: str = typer.Option("none", "--quant", help="How every node holds its layers: none, int8 or int4 (written into the invite)."),
@@ -52,7 +52,6 @@ def demo(
 ) -> None:
     """Start a local swarm of NODES processes on the bundled model and run one generation."""
     from swarm.cli.settings import chosen_device
-    from swarm.model.bundled import default_model_dir
     from swarm.model.devices import device_label
     from swarm.model.dtypes import dtype_name, resolve_dtype
     from swarm.node.launch import start_local_swarm
@@ -61,8 +60,10 @@ def demo(
         raise UsageError(f"--quant {quant!r}: choose one of {', '.join(QUANTS)}")
     dev = device_label(chosen_device(device))  # refuse a bad name or a missing device
     torch_dtype = resolve_dtype(dtype, dev)  # ... before starting anything
-    with ui.progress("converting the bundled model (first run only)") as report:
-        model_dir = model or default_model_dir(progress=report)
+    from swarm.model.packaged import resolve_model
+
+    with ui.progress("preparing the model (first run only)") as report:
+        model_dir = resolve_model(model, progress=report)
     held = dtype_name(torch_dtype) + ("" if quant == "none" else f", {quant} weights")
     ui.notice(f"starting {nodes} node processes on loopback ({model_dir.name}, {held} on {dev})")
     with start_local_swarm(nodes, model_dir, dtype=dtype, device=dev, draft=draft, delay_ms=delay_ms,

@@ -407,13 +407,10 @@ def join(
     ui.notice(f"joining swarm {manifest.swarm_name!r} as {identity.peer_id}, offering {ui.size(mem)}{on}")
     model_dir: Path | None = None
     if serve:
-        if model is not None:
-            model_dir = model
-        else:
-            from swarm.model.bundled import default_model_dir
+        from swarm.model.packaged import resolve_model
 
-            with ui.progress("converting the bundled model (first run only)") as report:
-                model_dir = default_model_dir(progress=report)
+        with ui.progress("preparing the model (first run only)") as report:
+            model_dir = resolve_model(model, progress=report)  # a path, a packaged name, or the bundled one
     if api is not None:
         if model_dir is None:
             raise UsageError("--api needs a serving node (drop --no-serve)")

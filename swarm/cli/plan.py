@@ -65,7 +65,7 @@ def model_spec(
         if layers is not None or layer_gb is not None:
             raise UsageError("give either --model or --layers/--layer-gb, not both")
         from swarm.model.config import ModelArgs
-        from swarm.model.quant import layer_bytes
+        from swarm.model.quant import layer_bytes_each
 
         if model.is_file() and model.suffix == ".gguf":
             from swarm.model.gguf import config_from_gguf
@@ -79,9 +79,11 @@ def model_spec(
             if kv_kb_per_token is None
             else kv_kb_per_token * 1000
         )
+        each = layer_bytes_each(args, quant, dtype_bytes)
         return ModelSpec(
             n_layers=args.n_layers,
-            layer_bytes=layer_bytes(args, quant, dtype_bytes),
+            layer_bytes=max(each),
+            layer_bytes_each=tuple(each),
             kv_bytes_per_token_per_layer=int(kv),
             coordinator_bytes=int(coord + draft_gb * GB),
             context_tokens=context,
@@ -110,9 +112,19 @@ def plan_json(p: Plan) -> dict[str, Any]:
 
 
 def _layer_line(spec: ModelSpec) -> str:
-    kv = spec.kv_bytes_per_token_per_layer * spec.context_tokens
-    return (f"{spec.bytes_per_layer / GB:.3f} GB = weights {spec.layer_bytes / GB:.3f} GB + KV "
-            f"{kv / GB:.3f} GB for {spec.context_tokens} tokens")
+    kv = spec.kv_bytes_per_layer
+    tail = f" + KV {kv / GB:.3f} GB for {spec.context_tokens} tokens"
+    if spec.uniform:
+        return f"{spec.bytes_per_layer / GB:.3f} GB = weights {spec.layer_bytes / GB:.3f} GB{tail}"
+    runs: list[str] = []  # consecutive layers of one size, e.g. "0-2: 0.402 GB"
+    start = 0
+    w = spec.weights
+    for i in range(1, len(w) + 1):
+        if i == len(w) or w[i] != w[start]:
+            span = f"{start}" if i - 1 == start else f"{start}-{i - 1}"
+            runs.append(f"{span}: {w[start] / GB:.3f} GB")
+            start = i
+    return f"weights by layer {'; '.join(runs)}{tail} each"
 
 
 def plan_or_hint(spec_for: Any, quant: str, peers: Any, latency: Any) -> tuple[Plan, ModelSpec]:
@@ -265,6 +277,7 @@ def register(app: typer.Typer) -> None:
             out = plan_json(p)
             out["quant"] = quant
             out["layer_bytes"] = spec.layer_bytes
+            out["layer_bytes_each"] = list(spec.weights)
             out["kv_bytes_per_layer"] = spec.kv_bytes_per_token_per_layer * spec.context_tokens
             ui.print_json(out)
         else:

@@ -47,6 +47,8 @@ def _load_tokenizer(model_dir: Path) -> Tokenizer | None:
 
     if model_dir.is_dir() and (model_dir / "tokenizer.json").is_file():
         return Tokenizer.from_dir(model_dir)
+    if model_dir.is_file() and model_dir.suffix.lower() == ".gguf":  # a GGUF carries its own
+        return Tokenizer.load(model_dir)
     return None
 
 
@@ -93,7 +95,7 @@ class _Streamer:
 
 
 def run_command(
-    model: str | None = typer.Option(None, "--model", help="Model directory or .gguf (default: the bundled SmolLM2-135M-Instruct)."),
+    model: str | None = typer.Option(None, "--model", help="Model directory, .gguf, or packaged model: smollm2 (the default, SmolLM2-135M-Instruct) or gemma3-270m."),
     stages: int = typer.Option(1, "--stages", help="Split the model into N in-process stages."),
     prompt: str | None = typer.Option(None, "--prompt", help="Prompt text."),
     prompt_ids: str | None = typer.Option(None, "--prompt-ids", help="Prompt as token IDs, e.g. 1,2,3."),
@@ -155,7 +157,10 @@ def run_command(
             model_path = default_model_dir(report)
         name = BUNDLED_NAME
     else:
-        model_path = Path(model)
+        from swarm.model.packaged import resolve_model
+
+        with ui.progress("preparing the model (first use only)") as report:
+            model_path = resolve_model(model, report)  # a path, or a packaged model's name
         name = model_path.name
     with ui.progress(f"loading {name} in {stages} stage(s)") as report:
         lm = LocalModel.load(model_path, stages=stages, dtype=torch_dtype, device=dev, progress=report, quant=quant)
@@ -168,9 +173,10 @@ def run_command(
         if tok is None:
             raise TokenizerError(f"{model_path}: no tokenizer.json; give the prompt as --prompt-ids")
         text = prompt
-        if chat and tok.chat_template is not None:
+        chat = chat and tok.chat_template is not None
+        if chat:
             text = tok.apply_chat_template([{"role": "user", "content": prompt}])
-        ids = tok.encode(text)
+        ids = tok.encode(text, add_special_tokens=not chat)  # plain text: the BOS its tokenizer asks for
         if not ids:
             raise UsageError("the prompt encodes to no tokens")
     eos = tok.eos_token_ids if tok is not None and tok.eos_token_ids else None

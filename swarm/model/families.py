@@ -1,4 +1,5 @@
-"""transformers as the model runtime: each family's own causal-LM classes, built on the meta device.
+"""transformers as the model runtime: each family's own causal-LM classes, built on the meta device
+(and the one module that imports transformers: its GGUF tokenizer converter is reached here too).
 
 Theory of operation
 -------------------
@@ -36,6 +37,7 @@ import torch
 from torch import nn
 
 from swarm.errors import ConfigError, WeightsError
+from swarm.model.quant_experts import expert_shapes, is_experts
 
 # HF "architectures" entry -> model_type (the families we prove against transformers' generate)
 ARCHITECTURES: dict[str, str] = {
@@ -55,6 +57,12 @@ ARCHITECTURES: dict[str, str] = {
 MODEL_TYPES: dict[str, str] = {v: k for k, v in ARCHITECTURES.items()}
 MODEL_TYPES["gemma3"] = "Gemma3ForCausalLM"  # text-only checkpoints sometimes say "gemma3"
 
+# checkpoints quantized at rest that a stage dequantizes as it loads them (quant_method, model_type):
+# gpt-oss's MXFP4 experts, through transformers' own MXFP4 integration (its Mxfp4Dequantize op, the
+# CPU path from_pretrained takes without a GPU kernel); --quant int8/int4 then re-packs them
+_DEQUANTIZED_AT_LOAD = frozenset({("mxfp4", "gpt_oss")})
+_PACKED_SUFFIXES = ("_blocks", "_scales")  # MXFP4's uint8 tensors, read as stored
+
 # families whose model forward applies config.sliding_window to every layer (no layer_types)
 _WINDOW_EVERY_LAYER = frozenset({"mistral", "mixtral", "phi3", "qwen3_moe"})
 
@@ -68,10 +76,12 @@ def hf_config(raw: dict[str, Any], *, where: str) -> Any:
     qc = raw.get("quantization_config")
     if qc is not None:
         method = qc.get("quant_method") if isinstance(qc, dict) else qc
-        raise ConfigError(
-            f"{where}: {arch} weights quantized with {method!r} are not supported yet "
-            "(use unquantized bf16/fp32 weights; --quant int8/int4 quantizes them on load)"
-        )
+        if (method, model_type) not in _DEQUANTIZED_AT_LOAD:
+            raise ConfigError(
+                f"{where}: {arch} weights quantized with {method!r} are not supported "
+                f"(supported: {', '.join(f'{m} ({t})' for m, t in sorted(_DEQUANTIZED_AT_LOAD))}; or unquantized "
+                "bf16/fp32 weights, which --quant int8/int4 quantizes on load)"
+            )
     cfg = dict(raw)
     cfg["model_type"] = model_type
     cfg["architectures"] = [arch]
@@ -160,24 +170,48 @@ def meta_model(config: Any, dtype: torch.dtype) -> Any:
     return model.eval().requires_grad_(False)
 
 
+# per decoder layer: its quantizable weights as (count, out, in): each nn.Linear (count 1) and each
+# fused experts projection (count = experts)
+WeightShapes = list[list[tuple[int, int, int]]]
+_SIZE_DTYPES = {2: torch.bfloat16, 4: torch.float32}
+
+
 @functools.lru_cache(maxsize=8)
-def _meta_sizes(config_json: str) -> tuple[list[int], int, int, int, list[tuple[int, int]]]:
-    """(per-layer parameter counts, embedding, final norm, lm_head counts, the (out, in) shapes of
-    the largest layer's nn.Linear modules) of the full model, built on the meta device."""
+def _meta_sizes(config_json: str, dtype_bytes: int) -> tuple[list[int], int, int, int, WeightShapes]:
+    """(per-layer bytes, embedding, final norm, lm_head parameter counts, per-layer quantizable
+    weight shapes) of the full model, built on the meta device in the serving dtype of that width.
+
+    Layer bytes are measured, not multiplied: parameters and persistent buffers at the dtypes the
+    family gives them (DeepSeek-V3 and GLM-4.5 keep their routers in float32 whatever the model's
+    dtype; the router's score-correction bias is a buffer)."""
+    if dtype_bytes not in _SIZE_DTYPES:
+        raise ValueError(f"sizes are measured for 2- or 4-byte dtypes, not {dtype_bytes}-byte ones")
     raw = json.loads(config_json)
-    model = meta_model(hf_config(raw, where="config.json"), torch.float32)
+    model = meta_model(hf_config(raw, where="config.json"), _SIZE_DTYPES[dtype_bytes])
     inner = model.model
-    per_layer = [sum(p.numel() for p in layer.parameters()) for layer in inner.layers]
+    per_layer = [_resident_bytes(layer) for layer in inner.layers]
     emb = sum(p.numel() for p in inner.embed_tokens.parameters())
     norm = sum(p.numel() for p in inner.norm.parameters())
     head = 0 if _tied(model) else sum(p.numel() for p in model.lm_head.parameters())
-    big = inner.layers[max(range(len(per_layer)), key=per_layer.__getitem__)]
-    linears = [(m.out_features, m.in_features) for m in big.modules() if isinstance(m, nn.Linear)]
-    return per_layer, emb, norm, head, linears
+    weights: WeightShapes = []
+    for layer in inner.layers:
+        shapes = [(1, m.out_features, m.in_features) for m in layer.modules() if isinstance(m, nn.Linear)]
+        shapes += [s for m in layer.modules() if is_experts(m) for s in expert_shapes(m)]
+        weights.append(shapes)
+    return per_layer, emb, norm, head, weights
 
 
-def meta_sizes(raw: dict[str, Any]) -> tuple[list[int], int, int, int, list[tuple[int, int]]]:
-    return _meta_sizes(json.dumps(raw, sort_keys=True))
+def _resident_bytes(module: nn.Module) -> int:
+    """Parameters and persistent buffers (what a checkpoint fills and a stage keeps)."""
+    persistent = [
+        b for m in module.modules() for name, b in m.named_buffers(recurse=False)
+        if name not in m._non_persistent_buffers_set
+    ]
+    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *persistent])
+
+
+def meta_sizes(raw: dict[str, Any], dtype_bytes: int) -> tuple[list[int], int, int, int, WeightShapes]:
+    return _meta_sizes(json.dumps(raw, sort_keys=True), dtype_bytes)
 
 
 def _tied(model: Any) -> bool:
@@ -230,11 +264,15 @@ def load_modules(
     from transformers.core_model_loading import convert_and_load_state_dict_in_model
     from transformers.modeling_utils import LoadStateDictConfig
 
-    state = {n: source.load(n, dtype, device) for n in names}
+    quantizer = _dequantizer(model.config)
+    packed = _PACKED_SUFFIXES if quantizer is not None else ()
+    # tensors quantized at rest stay in their stored integer dtype until the quantizer's op decodes them
+    state = {n: source.load(n, torch.uint8 if n.endswith(packed) else dtype, device) for n in names}
     if not state:
         raise WeightsError(f"{source.path}: none of the tensors of {', '.join(targets)} are in the checkpoint")
+    mapping = get_model_conversion_mapping(model, hf_quantizer=quantizer)
     cfg = LoadStateDictConfig(
-        dtype=dtype, weight_mapping=get_model_conversion_mapping(model), device_map={"": device}  # type: ignore[arg-type]
+        dtype=dtype, weight_mapping=mapping, device_map={"": device}, hf_quantizer=quantizer  # type: ignore[arg-type]
     )
     info, _ = convert_and_load_state_dict_in_model(model, state, cfg)
     if info.mismatched_keys:
@@ -250,6 +288,24 @@ def load_modules(
             if p.device.type == "meta":
                 raise WeightsError(f"{source.path}: tensor {prefix}{pname} is missing")
     _fix_buffers(targets.values(), device)
+
+
+def _dequantizer(config: Any) -> Any:
+    """transformers' quantizer for a checkpoint quantized at rest, set to dequantize (None: plain).
+
+    For MXFP4 that is ``Mxfp4HfQuantizer(Mxfp4Config(dequantize=True))``: the conversion mapping it
+    extends turns each expert projection's ``*_blocks`` and ``*_scales`` into the float 3-D
+    parameter the family's experts module holds, at the serving dtype."""
+    qc = getattr(config, "quantization_config", None)
+    if qc is None:
+        return None
+    method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
+    if str(getattr(method, "value", method)) != "mxfp4":
+        raise ConfigError(f"{config.architectures[0]}: no dequantizer for {method!r} weights")
+    from transformers.quantizers.quantizer_mxfp4 import Mxfp4HfQuantizer
+    from transformers.utils.quantization_config import Mxfp4Config
+
+    return Mxfp4HfQuantizer(Mxfp4Config(dequantize=True), pre_quantized=True)
 
 
 def _fix_buffers(modules: Iterable[nn.Module], device: torch.device) -> None:
@@ -277,3 +333,16 @@ def tie_head(model: Any) -> None:
 def final_softcap(config: Any) -> float | None:
     cap = getattr(config, "final_logit_softcapping", None)
     return float(cap) if cap else None
+
+
+def gguf_tokenizer(path: str) -> tuple[Any, dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """transformers' GGUF tokenizer converter: (tokenizers.Tokenizer, the tokenizer fields it read,
+    tokenizer_config fields, the file's metadata with string arrays left as counts)."""
+    from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
+    from transformers.integrations.gguf.reader import read_gguf_metadata
+
+    _quiet_transformers()
+    arch, tdict, tcfg = get_gguf_tokenizer(path)
+    tok, _ = convert_gguf_tokenizer(arch, tdict)
+    md, _ = read_gguf_metadata(path)
+    return tok, tdict, tcfg, md

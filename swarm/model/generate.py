@@ -82,6 +82,11 @@ class LocalModel:
     ) -> LocalModel:
         ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path)
         blocks = split_layers(ckpt.args.n_layers, stages) if isinstance(stages, int) else list(stages)
+        bounds = [0, *(b for _, b in blocks)]
+        if not blocks or [a for a, _ in blocks] != bounds[:-1] or bounds[-1] != ckpt.args.n_layers:
+            raise UsageError(
+                f"stages {blocks} must be contiguous blocks covering layers 0..{ckpt.args.n_layers - 1}"
+            )  # a partial chain would run, and give a wrong model's tokens
         total = sum(b - a for a, b in blocks)
         done = 0
         head = Head.load(ckpt.args, ckpt.source, dtype=dtype, device=device)

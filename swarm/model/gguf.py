@@ -1,4 +1,4 @@
-"""GGUF files (llama.cpp) as a tensor source with Hugging Face names, and conversion to HF layout.
+"""GGUF files (llama.cpp), single or split, as a tensor source with Hugging Face names and layout.
 
 Theory of operation
 -------------------
@@ -15,27 +15,28 @@ A Stage of 7 layers out of 30 therefore reads and dequantizes only its own 7 lay
 Layout differences undone here, so callers see exactly what a Hugging Face checkpoint holds:
 
 - GGUF shapes are listed fastest-dimension first (ggml ``ne``); HF shapes are the reverse.
-- llama.cpp's converter permutes the rows of Q and K (weights and biases) of the ``llama``
-  architecture so that its "normal" RoPE rotates interleaved pairs (x0, x1), (x2, x3)...; HF rotates
-  halves (x_i, x_{i+d/2}). Within each head the converter reorders rows as
-  ``reshape(heads, 2, d/2).swapaxes(1, 2)``; we apply the inverse ``reshape(heads, d/2, 2)
-  .swapaxes(1, 2)``. Q uses the attention head count, K the KV head count. ``qwen2`` GGUFs are
-  written with NeoX RoPE (already rotate-half) and are not permuted.
+- Names, and what llama.cpp's converter did per architecture (Q/K rows permuted for the Llama
+  family's interleaved RoPE, Gemma's norms stored as 1 + w, MoE experts stacked into one 3-D
+  tensor): gguf_archs.py. The permutation within each head was ``reshape(heads, 2, d/2)
+  .swapaxes(1, 2)``; we apply the inverse ``reshape(heads, d/2, 2).swapaxes(1, 2)``, Q with the
+  attention head count, K with the KV head count.
 - Llama 3 rope scaling is stored as a ``rope_freqs.weight`` tensor of per-frequency factors, not
   as parameters; we recover the parameters by recomputing the factors from candidate settings and
-  accepting only an exact match.
+  accepting only an exact match (gguf_archs.py).
+
+A model split by llama.cpp's ``gguf-split`` (``name-00001-of-00003.gguf`` ...) is one source: every
+split is a complete GGUF file holding some of the tensors, the first also holds the metadata, and
+each says which split it is (``split.no`` from 0, ``split.count``); giving any split opens them all.
+Conversion to a Hugging Face directory: gguf_convert.py.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import mmap
 import os
-import shutil
+import re
 import struct
-import tempfile
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,7 +47,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
 from swarm.errors import ConfigError, WeightsError
-from swarm.model.tokenizer import tokenizer_files_from_gguf
+from swarm.model.gguf_archs import arch_of, config_from, hf_names
 
 # --------------------------------------------------------------------------------------------
 # Header parsing
@@ -221,9 +222,13 @@ class GGUFFile:
         rows = info.shape[:-1]
         return arr.reshape(*rows, -1) if rows else arr
 
-    def dequantized(self, info: GGUFTensorInfo) -> np.ndarray:
-        """float32 array in HF shape (a fresh, writable copy)."""
+    def dequantized(self, info: GGUFTensorInfo, expert: int | None = None) -> np.ndarray:
+        """float32 array in HF shape (a fresh, writable copy); with ``expert``, only that slice of a
+        stacked (E, ...) experts tensor (its rows are stored apart from the other experts')."""
         data = self.raw(info)
+        shape = info.shape
+        if expert is not None:
+            data, shape = data[expert], shape[1:]
         try:
             if info.qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
                 out = dequantize(data, info.qtype)
@@ -233,7 +238,7 @@ class GGUFFile:
                 out = data.view(_INT_TYPES[info.qtype]).astype(np.float32)
             else:
                 out = dequantize(data, info.qtype)
-            return np.array(out, dtype=np.float32, copy=True).reshape(info.shape)
+            return np.array(out, dtype=np.float32, copy=True).reshape(shape)
         except (NotImplementedError, ValueError) as e:
             raise WeightsError(
                 f"{self.path}: cannot dequantize tensor {info.name!r} ({info.qtype.name}): {e}"
@@ -264,60 +269,43 @@ _INT_TYPES = {
 }
 
 # --------------------------------------------------------------------------------------------
-# Architectures and tensor names
+# Split files
 
-# gguf arch -> (HF architectures[0], model_type, Q/K rows permuted by llama.cpp)
-_ARCHS: dict[str, tuple[str, str, bool]] = {
-    "llama": ("LlamaForCausalLM", "llama", True),
-    "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
-}
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_BLOCK_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_SKIPPED = {"rope_freqs.weight"}  # folded into config.json's rope_scaling
+_SPLIT = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$", re.IGNORECASE)
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """The HF name for a GGUF tensor name; None for tensors HF has no counterpart for by design."""
-    if gguf_name in _SKIPPED:
-        return None
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
-    parts = gguf_name.split(".")
-    if (
-        len(parts) == 4
-        and parts[0] == "blk"
-        and parts[1].isdigit()
-        and parts[2] in _BLOCK_NAMES
-        and parts[3] in ("weight", "bias")
-    ):
-        return f"model.layers.{parts[1]}.{_BLOCK_NAMES[parts[2]]}.{parts[3]}"
-    raise KeyError(gguf_name)
+def split_files(path: str | Path) -> list[Path]:
+    """The files of a GGUF model: ``path`` itself, or every split of a ``*-0000K-of-0000N.gguf``
+    set (any of them may be given) in order; WeightsError naming a missing split."""
+    p = Path(path)
+    m = _SPLIT.match(p.name)
+    if m is None:
+        return [p]
+    count = int(m["count"])
+    if not 1 <= int(m["no"]) <= count:
+        raise WeightsError(f"{p}: split number {int(m['no'])} is outside 1..{count}")
+    files = [p.with_name(f"{m['stem']}-{i:05d}-of-{m['count']}.gguf") for i in range(1, count + 1)]
+    for f in files:
+        if not f.is_file():
+            raise WeightsError(f"{p}: split GGUF file {f.name} (of {count}) is missing")
+    return files
 
 
-def _architecture(f: GGUFFile) -> str:
-    arch = f.metadata.get("general.architecture")
-    if not isinstance(arch, str):
-        raise ConfigError(f"{f.path}: GGUF metadata has no 'general.architecture'")
-    if arch not in _ARCHS:
-        raise ConfigError(
-            f"{f.path}: GGUF architecture {arch!r} is not supported "
-            f"(supported: {', '.join(sorted(_ARCHS))})"
-        )
-    return arch
+def _open_splits(path: Path) -> list[GGUFFile]:
+    files = [GGUFFile(f) for f in split_files(path)]
+    if len(files) > 1:
+        for i, f in enumerate(files):
+            no, count = f.metadata.get("split.no"), f.metadata.get("split.count")
+            if no != i or count != len(files):
+                raise WeightsError(
+                    f"{f.path}: its metadata says split {no} of {count}, its name split {i} of {len(files)}"
+                    " (split.no counts from 0)"
+                )
+    return files
+
+
+# --------------------------------------------------------------------------------------------
+# The tensor source
 
 
 def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -329,52 +317,77 @@ def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *rest).transpose(1, 2).reshape(w.shape)
 
 
+@dataclass(frozen=True)
+class _Entry:
+    file: GGUFFile
+    info: GGUFTensorInfo
+    expert: int | None  # the expert's slice of a stacked experts tensor, or the whole tensor
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.info.shape if self.expert is None else self.info.shape[1:]
+
+
 class GGUFSource:
-    """A TensorSource over a GGUF file: HF names and layout, dequantized per tensor on demand."""
+    """A TensorSource over a GGUF file (or a split set): HF names and layout, dequantized per
+    tensor on demand (an expert's slice of a stacked tensor without the other experts')."""
 
     def __init__(self, path: Path | str) -> None:
         self.path = Path(path)
-        self.file = GGUFFile(self.path)
-        self.architecture = _architecture(self.file)
-        _, _, self._permuted = _ARCHS[self.architecture]
-        prefix = self.architecture
+        self.files = _open_splits(self.path)
+        self.file = self.files[0]  # the metadata (a split set keeps it in the first file)
+        prefix, self.arch = arch_of(self.file)
+        self.architecture = prefix
         self.n_heads = self.file.number(f"{prefix}.attention.head_count")
         self.n_kv_heads = self.file.number(f"{prefix}.attention.head_count_kv", self.n_heads)
         if self.n_heads <= 0 or self.n_kv_heads <= 0:
             raise ConfigError(f"{self.path}: GGUF head counts must be positive")
-        self._by_hf: dict[str, GGUFTensorInfo] = {}
-        for name, info in self.file.tensors.items():
-            try:
-                hf = hf_tensor_name(name)
-            except KeyError:
-                raise WeightsError(
-                    f"{self.path}: GGUF tensor {name!r} has no Hugging Face counterpart for "
-                    f"architecture {self.architecture!r}"
-                ) from None
-            if hf is not None:
-                self._by_hf[hf] = info
+        self._by_hf: dict[str, _Entry] = {}
+        for f in self.files:
+            for name, info in f.tensors.items():
+                try:
+                    hf = hf_names(self.arch, name, info.shape)
+                except KeyError:
+                    raise WeightsError(
+                        f"{f.path}: GGUF tensor {name!r} has no Hugging Face counterpart for "
+                        f"architecture {prefix!r}"
+                    ) from None
+                for hf_name, expert in hf:
+                    if hf_name in self._by_hf:
+                        raise WeightsError(f"{f.path}: GGUF tensor {name!r} appears twice in the split set")
+                    self._by_hf[hf_name] = _Entry(f, info, expert)
         if "model.embed_tokens.weight" not in self._by_hf:
             raise WeightsError(f"{self.path}: GGUF file has no tensor 'token_embd.weight'")
 
     def names(self) -> list[str]:
         return list(self._by_hf)
 
-    def _info(self, name: str) -> GGUFTensorInfo:
+    def _entry(self, name: str) -> _Entry:
         try:
             return self._by_hf[name]
         except KeyError:
             raise WeightsError(f"{self.path}: no tensor {name!r} in this GGUF file") from None
 
+    def _info(self, name: str) -> GGUFTensorInfo:
+        return self._entry(name).info
+
     def shape(self, name: str) -> tuple[int, ...]:
-        return self._info(name).shape
+        return self._entry(name).shape
 
     def gguf_type(self, name: str) -> str:
         """The ggml storage type of a tensor, e.g. 'Q4_1' (for reports and tests)."""
         return self._info(name).qtype.name
 
+    def raw(self, name: str) -> np.ndarray:
+        """The stored blocks of one whole (not stacked) tensor, shaped (rows..., bytes_per_row)."""
+        e = self._entry(name)
+        if e.expert is not None:
+            raise WeightsError(f"{self.path}: tensor {name!r} is one expert of {e.info.name!r}")
+        return e.file.raw(e.info)
+
     def row_order(self, name: str, rows: int) -> torch.Tensor | None:
         """Row indices that undo llama.cpp's Q/K permutation of tensor ``name`` (None: not permuted)."""
-        if not (self._permuted and (".q_proj." in name or ".k_proj." in name)):
+        if not (self.arch.permuted and (".q_proj." in name or ".k_proj." in name)):
             return None
         heads = self.n_heads if ".q_proj." in name else self.n_kv_heads
         try:
@@ -388,236 +401,17 @@ class GGUFSource:
 
         return compact_weight(self, name, quant)
 
-    def load(
-        self, name: str, dtype: torch.dtype, device: str | torch.device = "cpu"
-    ) -> torch.Tensor:
-        info = self._info(name)
-        t = torch.from_numpy(self.file.dequantized(info))
-        if self._permuted and (".q_proj." in name or ".k_proj." in name):
-            heads = self.n_heads if ".q_proj." in name else self.n_kv_heads
-            try:
-                t = unpermute_rope_rows(t, heads)
-            except ValueError as e:
-                raise WeightsError(f"{self.path}: tensor {info.name!r}: {e}") from e
+    def load(self, name: str, dtype: torch.dtype, device: str | torch.device = "cpu") -> torch.Tensor:
+        e = self._entry(name)
+        t = torch.from_numpy(e.file.dequantized(e.info, e.expert))
+        order = self.row_order(name, t.shape[0])
+        if order is not None:
+            t = t[order]
+        if self.arch.norm_offset and e.info.name.endswith("norm.weight"):
+            t = t - self.arch.norm_offset
         return t.to(device=device, dtype=dtype)
-
-
-# --------------------------------------------------------------------------------------------
-# config.json from metadata
-
-
-def _llama3_rope_factors(
-    theta: float, head_dim: int, factor: float, low: float, high: float, orig: int
-) -> np.ndarray:
-    freqs = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
-    out = []
-    for freq in freqs:
-        wavelen = 2 * math.pi / freq
-        if wavelen < orig / high:
-            out.append(1.0)
-        elif wavelen > orig / low:
-            out.append(factor)
-        else:
-            smooth = (orig / wavelen - low) / (high - low)
-            out.append(1 / ((1 - smooth) / factor + smooth))
-    return np.asarray(out, dtype=np.float32)
-
-
-def _rope_scaling(f: GGUFFile, prefix: str, theta: float, head_dim: int) -> dict[str, Any] | None:
-    kind = f.metadata.get(f"{prefix}.rope.scaling.type")
-    if kind == "linear":
-        return {
-            "rope_type": "linear",
-            "factor": f.number(f"{prefix}.rope.scaling.factor", integer=False),
-        }
-    if kind not in (None, "none"):
-        raise ConfigError(
-            f"{f.path}: rope scaling {kind!r} ({prefix}.rope.scaling.type) is not supported"
-        )
-    info = f.tensors.get("rope_freqs.weight")
-    if info is None:
-        return None
-    factors = f.dequantized(info).reshape(-1)
-    if np.allclose(factors, 1.0):
-        return None
-    factor = float(factors.max())
-    # (orig, low, high) and (k*orig, k*low, k*high) give identical factors: prefer low = 1, high = 4
-    for low in (1.0, 2.0):
-        for high in (4.0, 8.0, 2.0):
-            for orig in (8192, 4096, 2048, 16384, 32768, 65536, 131072):
-                want = _llama3_rope_factors(theta, head_dim, factor, low, high, orig)
-                if want.shape == factors.shape and np.allclose(want, factors, rtol=1e-5):
-                    return {
-                        "rope_type": "llama3",
-                        "factor": factor,
-                        "low_freq_factor": low,
-                        "high_freq_factor": high,
-                        "original_max_position_embeddings": orig,
-                    }
-    raise ConfigError(f"{f.path}: rope_freqs.weight does not match any llama3 rope scaling we know")
-
-
-def _config(f: GGUFFile) -> dict[str, Any]:
-    arch = _architecture(f)
-    hf_arch, model_type, _ = _ARCHS[arch]
-
-    def need(key: str) -> int:
-        v = f.number(f"{arch}.{key}")
-        if v <= 0:
-            raise ConfigError(f"{f.path}: GGUF metadata '{arch}.{key}' = {v} must be positive")
-        return int(v)
-
-    hidden = need("embedding_length")
-    n_heads = need("attention.head_count")
-    n_kv = f.number(f"{arch}.attention.head_count_kv", n_heads)
-    head_dim = f.number(f"{arch}.attention.key_length", hidden // n_heads)
-    theta = f.number(f"{arch}.rope.freq_base", 10000.0, integer=False)
-    embd = f.tensors.get("token_embd.weight")
-    if embd is None:
-        raise WeightsError(f"{f.path}: GGUF file has no tensor 'token_embd.weight'")
-    vocab = f.number(f"{arch}.vocab_size", embd.shape[0])
-    if vocab != embd.shape[0]:
-        raise ConfigError(
-            f"{f.path}: {arch}.vocab_size = {vocab} but token_embd.weight has {embd.shape[0]} rows"
-        )
-    cfg: dict[str, Any] = {
-        "architectures": [hf_arch],
-        "model_type": model_type,
-        "vocab_size": vocab,
-        "hidden_size": hidden,
-        "intermediate_size": need("feed_forward_length"),
-        "num_hidden_layers": need("block_count"),
-        "num_attention_heads": n_heads,
-        "num_key_value_heads": n_kv,
-        "head_dim": head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": f.number(f"{arch}.attention.layer_norm_rms_epsilon", integer=False),
-        "rope_theta": theta,
-        "rope_scaling": _rope_scaling(f, arch, theta, head_dim),
-        "max_position_embeddings": need("context_length"),
-        "tie_word_embeddings": "output.weight" not in f.tensors,
-        "initializer_range": 0.02,
-        "use_cache": True,
-        "torch_dtype": "bfloat16",
-    }
-    if model_type == "llama":
-        cfg["attention_bias"] = "blk.0.attn_q.bias" in f.tensors
-        cfg["mlp_bias"] = False
-    for key, hf_key in (
-        ("bos_token_id", "bos_token_id"),
-        ("eos_token_id", "eos_token_id"),
-        ("padding_token_id", "pad_token_id"),
-    ):
-        if f"tokenizer.ggml.{key}" in f.metadata:
-            cfg[hf_key] = f.number(f"tokenizer.ggml.{key}")
-    return cfg
 
 
 def config_from_gguf(path: Path | str) -> dict[str, Any]:
     """An HF-style config.json dict from a GGUF file's metadata (ConfigError naming a missing key)."""
-    return _config(GGUFFile(path))
-
-
-# --------------------------------------------------------------------------------------------
-# Conversion to a Hugging Face directory
-
-_ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
-_TORCH_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
-
-
-def _write_safetensors(
-    path: Path, source: GGUFSource, names: list[str], dtype: torch.dtype, step: Callable[[], None]
-) -> None:
-    """Stream tensors into a safetensors file one at a time (peak memory: one tensor)."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    header: dict[str, Any] = {"__metadata__": {"format": "pt", "source": source.path.name}}
-    pos = 0
-    for name in names:
-        shape = source.shape(name)
-        n = math.prod(shape) * itemsize
-        header[name] = {
-            "dtype": _ST_DTYPES[dtype],
-            "shape": list(shape),
-            "data_offsets": [pos, pos + n],
-        }
-        pos += n
-    hbytes = json.dumps(header, separators=(",", ":")).encode()
-    hbytes += b" " * (-len(hbytes) % 8)
-    with open(path, "wb") as out:
-        out.write(struct.pack("<Q", len(hbytes)))
-        out.write(hbytes)
-        for name in names:
-            t = source.load(name, dtype).contiguous()  # HF shape
-            out.write(t.view(torch.uint8).numpy().tobytes())
-            step()
-        out.flush()
-        os.fsync(out.fileno())
-
-
-def convert_gguf_to_hf(
-    gguf_path: Path | str,
-    out_dir: Path | str,
-    *,
-    dtype: torch.dtype = torch.bfloat16,
-    progress: Callable[[int, int], None] | None = None,
-) -> Path:
-    """Write an HF-style directory for a GGUF model; atomic (built in a temp dir, then renamed).
-
-    Files: config.json, model.safetensors (``dtype``), tokenizer.json, tokenizer_config.json
-    (with chat_template), generation_config.json. ``progress(done, total)`` counts tensors plus one
-    step for the tokenizer. An existing ``out_dir`` is replaced.
-    """
-    if dtype not in _ST_DTYPES:
-        raise ValueError(f"dtype must be one of {list(_TORCH_NAMES.values())}, not {dtype}")
-    source = GGUFSource(gguf_path)
-    out = Path(out_dir)
-    cfg = _config(source.file)
-    cfg["torch_dtype"] = _TORCH_NAMES[dtype]
-    names = source.names()
-    total, done = len(names) + 1, 0
-
-    def step() -> None:
-        nonlocal done
-        done += 1
-        if progress is not None:
-            progress(done, total)
-
-    if progress is not None:
-        progress(0, total)
-    tok, tcfg, extra_eos = tokenizer_files_from_gguf(
-        source.file.metadata, where=str(source.path), max_len=cfg["max_position_embeddings"]
-    )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        (tmp / "tokenizer.json").write_text(tok, encoding="utf-8")
-        (tmp / "tokenizer_config.json").write_text(
-            json.dumps(tcfg, indent=2, ensure_ascii=False) + "\n"
-        )
-        eos_ids = [cfg["eos_token_id"]] if "eos_token_id" in cfg else []
-        eos_ids += [i for i in extra_eos if i not in eos_ids]
-        if len(eos_ids) > 1:
-            cfg["eos_token_id"] = eos_ids
-        gen: dict[str, Any] = {"_from_model_config": True}
-        if "bos_token_id" in cfg:
-            gen["bos_token_id"] = cfg["bos_token_id"]
-        if eos_ids:
-            gen["eos_token_id"] = eos_ids if len(eos_ids) > 1 else eos_ids[0]
-        if "pad_token_id" in cfg:
-            gen["pad_token_id"] = cfg["pad_token_id"]
-        (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-        step()
-        _write_safetensors(tmp / "model.safetensors", source, names, dtype, step)
-        os.chmod(tmp, 0o755)
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            os.replace(out, old / out.name)
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+    return config_from(_open_splits(Path(path))[0])

@@ -81,7 +81,7 @@ def compact_weight(source: GGUFSource, name: str, quant: str) -> Int4Groups | No
     if quant == "none":
         return None
     if quant == "int4" and info.qtype in DIRECT_INT4 and len(info.shape) == 2:
-        g = repack_int4(source.file.raw(info), info.qtype, (info.shape[0], info.shape[1]))
+        g = repack_int4(source.raw(name), info.qtype, (info.shape[0], info.shape[1]))
         order = source.row_order(name, info.shape[0])
         return g if order is None else g.rows(order)
     if info.qtype in DIRECT_INT4 or info.qtype in VIA_FLOAT:

@@ -112,9 +112,9 @@ def sliding_window(c: dict[str, Any]) -> int | None:
     return None
 
 
-def sizes(c: dict[str, Any]) -> tuple[list[int], int, int, int, list[tuple[int, int]]]:
+def sizes(c: dict[str, Any]) -> tuple[list[int], int, int, int, list[list[tuple[int, int, int]]]]:
     """What ``families`` measures on the meta model, counted without transformers: per-layer
-    parameter counts, embedding, final norm, untied lm_head, and the layer's (out, in) linears."""
+    parameter counts, embedding, final norm, untied lm_head, and each layer's (1, out, in) linears."""
     a = ModelArgs.from_config(c)
     q, kv = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
     linears = [(q, a.dim), (kv, a.dim), (kv, a.dim), (a.dim, q)]
@@ -122,7 +122,8 @@ def sizes(c: dict[str, Any]) -> tuple[list[int], int, int, int, list[tuple[int, 
     layer = sum(n * k for n, k in linears) + 2 * a.dim + ((q + 2 * kv) if a.qkv_bias else 0)
     vocab = c["vocab_size"]
     head = 0 if c.get("tie_word_embeddings") else vocab * a.dim
-    return [layer] * c["num_hidden_layers"], vocab * a.dim, a.dim, head, linears
+    n = c["num_hidden_layers"]
+    return [layer] * n, vocab * a.dim, a.dim, head, [[(1, o, i) for o, i in linears] for _ in range(n)]
 
 
 class RMSNorm(nn.Module):

@@ -8,14 +8,19 @@ the same options and helpers transformers gives them (``trim_blocks``/``lstrip_b
 ``loopcontrols``, ``raise_exception``, ``strftime_now``, a ``tojson`` that keeps unicode), so the
 rendered prompt is byte-identical to ``PreTrainedTokenizer.apply_chat_template``.
 
-``build_bpe_tokenizer`` makes a tokenizer.json from the pieces a GGUF file stores (vocabulary,
-merges, token types, the ``tokenizer.ggml.pre`` name of the pre-tokenizer regex).
+A ``.gguf`` file carries its tokenizer in its metadata (vocabulary, merges or scores, token types,
+special ids, chat template): ``Tokenizer.from_gguf`` builds it with transformers' GGUF tokenizer
+converter (tokenizer_from_gguf); ``Tokenizer.load`` takes either a directory or a ``.gguf``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+import os
+import shutil
+import tempfile
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
@@ -25,197 +30,61 @@ import jinja2
 import tokenizers
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import processors
 
 from swarm.errors import TokenizerError
 
 # --------------------------------------------------------------------------------------------
-# Building a tokenizer.json from GGUF pieces
-
-_LLAMA3_REGEX = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_REGEX = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-# tokenizer.ggml.pre value -> family of pre-tokenizer (as llama.cpp's llama-vocab.cpp groups them)
-_PRE_FAMILIES = {
-    "smollm": "digits+gpt2",
-    "starcoder": "digits+gpt2",
-    "refact": "digits+gpt2",
-    "codeshell": "digits+gpt2",
-    "gpt-2": "gpt2",
-    "gpt2": "gpt2",
-    "mpt": "gpt2",
-    "olmo": "gpt2",
-    "phi-2": "gpt2",
-    "llama-bpe": "llama3",
-    "llama3": "llama3",
-    "smaug-bpe": "llama3",
-    "qwen2": "qwen2",
-}
-_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
+# A GGUF file's own tokenizer, through transformers' converter
 
 
-def _pre_tokenizer(pre: str, where: str) -> pre_tokenizers.PreTokenizer:
-    family = _PRE_FAMILIES.get(pre)
-    if family is None:
-        raise TokenizerError(
-            f"{where}: tokenizer.ggml.pre = {pre!r} is not a pre-tokenizer we can rebuild "
-            f"(known: {', '.join(sorted(_PRE_FAMILIES))})"
-        )
-    if family == "gpt2":
-        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if family == "digits+gpt2":
-        return pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Digits(individual_digits=True),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-            ]
-        )
-    regex = _LLAMA3_REGEX if family == "llama3" else _QWEN2_REGEX
-    return pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
+def tokenizer_from_gguf(path: str | Path) -> tuple[tokenizers.Tokenizer, dict[str, Any], list[int]]:
+    """(tokenizer, tokenizer_config.json dict, extra eos ids) of the tokenizer a GGUF file describes.
 
+    transformers' GGUF tokenizer conversion does the work (byte-level BPE, SentencePiece/llama and
+    Gemma vocabularies, each with its family's normalizer, pre-tokenizer and decoder); we add the
+    BOS post-processor the file asks for (``tokenizer.ggml.add_bos_token``, as transformers'
+    tokenizer classes do when they load) and llama.cpp's end-of-turn ids as extra eos ids. For a
+    split GGUF, pass any split: the vocabulary lives in the first.
+    """
+    from swarm.model.families import gguf_tokenizer
+    from swarm.model.gguf import split_files
 
-def build_bpe_tokenizer(
-    *,
-    tokens: Sequence[str],
-    merges: Sequence[str],
-    token_types: Sequence[int],
-    pre: str,
-    add_bos: bool,
-    bos_id: int | None,
-    where: str,
-) -> str:
-    """tokenizer.json text for a byte-level BPE vocabulary as stored in a GGUF file."""
-    if len(token_types) != len(tokens):
-        raise TokenizerError(f"{where}: {len(tokens)} tokens but {len(token_types)} token types")
-    vocab: dict[str, int] = {}
-    for i, t in enumerate(tokens):
-        vocab.setdefault(t, i)
-    pairs: list[tuple[str, str]] = []
-    for m in merges:
-        a, sep, b = m.partition(" ")
-        if not sep:
-            raise TokenizerError(f"{where}: malformed merge {m!r} (expected 'left right')")
-        pairs.append((a, b))
+    where = str(split_files(path)[0])
     try:
-        tok = tokenizers.Tokenizer(
-            models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False)
+        tok, tdict, tcfg, md = gguf_tokenizer(where)
+    except Exception as e:  # a foreign converter reading an untrusted file: any failure is the file's
+        raise TokenizerError(f"{where}: cannot build the tokenizer from the GGUF metadata: {e!r}") from e
+    config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
+    config.update({k: v for k, v in tcfg.items() if v is not None})
+    tokens = tdict.get("tokens", [])
+    bos = tdict.get("bos_token_id")
+    if config.get("add_bos_token") and isinstance(bos, int) and 0 <= bos < len(tokens):
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{tokens[bos]}:0 $A:0", pair=f"{tokens[bos]}:0 $A:0 {tokens[bos]}:1 $B:1",
+            special_tokens=[(tokens[bos], bos)],
         )
-    except Exception as e:  # tokenizers raises plain Exception on bad vocab/merges
-        raise TokenizerError(f"{where}: cannot build BPE tokenizer: {e}") from e
-    tok.pre_tokenizer = _pre_tokenizer(pre, where)
-    tok.decoder = decoders.ByteLevel()
-    byte_level = processors.ByteLevel(trim_offsets=False)
-    if add_bos and bos_id is not None and 0 <= bos_id < len(tokens):
-        bos = tokens[bos_id]
-        tok.post_processor = processors.Sequence(
-            [
-                byte_level,
-                processors.TemplateProcessing(
-                    single=f"{bos}:0 $A:0",
-                    pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
-                    special_tokens=[(bos, bos_id)],
-                ),
-            ]
-        )
-    else:
-        tok.post_processor = byte_level
-    special = [
-        AddedToken(tokens[i], special=True, normalized=False)
-        for i, t in enumerate(token_types)
-        if t == _CONTROL
-    ]
-    user = [
-        AddedToken(tokens[i], special=False, normalized=False)
-        for i, t in enumerate(token_types)
-        if t == _USER_DEFINED
-    ]
-    tok.add_special_tokens(special)
-    tok.add_tokens(user)
-    return tok.to_str()
+    eos = tdict.get("eos_token_id")
+    extra = []
+    for key in ("eot_token_id", "eom_token_id"):
+        i = md.get(f"tokenizer.ggml.{key}")
+        if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < len(tokens) and i != eos and i not in extra:
+            extra.append(i)
+    return tok, config, extra
 
 
-def _str_list(md: dict[str, Any], key: str, where: str) -> list[str]:
-    v = md.get(key)
-    if v is None:
-        raise TokenizerError(f"{where}: GGUF metadata has no {key!r}")
-    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
-        raise TokenizerError(f"{where}: GGUF metadata {key!r} is not a list of strings")
-    return v
-
-
-def tokenizer_files_from_gguf(
-    md: dict[str, Any], *, where: str, max_len: int
-) -> tuple[str, dict[str, Any], list[int]]:
-    """(tokenizer.json text, tokenizer_config.json dict, extra eos ids) from GGUF metadata."""
-    model = md.get("tokenizer.ggml.model")
-    if model != "gpt2":
-        raise TokenizerError(
-            f"{where}: tokenizer.ggml.model = {model!r}; only byte-level BPE ('gpt2') GGUF "
-            "tokenizers can be converted"
-        )
-    tokens = _str_list(md, "tokenizer.ggml.tokens", where)
-    merges = _str_list(md, "tokenizer.ggml.merges", where)
-    types = md.get("tokenizer.ggml.token_type", [1] * len(tokens))
-    if not isinstance(types, list) or not all(isinstance(t, int) for t in types):
-        raise TokenizerError(
-            f"{where}: GGUF metadata 'tokenizer.ggml.token_type' is not a list of ints"
-        )
-    pre = md.get("tokenizer.ggml.pre", "default")
-    add_bos = bool(md.get("tokenizer.ggml.add_bos_token", False))
-
-    def token_id(key: str) -> int | None:
-        v = md.get(f"tokenizer.ggml.{key}")
-        if v is None:
-            return None
-        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < len(tokens):
-            raise TokenizerError(
-                f"{where}: GGUF metadata 'tokenizer.ggml.{key}' = {v!r} is not a token id"
-            )
-        return v
-
-    bos, eos = token_id("bos_token_id"), token_id("eos_token_id")
-    tok = build_bpe_tokenizer(
-        tokens=tokens,
-        merges=merges,
-        token_types=types,
-        pre=str(pre),
-        add_bos=add_bos,
-        bos_id=bos,
-        where=where,
-    )
-    tcfg: dict[str, Any] = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "add_bos_token": add_bos,
-        "add_eos_token": bool(md.get("tokenizer.ggml.add_eos_token", False)),
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": max_len,
-    }
-    for key, hf_key in (
-        ("bos_token_id", "bos_token"),
-        ("eos_token_id", "eos_token"),
-        ("padding_token_id", "pad_token"),
-        ("unknown_token_id", "unk_token"),
-    ):
-        i = token_id(key)
-        if i is not None:
-            tcfg[hf_key] = tokens[i]
-    template = md.get("tokenizer.chat_template")
-    if isinstance(template, str):
-        tcfg["chat_template"] = template
-    extra = [
-        i for k in ("eot_token_id", "eom_token_id") if (i := token_id(k)) is not None and i != eos
-    ]
-    return tok, tcfg, extra
+def _keep(d: Path, tok: tokenizers.Tokenizer, config: dict[str, Any], eos: Sequence[int]) -> None:
+    """Write a converted tokenizer as a directory ``from_dir`` reads (atomically; best effort)."""
+    with contextlib.suppress(OSError):
+        d.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{d.name}.tmp-", dir=d.parent))
+        try:
+            (tmp / "tokenizer.json").write_text(tok.to_str(), encoding="utf-8")
+            (tmp / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False), encoding="utf-8")
+            (tmp / "generation_config.json").write_text(json.dumps({"eos_token_id": list(eos)}))
+            os.replace(tmp, d)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -356,6 +225,41 @@ class Tokenizer:
             except ValueError as err:
                 raise TokenizerError(f"{gen}: not valid JSON: {err}") from err
         return cls(tok, config, where=str(d), chat_template=template, extra_eos_ids=extra)
+
+    @classmethod
+    def from_gguf(cls, path: str | Path, *, cache: Path | None = None) -> Tokenizer:
+        """The tokenizer stored in a GGUF file's metadata (the first file of a split set).
+
+        With ``cache`` (a directory), the converted files are kept there under the GGUF's name,
+        size and modification time, and read back next time: converting Gemma's 262,144-token
+        vocabulary takes ~7 s here, reading the converted tokenizer.json well under one.
+        """
+        from swarm.model.gguf import split_files
+
+        first = split_files(path)[0]
+        kept = None
+        if cache is not None:
+            st = first.stat()
+            kept = cache / f"{first.name}-{st.st_size}-{st.st_mtime_ns}"
+            if (kept / "tokenizer.json").is_file():
+                with contextlib.suppress(TokenizerError):
+                    return cls.from_dir(kept)
+        tok, config, extra = tokenizer_from_gguf(first)
+        out = cls(tok, config, where=str(first), extra_eos_ids=extra)
+        if kept is not None:
+            _keep(kept, tok, config, out.eos_token_ids)
+        return out
+
+    @classmethod
+    def load(cls, path: str | Path) -> Tokenizer:
+        """A checkpoint directory's tokenizer.json, or a ``.gguf`` file's own tokenizer (converted
+        once into the model cache, see bundled.cache_dir)."""
+        p = Path(path)
+        if p.suffix.lower() == ".gguf" and p.is_file():
+            from swarm.model.bundled import cache_dir
+
+            return cls.from_gguf(p, cache=cache_dir() / "tokenizers")
+        return cls.from_dir(p)
 
     @property
     def vocab_size(self) -> int:

@@ -232,7 +232,7 @@ class EpochRole:
                 self.admission.set_capacity(max(self.settings.sessions, ring_capacity(self.spec, plan, memory)))
             if self.tokenizer is None:
                 with contextlib.suppress(SwarmError):  # parsing tokenizer.json takes a while: off the loop
-                    self.tokenizer = await trio.to_thread.run_sync(Tokenizer.from_dir, s.model_dir)
+                    self.tokenizer = await trio.to_thread.run_sync(Tokenizer.load, s.model_dir)  # dir or .gguf
 
     async def _load_stage(self, a: int, b: int) -> Stage:
         cached = self._stage_cache.get((a, b))

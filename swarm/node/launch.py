@@ -27,9 +27,9 @@ from pathlib import Path
 
 from swarm.manifest.identity import Identity
 from swarm.manifest.manifest import new_manifest, sign_manifest, write_manifest
-from swarm.model.config import ModelArgs
 from swarm.model.devices import resolve_device
 from swarm.model.dtypes import resolve_dtype
+from swarm.model.weights import open_checkpoint
 from swarm.node.runtime import model_spec
 
 
@@ -179,7 +179,7 @@ def start_local_swarm(
     write_manifest(manifest, manifest_file)
     secret, swarm_id = manifest.secret.value, manifest.swarm_id
     if memory_bytes is None:
-        args = ModelArgs.from_dir(model_dir)
+        args = open_checkpoint(model_dir).args  # a directory or a .gguf
         spec = model_spec(args, resolve_dtype(dtype, resolve_device(device)), context_tokens, quant)
         per = math.ceil(args.n_layers / n) * spec.bytes_per_layer + spec.coordinator_bytes
         memory_bytes = [int(per * 1.02)] * n

@@ -65,6 +65,7 @@ from swarm.manifest.identity import Identity
 from swarm.model.config import ModelArgs
 from swarm.model.devices import auto_memory_bytes, describe_device, synchronize
 from swarm.model.quant import layer_bytes as quant_layer_bytes
+from swarm.model.quant import layer_bytes_each as quant_layer_bytes_each
 from swarm.model.quant import quantize_block
 from swarm.model.stage import Head, Stage
 from swarm.model.tokenizer import Tokenizer
@@ -151,6 +152,7 @@ def model_spec(args: ModelArgs, dtype: torch.dtype, context_tokens: int, quant: 
     return ModelSpec(
         n_layers=args.n_layers,
         layer_bytes=quant_layer_bytes(args, quant, nbytes),
+        layer_bytes_each=tuple(quant_layer_bytes_each(args, quant, nbytes)),  # each layer at its own size
         kv_bytes_per_token_per_layer=args.kv_bytes_per_token_per_layer(nbytes),
         coordinator_bytes=args.head_bytes(nbytes),
         context_tokens=context_tokens,

@@ -170,12 +170,14 @@ async def _generate(node: Node, ep: Any, msg: Control, fs: FramedStream) -> None
         text = body.str("text", MAX_TEXT)
         if tok is None:
             raise UsageError("this coordinator has no tokenizer: send prompt token ids")
-        if body.bool("chat", default=False):
+        chat = body.bool("chat", default=False) and tok.chat_template is not None
+        if chat:
             text = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        special = not chat  # plain text gets the BOS its tokenizer asks for; a chat template writes its own
         if len(text) > 2048:  # ~1 ms per KB: a long prompt is tokenized off the trio loop
-            prompt = await trio.to_thread.run_sync(lambda: tok.encode(text, add_special_tokens=False))
+            prompt = await trio.to_thread.run_sync(lambda: tok.encode(text, add_special_tokens=special))
         else:
-            prompt = tok.encode(text, add_special_tokens=False)
+            prompt = tok.encode(text, add_special_tokens=special)
         prompt += list(msg.ids)
     max_new = body.int("max_new_tokens", 1, MAX_NEW_TOKENS, default=64)
     params = sampling_from(body)

@@ -3,9 +3,10 @@
 No I/O, no trio, no torch: every peer runs the same function on the same numbers and gets the
 same plan.
 
-    spec.py      ModelSpec (layers, bytes, KV, coordinator part), Peer, Latency (RTT -> one-way hops)
+    spec.py      ModelSpec (layers and each layer's bytes, KV, coordinator part), Peer, Latency (RTT -> one-way hops)
     plan.py      Plan (the output; to_json / from_json), check_blocks
-    alloc.py     layer counts per stage: fit memory, minimise compute, balance equal-speed peers
+    alloc.py     layer counts per stage: fit memory, minimise compute, balance equal-speed peers;
+                 exact counts for a ring order when layers differ in size (allocate_exact)
     search.py    coordinator + subset + ring order: exact Held-Karp up to 10 peers, local search beyond
     sticky.py    re-planning after loss or join that keeps survivors' blocks; layers moved
     planner.py   plan(): the entry point, with the error messages and the "fewer peers" note

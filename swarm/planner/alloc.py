@@ -26,17 +26,20 @@ class Ctx:
     cap: list[int]  # layers that fit as a plain stage
     capc: list[int]  # layers that fit next to the coordinator part; -1: may not coordinate
     rank: list[int]  # position in the order (ms_per_layer, id): fastest first
+    per_layer: int  # bytes each layer is counted at in cap/capc
 
     @classmethod
-    def build(cls, spec: ModelSpec, peers: Sequence[Peer], lat: Latency) -> Ctx:
+    def build(cls, spec: ModelSpec, peers: Sequence[Peer], lat: Latency, per_layer: int | None = None) -> Ctx:
+        """Capacities count every layer at ``per_layer`` bytes (default: the largest layer's, so any
+        block they allow fits; planner.py also searches with the smallest and then checks exactly)."""
         ps = sorted(peers, key=lambda p: p.id)
-        cap = [p.layer_capacity(spec) for p in ps]
-        capc = [p.layer_capacity(spec, coordinator=True) if p.coordinator_ok else -1 for p in ps]
+        cap = [p.layer_capacity(spec, per_layer=per_layer) for p in ps]
+        capc = [p.layer_capacity(spec, coordinator=True, per_layer=per_layer) if p.coordinator_ok else -1 for p in ps]
         by_speed = sorted(range(len(ps)), key=lambda i: (ps[i].ms_per_layer, ps[i].id))
         rank = [0] * len(ps)
         for r, i in enumerate(by_speed):
             rank[i] = r
-        return cls(spec, ps, lat, cap, capc, rank)
+        return cls(spec, ps, lat, cap, capc, rank, per_layer or spec.bytes_per_layer)
 
     @property
     def n(self) -> int:
@@ -47,6 +50,11 @@ class Ctx:
 
     def speed(self, i: int) -> float:
         return self.peers[i].ms_per_layer
+
+    def fits(self, i: int, start: int, end: int, coordinator: bool) -> bool:
+        """Whether peer ``i`` holds layers [start, end) at their own sizes (and the coordinator part)."""
+        extra = self.spec.coordinator_bytes if coordinator else 0
+        return self.spec.block_bytes(start, end) + extra <= self.peers[i].memory_bytes
 
 
 def allocate(ctx: Ctx, nodes: Sequence[int], coord: int) -> tuple[float, list[int]] | None:
@@ -125,3 +133,51 @@ def cycle_latency(ctx: Ctx, cyc: Sequence[int]) -> float:
     for a, b in zip(cyc, cyc[1:], strict=False):
         s += ctx.d(a, b)
     return s + ctx.d(cyc[-1], cyc[0])
+
+
+def allocate_exact(ctx: Ctx, nodes: Sequence[int], coord: int) -> tuple[float, list[int]] | None:
+    """Best layer counts for ``nodes`` in ring order when layers differ in size.
+
+    Blocks are contiguous in ring order from layer 0, the coordinator first (``nodes[0] ==
+    coord``, its block may be empty), every other node holding at least one layer; each block must
+    fit its peer at its layers' own sizes. Dynamic programming over (node, first layer of its
+    block), O(nodes x layers^2) at worst: minimises summed compute, then the sum of squared counts
+    (equal-speed peers balanced, as allocate's water-filling does). None when nothing fits.
+    """
+    spec = ctx.spec
+    L, m = spec.n_layers, len(nodes)
+    pre = [0]
+    for w in spec.weights:
+        pre.append(pre[-1] + w + spec.kv_bytes_per_layer)
+    # rest[k][l]: (compute, squares, count of node k) placing layers [l, L) on nodes k..m-1
+    rest: list[list[tuple[float, int, int] | None]] = [[None] * (L + 1) for _ in range(m + 1)]
+    rest[m][L] = (0.0, 0, 0)
+    for k in range(m - 1, -1, -1):
+        i = nodes[k]
+        room = ctx.peers[i].memory_bytes - (spec.coordinator_bytes if i == coord else 0)
+        if room < 0:
+            return None
+        lo, speed = (0 if i == coord else 1), ctx.speed(i)
+        for start in range(L + 1):
+            best: tuple[float, int, int] | None = None
+            c = lo
+            while start + c <= L and pre[start + c] - pre[start] <= room:
+                after = rest[k + 1][start + c]
+                if after is not None:
+                    cand = (round(after[0] + c * speed, 9), after[1] + c * c, c)
+                    if best is None or cand[:2] < best[:2]:
+                        best = cand
+                c += 1
+            rest[k][start] = best
+    if rest[0][0] is None:
+        return None
+    counts, at = [], 0
+    for k in range(m):
+        got = rest[k][at]
+        assert got is not None
+        counts.append(got[2])
+        at += got[2]
+    compute = 0.0
+    for k, i in enumerate(nodes):
+        compute += counts[k] * ctx.speed(i)
+    return compute, counts

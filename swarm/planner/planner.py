@@ -6,9 +6,9 @@ import math
 from collections.abc import Mapping, Sequence
 
 from swarm.errors import PlanningError, UsageError
-from swarm.planner.alloc import Ctx
+from swarm.planner.alloc import Ctx, allocate_exact
 from swarm.planner.plan import Plan, check_blocks
-from swarm.planner.search import EXACT_LIMIT, Candidate, solve_exact, solve_heuristic
+from swarm.planner.search import EXACT_LIMIT, Candidate, better, solve_exact, solve_heuristic
 from swarm.planner.spec import GB, Latency, ModelSpec, Peer
 from swarm.planner.sticky import Layout, layers_moved, sticky_layout, traversal
 
@@ -40,25 +40,16 @@ def plan(
     if not peers:
         raise PlanningError("no peers: a plan needs at least one peer")
     lat = rtt_ms if isinstance(rtt_ms, Latency) else Latency(rtt_ms, one_way_ms)
-    ctx = Ctx.build(spec, peers, lat)
-    _check_memory(ctx)
+    ctx = Ctx.build(spec, peers, lat)  # every layer counted at the largest one's size: always safe
     if epoch is None:
         epoch = previous.epoch + 1 if previous is not None else 0
-
-    eligible = [i for i in range(ctx.n) if ctx.cap[i] > 0 or ctx.capc[i] >= 0]
-    more: Candidate | None
-    if len(eligible) <= exact_limit:
-        best, by_stages = solve_exact(ctx, eligible)
-        more = None
-        for k in sorted(by_stages):
-            if best is not None and k > best.n_stages:
-                cand = by_stages[k]
-                if more is None or cand.key(ctx) < more.key(ctx):
-                    more = cand
+    if spec.uniform:
+        _check_memory(ctx)
+        best, more = _search(ctx, exact_limit)
     else:
-        best, more = solve_heuristic(ctx, eligible)
+        best, more = _search_by_layer(ctx, Ctx.build(spec, peers, lat, spec.smallest_bytes_per_layer), exact_limit)
     if best is None:
-        raise PlanningError(_unreachable_message(ctx, eligible))
+        raise PlanningError(_unreachable_message(ctx, [i for i in range(ctx.n) if ctx.cap[i] > 0 or ctx.capc[i] >= 0]))
     fresh = _layout(ctx, best)
     chosen, moved = fresh, 0
     index = {p.id: k for k, p in enumerate(ctx.peers)}
@@ -71,6 +62,67 @@ def plan(
                 chosen, moved = sticky, layers_moved(previous, sticky)
     note = _note(ctx, best, more) if chosen is fresh else None
     return _to_plan(ctx, index, chosen, epoch, moved, note)
+
+
+def _candidates(ctx: Ctx, exact_limit: int) -> tuple[Candidate | None, list[Candidate]]:
+    """The search's best placement and the alternatives it kept (the best per stage count, or the
+    best with more stages), on ``ctx``'s capacities."""
+    eligible = [i for i in range(ctx.n) if ctx.cap[i] > 0 or ctx.capc[i] >= 0]
+    if len(eligible) <= exact_limit:
+        best, by_stages = solve_exact(ctx, eligible)
+        return best, list(by_stages.values())
+    best, more = solve_heuristic(ctx, eligible)
+    return best, [c for c in (best, more) if c is not None]
+
+
+def _with_more(ctx: Ctx, best: Candidate | None, options: Sequence[Candidate]) -> tuple[Candidate | None, Candidate | None]:
+    """(best, the best option with more stages than it: what the note compares against)."""
+    more: Candidate | None = None
+    for cand in options:
+        if best is not None and cand.n_stages > best.n_stages and (more is None or cand.key(ctx) < more.key(ctx)):
+            more = cand
+    return best, more
+
+
+def _search(ctx: Ctx, exact_limit: int) -> tuple[Candidate | None, Candidate | None]:
+    best, options = _candidates(ctx, exact_limit)
+    return _with_more(ctx, best, options)
+
+
+def _search_by_layer(ctx: Ctx, relaxed: Ctx, exact_limit: int) -> tuple[Candidate | None, Candidate | None]:
+    """Layers of different sizes: blocks are budgeted at their own layers' sizes.
+
+    The search works on whole-layer capacities, so it runs twice: counting every layer at the
+    smallest size (a relaxation: it finds every ring that could hold the model, and some that
+    cannot) and at the largest (whatever it finds fits). Each ring either search proposes gets
+    exact counts for its order (alloc.allocate_exact, each block at its layers' own sizes) or is
+    dropped; the best that fits wins. Never worse than budgeting every layer at the largest size.
+    """
+    _check_memory(relaxed)  # a necessary condition, with the usual message
+    options: list[Candidate] = []
+    seen: set[tuple[int, ...]] = set()
+    for c in (ctx, relaxed):
+        top, kept = _candidates(c, exact_limit)
+        for cand in [top, *kept]:
+            if cand is None:
+                continue
+            # the same ring with each of its members as coordinator (the first block's holder):
+            # which one can carry the coordinator part depends on the sizes of the layers it gets
+            for r in range(len(cand.cyc)):
+                cyc = cand.cyc[r:] + cand.cyc[:r]
+                if cyc in seen or ctx.capc[cyc[0]] < 0 and relaxed.capc[cyc[0]] < 0:
+                    continue
+                seen.add(cyc)
+                got = allocate_exact(c, cyc, cyc[0])
+                if got is not None and not (got[1][0] == 0 and len(cyc) == 1):
+                    options.append(Candidate(cand.latency, got[0], cyc[0], cyc, tuple(got[1])))
+    chosen: Candidate | None = None
+    for cand in options:
+        if better(ctx, cand, chosen):
+            chosen = cand
+    if chosen is None:
+        raise PlanningError(_short_message(ctx))
+    return _with_more(ctx, chosen, options)
 
 
 def _layout(ctx: Ctx, cand: Candidate) -> Layout:
@@ -142,14 +194,32 @@ def _check_memory(ctx: Ctx) -> None:
     best_layers = max(plain - max(0, ctx.cap[i]) + ctx.capc[i] for i in coords)
     if best_layers >= spec.n_layers:
         return
-    bpl = spec.bytes_per_layer
+    bpl = ctx.per_layer
     offered = sum(p.memory_bytes for p in ctx.peers)
     short = max(spec.total_bytes - offered, (spec.n_layers - best_layers) * bpl)
     raise PlanningError(
-        f"not enough memory: the model needs {spec.total_bytes / GB:.2f} GB ({spec.n_layers} layers "
-        f"x {bpl / GB:.3f} GB incl. KV for {spec.context_tokens} tokens, + "
-        f"{spec.coordinator_bytes / GB:.2f} GB on the coordinator) but the {ctx.n} peers offer "
-        f"{offered / GB:.2f} GB and fit only {best_layers} whole layers: {short / GB:.2f} GB short"
+        f"not enough memory: the model needs {spec.total_bytes / GB:.2f} GB ({_layers_phrase(spec)} incl. "
+        f"KV for {spec.context_tokens} tokens, + {spec.coordinator_bytes / GB:.2f} GB on the coordinator) "
+        f"but the {ctx.n} peers offer {offered / GB:.2f} GB and fit only {best_layers} whole layers: "
+        f"{short / GB:.2f} GB short"
+    )
+
+
+def _layers_phrase(spec: ModelSpec) -> str:
+    if spec.uniform:
+        return f"{spec.n_layers} layers x {spec.bytes_per_layer / GB:.3f} GB"
+    return (f"{spec.n_layers} layers of {spec.smallest_bytes_per_layer / GB:.3f} to "
+            f"{spec.bytes_per_layer / GB:.3f} GB")
+
+
+def _short_message(ctx: Ctx) -> str:
+    """No ring holds the model at its layers' own sizes (though the offered total might)."""
+    spec = ctx.spec
+    offered = sum(p.memory_bytes for p in ctx.peers)
+    return (
+        f"not enough memory: the model needs {spec.total_bytes / GB:.2f} GB ({_layers_phrase(spec)} incl. KV "
+        f"for {spec.context_tokens} tokens, + {spec.coordinator_bytes / GB:.2f} GB on the coordinator); the "
+        f"{ctx.n} peers offer {offered / GB:.2f} GB, but no split of the layers into contiguous blocks fits them"
     )
 
 

@@ -22,6 +22,9 @@ class ModelSpec:
 
     ``coordinator_bytes`` is what the coordinator holds besides any layers: embedding, final norm,
     LM head and the draft model. ``context_tokens`` is the KV-cache length reserved per layer.
+    ``layer_bytes_each`` gives each layer's own weights where layers differ (DeepSeek-V3 and
+    GLM-4.5 have dense first layers and MoE layers after them); empty means every layer weighs
+    ``layer_bytes``, which is always the largest layer's weights.
     """
 
     n_layers: int
@@ -29,6 +32,7 @@ class ModelSpec:
     kv_bytes_per_token_per_layer: int = 0
     coordinator_bytes: int = 0
     context_tokens: int = 0
+    layer_bytes_each: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.n_layers < 1:
@@ -43,15 +47,43 @@ class ModelSpec:
                 raise UsageError(f"model: {name} must not be negative, got {getattr(self, name)}")
         if self.layer_bytes + self.kv_bytes_per_token_per_layer * self.context_tokens <= 0:
             raise UsageError("model: a layer must cost some memory (layer_bytes or KV bytes > 0)")
+        each = self.layer_bytes_each
+        if each and (len(each) != self.n_layers or min(each) < 0 or max(each) != self.layer_bytes):
+            raise UsageError(
+                f"model: layer_bytes_each must give {self.n_layers} sizes >= 0 whose largest is "
+                f"layer_bytes ({self.layer_bytes}); got {len(each)} sizes"
+            )
+
+    @property
+    def kv_bytes_per_layer(self) -> int:
+        return self.kv_bytes_per_token_per_layer * self.context_tokens
 
     @property
     def bytes_per_layer(self) -> int:
-        """Weights plus the reserved KV cache of one layer."""
-        return self.layer_bytes + self.kv_bytes_per_token_per_layer * self.context_tokens
+        """Weights plus the reserved KV cache of the largest layer."""
+        return self.layer_bytes + self.kv_bytes_per_layer
+
+    @property
+    def smallest_bytes_per_layer(self) -> int:
+        return min(self.weights) + self.kv_bytes_per_layer
+
+    @property
+    def weights(self) -> tuple[int, ...]:
+        """Each layer's weights (bytes)."""
+        return self.layer_bytes_each or (self.layer_bytes,) * self.n_layers
+
+    @property
+    def uniform(self) -> bool:
+        """Whether every layer costs the same."""
+        return min(self.weights) == self.layer_bytes
+
+    def block_bytes(self, start: int, end: int) -> int:
+        """Weights plus reserved KV cache of layers [start, end)."""
+        return sum(self.weights[start:end]) + (end - start) * self.kv_bytes_per_layer
 
     @property
     def total_bytes(self) -> int:
-        return self.n_layers * self.bytes_per_layer + self.coordinator_bytes
+        return self.block_bytes(0, self.n_layers) + self.coordinator_bytes
 
 
 @dataclass(frozen=True)
@@ -72,12 +104,13 @@ class Peer:
         if not (math.isfinite(self.ms_per_layer) and self.ms_per_layer >= 0):
             raise UsageError(f"peer {self.id}: ms_per_layer must be a finite number >= 0")
 
-    def layer_capacity(self, spec: ModelSpec, *, coordinator: bool = False) -> int:
-        """How many layers fit (with their KV cache); -1 if it cannot even hold the coordinator part."""
+    def layer_capacity(self, spec: ModelSpec, *, coordinator: bool = False, per_layer: int | None = None) -> int:
+        """How many layers fit (with their KV cache), each counted at ``per_layer`` bytes (default:
+        the largest layer's); -1 if it cannot even hold the coordinator part."""
         free = self.memory_bytes - (spec.coordinator_bytes if coordinator else 0)
         if free < 0:
             return -1
-        return min(spec.n_layers, free // spec.bytes_per_layer)
+        return min(spec.n_layers, free // (per_layer or spec.bytes_per_layer))
 
 
 class Latency:

@@ -72,8 +72,8 @@ def sticky_layout(ctx: Ctx, prev: Plan) -> Layout | None:
         if p not in index:
             continue
         s, e = prev.blocks[p]
-        if e - s > _cap(ctx, index[p], p == coord):
-            continue  # it no longer fits: its layers are a hole, the peer a spare
+        if not ctx.fits(index[p], s, e, p == coord):
+            continue  # it no longer fits (at its layers' own sizes): its layers are a hole, the peer a spare
         for layer in range(s, e):
             holder[layer] = p
     in_ring = {h for h in holder if h is not None}

@@ -11,6 +11,7 @@ the files are laid out exactly as transformers writes real checkpoints (Mixtral'
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -100,4 +101,50 @@ def write_family_checkpoint(out_dir: str | Path, family: str, *, seed: int = 0, 
     _rescale(model, seed)
     out = Path(out_dir)
     model.save_pretrained(str(out))
+    return out
+
+
+# MXFP4 (OCP Microscaling, E2M1 elements): the 16 values a 4-bit code stands for
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def mxfp4_encode(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w (..., N, K) -> (blocks (..., N, K/32, 16) uint8, scales (..., N, K/32) uint8), as gpt-oss
+    stores its experts: per 32 inputs a power-of-two scale (exponent + 127) and FP4 codes, two per
+    byte (even input in the low nibble)."""
+    *lead, n, k = w.shape
+    g = w.float().reshape(*lead, n, k // 32, 32)
+    amax = g.abs().amax(-1).clamp_min(2.0**-100)
+    exp = (torch.floor(torch.log2(amax)) - 2).clamp(-127, 127)  # 6 = 1.5 * 2^2: the largest code
+    scaled = g / torch.exp2(exp)[..., None]
+    table = torch.tensor(FP4_VALUES)
+    codes = (scaled[..., None] - table).abs().argmin(-1).to(torch.uint8)  # (..., N, K/32, 32)
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks.contiguous(), (exp + 127).to(torch.uint8)
+
+
+def mxfp4_decode(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The weights (..., N, K) float32 that ``mxfp4_encode``'s output stands for."""
+    table = torch.tensor(FP4_VALUES)
+    codes = torch.stack([blocks & 0xF, blocks >> 4], -1).flatten(-2).long()  # (..., N, K/32, 32)
+    w = table[codes] * torch.exp2(scales.float() - 127)[..., None]
+    return w.flatten(-2)
+
+
+def write_mxfp4_gpt_oss(out_dir: str | Path, *, seed: int = 0, **overrides: Any) -> Path:
+    """A tiny gpt-oss checkpoint laid out as the released ones are: its experts' ``gate_up_proj``
+    and ``down_proj`` as MXFP4 ``*_blocks``/``*_scales`` tensors and a ``quantization_config``."""
+    from safetensors.torch import load_file, save_file
+
+    out = write_family_checkpoint(out_dir, "gpt_oss", seed=seed, **overrides)
+    tensors = load_file(str(out / "model.safetensors"))
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        w = tensors.pop(name)  # (E, in, out): transformers' gpt-oss layout; the blocks run along "in"
+        blocks, scales = mxfp4_encode(w.transpose(1, 2))
+        tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
     return out

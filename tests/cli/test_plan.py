@@ -220,3 +220,32 @@ def test_bad_quant_flags_are_usage_errors(tmp_path: Path, capsys: pytest.Capture
     assert "choose one of none, int8, int4" in capsys.readouterr().err
     assert main(["plan", "--peers", peers, "--layers", "8", "--layer-gb", "1", "--quant", "int4"]) == 2
     assert "--quant needs --model" in capsys.readouterr().err
+
+
+DEEPSEEK_V3 = json.loads((Path(__file__).parent / "deepseek_v3_config.json").read_text())
+
+
+def test_deepseek_v3_is_budgeted_layer_by_layer(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Three dense layers of 0.37 GB, then 58 MoE layers of 7.2 GB (int4): a peer that holds the
+    coordinator part, the dense layers and two MoE layers, and seven that hold eight MoE layers
+    each, fit the model only when each layer is budgeted at its own size."""
+    (tmp_path / "m").mkdir()
+    write(tmp_path / "m", DEEPSEEK_V3, "config.json")
+    peers = {"peers": [{"id": "home", "memory_gb": 20, "ms_per_layer": 1.0}]
+             + [{"id": f"gpu-{i}", "memory_gb": 58, "ms_per_layer": 1.0} for i in range(7)],
+             "rtt_ms": {"home": {f"gpu-{i}": 10.0 for i in range(7)}}}  # fmt: skip
+    peers["rtt_ms"] |= {f"gpu-{i}": {f"gpu-{j}": 10.0 for j in range(7) if j != i} for i in range(7)}
+    argv = ["plan", "--peers", str(write(tmp_path, peers)), "--model", str(tmp_path / "m"), "--quant", "int4"]
+    out = run_json(capsys, [*argv, "--json"])
+    each = out["layer_bytes_each"]
+    assert len(each) == 61 and each[0] == each[2] < 0.06 * each[3] and len(set(each[3:])) == 1
+    assert out["layer_bytes"] == each[3]
+    for pid, (s, e) in out["blocks"].items():
+        used = sum(each[s:e]) + (e - s) * out["kv_bytes_per_layer"]
+        if pid == out["coordinator"]:
+            used += 129280 * 7168 * 2 * 2 + 7168 * 2  # embedding and head, bf16
+        assert used <= (20 if pid == "home" else 58) * GB, pid
+    assert out["coordinator"] == "home" and out["blocks"]["home"] == [0, 5]
+    assert main(argv) == 0
+    table = " ".join(capsys.readouterr().out.replace("│", " ").split())
+    assert "0-2: 0.365 GB; 3-60: 7.198 GB" in table, table

@@ -145,3 +145,10 @@ def test_bundled_fp32_greedy_with_drafters_equals_plain() -> None:
         out = generate(lm, ids, max_new_tokens=32, drafter=drafter, eos_token_ids=())
         assert out.output_token_ids == ref.output_token_ids
     assert tok.decode(ref.output_token_ids).strip()  # real text came out
+
+
+def test_stages_must_cover_every_layer_once(tmp_path: Path) -> None:
+    ckpt = write_checkpoint(tmp_path / "m", TinySpec(n_layers=4), seed=1)
+    for blocks in ([(0, 2)], [(0, 2), (3, 4)], [(0, 2), (1, 4)], []):
+        with pytest.raises(UsageError, match="contiguous blocks covering layers 0..3"):
+            LocalModel.load(ckpt, stages=blocks, dtype=torch.float32)

@@ -19,15 +19,12 @@ from safetensors import safe_open
 from tokenizers import pre_tokenizers
 
 import swarm.model.gguf as sg
+import swarm.model.gguf_archs as ga
 from swarm.errors import ConfigError, ModelError, WeightsError
 from swarm.model.bundled import bundled_gguf_path
-from swarm.model.gguf import (
-    GGUFSource,
-    config_from_gguf,
-    convert_gguf_to_hf,
-    unpermute_rope_rows,
-)
-from swarm.model.tokenizer import tokenizer_files_from_gguf
+from swarm.model.gguf import GGUFSource, config_from_gguf, unpermute_rope_rows
+from swarm.model.gguf_convert import convert_gguf_to_hf
+from swarm.model.tokenizer import tokenizer_from_gguf
 
 torch.set_num_threads(1)
 Q = gguf.GGMLQuantizationType
@@ -91,11 +88,11 @@ def tiny_state(seed: int = 0, tied: bool = False, bias: bool = False) -> dict[st
 
 
 def to_gguf_name(hf: str) -> str:
-    rev = {v: k for k, v in sg._GLOBAL_NAMES.items()}
+    rev = {v: k for k, v in ga.GLOBAL_NAMES.items()}
     if hf in rev:
         return rev[hf]
     parts = hf.split(".")  # model.layers.N.<a>.<b>.weight
-    block = {v: k for k, v in sg._BLOCK_NAMES.items()}[".".join(parts[3:-1])]
+    block = {v: k for k, v in ga.ARCHS["llama"].blocks.items()}[".".join(parts[3:-1])]
     return f"blk.{parts[2]}.{block}.{parts[-1]}"
 
 
@@ -226,9 +223,9 @@ def test_only_requested_tensors_are_dequantized(monkeypatch: pytest.MonkeyPatch)
     seen: list[str] = []
     real = sg.GGUFFile.dequantized
 
-    def counting(self: sg.GGUFFile, info: sg.GGUFTensorInfo) -> np.ndarray:
+    def counting(self: sg.GGUFFile, info: sg.GGUFTensorInfo, expert: int | None = None) -> np.ndarray:
         seen.append(info.name)
-        return real(self, info)
+        return real(self, info, expert)
 
     monkeypatch.setattr(sg.GGUFFile, "dequantized", counting)
     wanted = [n for n in src.names() if n.startswith("model.layers.") and int(n.split(".")[2]) < 7]
@@ -277,7 +274,7 @@ def test_unsupported_architecture_is_refused(tmp_path: Path) -> None:
 
 def test_llama3_rope_scaling_recovered_from_rope_freqs(tmp_path: Path) -> None:
     hd = TINY["hidden"] // TINY["heads"]
-    factors = sg._llama3_rope_factors(
+    factors = ga._llama3_rope_factors(
         10000.0, hd, 8.0, 1.0, 4.0, 64
     )  # small orig: non-trivial for hd 16
 
@@ -287,7 +284,7 @@ def test_llama3_rope_scaling_recovered_from_rope_freqs(tmp_path: Path) -> None:
     # 64 is not among the candidates: refuse rather than guess
     with pytest.raises(ConfigError, match="rope_freqs"):
         config_from_gguf(write_tiny_gguf(tmp_path / "bad.gguf", tiny_state(), extra=add))
-    factors = sg._llama3_rope_factors(10000.0, hd, 8.0, 1.0, 4.0, 2048)  # picked up by add()
+    factors = ga._llama3_rope_factors(10000.0, hd, 8.0, 1.0, 4.0, 2048)  # picked up by add()
     assert not np.allclose(factors, 1.0)
     p = write_tiny_gguf(tmp_path / "l3.gguf", tiny_state(), extra=add)
     cfg = config_from_gguf(p)
@@ -365,7 +362,7 @@ def test_fuzz_corrupt_header_raises_only_our_errors(
         src = GGUFSource(p)
         config_from_gguf(p)
         src.load(src.names()[-1], torch.float32)
-        tokenizer_files_from_gguf(src.file.metadata, where=str(p), max_len=256)
+        tokenizer_from_gguf(p)
     except ModelError:
         pass  # WeightsError / ConfigError / TokenizerError: all fine, all ours
 

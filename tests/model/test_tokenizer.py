@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from swarm.errors import TokenizerError
 from swarm.model.bundled import default_model_dir
-from swarm.model.tokenizer import Tokenizer, build_bpe_tokenizer
+from swarm.model.tokenizer import Tokenizer
 
 TEXTS = [
     "Hello, world!",
@@ -156,19 +156,16 @@ def test_agrees_with_transformers_fast_tokenizer(tok: Tokenizer, model_dir: Path
 
 
 def _tiny_dir(tmp_path: Path, template: str) -> Path:
-    from tokenizers import pre_tokenizers
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
+    from tokenizers import Tokenizer as RawTokenizer
 
     tokens = ["<s>", "</s>", *sorted(pre_tokenizers.ByteLevel.alphabet())]
-    text = build_bpe_tokenizer(
-        tokens=tokens,
-        merges=[],
-        token_types=[3, 3] + [1] * 256,
-        pre="gpt2",
-        add_bos=True,
-        bos_id=0,
-        where="tiny",
-    )
-    (tmp_path / "tokenizer.json").write_text(text)
+    raw = RawTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[]))
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    raw.post_processor = processors.TemplateProcessing(single="<s>:0 $A:0", special_tokens=[("<s>", 0)])
+    raw.add_special_tokens([AddedToken("<s>", special=True), AddedToken("</s>", special=True)])
+    (tmp_path / "tokenizer.json").write_text(raw.to_str())
     (tmp_path / "tokenizer_config.json").write_text(
         json.dumps(
             {"bos_token": "<s>", "eos_token": {"content": "</s>"}, "chat_template": template}
@@ -222,13 +219,3 @@ def test_bad_files(tmp_path: Path, model_dir: Path) -> None:
     (tmp_path / "tokenizer.json").write_text('{"model": 5}')
     with pytest.raises(TokenizerError, match="tokenizer.json: cannot load"):
         Tokenizer.from_dir(tmp_path)
-    with pytest.raises(TokenizerError, match="'mystery'"):
-        build_bpe_tokenizer(
-            tokens=["a"],
-            merges=[],
-            token_types=[1],
-            pre="mystery",
-            add_bos=False,
-            bos_id=None,
-            where="x.gguf",
-        )
