@@ -8,12 +8,16 @@ Where things live:
                    sessions waiting for it batched into one forward, compute off the trio loop
     coordinator.py the coordinator's side of a ring: drives the speculative decoder, replays a
                    run on a new ring after a failure
-    service.py     /shard-swarm/gen/1: generation requests, relaying, recovery loop, receipts, status
+    control.py     the control plane's dispatch: which role may send each request (ROLES), the check
+    authority.py   the finer rules behind the roles (fault reports, epoch bounds), pure
+    service.py     the generation service (in-process for the API, and /shard-swarm/gen/1):
+                   requests, relaying, recovery loop, receipts, status
     client.py      talking to a swarm as a client (status, wait until ready, one generation)
     launch.py      a local swarm of node processes on loopback (demo, tests, benchmarks);
                    __main__.py is the node process
     links.py       the Link interface of a hop, and the in-process LocalLink
-    fastlink.py    a hop over a fast-path channel; wire.py: tensors <-> activation frames
+    fastlink.py    a hop over a fast-path channel
+    activation.py  the activation codec: tensors <-> CHUNK/RESULT messages, with every check
     failure.py     FailureDetector: alive -> suspect -> lost (and rejoin as a new incarnation);
                    pure, every call takes ``now``
     heartbeat.py   Liveness (the detector on the trio clock, RTT estimates); the ctl link that sends

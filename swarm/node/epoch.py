@@ -32,7 +32,6 @@ import trio
 from swarm.errors import PeerError, ProtocolError, SwarmError
 from swarm.model.stage import Head, Stage
 from swarm.model.tokenizer import Tokenizer
-from swarm.node.authority import EPOCH_MAX
 from swarm.node.capacity import MAX_SESSIONS, ring_capacity, stage_capacity
 from swarm.node.coordinator import Coordinator
 from swarm.node.errors_util import unwrap
@@ -40,7 +39,8 @@ from swarm.node.fastlink import FrameLink
 from swarm.node.links import Link, LocalLink
 from swarm.node.stage_worker import StageWorker
 from swarm.planner import Plan
-from swarm.proto.control import Control
+from swarm.proto import control as ctl
+from swarm.proto.limits import PROTO_ACT
 from swarm.proto.messages import Plan as PlanMsg
 from swarm.proto.messages import parse_message
 from swarm.proto.signed import verify_plan
@@ -53,7 +53,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("swarm.node")
 
-PROTO_ACT = "/shard-swarm/act/1"
 LINK_TIMEOUT_S = 20.0
 PUNCH_SETTLE_S = 8.0  # of the connect phase's LINK_TIMEOUT_S, spent at most on letting a hole punch finish
 RPC_TIMEOUT_S = 20.0
@@ -324,7 +323,7 @@ class EpochRole:
 
     async def _hold_outbound(self, ep: Epoch, hop: int, dst: str, ready: trio.Event) -> None:
         assert self.host is not None
-        hello = Control("hop", {"epoch": ep.plan.epoch, "hop": hop}).to_frame()
+        hello = ctl.Hop(ep.plan.epoch, hop).to_frame()
         try:
             if self.fastpath is not None:
                 link = FrameLink(await self.fastpath.dial(dst, timeout=LINK_TIMEOUT_S))
@@ -364,10 +363,9 @@ class EpochRole:
 
     async def _serve_act(self, peer: str, fs: Link) -> None:
         hello = parse_message(await fs.receive(timeout=RPC_TIMEOUT_S))
-        if not isinstance(hello, Control) or hello.op != "hop":
+        if not isinstance(hello, ctl.Hop):
             raise ProtocolError(f"peer {peer}: activation stream must start with a hop hello")
-        epoch = hello.body_reader().int("epoch", 0, EPOCH_MAX)
-        hop = hello.body_reader().int("hop", 0, 1 << 16)
+        epoch, hop = hello.epoch, hello.hop
         ep = self._current(epoch)
         path = hops(ep.plan)
         if hop >= len(path) or path[hop] != (peer, self.peer_id):

@@ -55,7 +55,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import trio
@@ -73,15 +73,14 @@ from swarm.net.fastpath_host import FastpathService, open_fastpath_service
 from swarm.net.host import SwarmHost, open_host
 from swarm.net.streams import FramedStream
 from swarm.node.authority import (
-    EPOCH_MAX,
     FaultClaims,
     check_epoch_step,
     check_fault_report,
 )
 from swarm.node.capacity import Admission
+from swarm.node.control import Dispatcher, role_of
 from swarm.node.epoch import (
     LINK_TIMEOUT_S,
-    PROTO_ACT,
     RPC_TIMEOUT_S,
     Epoch,
     EpochRole,
@@ -94,16 +93,15 @@ from swarm.node.loopwatch import LoopWatch
 from swarm.node.membership import MemberEvent, Membership, MembershipService
 from swarm.planner import ModelSpec, Peer, Plan, parse_peers_file
 from swarm.planner import plan as make_plan
-from swarm.proto.control import Control
+from swarm.proto import control as ctl
+from swarm.proto.limits import PROTO_ACT, PROTO_GEN, PROTO_RING
 from swarm.proto.messages import Message, parse_message
 from swarm.proto.messages import Plan as PlanMsg
 from swarm.proto.signed import sign_plan, verify_plan
 from swarm.proto.signing import peer_id_of
 
 log = logging.getLogger("swarm.node")
-
-PROTO_RING = "/shard-swarm/ring/1"
-PROTO_GEN = "/shard-swarm/gen/1"
+R = TypeVar("R", bound=ctl.Control)
 
 LOAD_TIMEOUT_S = 600.0
 SWITCH_INTERVAL_S = 0.001  # the GIL's hand-over interval in a node process (see Node.run)
@@ -243,6 +241,12 @@ class Node(EpochRole):
         self.hop_paths: dict[int, str] = {}  # hop index -> "direct" | "libp2p" | "local", for status
         self.loopwatch = LoopWatch()  # how long the trio loop is held (status "loop")
         self.admission = Admission()  # generations the ring's KV memory holds at once (capacity.py)
+        self.ring = Dispatcher(self, {
+            PlanMsg: self._on_plan, ctl.Connect: self._on_connect, ctl.Serve: self._on_serve,
+            ctl.Current: self._on_current, ctl.Ended: self._on_ended, ctl.Leaving: self._on_leaving,
+            ctl.Leave: self._on_leave, ctl.Fault: self._on_fault,
+        }, PROTO_RING)  # fmt: skip
+        self.gen_roles = Dispatcher(self, {}, PROTO_GEN)  # generation requests' roles (service.py)
 
     def __repr__(self) -> str:
         return f"Node({self.peer_id[:12]}…)"
@@ -325,7 +329,7 @@ class Node(EpochRole):
             return
         try:
             with trio.fail_after(RPC_TIMEOUT_S):
-                await self._ring_call(self.leader(), Control("ended", {"epoch": ended.plan.epoch}).to_frame())
+                await self._ring_call(self.leader(), ctl.Ended(ended.plan.epoch))
         except (SwarmError, trio.TooSlowError) as exc:
             log.info("could not tell the leader that epoch %d ended: %s", ended.plan.epoch, exc)
 
@@ -333,6 +337,16 @@ class Node(EpochRole):
         self.notice(f"this node was stopped for {gap:.1f} s: it catches up with the swarm before it plans")
         self._cut_off_since = trio.current_time()
         self._kick_leader()
+
+    def admitted_role(self, peer: str) -> str | None:
+        """"member", "client" or None (not admitted), as the host tells it (control.role_of)."""
+        assert self.host is not None and self.service is not None
+        return role_of(self.host, peer, advertised=self.service.membership.get(peer) is not None)
+
+    def epoch_roles(self, epoch: int) -> tuple[str, set[str]]:
+        """(the plan's signer, the coordinator and ring) of ``epoch``, the current one here."""
+        ep = self._current(epoch)
+        return peer_id_of(ep.signer), {ep.plan.coordinator, *ep.plan.ring}
 
     def members(self) -> list[str]:
         """Live members that have advertised (clients that only ask for generations never do)."""
@@ -465,12 +479,12 @@ class Node(EpochRole):
         # every member learns the plan (a standby can then relay requests to the coordinator);
         # only the participants' answers gate the epoch
         t0 = trio.current_time()
-        await self._phase(participants, "plan", lambda: msg.to_frame(), "loaded", LOAD_TIMEOUT_S, best_effort=others)
+        await self._phase(participants, msg, ctl.Loaded, LOAD_TIMEOUT_S, best_effort=others)
         t1 = trio.current_time()
-        linked = await self._phase(participants, "connect", lambda: Control("connect", {"epoch": plan.epoch}).to_frame(), "linked", LINK_TIMEOUT_S)
+        linked = await self._phase(participants, ctl.Connect(plan.epoch), ctl.Linked, LINK_TIMEOUT_S)
         t2 = trio.current_time()
-        labels = {str(k): v for body in linked.values() for k, v in _hop_labels(body.get("hops")).items()}
-        await self._phase([plan.coordinator], "serve", lambda: Control("serve", {"epoch": plan.epoch, "hops": labels}).to_frame(), "serving", LINK_TIMEOUT_S)
+        labels = {k: v for reply in linked.values() for k, v in reply.hops.items()}
+        await self._phase([plan.coordinator], ctl.Serve(plan.epoch, labels), ctl.Serving, LINK_TIMEOUT_S)
         t3 = trio.current_time()
         since = "" if ended_at is None else f", {t3 - ended_at:.3f} s after the last one ended"
         log.info(
@@ -529,7 +543,7 @@ class Node(EpochRole):
 
         async def ask(peer: str) -> None:
             try:
-                msg = await self._ring_call(peer, Control("current", {}).to_frame(), CATCH_UP_TIMEOUT_S)
+                msg = await self._ring_call(peer, ctl.Current(), CATCH_UP_TIMEOUT_S)
                 nonlocal answered
                 answered += 1
                 if isinstance(msg, PlanMsg) and msg.signer is not None:
@@ -544,10 +558,9 @@ class Node(EpochRole):
                     check_epoch_step(msg.epoch, mine, f"plan shown by {peer}")
                     plan_from_body(msg.epoch, msg.plan)  # well-formed, or it is not taken
                     found.append(msg)
-                elif isinstance(msg, Control) and isinstance(msg.body.get("plan"), dict):
-                    n = msg.body_reader().int("epoch", 0, EPOCH_MAX)
-                    check_epoch_step(n, mine, f"ended plan shown by {peer}")
-                    ended.append(plan_from_body(n, msg.body["plan"]))
+                elif isinstance(msg, ctl.NoPlan) and msg.plan is not None and msg.epoch is not None:
+                    check_epoch_step(msg.epoch, mine, f"ended plan shown by {peer}")
+                    ended.append(plan_from_body(msg.epoch, msg.plan))
             except (SwarmError, KeyError, TypeError, ValueError) as exc:
                 log.info("catching up: %s did not say what it serves: %s", peer, exc)
 
@@ -574,14 +587,14 @@ class Node(EpochRole):
             return
         self._informed |= set(new)
         self._on_event(f"{len(new)} new peer(s) join as standbys of epoch {msg.epoch}")
-        await self._phase([], "plan", lambda: msg.to_frame(), "loaded", RPC_TIMEOUT_S, best_effort=new)
+        await self._phase([], msg, ctl.Loaded, RPC_TIMEOUT_S, best_effort=new)
 
     async def _phase(
-        self, peers: list[str], name: str, make: Callable[[], Any], want: str, timeout: float,
-        best_effort: Sequence[str] = (),
-    ) -> dict[str, dict[str, Any]]:
-        """Send ``make()`` to every peer, wait for ``want`` from each; their reply bodies."""
-        bodies: dict[str, dict[str, Any]] = {}
+        self, peers: list[str], msg: Message, want: type[R], timeout: float, best_effort: Sequence[str] = (),
+    ) -> dict[str, R]:
+        """Send ``msg`` to every peer, wait for a ``want`` reply from each; their replies."""
+        name = getattr(msg, "OP", "plan")
+        replies: dict[str, R] = {}
 
         async def maybe(peer: str) -> None:
             try:
@@ -591,15 +604,11 @@ class Node(EpochRole):
                 log.info("standby %s did not take %s: %s", peer, name, exc)
 
         async def one(peer: str) -> None:
-            reply: Message
             if peer == self.peer_id:
-                reply = await self._ring_request(self.peer_id, make())
+                reply = await self.ring(self.peer_id, msg)
             else:
-                reply = await self._ring_call(peer, make(), timeout)
-            if not isinstance(reply, Control) or reply.op != want:
-                detail = reply.body.get("message", "") if isinstance(reply, Control) else repr(reply)
-                raise PeerError(f"peer {peer} answered {name} with {getattr(reply, 'op', reply)}: {detail}")
-            bodies[peer] = dict(reply.body)
+                reply = await self._ring_call(peer, msg, timeout)
+            replies[peer] = ctl.expect(reply, want, peer, name)
 
         try:
             with trio.fail_after(timeout + 5):
@@ -615,82 +624,81 @@ class Node(EpochRole):
             if err is None:
                 raise
             raise err from None
-        return bodies
+        return replies
 
     # -- every peer: the ring protocol ------------------------------------------------------
 
-    async def _ring_call(self, peer: str, frame: Any, timeout: float = RPC_TIMEOUT_S) -> Message:
+    async def _ring_call(self, peer: str, msg: Message, timeout: float = RPC_TIMEOUT_S) -> Message:
         """One request to ``peer`` on the ring protocol and its reply; opening the stream is
         bounded by RPC_TIMEOUT_S (or ``timeout`` if shorter), the reply by ``timeout``."""
         assert self.host is not None
         async with self.host.open_stream(peer, PROTO_RING, timeout=min(timeout, RPC_TIMEOUT_S)) as fs:
-            await fs.send(frame)
+            await fs.send(msg.to_frame())
             return parse_message(await fs.receive(timeout=timeout))
 
     async def _serve_ring(self, peer: str, fs: FramedStream) -> None:
         frame = await fs.receive(timeout=RPC_TIMEOUT_S)
-        reply = await self._ring_request(peer, frame)
-        await fs.send(reply.to_frame())
-
-    async def _ring_request(self, peer: str, frame: Any) -> Control | PlanMsg:
         try:
             msg = parse_message(frame)
-            if isinstance(msg, PlanMsg):
-                await self._accept_plan(peer, msg)
-                return Control("loaded", {"epoch": msg.epoch})
-            if isinstance(msg, Control) and msg.op == "current":  # what we serve, for a peer catching up
-                ep = self.epoch
-                if ep is not None and not ep.done.is_set() and ep.msg is not None:
-                    return ep.msg
-                if ep is not None and ep.msg is not None:  # ended: its plan still says who held what
-                    return Control("none", {"epoch": ep.plan.epoch, "plan": ep.msg.plan})
-                return Control("none", {})
-            if isinstance(msg, Control) and msg.op == "ended":  # a member's ring ended; are we behind?
-                n = msg.body_reader().int("epoch", 0, EPOCH_MAX)
-                mine = self.epoch.plan.epoch if self.epoch is not None else 0
-                if peer not in self.members():
-                    raise ProtocolError(f"ended from {peer}, which is not an advertised member")
-                check_epoch_step(n, mine, f"ended from {peer}")
-                ep = self.epoch
-                if n == mine and ep is not None and not ep.done.is_set() and self.leader() == self.peer_id:
-                    # a hop of our ring broke where we cannot see it (a relayed connection that
-                    # DCUtR replaced took its streams along): the ring cannot serve; re-plan
-                    self._end_epoch(f"{peer} reports that epoch {n} ended")
-                    return Control("serving", {})
-                if n > mine and self.leader() == self.peer_id and self._cut_off_since is None:
-                    self.notice(f"{peer} served epoch {n}, newer than ours ({mine}): catching up with the swarm")
-                    self._cut_off_since = float("-inf")  # no settling: the swarm waits on us
-                    self._kick_leader()
-                return Control("serving", {})
-            if isinstance(msg, Control) and msg.op == "connect":
-                epoch = msg.body_reader().int("epoch", 0, EPOCH_MAX)
-                self._check_from_plan_signer(peer, "connect", epoch)
-                await self._connect(epoch)
-                return Control("linked", {"hops": {str(k): v for k, v in self.hop_labels(epoch).items()}})
-            if isinstance(msg, Control) and msg.op == "leaving":  # never plan with it, nor take its plans
-                if peer not in self.members():
-                    raise ProtocolError(f"leaving from {peer}, which is not an advertised member")
-                self._leaving.add(peer)
-                self._kick_leader()
-                return Control("serving", {})
-            if isinstance(msg, Control) and msg.op == "leave":
-                if peer not in self.members():
-                    raise ProtocolError(f"leave from {peer}, which is not an advertised member")
-                await self._handle_leave(peer)
-                return Control("serving", {})
-            if isinstance(msg, Control) and msg.op == "fault":
-                body = msg.body_reader()
-                self._fault_report(peer, body.str("peer", 128), body.int("epoch", 0, EPOCH_MAX), body.str("reason", 1000))
-                return Control("serving", {})
-            if isinstance(msg, Control) and msg.op == "serve":
-                epoch = msg.body_reader().int("epoch", 0, EPOCH_MAX)
-                self._check_from_plan_signer(peer, "serve", epoch)
-                await self._start_serving(epoch, _hop_labels(msg.body.get("hops")))
-                return Control("serving", {})
-            raise ProtocolError(f"unexpected {msg!r} on {PROTO_RING}")
-        except SwarmError as exc:
-            log.warning("ring request from %s failed: %s", peer, exc)
-            return Control("fail", {"code": type(exc).__name__, "message": str(exc)[:900]})
+        except ProtocolError as exc:
+            await fs.send(ctl.fail_of(exc).to_frame())
+            return
+        reply = await self.ring(peer, msg)
+        await fs.send(reply.to_frame())
+
+    # the ring protocol's handlers (control.py checked the sender's role)
+
+    async def _on_plan(self, peer: str, msg: PlanMsg) -> Message:
+        await self._accept_plan(peer, msg)
+        return ctl.Loaded(msg.epoch)
+
+    async def _on_current(self, peer: str, msg: ctl.Current) -> Message:
+        """What we serve, for a peer catching up (an ended epoch's plan still says who held what)."""
+        ep = self.epoch
+        if ep is not None and not ep.done.is_set() and ep.msg is not None:
+            return ep.msg
+        if ep is not None and ep.msg is not None:
+            return ctl.NoPlan(ep.plan.epoch, ep.msg.plan)
+        return ctl.NoPlan()
+
+    async def _on_ended(self, peer: str, msg: ctl.Ended) -> Message:
+        """A member's ring ended: are we behind?"""
+        n = msg.epoch
+        mine = self.epoch.plan.epoch if self.epoch is not None else 0
+        check_epoch_step(n, mine, f"ended from {peer}")
+        ep = self.epoch
+        if n == mine and ep is not None and not ep.done.is_set() and self.leader() == self.peer_id:
+            # a hop of our ring broke where we cannot see it (a relayed connection that
+            # DCUtR replaced took its streams along): the ring cannot serve; re-plan
+            self._end_epoch(f"{peer} reports that epoch {n} ended")
+            return ctl.Serving()
+        if n > mine and self.leader() == self.peer_id and self._cut_off_since is None:
+            self.notice(f"{peer} served epoch {n}, newer than ours ({mine}): catching up with the swarm")
+            self._cut_off_since = float("-inf")  # no settling: the swarm waits on us
+            self._kick_leader()
+        return ctl.Serving()
+
+    async def _on_connect(self, peer: str, msg: ctl.Connect) -> Message:
+        await self._connect(msg.epoch)
+        return ctl.Linked({str(k): v for k, v in self.hop_labels(msg.epoch).items()})
+
+    async def _on_leaving(self, peer: str, msg: ctl.Leaving) -> Message:
+        """Never plan with it, nor take its plans."""
+        self._leaving.add(peer)
+        self._kick_leader()
+        return ctl.Serving()
+
+    async def _on_leave(self, peer: str, msg: ctl.Leave) -> Message:
+        await self._handle_leave(peer)
+        return ctl.Serving()
+
+    async def _on_fault(self, peer: str, msg: ctl.Fault) -> Message:
+        self._fault_report(peer, msg.peer, msg.epoch, msg.reason)
+        return ctl.Serving()
+
+    async def _on_serve(self, peer: str, msg: ctl.Serve) -> Message:
+        await self._start_serving(msg.epoch, {int(k): v for k, v in msg.hops.items() if k.isdigit()})
+        return ctl.Serving()
 
     # -- leaving on purpose ----------------------------------------------------------------
 
@@ -727,10 +735,10 @@ class Node(EpochRole):
         self.notice(f"leaving: asking the leader {leader[:16]}… to re-plan without this node")
         try:
             with trio.fail_after(max(0.1, deadline - trio.current_time())):
-                reply = await self._ring_call(leader, Control("leave", {}).to_frame(), timeout)
-            if not isinstance(reply, Control) or reply.op != "serving":
-                why = reply.body.get("message", "") if isinstance(reply, Control) else repr(reply)
-                raise PeerError(f"the leader refused our leave: {why}")
+                reply = await self._ring_call(leader, ctl.Leave(), timeout)
+            if isinstance(reply, ctl.Fail):
+                raise reply.error("the leader refused our leave: ")
+            ctl.expect(reply, ctl.Serving, leader, "leave")
             self.life("handover", result="done", leader=leader)
         except trio.TooSlowError:
             self.notice(f"leaving without a hand-over (no new ring within {timeout:.0f} s)")
@@ -741,7 +749,7 @@ class Node(EpochRole):
 
     async def _tell_leaving(self, peer: str) -> None:
         try:
-            await self._ring_call(peer, Control("leaving", {}).to_frame(), LEAVING_NOTICE_S)
+            await self._ring_call(peer, ctl.Leaving(), LEAVING_NOTICE_S)
         except SwarmError as exc:
             log.info("could not tell %s that we leave: %s", peer, exc)
 
@@ -769,20 +777,11 @@ class Node(EpochRole):
                 self._fault_report(self.peer_id, peer, epoch, reason)
                 return
             with trio.fail_after(RPC_TIMEOUT_S):
-                reply = await self._ring_call(
-                    self.leader(), Control("fault", {"peer": peer, "epoch": epoch, "reason": reason[:900]}).to_frame()
-                )
-            if isinstance(reply, Control) and reply.op == "fail":
-                log.warning("the leader refused our report about %s: %s", peer, _printable(str(reply.body.get("message", ""))))
+                reply = await self._ring_call(self.leader(), ctl.Fault(peer, epoch, reason[:900]))
+            if isinstance(reply, ctl.Fail):
+                log.warning("the leader refused our report about %s: %s", peer, _printable(reply.message))
         except (SwarmError, trio.TooSlowError) as exc:
             log.warning("could not report %s to the leader: %s", peer, exc)
-
-    def _check_from_plan_signer(self, peer: str, op: str, epoch: int) -> None:
-        """``connect`` and ``serve`` drive an epoch's set-up: only its plan's signer may send them."""
-        ep = self._current(epoch)
-        signer = peer_id_of(ep.signer)
-        if peer != signer:
-            raise ProtocolError(f"{op} for epoch {epoch} from {peer}: only the plan's signer {signer} may send it")
 
     def _fault_report(self, accuser: str, accused: str, epoch: int, reason: str) -> None:
         """Leader: weigh a report that ``accused`` sent ``accuser`` bad activations."""
@@ -839,19 +838,9 @@ class Node(EpochRole):
         raise PeerTimeout(f"no ring without {peer} within {LEAVE_TIMEOUT_S:.0f} s")
 
     async def _serve_gen(self, peer: str, fs: FramedStream) -> None:
-        from swarm.node.service import serve_generation
+        from swarm.node.service import serve_gen
 
-        await serve_generation(self, peer, fs)
-
-
-def _hop_labels(raw: Any) -> dict[int, str]:
-    """A peer's ``{"hop index": "path label"}`` (linked / serve bodies), bounded; junk dropped."""
-    out: dict[int, str] = {}
-    if isinstance(raw, dict):
-        for k, v in list(raw.items())[:64]:
-            if isinstance(k, str) and k.isdigit() and isinstance(v, str):
-                out[int(k)] = v[:200]
-    return out
+        await serve_gen(self, peer, fs)
 
 
 def _listen_ip(listen: tuple[str, ...]) -> str:
@@ -869,7 +858,7 @@ def _announce(announce: tuple[str, ...], host: SwarmHost) -> list[str]:
     return [a if "/p2p/" in a else f"{a}/p2p/{host.peer_id}" for a in announce]
 
 
-__all__ = ["Node", "NodeSettings", "PROTO_ACT", "PROTO_GEN", "PROTO_RING", "hops"]
+__all__ = ["Node", "NodeSettings", "hops"]
 
 
 def _printable(text: str) -> str:

@@ -1,12 +1,16 @@
-"""The generation service on ``/shard-swarm/gen/1``: requests in, tokens and a receipt out.
+"""The generation service: requests in, tokens and a receipt out, in-process or on ``gen/1``.
 
-A client (``shard-swarm generate``, the demo, the API) opens one stream per request to any peer
-and sends a CONTROL ``gen`` (prompt ids, or text that the coordinator tokenizes, with or without
-the chat template) or ``status``. The coordinator answers ``gen`` with ``tokens`` frames as
-tokens commit (ids plus their text) and one ``done`` frame carrying the run receipt; a peer that
-is not the coordinator relays the request to it, so users can point their tools at their own
-machine. Anything that cannot be served is answered with ``fail`` (code + message), never by
-silence: every wait here has a deadline.
+A request is one :class:`~swarm.proto.control.Gen` (prompt ids, or text that the coordinator
+tokenizes, with or without the chat template), already checked against its bounds where it was
+made or decoded. :func:`generate` serves it on this node, whatever the caller: the coordinator
+runs it and streams its tokens to a :class:`GenSink` as they commit, and returns the run
+receipt; a peer that is not the coordinator relays it there over ``/shard-swarm/gen/1``, so users
+can point their tools at their own machine. The API server of this node calls :func:`generate`
+directly; :func:`serve_gen` is the same service for a client on the network (``shard-swarm
+generate``, the demo, a relaying peer): a ``gen`` or ``status`` request in, ``tokens`` and
+``notice`` frames and one ``done`` (the receipt) or ``status_reply`` out. Anything that cannot be
+served is answered with a typed ``fail`` (control.fail_of), never by silence: every wait here has
+a deadline.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
 
@@ -27,7 +31,6 @@ from swarm.errors import (
     FaultyPeer,
     PeerError,
     PeerLost,
-    PeerTimeout,
     PlanningError,
     ProtocolError,
     SwarmError,
@@ -37,10 +40,11 @@ from swarm.model.drafters import NgramDrafter
 from swarm.model.sampling import SamplingParams
 from swarm.model.speculative import DraftSource, KPolicy
 from swarm.net.streams import FramedStream
-from swarm.node.capacity import Busy
 from swarm.node.coordinator import RingGeneration, RingRun
 from swarm.node.errors_util import unwrap
-from swarm.proto.control import Body, Control
+from swarm.proto import control as ctl
+from swarm.proto.control import MAX_DEPTH, Gen
+from swarm.proto.limits import PROTO_GEN
 from swarm.proto.messages import parse_message
 
 if TYPE_CHECKING:
@@ -52,39 +56,90 @@ REQUEST_TIMEOUT_S = 20.0
 RECOVERY_TIMEOUT_S = 120.0  # a re-plan may include loading a block
 NOTICE_EVERY_S = 2.0  # while a run waits for a re-plan, its client hears this often that it does
 PROBLEM_GRACE_S = 3.0  # how long the planner may call the swarm too small before a run gives up
-MAX_NEW_TOKENS = 4096
-MAX_TEXT = 64 * 1024
 
 
-async def serve_generation(node: Node, peer: str, fs: FramedStream) -> None:
+class GenSink(Protocol):
+    """Where a generation's news goes as it happens (the receipt is :func:`generate`'s value)."""
+
+    async def tokens(self, ids: list[int], text: str) -> None: ...
+
+    async def notice(self, text: str) -> None: ...
+
+
+class _StreamSink:
+    """A client on a gen stream: tokens and notices as frames."""
+
+    def __init__(self, fs: FramedStream) -> None:
+        self.fs = fs
+
+    async def tokens(self, ids: list[int], text: str) -> None:
+        await self.fs.send(ctl.Tokens(tuple(ids), text).to_frame())
+
+    async def notice(self, text: str) -> None:
+        await self.fs.send(ctl.Notice(text[:1000]).to_frame())
+
+
+async def serve_gen(node: Node, peer: str, fs: FramedStream) -> None:
+    """``/shard-swarm/gen/1``: one ``gen`` or ``status`` request from ``peer``."""
     frame = await fs.receive(timeout=REQUEST_TIMEOUT_S)
     try:
         msg = parse_message(frame)
-        if not isinstance(msg, Control) or msg.op not in ("gen", "status"):
+        if not isinstance(msg, Gen | ctl.Status):
             raise ProtocolError(f"expected a gen or status request, got {msg!r}")
-        if msg.op == "status":
-            ep = node.epoch
-            want_coord = msg.body_reader().bool("coordinator", default=False)
-            if want_coord and ep is not None and not ep.done.is_set() and ep.plan.coordinator != node.peer_id:
-                await _relay(node, ep.plan.coordinator, frame, fs)
-            else:
-                window = msg.body_reader().int("loop_window_s", 1, 300, default=60)
-                await fs.send(Control("status_reply", status(node, loop_window_s=window)).to_frame())
+        node.gen_roles.check(peer, msg)
+        if isinstance(msg, ctl.Status):
+            await fs.send(ctl.StatusReply(await request_status(node, msg)).to_frame())
             return
-        wait_s = msg.body_reader().float("wait_s", 0.0, 600.0, default=0.0)
-        ep = await _serving_epoch(node, wait_s)
-        if ep.plan.coordinator != node.peer_id:
-            await _relay(node, ep.plan.coordinator, frame, fs)
-            return
-        await _generate(node, ep, msg, fs)
+        receipt = await _until_hung_up(fs, lambda: generate(node, msg, _StreamSink(fs)))
+        await fs.send(ctl.Done(receipt).to_frame())
     except SwarmError as exc:
         log.info("request from %s failed: %s", peer, exc)
-        code = "bad_request" if isinstance(exc, UsageError | ProtocolError) else (
-            "cannot_serve" if isinstance(exc, PlanningError) else "busy" if isinstance(exc, Busy) else "unavailable")  # fmt: skip
-        body: dict[str, Any] = {"code": code, "message": str(exc)[:900]}
-        if isinstance(exc, Busy):
-            body["retry_after_s"] = exc.retry_after_s
-        await fs.send(Control("fail", body).to_frame())
+        await fs.send(ctl.fail_of(exc).to_frame())
+
+
+async def _until_hung_up(fs: FramedStream, work: Callable[[], Any]) -> Any:
+    """Run ``work`` until it returns, or until the client ends its stream (it sends nothing
+    more: any end of it means it hung up), which stops the generation (PeerLost)."""
+    result: list[Any] = []
+    try:
+        async with trio.open_nursery() as nursery:
+
+            async def watch() -> None:
+                with contextlib.suppress(SwarmError):
+                    await fs.receive(timeout=math.inf)
+                log.info("the client went away: stopping its generation")
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(watch)
+            result.append(await work())
+            nursery.cancel_scope.cancel()
+    except BaseExceptionGroup as eg:
+        raise unwrap(eg) from None
+    if not result:
+        raise PeerLost("the client hung up")
+    return result[0]
+
+
+async def request_status(node: Node, req: ctl.Status) -> dict[str, Any]:
+    """This node's status, or (``req.coordinator``) the serving coordinator's, relayed."""
+    ep = node.epoch
+    if req.coordinator and ep is not None and not ep.done.is_set() and ep.plan.coordinator != node.peer_id:
+        assert node.host is not None
+        async with node.host.open_stream(ep.plan.coordinator, PROTO_GEN, timeout=REQUEST_TIMEOUT_S) as up:
+            await up.send(ctl.Status(coordinator=True, loop_window_s=req.loop_window_s).to_frame())
+            reply = parse_message(await up.receive(timeout=REQUEST_TIMEOUT_S))
+        return dict(ctl.expect(reply, ctl.StatusReply, ep.plan.coordinator, "status").status)
+    return status(node, loop_window_s=req.loop_window_s)
+
+
+async def generate(node: Node, req: Gen, sink: GenSink) -> dict[str, Any]:
+    """Serve ``req`` from this node: run it here if we coordinate the serving ring, else relay it
+    to the coordinator; its tokens go to ``sink``, its receipt is returned. Cancelling the call
+    stops the generation (on every stage, or at the coordinator we relay to)."""
+    ep = await _serving_epoch(node, req.wait_s)
+    if ep.plan.coordinator != node.peer_id:
+        return await _relay(node, ep.plan.coordinator, req, sink)
+    return await _generate(node, ep, req, sink)
 
 
 async def _serving_epoch(node: Node, wait_s: float) -> Any:
@@ -102,36 +157,32 @@ async def _serving_epoch(node: Node, wait_s: float) -> Any:
         await trio.sleep(0.1)
 
 
-async def _relay(node: Node, coordinator: str, frame: Any, fs: FramedStream) -> None:
+async def _relay(node: Node, coordinator: str, req: Gen, sink: GenSink) -> dict[str, Any]:
+    """Pass ``req`` to the coordinator and its news back to ``sink``; its receipt."""
     assert node.host is not None
-    async with node.host.open_stream(coordinator, "/shard-swarm/gen/1", timeout=REQUEST_TIMEOUT_S) as up:
+    async with node.host.open_stream(coordinator, PROTO_GEN, timeout=REQUEST_TIMEOUT_S) as up:
         finished = False
         try:
-            await up.send(frame)
+            await up.send(req.to_frame())
             while True:
-                reply = await up.receive(timeout=node.settings.chunk_timeout + 5)
-                await fs.send(reply)
-                msg = parse_message(reply)
-                if isinstance(msg, Control) and msg.op in ("done", "fail", "status_reply"):
+                reply = parse_message(await up.receive(timeout=node.settings.chunk_timeout + 5))
+                if isinstance(reply, ctl.Tokens):
+                    await sink.tokens(list(reply.ids), reply.text)
+                elif isinstance(reply, ctl.Notice):
+                    await sink.notice(reply.text)
+                else:
                     finished = True
-                    return
+                    if isinstance(reply, ctl.Fail):
+                        raise reply.error()  # the coordinator's words, as they were
+                    return dict(ctl.expect(reply, ctl.Done, coordinator, "gen").receipt)
         finally:
             if not finished:  # our client went away (or the coordinator did): stop the generation
                 with trio.CancelScope(shield=True), trio.move_on_after(2):
                     await up.reset()
 
 
-def sampling_from(body: Body) -> SamplingParams:
-    seed = body.optional("seed")
-    return SamplingParams(
-        temperature=body.float("temperature", 0.0, 100.0, default=0.0),
-        top_k=body.int("top_k", 0, 1 << 20, default=0),
-        top_p=body.float("top_p", 0.0, 1.0, default=1.0),
-        seed=body.int("seed", 0, (1 << 63) - 1) if seed is not None else 0,
-    )
-
-
-MAX_DEPTH = 4  # verify chunks in flight at most
+def sampling_of(req: Gen) -> SamplingParams:
+    return SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=req.seed or 0)
 
 
 def ring_depth(node: Node, plan: Any) -> int:
@@ -160,29 +211,32 @@ def make_drafter(name: str, *, depth: int, draft_k: int | None) -> tuple[DraftSo
     raise UsageError(f"unknown draft {name!r}: choose ngram or none")
 
 
-async def _generate(node: Node, ep: Any, msg: Control, fs: FramedStream) -> None:
-    body = msg.body_reader()
+async def _prompt(node: Node, req: Gen) -> list[int]:
+    """The prompt's token ids: ``req.ids``, or its text tokenized here (then ``ids`` are the
+    tokens a lost coordinator had committed, resumed after the text's)."""
+    if req.text is None:
+        return list(req.ids)
+    tok = node.tokenizer
+    if tok is None:
+        raise UsageError("this coordinator has no tokenizer: send prompt token ids")
+    text = req.text
+    if req.chat:
+        text = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    if len(text) > 2048:  # ~1 ms per KB: a long prompt is tokenized off the trio loop
+        prompt = await trio.to_thread.run_sync(lambda: tok.encode(text, add_special_tokens=False))
+    else:
+        prompt = tok.encode(text, add_special_tokens=False)
+    return prompt + list(req.ids)
+
+
+async def _generate(node: Node, ep: Any, req: Gen, sink: GenSink) -> dict[str, Any]:
     coord = ep.coordinator
     tok = node.tokenizer
-    if msg.ids and body.optional("text") is None:
-        prompt = list(msg.ids)
-    else:  # text (with ids: the tokens a lost coordinator had committed, resumed after the text's)
-        text = body.str("text", MAX_TEXT)
-        if tok is None:
-            raise UsageError("this coordinator has no tokenizer: send prompt token ids")
-        if body.bool("chat", default=False):
-            text = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-        if len(text) > 2048:  # ~1 ms per KB: a long prompt is tokenized off the trio loop
-            prompt = await trio.to_thread.run_sync(lambda: tok.encode(text, add_special_tokens=False))
-        else:
-            prompt = tok.encode(text, add_special_tokens=False)
-        prompt += list(msg.ids)
-    max_new = body.int("max_new_tokens", 1, MAX_NEW_TOKENS, default=64)
-    params = sampling_from(body)
-    draft_name = body.str("draft", 16, default=node.settings.draft)
-    depth = body.int("depth", 1, MAX_DEPTH) if body.optional("depth") is not None else ring_depth(node, ep.plan)
-    draft_k = body.int("draft_k", 1, 32) if body.optional("draft_k") is not None else None
-    drafter, policy = make_drafter(draft_name, depth=depth, draft_k=draft_k)
+    prompt = await _prompt(node, req)
+    params = sampling_of(req)
+    draft_name = req.draft or node.settings.draft
+    depth = req.depth if req.depth is not None else ring_depth(node, ep.plan)
+    drafter, policy = make_drafter(draft_name, depth=depth, draft_k=req.draft_k)
     send, recv = trio.open_memory_channel[list[int] | str](math.inf)  # token ids, or a notice
     all_ids: list[int] = []
 
@@ -192,7 +246,7 @@ async def _generate(node: Node, ep: Any, msg: Control, fs: FramedStream) -> None
         prefix = read = 0
         async for ids in recv:
             if isinstance(ids, str):
-                await fs.send(Control("notice", {"text": ids}).to_frame())
+                await sink.notice(ids)
                 continue
             all_ids.extend(ids)
             piece = ""
@@ -202,7 +256,7 @@ async def _generate(node: Node, ep: Any, msg: Control, fs: FramedStream) -> None
                 if len(text) > len(before) and not text.endswith("\ufffd"):  # hold back half a character
                     piece = text[len(before):]
                     prefix, read = read, len(all_ids)
-            await fs.send(Control("tokens", {"text": piece}, tuple(ids)).to_frame())
+            await sink.tokens(ids, piece)
 
     t0 = time.time()
     replans: list[dict[str, Any]] = []
@@ -216,43 +270,27 @@ async def _generate(node: Node, ep: Any, msg: Control, fs: FramedStream) -> None
         send.send_nowait(list(ids))
 
     last_token = [time.time()]
-
-    run = coord.new_run(prompt, params=params, max_new_tokens=max_new, drafter=drafter, policy=policy, on_tokens=on_tokens)
-    hung_up = False
-
-    async def watch_client(cancel: trio.CancelScope) -> None:
-        nonlocal hung_up
-        # the client sends nothing more: any end of its stream means it hung up
-        with contextlib.suppress(SwarmError):
-            await fs.receive(timeout=math.inf)
-        hung_up = True
-        log.info("the client went away: stopping its generation")
-        cancel.cancel()
-
+    run = coord.new_run(prompt, params=params, max_new_tokens=req.max_new_tokens, drafter=drafter, policy=policy,
+                        on_tokens=on_tokens)  # fmt: skip
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(stream_out)
             try:
-                async with trio.open_nursery() as inner:
-                    inner.start_soon(watch_client, inner.cancel_scope)
-                    await node.admission.enter(send.send_nowait)  # a slot of the ring's KV memory (capacity.py)
-                    try:
-                        ep = await _drive_with_recovery(node, ep, run, replans, last_token, send.send_nowait)
-                    finally:
-                        node.admission.leave()
-                    inner.cancel_scope.cancel()
+                await node.admission.enter(send.send_nowait)  # a slot of the ring's KV memory (capacity.py)
+                try:
+                    ep = await _drive_with_recovery(node, ep, run, replans, last_token, send.send_nowait)
+                finally:
+                    node.admission.leave()
             finally:
                 send.close()
     except BaseExceptionGroup as eg:
         raise unwrap(eg) from None
-    if hung_up:
-        raise PeerLost("the client hung up")
     gen = run.gen
     receipt = build_receipt(node, ep, gen, params, started=t0)
     node.recent.append((gen.tokens_per_s, gen.tokens_per_traversal))
     receipt["replans"] = replans
-    receipt["draft"] = {"name": draft_name, "max_depth": depth if drafter is not None else 1, "draft_k": draft_k}
-    await fs.send(Control("done", receipt).to_frame())
+    receipt["draft"] = {"name": draft_name, "max_depth": depth if drafter is not None else 1, "draft_k": req.draft_k}
+    return receipt
 
 
 async def _drive_with_recovery(
@@ -272,9 +310,7 @@ async def _drive_with_recovery(
         try:
             await ep.coordinator.drive(run)
             return ep
-        except (PeerLost, PeerTimeout, PeerError) as exc:
-            if isinstance(exc, PeerError) and "bad_request" in str(exc):
-                raise
+        except PeerError as exc:  # the ring failed (lost, timed out, an error from a stage)
             failed_at = time.time()
             old = ep.plan
             # Whatever broke (a lost peer, a hop gone silent, a stage's error), this ring cannot

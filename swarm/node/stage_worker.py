@@ -61,15 +61,15 @@ import trio
 from swarm.errors import PeerLost, PeerTimeout, ProtocolError, SwarmError
 from swarm.model.batched import forward_many
 from swarm.model.stage import Stage
+from swarm.node.activation import Encoded, encode_hidden, hidden_chunk, hidden_result, read_hidden
 from swarm.node.errors_util import unwrap
 from swarm.node.links import Link
-from swarm.node.wire import decode_hidden, encode_hidden
-from swarm.proto.frame import DType, Frame, MsgType
+from swarm.proto.activation import Chunk, Error, Result, Rollback, SessionEnd
+from swarm.proto.frame import Frame, MsgType
 from swarm.proto.limits import DEFAULT_LIMITS, Limits
-from swarm.proto.messages import Chunk, Error, Result, Rollback, SessionEnd, parse_message
+from swarm.proto.messages import parse_message
 
 log = logging.getLogger("swarm.node.stage")
-Encoded = tuple[DType, tuple[int, ...], bytes]
 
 INLINE_MAX_S = 0.005  # a batch predicted to compute in less runs on the trio thread (see above)
 MAX_BATCH = 16  # sessions in one forward
@@ -242,9 +242,7 @@ class StageWorker:
         try:
             if msg.epoch != self.epoch:
                 raise ProtocolError(f"chunk for epoch {msg.epoch}, {where} serves epoch {self.epoch}")
-            h = decode_hidden(
-                msg.dtype, msg.shape, msg.data, dim=self.stage.args.dim, expect=self.dtype, peer=self.upstream
-            )
+            h = read_hidden(msg, dim=self.stage.args.dim, expect=self.dtype, peer=self.upstream)
         except SwarmError as exc:  # the upstream peer sent bad activations: name it as faulty
             self.stats.errors += 1
             log.warning("%r: bad activations from %s: %s", self, self.upstream, exc)
@@ -293,14 +291,14 @@ class StageWorker:
         st.max_batch = max(st.max_batch, len(batch))
         if len(batch) > 1:
             st.batched_chunks += len(batch)
-        for (msg, _), (dt, shape, data) in zip(batch, outs, strict=True):
+        for (msg, _), enc in zip(batch, outs, strict=True):
             st.chunks += 1
             st.tokens += msg.tokens
             reply: Chunk | Result
             if self.is_tail:
-                reply = Result(msg.session, msg.chunk_id, msg.pos, "hidden", dt, shape, data, msg.epoch)
+                reply = hidden_result(msg.session, msg.chunk_id, msg.pos, enc, msg.epoch)
             else:
-                reply = Chunk(msg.session, msg.chunk_id, msg.pos, msg.mode, dt, shape, data, msg.epoch, msg.flags)
+                reply = hidden_chunk(msg.session, msg.chunk_id, msg.pos, msg.mode, enc, msg.epoch, msg.flags)
             await outbound.send(reply.to_frame(), timeout=SEND_TIMEOUT_S)
             await trio.lowlevel.checkpoint()  # the fast path's hot send never yields
 

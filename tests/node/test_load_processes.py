@@ -19,7 +19,6 @@ import trio
 from swarm.model.generate import LocalModel, generate
 from swarm.node import client
 from swarm.node.launch import start_local_swarm
-from swarm.proto.control import Control
 from swarm.testing.checkpoints import TinySpec, write_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -63,7 +62,7 @@ async def test_eight_sessions_on_a_slow_ring_lose_no_peer_and_match_alone(ckpt: 
         statuses = []
         for i in range(3):
             async with client.open_client(swarm.addrs[i], secret=swarm.secret, swarm_id=swarm.swarm_id) as (h, peer):
-                statuses.append((await client.request(h, peer, Control("status", {"loop_window_s": window}))).body)
+                statuses.append(await client.status(h, peer, loop_window_s=window))
         logs = [swarm.log(i) for i in range(3)]
         assert all(swarm.alive()), [lg[-2000:] for lg in logs]
     for i, r in enumerate(got):
