@@ -107,11 +107,7 @@ class Dispatcher:
             raise Forbidden(f"{name} from {peer}, which is not admitted")
         if role == CLIENT:
             return
-        if kind != "member" or peer not in v.members():
-            raise Forbidden(f"{name} from {peer}, which is not an advertised member")
-        if role == LEADER and peer != v.leader():
-            raise Forbidden(f"{name} from {peer}: only the leader {v.leader()} may send it")
-        if role in (SIGNER, STAGE):
+        if role in (SIGNER, STAGE):  # the epoch's own roles (their holders are members by the plan)
             epoch = int(msg.epoch)  # type: ignore[attr-defined]  # Connect, Serve, Fault
             signer, stages = v.epoch_roles(epoch)
             if role == SIGNER and peer != signer:
@@ -121,6 +117,10 @@ class Dispatcher:
                     f"{name} from {peer}: a peer may report only its own upstream hop, and {peer} holds none "
                     f"in epoch {epoch}"
                 )
+        if kind != "member" or peer not in v.members():
+            raise Forbidden(f"{name} from {peer}, which is not an advertised member")
+        if role == LEADER and peer != v.leader():
+            raise Forbidden(f"{name} from {peer}: only the leader {v.leader()} may send it")
 
 
 def role_of(host: Any, peer: str, advertised: bool) -> str | None:
