@@ -3,7 +3,7 @@
 Theory of operation
 -------------------
 Inside a node process the endpoint is a ``NodeBackend``: it calls the node's generation service
-directly (``swarm.node.service.generate``, which runs the coordinator's generation or relays it
+directly (``swarm.node.service.GenService.generate``, which runs the coordinator's generation or relays it
 to the coordinator), so any peer can serve the API and nothing is serialised on the way in. As a
 client of a swarm (the demo's endpoint, tests) it is a ``ClientBackend``: the same request over
 libp2p on ``/shard-swarm/gen/1`` to a peer we are a client of.
@@ -43,7 +43,7 @@ from swarm.proto.messages import parse_message
 
 if TYPE_CHECKING:
     from swarm.net.host import SwarmHost
-    from swarm.node.runtime import Node
+    from swarm.node.peer import Peer
 
 log = logging.getLogger("swarm.api")
 
@@ -129,17 +129,17 @@ class Generation:
 class NodeBackend:
     """Requests go straight into this node's own generation service (no serialisation)."""
 
-    def __init__(self, node: Node, *, model_name: str | None = None) -> None:
-        s = node.settings
+    def __init__(self, peer: Peer, *, model_name: str | None = None) -> None:
+        s = peer.settings
+        if s.model_dir is None or peer.serving is None:
+            raise ApiError("the API needs a node that serves (it has no model)", status=503)
         info = _model_info(s.model_dir, s.context_tokens, model_name)
-        self.node = node
+        self.service = peer.serving.gen
         self.model_name, self.tokenizer = info.model_name, info.tokenizer
         self.context_tokens, self.vocab_size = info.context_tokens, info.vocab_size
 
     @contextlib.asynccontextmanager
     async def open_generation(self, req: ctl.Gen) -> AsyncIterator[Generation]:
-        from swarm.node.service import generate
-
         send, recv = trio.open_memory_channel[Event | SwarmError](math.inf)
 
         class Sink:
@@ -152,7 +152,7 @@ class NodeBackend:
         async def run() -> None:
             with send:
                 try:
-                    send.send_nowait(await generate(self.node, req, Sink()))
+                    send.send_nowait(await self.service.generate(req, Sink()))
                 except SwarmError as exc:
                     send.send_nowait(exc)
 

@@ -101,7 +101,8 @@ async def serve_bootstrap(
             await _serve_relay(host, identity.peer_id, ready)
         return
     from swarm.net.host import open_host
-    from swarm.node.membership import Membership, MembershipService
+    from swarm.node.gossip import MembershipService
+    from swarm.node.membership import Membership
 
     manifest = read_manifest(manifest_path)
     from swarm.manifest.pins import check_pin

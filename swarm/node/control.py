@@ -23,13 +23,17 @@ from the handler to the requester (``Fail.error``), never matched by their text.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
-from swarm.errors import Forbidden, ProtocolError, SwarmError
+import trio
+
+from swarm.errors import Forbidden, PeerError, ProtocolError, SwarmError
+from swarm.node.errors_util import first_leaf
 from swarm.proto import control as ctl
-from swarm.proto.messages import Message
+from swarm.proto.limits import PROTO_RING
+from swarm.proto.messages import Message, parse_message
 from swarm.proto.messages import Plan as PlanMsg
 
 log = logging.getLogger("swarm.node")
@@ -51,10 +55,12 @@ ROLES: dict[type[Message], str] = {
 }
 
 Handler = Callable[[str, Any], Awaitable[Message]]
+R = TypeVar("R", bound=ctl.Control)
+RPC_TIMEOUT_S = 20.0
 
 
 class RoleView(Protocol):
-    """What the dispatcher needs to know to tell a sender's role."""
+    """What the dispatcher needs to know to tell a sender's role (view.MemberView)."""
 
     peer_id: str
 
@@ -64,17 +70,15 @@ class RoleView(Protocol):
 
     def leader(self) -> str: ...
 
-    def epoch_roles(self, epoch: int) -> tuple[str, set[str]]:
-        """(the signer's peer ID, the coordinator and ring members) of ``epoch``, if it is the
-        current epoch here; ProtocolError otherwise."""
-        ...
-
 
 @dataclass
 class Dispatcher:
-    """Checks each request's sender against :data:`ROLES`, then runs its handler."""
+    """Checks each request's sender against :data:`ROLES`, then runs its handler.
+    ``epoch_roles(epoch)``: (the signer's peer ID, the coordinator and ring members) of
+    ``epoch`` if it is the current epoch here, ProtocolError otherwise (epochs.Epochs.roles)."""
 
     view: RoleView
+    epoch_roles: Callable[[int], tuple[str, set[str]]]
     handlers: Mapping[type[Message], Handler]
     what: str  # the protocol, for messages
 
@@ -109,7 +113,7 @@ class Dispatcher:
             return
         if role in (SIGNER, STAGE):  # the epoch's own roles (their holders are members by the plan)
             epoch = int(msg.epoch)  # type: ignore[attr-defined]  # Connect, Serve, Fault
-            signer, stages = v.epoch_roles(epoch)
+            signer, stages = self.epoch_roles(epoch)
             if role == SIGNER and peer != signer:
                 raise Forbidden(f"{name} for epoch {epoch} from {peer}: only the plan's signer {signer} may send it")
             if role == STAGE and peer not in stages:
@@ -133,3 +137,67 @@ def role_of(host: Any, peer: str, advertised: bool) -> str | None:
     if not host.is_admitted(peer):
         return None
     return "member" if advertised else "client"
+
+
+class RingClient:
+    """Requests to other peers on ``/shard-swarm/ring/1`` (our own go through ``local``)."""
+
+    def __init__(self, host: Any, peer_id: str, local: Dispatcher, *, rpc_timeout: float = RPC_TIMEOUT_S) -> None:
+        self.host = host
+        self.peer_id = peer_id
+        self.local = local
+        self.rpc_timeout = rpc_timeout
+
+    async def call(self, peer: str, msg: Message, timeout: float = RPC_TIMEOUT_S) -> Message:
+        """One request to ``peer`` and its reply; opening the stream is bounded by RPC_TIMEOUT_S
+        (or ``timeout`` if shorter), the reply by ``timeout``."""
+        if peer == self.peer_id:
+            return await self.local(peer, msg)
+        async with self.host.open_stream(peer, PROTO_RING, timeout=min(timeout, self.rpc_timeout)) as fs:
+            await fs.send(msg.to_frame())
+            return parse_message(await fs.receive(timeout=timeout))
+
+    async def serve(self, peer: str, fs: Any) -> None:
+        """The ring protocol's server: one request, one reply."""
+        frame = await fs.receive(timeout=self.rpc_timeout)
+        try:
+            msg = parse_message(frame)
+        except ProtocolError as exc:
+            await fs.send(ctl.fail_of(exc).to_frame())
+            return
+        reply = await self.local(peer, msg)
+        await fs.send(reply.to_frame())
+
+    async def phase(
+        self, peers: Sequence[str], msg: Message, want: type[R], timeout: float, best_effort: Sequence[str] = ()
+    ) -> dict[str, R]:
+        """Send ``msg`` to every peer and wait for a ``want`` reply from each (the set-up phases);
+        ``best_effort`` peers are told too, but not waited for. Their replies, by peer."""
+        name = getattr(msg, "OP", "plan")
+        replies: dict[str, R] = {}
+
+        async def one(peer: str) -> None:
+            replies[peer] = ctl.expect(await self.call(peer, msg, timeout), want, peer, name)
+
+        async def maybe(peer: str) -> None:
+            try:
+                with trio.move_on_after(self.rpc_timeout):
+                    await one(peer)
+            except SwarmError as exc:
+                log.info("standby %s did not take %s: %s", peer, name, exc)
+
+        try:
+            with trio.fail_after(timeout + 5):
+                async with trio.open_nursery() as nursery:
+                    for p in peers:
+                        nursery.start_soon(one, p)
+                    for p in best_effort:
+                        nursery.start_soon(maybe, p)
+        except trio.TooSlowError:
+            raise PeerError(f"{name}: no answer from every peer within {timeout:.0f} s") from None
+        except BaseExceptionGroup as eg:
+            err = first_leaf(eg, SwarmError)
+            if err is None:
+                raise
+            raise err from None
+        return replies

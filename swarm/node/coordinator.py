@@ -163,6 +163,7 @@ class Coordinator:
         limiter: trio.CapacityLimiter | None = None,
         limits: Limits = DEFAULT_LIMITS,
         compute_delay_s: float = 0.0,
+        inline: bool = False,
     ) -> None:
         self.head = head
         self.args = head.args
@@ -182,6 +183,7 @@ class Coordinator:
         self._head_busy = False
         self._last_result = -math.inf  # trio time the tail last delivered anything
         self.compute_delay_s = compute_delay_s  # fault injection for load tests (see stage_worker)
+        self.inline = inline  # every head call on the trio thread (in-memory tests on a mock clock)
 
     # -- the result reader -----------------------------------------------------------------
 
@@ -373,7 +375,7 @@ class Coordinator:
     async def _logits(self, rows: torch.Tensor) -> torch.Tensor:
         """LM head on the trio thread when it is predicted quick, else in a worker thread."""
         small = rows.shape[0] <= 16
-        if small and self._head_s < INLINE_MAX_S:
+        if self.inline or (small and self._head_s < INLINE_MAX_S):
             out, took = self._head_logits(rows)
             await trio.lowlevel.checkpoint()
         else:

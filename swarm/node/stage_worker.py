@@ -104,6 +104,7 @@ class StageWorker:
         on_bad_input: Callable[[str, str], None] | None = None,
         compute_delay_s: float = 0.0,
         max_batch: int = MAX_BATCH,
+        inline: bool = False,
     ) -> None:
         self.stage = stage
         self.epoch = epoch
@@ -126,6 +127,7 @@ class StageWorker:
         # fault injection for load tests: every forward blocks this much longer (a blocking sleep
         # inside the compute, as a busy box's compute does), wherever the forward runs
         self.compute_delay_s = compute_delay_s
+        self.inline = inline  # every forward on the trio thread (in-memory tests on a mock clock)
         self._pending: deque[Frame] = deque()  # read, not yet handled (sessions busy in a batch)
         self.trace: list[list[tuple[int, int, int]]] | None = None  # tests: (session, pos, tokens) per batch
 
@@ -277,7 +279,7 @@ class StageWorker:
         items = [(msg.session, h) for msg, h in batch]
         if self.trace is not None:
             self.trace.append([(m.session, m.pos, m.tokens) for m, _ in batch])
-        if self._predict_s < INLINE_MAX_S:
+        if self.inline or self._predict_s < INLINE_MAX_S:
             outs, took = self._forward(items)
         else:
             outs, took = await trio.to_thread.run_sync(self._forward, items, limiter=self.limiter)

@@ -6,6 +6,7 @@ Files:
                     :class:`Limits`, the caps every decoder takes
 - ``frame.py``      the binary frame (32-byte header, dims, JSON meta, raw tensor bytes),
                     ``encode_frame``, the incremental ``FrameDecoder`` and ``decode_frame``
+- ``meta.py``       the frame's JSON metadata block, strictly bounded both ways
 - ``fields.py``     the declarative field codec: a message lists its fields once (wire key,
                     bounds), encoding and strict decoding come from that list
 - ``messages.py``   the message base, ``parse_message``, and the swarm-level messages

@@ -26,7 +26,7 @@ from swarm.manifest.manifest import new_manifest, sign_manifest, write_manifest
 from swarm.model.config import ModelArgs
 from swarm.node import client
 from swarm.node.launch import LocalSwarm, start_local_swarm
-from swarm.node.runtime import model_spec
+from swarm.node.settings import model_spec
 from swarm.testing.checkpoints import TinySpec, write_checkpoint
 from swarm.testing.netlab import Lab, lab_unavailable_reason, lan_lab
 

@@ -87,7 +87,7 @@ async def test_a_kill_during_a_batch_of_four_sessions_resumes_them_all_identical
     killed mid-way, the swarm re-plans once, and every session resumes and ends exactly as it
     would alone (fp32; replay rebuilds each session's caches on the new ring)."""
     from swarm.model.config import ModelArgs
-    from swarm.node.runtime import model_spec
+    from swarm.node.settings import model_spec
 
     torch.set_num_threads(1)
     model = LocalModel.load(ckpt, stages=1, dtype=torch.float32)

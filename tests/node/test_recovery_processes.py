@@ -14,7 +14,7 @@ from swarm.errors import PeerError
 from swarm.model.config import ModelArgs
 from swarm.node import client
 from swarm.node.launch import start_local_swarm
-from swarm.node.runtime import model_spec
+from swarm.node.settings import model_spec
 from swarm.testing.checkpoints import TinySpec, write_checkpoint
 
 pytestmark = pytest.mark.slow
