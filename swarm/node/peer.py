@@ -127,7 +127,9 @@ async def open_peer(
         memory, device = advertised_resources(s)
     else:
         memory, device = s.memory_bytes, None
-    async with open_host(s) as host:
+    async with open_host(s) as host, contextlib.AsyncExitStack() as stack:
+        # the fast path (its listener's nursery) is entered before the peer's nursery and left after it
+        fastpath = await stack.enter_async_context(_open_fastpath(s, host)) if s.fastpath and models else None
         membership = Membership(
             identity, s.swarm_id, addrs=_announce(s.announce, host), memory_bytes=memory,
             ms_per_layer=models.ms_per_layer if models is not None else 0.0, revoked=s.revoked, device=device,
@@ -140,13 +142,12 @@ async def open_peer(
         )  # fmt: skip
         view = MemberView(identity.peer_id, service, host)
         loopwatch = LoopWatch()
-        async with contextlib.AsyncExitStack() as stack, trio.open_nursery() as nursery:
+        async with trio.open_nursery() as nursery:
             peer = Peer(s, identity, host, service, view, notices, loopwatch)
             nursery.start_soon(loopwatch.serve)
             if models is not None:
                 from swarm.node.serving import Serving
 
-                fastpath = await stack.enter_async_context(_open_fastpath(s, host)) if s.fastpath else None
                 peer.serving = Serving(s, identity, host, service, view, models, notices, loopwatch, nursery,
                                        fastpath=fastpath)  # fmt: skip
             await nursery.start(service.run)
