@@ -17,6 +17,7 @@ import trio
 from swarm.errors import PeerError, PeerTimeout, ProtocolError
 from swarm.net.host import SwarmHost, open_host
 from swarm.node.heartbeat import Liveness, serve_ctl_inbound
+from swarm.node.hosting import Host
 from swarm.proto import control as ctl
 from swarm.proto.limits import PROTO_CTL, PROTO_GEN
 from swarm.proto.messages import parse_message
@@ -78,7 +79,7 @@ async def _dial_retrying(host: SwarmHost, addr: str, timeout: float) -> str:
             await trio.sleep(0.5)
 
 
-async def request(host: SwarmHost, peer: str, msg: ctl.Control, *, timeout: float = 15.0) -> ctl.Control:
+async def request(host: Host, peer: str, msg: ctl.Control, *, timeout: float = 15.0) -> ctl.Control:
     """One request/reply on ``/shard-swarm/gen/1`` (status); a Fail becomes its typed error."""
     async with host.open_stream(peer, PROTO_GEN, timeout=timeout) as fs:
         await fs.send(msg.to_frame())
@@ -90,13 +91,13 @@ async def request(host: SwarmHost, peer: str, msg: ctl.Control, *, timeout: floa
     return reply
 
 
-async def status(host: SwarmHost, peer: str, *, coordinator: bool = False, loop_window_s: int = 60) -> dict[str, Any]:
+async def status(host: Host, peer: str, *, coordinator: bool = False, loop_window_s: int = 60) -> dict[str, Any]:
     """What ``peer`` sees (``coordinator``: what the serving coordinator sees, relayed)."""
     reply = await request(host, peer, ctl.Status(coordinator=coordinator, loop_window_s=loop_window_s))
     return dict(ctl.expect(reply, ctl.StatusReply, peer, "status").status)
 
 
-async def wait_ready(host: SwarmHost, peer: str, *, timeout: float, on_status: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+async def wait_ready(host: Host, peer: str, *, timeout: float, on_status: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Poll the coordinator's status (relayed by ``peer``) until the ring serves."""
     last: dict[str, Any] = {}
     with trio.move_on_after(timeout):
@@ -114,7 +115,7 @@ async def wait_ready(host: SwarmHost, peer: str, *, timeout: float, on_status: C
 
 
 async def generate(
-    host: SwarmHost,
+    host: Host,
     peer: str,
     *,
     text: str | None = None,

@@ -31,6 +31,7 @@ import trio
 
 from swarm.errors import Forbidden, PeerError, ProtocolError, SwarmError
 from swarm.node.errors_util import first_leaf
+from swarm.node.hosting import Host
 from swarm.proto import control as ctl
 from swarm.proto.limits import PROTO_RING
 from swarm.proto.messages import Message, parse_message
@@ -142,7 +143,7 @@ def role_of(host: Any, peer: str, advertised: bool) -> str | None:
 class RingClient:
     """Requests to other peers on ``/shard-swarm/ring/1`` (our own go through ``local``)."""
 
-    def __init__(self, host: Any, peer_id: str, local: Dispatcher, *, rpc_timeout: float = RPC_TIMEOUT_S) -> None:
+    def __init__(self, host: Host, peer_id: str, local: Dispatcher, *, rpc_timeout: float = RPC_TIMEOUT_S) -> None:
         self.host = host
         self.peer_id = peer_id
         self.local = local

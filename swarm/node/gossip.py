@@ -3,7 +3,7 @@
 
 Theory of operation
 -------------------
-:class:`MembershipService` runs the view on a :class:`~swarm.net.host.SwarmHost`. For each admitted
+:class:`MembershipService` runs the view on a host (hosting.Host: libp2p, or memnet). For each admitted
 peer it opens an outbound ctl stream (heartbeats, adverts: see ``heartbeat.py``) and serves the
 peer's inbound one. Adverts are gossiped: a new advert heard from one peer is forwarded to the
 others (signatures make relaying safe), so a node that dialed only the bootstrap learns every
@@ -38,10 +38,11 @@ from typing import Any
 import trio
 
 from swarm.errors import AdmissionError, PeerError, PeerLost, ProtocolError, SwarmError, UsageError
-from swarm.net.host import HostEvent, SwarmHost, is_wildcard
+from swarm.net.host import HostEvent, is_wildcard
 from swarm.net.streams import FramedStream
 from swarm.node.failure import PeerState, Transition
 from swarm.node.heartbeat import DEFAULT_INTERVAL, Liveness, run_ctl_link, serve_ctl_inbound
+from swarm.node.hosting import Host
 from swarm.node.membership import Membership
 from swarm.proto.frame import Frame
 from swarm.proto.limits import PROTO_CTL
@@ -87,7 +88,7 @@ class MembershipService:
 
     def __init__(
         self,
-        host: SwarmHost,
+        host: Host,
         membership: Membership,
         *,
         liveness: Liveness | None = None,

@@ -134,9 +134,11 @@ class Leader:
             if self.view.leader() != self.peer_id or self.peer_id in self.view.leaving:
                 continue  # not ours to plan (a node that is leaving plans nothing)
             serving = self.epochs.serving is not None
+            cause = None
             if serving and self.cut_off_since is None:
-                await self._inform_joiners(members)
-                continue
+                if not await self._inform_joiners(members):
+                    continue
+                cause = "a partition healed: one epoch for the whole swarm"
             if not serving:
                 first = self.epochs.current is None
                 if first and s.expect_peers and len(members) < s.expect_peers:
@@ -161,7 +163,7 @@ class Leader:
                     continue
                 previous = arg
             try:
-                await self.plan_and_start(self.view.plannable(), previous=previous)
+                await self.plan_and_start(self.view.plannable(), previous=previous, cause=cause)
             except PlanningError as exc:  # try again on news (a first RTT advertised, a peer joining)
                 if str(exc) != self._planning_said:  # said once, then again only when it changes
                     self._planning_said = str(exc)
@@ -213,11 +215,12 @@ class Leader:
                 pass
         return make_plan(self.spec, peers, pf.latency(), previous=previous, epoch=epoch)
 
-    async def plan_and_start(self, members: list[str], previous: Plan | None = None) -> None:
+    async def plan_and_start(self, members: list[str], previous: Plan | None = None, cause: str | None = None) -> None:
         plan = self.compute_plan(members, previous)
         participants = sorted({plan.coordinator, *plan.ring})
         ended_at = None if self.epochs.current is None else self.epochs.ended_at
-        cause = "first plan" if self.epochs.current is None else self.epochs.end_reason
+        if cause is None:
+            cause = "first plan" if self.epochs.current is None else self.epochs.end_reason
         msg = sign_plan(PlanMsg(plan.epoch, plan_body(plan, cause)), self.signer, self.settings.swarm_id)
         self._planning_said = ""
         self.notices.event(
@@ -242,17 +245,57 @@ class Leader:
         )  # fmt: skip
         self._plan_msg, self._informed = msg, set(members)
 
-    async def _inform_joiners(self, members: list[str]) -> None:
+    async def _inform_joiners(self, members: list[str]) -> bool:
         """A peer that joined while a ring serves becomes a standby; it learns the plan (so it
         can relay requests to the coordinator) and the ring is left alone until the next
-        re-plan, never changed in the middle of a generation."""
+        re-plan, never changed in the middle of a generation.
+
+        Unless the newcomers serve a ring of their own: two halves of a partition that each
+        could hold the model each planned one, and now they meet. Then one epoch for the whole
+        swarm is planned, newer than both (True: the caller plans it now), sticky with ours; the
+        generations of either ring resume on it (resume.py, service.py), none fails."""
         msg = self._plan_msg
+        self._informed &= set(members)  # one that was lost and comes back is told again
         new = [p for p in members if p not in self._informed]
         if msg is None or not new:
-            return
-        self._informed |= set(new)
-        self.notices.event(f"{len(new)} new peer(s) join as standbys of epoch {msg.epoch}")
-        await self.ring.phase([], msg, ctl.Loaded, INFORM_TIMEOUT_S, best_effort=new)
+            return False
+        answered, foreign = await self._rings_of(new, msg)
+        self._informed |= answered
+        if foreign:
+            self._last_epoch = max(self._last_epoch, *foreign.values())
+            self.notices.notice(
+                f"{len(foreign)} peer(s) serve another ring (epoch {max(foreign.values())}; a partition healed?): "
+                "planning one epoch for the whole swarm"
+            )
+            return True
+        joiners = sorted(answered)
+        if joiners:
+            self.notices.event(f"{len(joiners)} new peer(s) join as standbys of epoch {msg.epoch}")
+            await self.ring.phase([], msg, ctl.Loaded, INFORM_TIMEOUT_S, best_effort=joiners)
+        return False
+
+    async def _rings_of(self, peers: list[str], ours: PlanMsg) -> tuple[set[str], dict[str, int]]:
+        """Ask ``peers`` what they serve: those that answered, and the epoch of each that serves
+        a ring other than ours (a plan validly signed for this swarm, within the epoch step)."""
+        answered: set[str] = set()
+        foreign: dict[str, int] = {}
+
+        async def ask(peer: str) -> None:
+            try:
+                reply = await self.ring.call(peer, ctl.Current(), CATCH_UP_TIMEOUT_S)
+                answered.add(peer)
+                if isinstance(reply, PlanMsg) and reply.signature != ours.signature and reply.signer is not None:
+                    verify_plan(reply, reply.signer, self.settings.swarm_id)
+                    check_epoch_step(reply.epoch, ours.epoch, f"plan shown by {peer}")
+                    foreign[peer] = reply.epoch
+            except SwarmError as exc:
+                log.info("could not ask %s what it serves: %s", peer, exc)
+
+        with trio.move_on_after(CATCH_UP_TIMEOUT_S + 1.0):
+            async with trio.open_nursery() as nursery:
+                for p in peers:
+                    nursery.start_soon(ask, p)
+        return answered, foreign
 
     # -- catching up after a cut-off ------------------------------------------------------------
 

@@ -38,10 +38,11 @@ class Compute:
         self.limiter = trio.CapacityLimiter(1)
         self.threads = threads
 
-    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+    async def run(self, fn: Callable[..., T], *args: Any, limited: bool = True) -> T:
+        """``fn(*args)`` off the trio loop (``limited``: behind the process's compute limiter)."""
         if not self.threads:
             return fn(*args)
-        return await trio.to_thread.run_sync(fn, *args, limiter=self.limiter)
+        return await trio.to_thread.run_sync(fn, *args, limiter=self.limiter if limited else None)
 
 
 def measure_ms_per_layer(
@@ -124,4 +125,4 @@ class Models:
     async def load_tokenizer(self) -> None:
         if self.tokenizer is None and self.settings.model_dir is not None:
             with contextlib.suppress(SwarmError):  # parsing tokenizer.json takes a while: off the loop
-                self.tokenizer = await trio.to_thread.run_sync(Tokenizer.from_dir, self.settings.model_dir)
+                self.tokenizer = await self.compute.run(Tokenizer.from_dir, self.settings.model_dir, limited=False)

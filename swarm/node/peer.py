@@ -25,6 +25,8 @@ import trio
 from swarm.errors import UsageError
 from swarm.manifest.identity import Identity
 from swarm.node.gossip import MemberEvent, MembershipService
+from swarm.node.heartbeat import Liveness
+from swarm.node.hosting import Host
 from swarm.node.loopwatch import LoopWatch
 from swarm.node.membership import Membership
 from swarm.node.notices import Hooks, Notices
@@ -41,7 +43,7 @@ class Peer:
 
     settings: NodeSettings
     identity: Identity
-    host: Any
+    host: Host
     service: MembershipService
     view: MemberView
     notices: Notices
@@ -100,9 +102,11 @@ async def open_peer(
     open_host: HostOpener = open_swarm_host,
     compute: Any = None,
     ms_per_layer: float | None = None,
+    clock: Callable[[], float] = trio.current_time,
 ) -> AsyncIterator[Peer]:
     """A running peer (see the module docstring). ``compute``: where torch work runs
-    (models.Compute; default a worker thread); ``ms_per_layer``: skip measuring (tests)."""
+    (models.Compute; default a worker thread); ``ms_per_layer``: skip measuring (tests);
+    ``clock``: the failure detector's clock (an in-memory test stops a frozen node's)."""
     s = settings
     hooks = hooks or Hooks()
     notices = Notices(hooks)
@@ -136,7 +140,7 @@ async def open_peer(
         )  # fmt: skip
         peer: Peer | None = None
         service = MembershipService(
-            host, membership,
+            host, membership, liveness=Liveness(clock=clock),
             on_event=lambda ev: _member_event(peer, ev),
             on_stall=lambda gap: peer.serving.recovery.stalled(gap) if peer and peer.serving else None,
         )  # fmt: skip

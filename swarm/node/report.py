@@ -14,14 +14,13 @@ import dataclasses
 import statistics
 from typing import Any
 
-import trio
-
 from swarm import __version__
 from swarm.model.sampling import SamplingParams
 from swarm.node.capacity import Admission
 from swarm.node.coordinator import RingGeneration
 from swarm.node.epochs import Epoch, Epochs, hops
 from swarm.node.gossip import MembershipService
+from swarm.node.hosting import Host
 from swarm.node.loopwatch import LoopWatch
 from swarm.node.models import Models
 from swarm.node.view import MemberView
@@ -31,7 +30,7 @@ from swarm.planner import Plan
 
 class Reporter:
     def __init__(
-        self, peer_id: str, host: Any, service: MembershipService, view: MemberView, epochs: Epochs, wiring: Wiring,
+        self, peer_id: str, host: Host, service: MembershipService, view: MemberView, epochs: Epochs, wiring: Wiring,
         models: Models, admission: Admission, loopwatch: LoopWatch,
     ) -> None:  # fmt: skip
         self.peer_id = peer_id
@@ -134,7 +133,7 @@ class Reporter:
         view = self.service.membership.view()
         detector = self.service.liveness.detector
         spec = self.models.spec
-        now = trio.current_time()
+        now = self.service.liveness.clock()
         out: dict[str, Any] = {}
         for peer, adv in view.items():
             heard = detector.last_heard(peer)

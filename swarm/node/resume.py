@@ -9,9 +9,11 @@ by replaying its fed chunks (coordinator.drive), so no token is lost or changed.
 in one line, that the run paused and why, every NOTICE_EVERY_S while it waits (so a client, or a
 relaying peer, never mistakes the pause for silence), and when it resumes. A run gives up when
 no serving epoch comes within RECOVERY_TIMEOUT_S, or sooner when the planner says the live
-members cannot hold the model (its words: how many GB are missing) for PROBLEM_GRACE_S; and when
-the next epoch is coordinated elsewhere (the leader planned without us as coordinator), this
-coordinator cannot go on: the client resumes the run there from its committed tokens.
+members cannot hold the model (its words: how many GB are missing) for PROBLEM_GRACE_S. When
+the next epoch is coordinated elsewhere (two halves of a partition met, and the merged ring's
+coordinator is the other half's; or the leader had to move the coordinator), :class:`CoordinatorMoved`
+says where: the generation service hands the rest of the run to that coordinator, which goes on
+from the prompt plus the tokens committed here (service.py), so the run finishes, not fails.
 """
 
 from __future__ import annotations
@@ -32,6 +34,14 @@ RECOVERY_TIMEOUT_S = 120.0  # a re-plan may include loading a block
 NOTICE_EVERY_S = 2.0  # while a run waits for a re-plan, its client hears this often that it does
 PROBLEM_GRACE_S = 3.0  # how long the planner may call the swarm too small before a run gives up
 POLL_S = 0.05
+
+
+class CoordinatorMoved(PeerError):
+    """The run's next ring is coordinated by ``coordinator`` (epoch ``epoch``), not by us."""
+
+    def __init__(self, message: str, coordinator: str, epoch: Epoch, failed_at: float) -> None:
+        super().__init__(message)
+        self.coordinator, self.epoch, self.failed_at = coordinator, epoch, failed_at
 
 
 @dataclass
@@ -75,8 +85,9 @@ class Resumer:
                     on_wait=lambda waited: notify(f"still waiting for the swarm to re-plan ({waited:.0f} s)"),
                 )  # fmt: skip
                 if ep.plan.coordinator != self.peer_id:
-                    raise PeerError(
-                        f"the coordinator moved to {ep.plan.coordinator} after a failure; retry the request"
+                    raise CoordinatorMoved(
+                        f"epoch {ep.plan.epoch} is coordinated by {ep.plan.coordinator} ({exc})", ep.plan.coordinator,
+                        ep, failed_at,
                     ) from None
                 moved = {p: list(b) for p, b in ep.plan.blocks.items() if old.blocks.get(p) != b}
                 replans.append({

@@ -16,6 +16,7 @@ every wait here has a deadline.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import time
@@ -30,11 +31,13 @@ from swarm.model.sampling import SamplingParams
 from swarm.model.speculative import DraftSource, KPolicy
 from swarm.node.capacity import Admission
 from swarm.node.control import Dispatcher
+from swarm.node.coordinator import output_sha256
 from swarm.node.epochs import Epoch, Epochs
 from swarm.node.errors_util import unwrap
+from swarm.node.hosting import Host
 from swarm.node.models import Models
 from swarm.node.report import Reporter
-from swarm.node.resume import Resumer
+from swarm.node.resume import CoordinatorMoved, Resumer
 from swarm.node.settings import NodeSettings
 from swarm.node.view import MemberView
 from swarm.planner import Plan
@@ -46,6 +49,7 @@ from swarm.proto.messages import parse_message
 log = logging.getLogger("swarm.node.service")
 
 REQUEST_TIMEOUT_S = 20.0
+HAND_OVER_WAIT_S = 30.0  # how long the coordinator a run is handed over to may wait for its ring
 SERVING_POLL_S = 0.1
 
 
@@ -86,7 +90,7 @@ def make_drafter(name: str, *, depth: int, draft_k: int | None) -> tuple[DraftSo
 
 class GenService:
     def __init__(
-        self, settings: NodeSettings, peer_id: str, host: Any, view: MemberView, epochs: Epochs, models: Models,
+        self, settings: NodeSettings, peer_id: str, host: Host, view: MemberView, epochs: Epochs, models: Models,
         admission: Admission, reporter: Reporter, resumer: Resumer, roles: Dispatcher,
         *, planning_problem: Callable[[], str | None],
     ) -> None:  # fmt: skip
@@ -255,6 +259,8 @@ class GenService:
 
         run = coord.new_run(prompt, params=params, max_new_tokens=req.max_new_tokens, drafter=drafter, policy=policy,
                             on_tokens=on_tokens)  # fmt: skip
+        moved: CoordinatorMoved | None = None
+        handed_over: dict[str, Any] = {}
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(stream_out)
@@ -262,18 +268,70 @@ class GenService:
                     await self.admission.enter(send.send_nowait)  # a slot of the ring's KV memory (capacity.py)
                     try:
                         ep = await self.resumer.drive(ep, run, replans, last_token, send.send_nowait)
+                    except CoordinatorMoved as exc:
+                        moved = exc
+                        handed_over = await self._hand_over(exc, req, prompt, run.decoder.output_ids, depth, on_tokens,
+                                                            send.send_nowait)  # fmt: skip
                     finally:
                         self.admission.leave()
                 finally:
                     send.close()
         except BaseExceptionGroup as eg:
             raise unwrap(eg) from None
+        if moved is not None:
+            return _handed_over_receipt(handed_over, prompt, moved, replans, t0)
         gen = run.gen
         receipt = self.reporter.receipt(ep, gen, params, started=t0)
         self.reporter.recent.append((gen.tokens_per_s, gen.tokens_per_traversal))
         receipt["replans"] = replans
         receipt["draft"] = {"name": draft_name, "max_depth": depth if drafter is not None else 1, "draft_k": req.draft_k}
         return receipt
+
+
+    async def _hand_over(
+        self, moved: CoordinatorMoved, req: Gen, prompt: list[int], committed: list[int], depth: int,
+        on_tokens: Callable[[Sequence[int]], None], notify: Callable[[str], None],
+    ) -> dict[str, Any]:  # fmt: skip
+        """The run's next ring is coordinated elsewhere (resume.py): ask that coordinator for the
+        rest, from the prompt plus the tokens committed here, with the same sampling and schedule
+        (position-keyed sampling makes the rest the same tokens); its tokens stream on to our
+        client as if they were ours. Its receipt."""
+        done = list(committed)
+        note = (f"the swarm now serves epoch {moved.epoch.plan.epoch}, coordinated by {moved.coordinator}: "
+                f"handing the run over after {len(done)} tokens")  # fmt: skip
+        log.info("%s", note)
+        notify(note)
+        rest = dataclasses.replace(req, ids=(*prompt, *done), text=None, chat=False, depth=depth,
+                                   max_new_tokens=req.max_new_tokens - len(done), wait_s=HAND_OVER_WAIT_S)  # fmt: skip
+
+        class Relay:
+            async def tokens(self, ids: list[int], text: str) -> None:
+                on_tokens(ids)
+
+            async def notice(self, text: str) -> None:
+                notify(text)
+
+        return await self._relay(moved.coordinator, rest, Relay())
+
+
+def _handed_over_receipt(
+    rest: dict[str, Any], prompt: list[int], moved: CoordinatorMoved, replans: list[dict[str, Any]], started: float
+) -> dict[str, Any]:
+    """The receipt of a run finished by another coordinator: its receipt, over the whole run."""
+    n = len(rest["prompt_token_ids"]) - len(prompt)  # tokens committed here before the hand-over
+    out = [*rest["prompt_token_ids"][len(prompt):], *rest["output_token_ids"]]
+    old = moved.epoch
+    return {
+        **rest,
+        "prompt_token_ids": prompt,
+        "output_token_ids": out,
+        "output_sha256": output_sha256(out),
+        "started_unix": started,
+        "replans": [*replans, {
+            "reason": str(moved)[:300], "cause": old.cause, "moved_to": moved.coordinator,
+            "detected_unix": round(moved.failed_at, 3), "to_epoch": old.plan.epoch, "resumed_at_token": n,
+        }, *rest.get("replans", [])],  # fmt: skip
+    }
 
 
 async def _until_hung_up(fs: Any, work: Callable[[], Awaitable[Any]]) -> Any:

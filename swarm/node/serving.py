@@ -19,6 +19,7 @@ from swarm.node.capacity import Admission
 from swarm.node.control import Dispatcher, RingClient
 from swarm.node.epochs import Epochs
 from swarm.node.gossip import MembershipService
+from swarm.node.hosting import Host
 from swarm.node.leader import Leader
 from swarm.node.loopwatch import LoopWatch
 from swarm.node.models import Models
@@ -40,7 +41,7 @@ class Serving:
         self,
         settings: NodeSettings,
         identity: Identity,
-        host: Any,
+        host: Host,
         service: MembershipService,
         view: MemberView,
         models: Models,

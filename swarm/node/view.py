@@ -9,16 +9,15 @@ the smallest live member ID that is not leaving, which every peer can tell from 
 
 from __future__ import annotations
 
-from typing import Any
-
 import trio
 
 from swarm.node.control import role_of
 from swarm.node.gossip import MembershipService
+from swarm.node.hosting import Host
 
 
 class MemberView:
-    def __init__(self, peer_id: str, service: MembershipService, host: Any) -> None:
+    def __init__(self, peer_id: str, service: MembershipService, host: Host) -> None:
         self.peer_id = peer_id
         self.service = service
         self.host = host

@@ -22,10 +22,11 @@ from typing import Any
 
 import trio
 
-from swarm.errors import ProtocolError, SwarmError
+from swarm.errors import PeerTimeout, ProtocolError, SwarmError
 from swarm.node.capacity import MAX_SESSIONS, stage_capacity
 from swarm.node.epochs import Epoch, Epochs, hops
 from swarm.node.fastlink import FrameLink
+from swarm.node.hosting import Host
 from swarm.node.links import Link, LocalLink
 from swarm.node.models import Models
 from swarm.node.notices import Notices
@@ -48,7 +49,7 @@ class Wiring:
     def __init__(
         self,
         peer_id: str,
-        host: Any,
+        host: Host,
         fastpath: Any,
         epochs: Epochs,
         models: Models,
@@ -93,9 +94,14 @@ class Wiring:
                 self._set_outbound(ep, i, link)
             else:
                 ready = trio.Event()
-                self.nursery.start_soon(self._hold_outbound, ep, i, dst, ready)
-                with trio.fail_after(LINK_TIMEOUT_S):
+                failed: list[SwarmError] = []
+                self.nursery.start_soon(self._hold_outbound, ep, i, dst, ready, failed)
+                with trio.move_on_after(LINK_TIMEOUT_S):
                     await ready.wait()
+                if failed:
+                    raise failed[0]
+                if not ready.is_set():
+                    raise PeerTimeout(f"hop {i} to {dst} (epoch {epoch}) not open within {LINK_TIMEOUT_S:.0f} s")
         if ep.stage is not None:
             self._start_worker(ep)
         return self.labels(epoch)
@@ -136,7 +142,7 @@ class Wiring:
         ep.inbound[hop] = link
         ep.wait_inbound(hop).set()
 
-    async def _hold_outbound(self, ep: Epoch, hop: int, dst: str, ready: trio.Event) -> None:
+    async def _hold_outbound(self, ep: Epoch, hop: int, dst: str, ready: trio.Event, failed: list[SwarmError]) -> None:
         hello = ctl.Hop(ep.plan.epoch, hop).to_frame()
         try:
             if self.fastpath is not None:
@@ -159,6 +165,9 @@ class Wiring:
                     await ep.done.wait()
         except SwarmError as exc:
             log.warning("activation link to %s (epoch %d) ended: %s", dst, ep.plan.epoch, exc)
+            if not ready.is_set():  # the connect phase waiting for it fails now, not at its deadline
+                failed.append(exc)
+                ready.set()
             self.epochs.end(f"link to {dst} failed: {exc}", only=ep)
 
     # -- the hops that enter us ------------------------------------------------------------
@@ -230,8 +239,10 @@ class Wiring:
         if "serve" in ep.phases:
             return
         ep.phases.add("serve")
-        with trio.fail_after(LINK_TIMEOUT_S):
+        with trio.move_on_after(LINK_TIMEOUT_S):
             await ep.wait_inbound(len(ep.plan.ring)).wait()
+        if not ep.wait_inbound(len(ep.plan.ring)).is_set():
+            raise PeerTimeout(f"the result link of epoch {epoch} did not open within {LINK_TIMEOUT_S:.0f} s")
         self.nursery.start_soon(self._run_results, ep, ep.plan.ring[-1])
         ep.serving.set()
         self.notices.event(f"serving epoch {epoch}: ring ready")
