@@ -17,8 +17,8 @@ the plan this node serves (pure functions here; leader.py, recovery.py and epoch
   newest this node knows; a peer catching up adopts a served plan only when it is signed by the
   peer that leads its view without itself (the one that led while it was away), and an ended
   plan only within the same step bound: a forged epoch of 2^62 can no longer wedge the swarm.
-- ``fault`` only reaches the leader, only about the current epoch, and only from the receiving
-  end of the accused's hop: a stage about its upstream, the coordinator about the tail. A claim
+- ``fault`` only reaches the leader, only about the current epoch or the one it just replaced
+  (the fault may have ended it), and only from the receiving end of the accused's hop: a stage about its upstream, the coordinator about the tail. A claim
   relayed in an ERROR frame (``upstream=<id>``) is no evidence at all; the observing stage
   reports its own upstream directly.
 

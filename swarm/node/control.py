@@ -75,11 +75,12 @@ class RoleView(Protocol):
 @dataclass
 class Dispatcher:
     """Checks each request's sender against :data:`ROLES`, then runs its handler.
-    ``epoch_roles(epoch)``: (the signer's peer ID, the coordinator and ring members) of
-    ``epoch`` if it is the current epoch here, ProtocolError otherwise (epochs.Epochs.roles)."""
+    ``epoch_roles(epoch)``: (the signer's peer ID if ``epoch`` is the live current epoch, else
+    None; the coordinator and ring members of ``epoch``), ProtocolError for an epoch this node
+    does not know (epochs.Epochs.roles)."""
 
     view: RoleView
-    epoch_roles: Callable[[int], tuple[str, set[str]]]
+    epoch_roles: Callable[[int], tuple[str | None, set[str]]]
     handlers: Mapping[type[Message], Handler]
     what: str  # the protocol, for messages
 
@@ -115,6 +116,8 @@ class Dispatcher:
         if role in (SIGNER, STAGE):  # the epoch's own roles (their holders are members by the plan)
             epoch = int(msg.epoch)  # type: ignore[attr-defined]  # Connect, Serve, Fault
             signer, stages = self.epoch_roles(epoch)
+            if role == SIGNER and signer is None:
+                raise ProtocolError(f"epoch {epoch} is not current here")
             if role == SIGNER and peer != signer:
                 raise Forbidden(f"{name} for epoch {epoch} from {peer}: only the plan's signer {signer} may send it")
             if role == STAGE and peer not in stages:

@@ -159,6 +159,7 @@ class Epochs:
         self.on_end: Callable[[Epoch], None] = lambda ep: None
         self.on_plan: Callable[[], None] = lambda: None
         self.current: Epoch | None = None
+        self.previous: Epoch | None = None  # the epoch the current one replaced (fault reports may name it)
         self.newest: tuple[int, bytes | None] = (0, None)  # (epoch, signature) of the newest plan taken
         self.ended_at = -1e9  # trio time the last epoch ended
         self.end_reason = ""  # ... and why (the next plan carries it as its cause)
@@ -178,10 +179,23 @@ class Epochs:
             raise ProtocolError(f"epoch {epoch} is not current here (current: {have})")
         return ep
 
-    def roles(self, epoch: int) -> tuple[str, set[str]]:
-        """(the plan's signer, the coordinator and ring) of ``epoch``, the current one here."""
-        ep = self.get(epoch)
-        return peer_id_of(ep.signer), ep.members
+    def known(self, epoch: int) -> Epoch | None:
+        """Epoch ``epoch`` if it is the current one here or the one it replaced."""
+        for ep in (self.current, self.previous):
+            if ep is not None and ep.plan.epoch == epoch:
+                return ep
+        return None
+
+    def roles(self, epoch: int) -> tuple[str | None, set[str]]:
+        """(the plan's signer if ``epoch`` is the live current one, else None; the coordinator and
+        ring of ``epoch``, the current one here or the one it replaced: a stage reporting a fault
+        in the ring that just ended is still that ring's stage). ProtocolError for any other."""
+        ep = self.known(epoch)
+        if ep is None:
+            have = None if self.current is None else self.current.plan.epoch
+            raise ProtocolError(f"epoch {epoch} is not current here (current: {have})")
+        signer = peer_id_of(ep.signer) if ep is self.current and ep.live else None
+        return signer, ep.members
 
     async def accept(self, sender: str, msg: PlanMsg, *, catching_up: bool = False) -> Epoch:
         """Take the leader's plan (``catching_up``: a plan the swarm already serves, which this
@@ -209,7 +223,7 @@ class Epochs:
             self.end(f"replaced by epoch {plan.epoch}")
         cause = msg.plan.get("cause", "")
         ep = Epoch(plan, msg.signer, cause=cause[:MAX_CAUSE] if isinstance(cause, str) else "", msg=msg)
-        self.current = ep
+        self.previous, self.current = cur, ep
         self.on_plan()
         me = self.peer_id
         role = "+".join(r for r, on in (("coordinator", plan.coordinator == me),

@@ -119,9 +119,9 @@ class Recovery:
         """Leader: weigh a report that ``accused`` sent ``accuser`` bad activations."""
         if self.view.leader() != self.peer_id:
             raise ProtocolError(f"{self.peer_id} is not the leader; ask {self.view.leader()}")
-        ep = self.epochs.serving
+        ep = self.epochs.known(epoch)  # the current epoch, or the one that just ended with the fault
         if ep is None:
-            raise ProtocolError(f"fault report about epoch {epoch}: no epoch is serving here")
+            raise ProtocolError(f"fault report about epoch {epoch}: neither the current epoch here nor the last")
         check_fault_report(ep.plan, accuser, accused, epoch)
         spare_both = accuser != ep.plan.coordinator  # benching it would fail every session it holds
         if spare_both:
