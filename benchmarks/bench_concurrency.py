@@ -40,7 +40,6 @@ from swarm.api.backend import ClientBackend
 from swarm.api.server import serve_api
 from swarm.node import client
 from swarm.node.launch import start_local_swarm
-from swarm.proto.control import Control
 
 QUESTIONS = [
     "Explain how a binary search works, step by step.",
@@ -104,7 +103,7 @@ async def one_level(http: httpx.AsyncClient, model: str, n_sessions: int, n_toke
 async def node_status(swarm: Any, i: int, window_s: int) -> dict[str, Any]:
     try:
         async with client.open_client(swarm.addrs[i], secret=swarm.secret, swarm_id=swarm.swarm_id) as (h, peer):
-            st = (await client.request(h, peer, Control("status", {"loop_window_s": window_s}))).body
+            st = await client.status(h, peer, loop_window_s=window_s)
     except Exception as exc:  # recorded, never lost: the figures above are what the run is for
         return {"node": i, "error": repr(exc)[:500], "log_tail": swarm.log(i)[-2000:]}
     return {"peer": st["peer_id"], "epoch": st["epoch"], "replans": st["replans"], "stage": st["stage"],

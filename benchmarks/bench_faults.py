@@ -59,7 +59,7 @@ from swarm.model.config import ModelArgs
 from swarm.node import client
 from swarm.node.errors_util import first_leaf
 from swarm.node.launch import LocalSwarm, start_local_swarm
-from swarm.node.runtime import model_spec
+from swarm.node.settings import model_spec
 from swarm.testing.checkpoints import TinySpec, write_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]

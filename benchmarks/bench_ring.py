@@ -58,8 +58,8 @@ from swarm.model.speculative import DEFAULT_PREFILL_CHUNK  # noqa: E402
 from swarm.model.tokenizer import Tokenizer  # noqa: E402
 from swarm.node import client  # noqa: E402
 from swarm.node.launch import LocalSwarm, start_local_swarm  # noqa: E402
-from swarm.node.runtime import model_spec  # noqa: E402
 from swarm.node.service import make_drafter  # noqa: E402
+from swarm.node.settings import model_spec  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "ring.json"
 READY_TIMEOUT_S = 600.0

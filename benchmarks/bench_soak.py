@@ -48,7 +48,7 @@ from swarm.model.config import ModelArgs
 from swarm.model.generate import LocalModel, generate
 from swarm.node import client
 from swarm.node.launch import LocalSwarm, start_local_swarm
-from swarm.node.runtime import model_spec
+from swarm.node.settings import model_spec
 from swarm.testing.checkpoints import TinySpec, write_checkpoint
 
 RESULTS = Path(__file__).parent / "results" / "soak.json"

@@ -50,7 +50,7 @@ from swarm.model.tokenizer import Tokenizer  # noqa: E402
 from swarm.model.weights import open_checkpoint  # noqa: E402
 from swarm.node import client  # noqa: E402
 from swarm.node.launch import start_local_swarm  # noqa: E402
-from swarm.node.runtime import model_spec  # noqa: E402
+from swarm.node.settings import model_spec  # noqa: E402
 
 PROMPT = "Explain in two sentences why the sky is blue."
 MIB = 1 << 20

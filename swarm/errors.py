@@ -29,6 +29,14 @@ class UsageError(SwarmError):
     exit_code = 2
 
 
+class BadRequest(UsageError):
+    """A request (a generation's parameters, say) is out of bounds; ``field`` names the one."""
+
+    def __init__(self, message: str, field: str = "") -> None:
+        super().__init__(message)
+        self.field = field
+
+
 class ModelError(SwarmError):
     """Problems with a checkpoint, its config or its tokenizer."""
 
@@ -69,6 +77,10 @@ class FrameError(ProtocolError):
     """A frame is malformed, truncated, over a size cap, or of an unknown version/type."""
 
 
+class Forbidden(ProtocolError):
+    """A well-formed request from a party not entitled to send it (its role does not allow it)."""
+
+
 class PeerError(SwarmError):
     """Talking to another peer failed."""
 
@@ -82,6 +94,14 @@ class PeerTimeout(PeerError):
 class CannotServe(PeerError):
     """The swarm answered, but its live peers cannot hold the model right now (a client may
     retry later; resuming a generation now is pointless)."""
+
+
+class Busy(PeerError):
+    """Every slot of the ring is taken and its queue is full: try again after ``retry_after_s``."""
+
+    def __init__(self, message: str, retry_after_s: int = 5) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class PeerLost(PeerError):

@@ -3,10 +3,12 @@
 Files:
     server.py    Starlette routes on Hypercorn's trio worker; ``serve_api(backend, bind, token=)``
                  (start it with ``nursery.start``), SSE streaming, the disconnect watch, bearer auth
-    requests.py  OpenAI request bodies -> ``GenSpec``; ``ApiError`` (the OpenAI error object)
-    backend.py   how requests reach the swarm: ``ClientBackend`` (a libp2p client of one peer),
-                 ``NodeBackend`` (inside a node, through its own generation service);
-                 ``open_generation`` (cancel = reset the gen stream)
+    requests.py  OpenAI request bodies -> ``GenSpec`` (the swarm's one request type, ``Gen``, plus
+                 stops and streaming); ``ApiError`` (the OpenAI error object)
+    backend.py   how requests reach the swarm: ``NodeBackend`` (inside a node: its generation
+                 service, called directly), ``ClientBackend`` (a libp2p client of one peer);
+                 ``open_generation`` (leaving early cancels it); ``api_error`` (typed errors ->
+                 OpenAI errors)
     stops.py     ``TextAssembler``: token ids -> text pieces, cut at stop sequences
 """
 

@@ -1,60 +1,57 @@
-"""How the endpoint reaches the swarm: one ``/shard-swarm/gen/1`` exchange per request.
+"""How the endpoint reaches the swarm: one generation request (``proto.control.Gen``) per answer.
 
 Theory of operation
 -------------------
-A backend opens a gen stream to a peer that serves the generation protocol (swarm/node/
-service.py): either a libp2p stream to a peer we are a client of (``ClientBackend``), or, inside
-a node process, an in-memory framed pipe into the node's own service (``NodeBackend``), which
-runs the coordinator's generation or relays to the coordinator, so any peer can serve the API.
+Inside a node process the endpoint is a ``NodeBackend``: it calls the node's generation service
+directly (``swarm.node.service.GenService.generate``, which runs the coordinator's generation or relays it
+to the coordinator), so any peer can serve the API and nothing is serialised on the way in. As a
+client of a swarm (the demo's endpoint, tests) it is a ``ClientBackend``: the same request over
+libp2p on ``/shard-swarm/gen/1`` to a peer we are a client of.
 
 The endpoint always sends token ids (it renders the chat template and tokenizes here, with the
 model's own tokenizer), so prompt token counts are exact and multi-message conversations keep
-every turn. ``open_generation`` sends one CONTROL ``gen`` request and yields its ``tokens``
-frames; leaving the block before the ``done`` receipt (a stop sequence, a client that hung up,
-an error) *resets* the stream rather than half-closing it: the serving peer's next write then
-fails at once, which ends its generation and frees its session on every stage (a half-close
-would let it write into our buffers until the generation ran to its end).
+every turn. ``open_generation`` yields a :class:`Generation` of committed token ids (and the
+swarm's notices); leaving the block before the receipt (a stop sequence, a client that hung up,
+an error) stops the generation on the swarm: in-process its task is cancelled, over libp2p the
+stream is *reset* rather than half-closed, so the serving peer's next write fails at once, which
+ends its generation and frees its session on every stage.
+
+Errors stay typed from the service to here; :func:`api_error` maps each kind to its OpenAI error
+once (the protocol's fail codes: bad request 400, busy 429, too small or unavailable 503).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
-import trio.testing
 
-from swarm.api.requests import ApiError, GenSpec
+from swarm.api.requests import ApiError
 from swarm.errors import PeerError, SwarmError
 from swarm.model.tokenizer import Tokenizer
 from swarm.model.weights import open_checkpoint
-from swarm.net.streams import TrioStreamRaw, open_framed
-from swarm.proto.control import Control
-from swarm.proto.frame import Frame
+from swarm.node.errors_util import unwrap
+from swarm.proto import control as ctl
+from swarm.proto.limits import PROTO_GEN
 from swarm.proto.messages import parse_message
 
 if TYPE_CHECKING:
     from swarm.net.host import SwarmHost
-    from swarm.node.runtime import Node
+    from swarm.node.peer import Peer
 
 log = logging.getLogger("swarm.api")
 
-PROTO_GEN = "/shard-swarm/gen/1"
 OPEN_TIMEOUT_S = 15.0
-TOKEN_TIMEOUT_S = 60.0  # longest silence between two frames of one generation
+TOKEN_TIMEOUT_S = 60.0  # longest silence between two frames of one generation (over libp2p)
 READY_WAIT_S = 10.0  # how long the serving peer may wait for the ring to come up
 
-
-class GenStream(Protocol):
-    async def send(self, frame: Frame, timeout: float | None = None) -> None: ...
-
-    async def receive(self, timeout: float | None = None) -> Frame: ...
-
-    async def reset(self) -> None: ...
+Event = list[int] | str | dict[str, Any]  # committed token ids, a notice, or (last) the receipt
 
 
 class Backend(Protocol):
@@ -63,7 +60,25 @@ class Backend(Protocol):
     context_tokens: int
     vocab_size: int
 
-    def open_gen(self) -> contextlib.AbstractAsyncContextManager[GenStream]: ...
+    def open_generation(self, req: ctl.Gen) -> contextlib.AbstractAsyncContextManager[Generation]: ...
+
+
+def api_error(exc: SwarmError) -> ApiError:
+    """What the client is told about an error from the swarm side (see the module docstring)."""
+    if isinstance(exc, ApiError):
+        return exc
+    fail = ctl.fail_of(exc)
+    if fail.code in ("bad_request", "forbidden"):
+        return ApiError(fail.message, status=400, code="invalid_value")
+    if fail.code == "busy":  # every slot of the ring's KV memory taken, queue full
+        err = ApiError(fail.message, status=429, type="server_error", code="swarm_busy")
+        err.retry_after_s = fail.retry_after_s if fail.retry_after_s is not None else 5
+        return err
+    if fail.code == "cannot_serve":  # the live peers cannot hold the model: no use retrying now
+        return ApiError(f"the swarm cannot serve this request now: {fail.message}", status=503, type="server_error",
+                        code="swarm_too_small")  # fmt: skip
+    return ApiError(f"the swarm could not serve this request: {fail.message}", status=503, type="server_error",
+                    code="swarm_unavailable")  # fmt: skip
 
 
 @dataclass
@@ -81,6 +96,81 @@ def _model_info(model_dir: Path, context_tokens: int | None, name: str | None) -
     return _ModelInfo(name or model_dir.name, tok, ctx, args.vocab_size)
 
 
+@dataclass
+class Generation:
+    """One running generation: iterate for batches of committed token ids (and notices)."""
+
+    events: AsyncIterator[Event]
+    receipt: dict[str, Any] | None = None
+    ids: list[int] = field(default_factory=list)
+
+    def __aiter__(self) -> AsyncIterator[list[int] | str]:
+        return self._events()
+
+    async def _events(self) -> AsyncIterator[list[int] | str]:
+        """Batches of committed token ids, and (as str) the swarm's one-line news for the client:
+        a pause for a re-plan, the resume."""
+        try:
+            async for ev in self.events:
+                if isinstance(ev, dict):
+                    self.receipt = ev
+                    return
+                if isinstance(ev, str):
+                    log.info("swarm: %s", ev[:300])
+                else:
+                    self.ids.extend(ev)
+                yield ev
+        except SwarmError as exc:
+            raise api_error(exc) from None
+        raise ApiError("the swarm ended the generation without a receipt", status=502, type="server_error",
+                       code="bad_gateway")  # fmt: skip
+
+
+class NodeBackend:
+    """Requests go straight into this node's own generation service (no serialisation)."""
+
+    def __init__(self, peer: Peer, *, model_name: str | None = None) -> None:
+        s = peer.settings
+        if s.model_dir is None or peer.serving is None:
+            raise ApiError("the API needs a node that serves (it has no model)", status=503)
+        info = _model_info(s.model_dir, s.context_tokens, model_name)
+        self.service = peer.serving.gen
+        self.model_name, self.tokenizer = info.model_name, info.tokenizer
+        self.context_tokens, self.vocab_size = info.context_tokens, info.vocab_size
+
+    @contextlib.asynccontextmanager
+    async def open_generation(self, req: ctl.Gen) -> AsyncIterator[Generation]:
+        send, recv = trio.open_memory_channel[Event | SwarmError](math.inf)
+
+        class Sink:
+            async def tokens(self, ids: list[int], text: str) -> None:
+                send.send_nowait(list(ids))
+
+            async def notice(self, text: str) -> None:
+                send.send_nowait(text)
+
+        async def run() -> None:
+            with send:
+                try:
+                    send.send_nowait(await self.service.generate(req, Sink()))
+                except SwarmError as exc:
+                    send.send_nowait(exc)
+
+        async def events() -> AsyncIterator[Event]:
+            async for item in recv:
+                if isinstance(item, SwarmError):
+                    raise item
+                yield item
+
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(run)
+                yield Generation(events())
+                nursery.cancel_scope.cancel()  # done, or left early: the generation stops
+        except BaseExceptionGroup as eg:
+            raise unwrap(eg) from None
+
+
 class ClientBackend:
     """Requests go over libp2p to ``peer`` (any member; it relays to the coordinator)."""
 
@@ -91,114 +181,55 @@ class ClientBackend:
         self.model_name, self.tokenizer = info.model_name, info.tokenizer
         self.context_tokens, self.vocab_size = info.context_tokens, info.vocab_size
 
-    def open_gen(self) -> contextlib.AbstractAsyncContextManager[GenStream]:
-        return self.host.open_stream(self.peer, PROTO_GEN, timeout=OPEN_TIMEOUT_S)
-
-
-class NodeBackend:
-    """Requests go into this node's own generation service through an in-memory framed pipe."""
-
-    def __init__(self, node: Node, *, model_name: str | None = None) -> None:
-        s = node.settings
-        info = _model_info(s.model_dir, s.context_tokens, model_name)
-        self.node = node
-        self.model_name, self.tokenizer = info.model_name, info.tokenizer
-        self.context_tokens, self.vocab_size = info.context_tokens, info.vocab_size
-
     @contextlib.asynccontextmanager
-    async def open_gen(self) -> AsyncIterator[GenStream]:
-        from swarm.node.service import serve_generation
-
-        ours, theirs = trio.testing.memory_stream_pair()
-        async with (
-            trio.open_nursery() as nursery,
-            open_framed(TrioStreamRaw(theirs), peer="local-api", protocol=PROTO_GEN) as server_fs,
-        ):
-
-            async def serve() -> None:
-                with contextlib.suppress(SwarmError):
-                    await serve_generation(self.node, "local-api", server_fs)
-
-            nursery.start_soon(serve)
-            async with open_framed(TrioStreamRaw(ours), peer=self.node.peer_id, protocol=PROTO_GEN) as fs:
-                yield fs
-            nursery.cancel_scope.deadline = trio.current_time() + 1.0  # the service sees EOF
+    async def open_generation(self, req: ctl.Gen) -> AsyncIterator[Generation]:
+        try:
+            async with self.host.open_stream(self.peer, PROTO_GEN, timeout=OPEN_TIMEOUT_S) as fs:
+                gen = Generation(_frames(fs))
+                try:
+                    await fs.send(req.to_frame(), timeout=OPEN_TIMEOUT_S)
+                    yield gen
+                finally:
+                    if gen.receipt is None:
+                        await fs.reset()  # shielded inside; the serving peer's next write fails
+        except PeerError as exc:
+            raise ApiError(f"cannot reach the swarm: {exc}", status=503, type="server_error",
+                           code="swarm_unavailable") from None  # fmt: skip
 
 
-@dataclass
-class Generation:
-    """One running generation: iterate for batches of committed token ids (and notices)."""
-
-    fs: GenStream
-    spec: GenSpec
-    receipt: dict[str, Any] | None = None
-    ids: list[int] = field(default_factory=list)
-
-    def __aiter__(self) -> AsyncIterator[list[int] | str]:
-        return self._frames()
-
-    async def _frames(self) -> AsyncIterator[list[int] | str]:
-        """Batches of committed token ids, and (as str) the swarm's one-line news for the client:
-        a pause for a re-plan, the resume."""
-        timeout = TOKEN_TIMEOUT_S + READY_WAIT_S
-        while self.receipt is None:
-            try:
-                msg = parse_message(await self.fs.receive(timeout=timeout))
-            except PeerError as exc:
-                raise ApiError(f"the swarm stopped answering: {exc}", status=503, type="server_error",
-                               code="swarm_unavailable") from None  # fmt: skip
-            timeout = TOKEN_TIMEOUT_S
-            if not isinstance(msg, Control):
-                raise ApiError(f"the swarm sent {type(msg).__name__} on the gen stream", status=502, type="server_error",
-                               code="bad_gateway")  # fmt: skip
-            if msg.op == "tokens":
-                ids = [int(i) for i in msg.ids]
-                self.ids.extend(ids)
-                yield ids
-            elif msg.op == "notice":  # a pause for a re-plan: the completion carries on after it
-                text = str(msg.body.get("text", ""))[:300]
-                log.info("swarm: %s", text)
-                yield text
-            elif msg.op == "done":
-                self.receipt = dict(msg.body)
-            elif msg.op == "fail":
-                text = str(msg.body.get("message", "generation failed"))
-                if msg.body.get("code") == "bad_request":
-                    raise ApiError(text, status=400, code="invalid_value")
-                if msg.body.get("code") == "busy":  # every slot of the ring's KV memory taken, queue full
-                    err = ApiError(text, status=429, type="server_error", code="swarm_busy")
-                    err.retry_after_s = int(msg.body.get("retry_after_s", 5))
-                    raise err
-                if msg.body.get("code") == "cannot_serve":  # the live peers cannot hold the model: no use retrying now
-                    raise ApiError(f"the swarm cannot serve this request now: {text}", status=503, type="server_error",
-                                   code="swarm_too_small")  # fmt: skip
-                raise ApiError(f"the swarm could not serve this request: {text}", status=503, type="server_error",
-                               code="swarm_unavailable")  # fmt: skip
-            else:
-                raise ApiError(f"the swarm sent an unexpected {msg.op!r} frame", status=502, type="server_error",
-                               code="bad_gateway")  # fmt: skip
+async def _frames(fs: Any) -> AsyncIterator[Event]:
+    """A gen stream's replies as events; a Fail raises its typed error."""
+    timeout = TOKEN_TIMEOUT_S + READY_WAIT_S
+    while True:
+        try:
+            msg = parse_message(await fs.receive(timeout=timeout))
+        except PeerError as exc:
+            raise ApiError(f"the swarm stopped answering: {exc}", status=503, type="server_error",
+                           code="swarm_unavailable") from None  # fmt: skip
+        timeout = TOKEN_TIMEOUT_S
+        if isinstance(msg, ctl.Tokens):
+            yield [int(i) for i in msg.ids]
+        elif isinstance(msg, ctl.Notice):  # a pause for a re-plan: the completion carries on after it
+            yield msg.text
+        elif isinstance(msg, ctl.Done):
+            yield dict(msg.receipt)
+            return
+        elif isinstance(msg, ctl.Fail):
+            raise msg.error()
+        else:
+            raise ApiError(f"the swarm sent an unexpected {type(msg).__name__} on the gen stream", status=502,
+                           type="server_error", code="bad_gateway")  # fmt: skip
 
 
-def gen_request(spec: GenSpec, *, wait_s: float = READY_WAIT_S) -> Control:
-    body: dict[str, Any] = {"max_new_tokens": spec.max_new_tokens, "temperature": spec.temperature,
-                            "top_k": spec.top_k, "top_p": spec.top_p, "chat": False, "wait_s": wait_s}  # fmt: skip
-    if spec.seed is not None:
-        body["seed"] = spec.seed
-    return Control("gen", body, tuple(spec.prompt_ids))
+def gen_request(req: ctl.Gen, *, wait_s: float = READY_WAIT_S) -> ctl.Gen:
+    """``req`` as the endpoint sends it: token ids, and a short wait for a serving ring."""
+    import dataclasses
+
+    return dataclasses.replace(req, wait_s=wait_s)
 
 
 @contextlib.asynccontextmanager
-async def open_generation(backend: Backend, spec: GenSpec) -> AsyncIterator[Generation]:
+async def open_generation(backend: Backend, req: ctl.Gen) -> AsyncIterator[Generation]:
     """Start one generation; leaving the block before it is done cancels it on the swarm."""
-    try:
-        async with backend.open_gen() as fs:
-            gen = Generation(fs, spec)
-            try:
-                await fs.send(gen_request(spec).to_frame(), timeout=OPEN_TIMEOUT_S)
-                yield gen
-            finally:
-                if gen.receipt is None:
-                    await fs.reset()  # shielded inside; the serving peer's next write fails
-    except PeerError as exc:
-        raise ApiError(f"cannot reach the swarm: {exc}", status=503, type="server_error",
-                       code="swarm_unavailable") from None  # fmt: skip
+    async with backend.open_generation(gen_request(req)) as gen:
+        yield gen

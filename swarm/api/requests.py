@@ -8,22 +8,26 @@ Every field of the OpenAI chat and completions requests is in one of three sets:
 * refused unless it has its no-op value: n > 1, logprobs, tools, response_format other than
   text, penalties, logit_bias, ... get a 400 error naming the parameter, never a silent ignore.
 
-A field in none of them is refused as unrecognized, as OpenAI does. Defaults follow OpenAI
-(temperature 1, top_p 1); ``max_tokens`` defaults to what is left of the context (at most
-4096). A sampled request without a seed gets a random one, so repeated calls differ.
+A field in none of them is refused as unrecognized, as OpenAI does. The request becomes one
+:class:`~swarm.proto.control.Gen`, the swarm's one generation request, checked against its bounds
+(temperature [0, 2], top_p (0, 1], max_tokens 1..4096, ...) where it is built, here. Defaults
+follow OpenAI (temperature 1, top_p 1), where ``shard-swarm generate`` and the wire default to
+greedy (temperature 0) as the CLI documents; ``max_tokens`` defaults to what is left of the
+context (at most 4096). A sampled request without a seed gets a random one, so repeated calls
+differ. OpenAI seeds may be negative: they are mapped into the swarm's [0, 2^63) range.
 """
 
 from __future__ import annotations
 
-import math
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Any
 
-from swarm.errors import SwarmError, TokenizerError
+from swarm.errors import BadRequest, SwarmError, TokenizerError
 from swarm.model.tokenizer import Tokenizer
+from swarm.proto.control import MAX_NEW_TOKENS, Gen
 
-MAX_NEW_TOKENS = 4096  # the generation service's cap
 MAX_STOPS = 4
 MAX_STOP_CHARS = 256
 MAX_SEED = (1 << 63) - 1
@@ -45,17 +49,38 @@ class ApiError(SwarmError):
 
 @dataclass(frozen=True)
 class GenSpec:
+    """One OpenAI request: the swarm's generation request and what only the endpoint handles."""
+
     kind: str  # "chat" or "completion"
     model: str
-    prompt_ids: list[int]
-    max_new_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int | None
+    request: Gen  # prompt ids, length and sampling, checked against the swarm's one set of bounds
     stops: tuple[str, ...]
     stream: bool
     include_usage: bool
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return list(self.request.ids)
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.request.max_new_tokens
+
+    @property
+    def temperature(self) -> float:
+        return self.request.temperature
+
+    @property
+    def top_p(self) -> float:
+        return self.request.top_p
+
+    @property
+    def top_k(self) -> int:
+        return self.request.top_k
+
+    @property
+    def seed(self) -> int | None:
+        return self.request.seed
 
 
 _COMMON = {"model", "stream", "stream_options", "temperature", "top_p", "top_k", "max_tokens", "stop", "seed", "n",
@@ -97,15 +122,6 @@ def _check_fields(body: dict[str, Any], known: set[str]) -> None:
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
         raise ApiError("response_format other than {'type': 'text'} is not supported", param="response_format",
                        code="unsupported_parameter")  # fmt: skip
-
-
-def _number(body: dict[str, Any], key: str, lo: float, hi: float, default: float) -> float:
-    v = body.get(key)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or not lo <= v <= hi:
-        raise ApiError(f"{key} must be a number in [{lo:g}, {hi:g}], got {v!r}", param=key, code="invalid_value")
-    return float(v)
 
 
 def _integer(body: dict[str, Any], key: str, lo: int, hi: int) -> int | None:
@@ -152,23 +168,25 @@ def _common(body: dict[str, Any], kind: str, served: str, prompt_ids: list[int],
         raise ApiError(f"the prompt is {len(prompt_ids)} tokens; this swarm's context holds {context}",
                        param="messages" if kind == "chat" else "prompt", code="context_length_exceeded")  # fmt: skip
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    max_new = _integer(body, key, 1, MAX_NEW_TOKENS)
-    if max_new is not None and max_new > room:
-        raise ApiError(f"{key}={max_new} plus the prompt's {len(prompt_ids)} tokens exceed the context of {context}",
-                       param=key, code="context_length_exceeded")  # fmt: skip
-    temperature = _number(body, "temperature", 0.0, 2.0, 1.0)
     seed = _integer(body, "seed", -MAX_SEED, MAX_SEED)
     if seed is not None and seed < 0:
-        seed += MAX_SEED + 1  # keep negative seeds distinct and in the service's range
-    if seed is None and temperature > 0:
-        seed = int.from_bytes(os.urandom(8), "little") & MAX_SEED
-    return GenSpec(
-        kind=kind, model=model, prompt_ids=prompt_ids,
-        max_new_tokens=max_new if max_new is not None else min(room, MAX_NEW_TOKENS),
-        temperature=temperature, top_p=_number(body, "top_p", 0.0, 1.0, 1.0),
-        top_k=_integer(body, "top_k", 0, 1 << 20) or 0, seed=seed, stops=_stops(body), stream=stream,
-        include_usage=bool(opts.get("include_usage", False)),
-    )  # fmt: skip
+        seed += MAX_SEED + 1  # keep negative seeds distinct and in the swarm's range
+    temperature = body.get("temperature")
+    try:  # the swarm's bounds, checked once, here (proto.control.Gen)
+        req = Gen.checked(prompt_ids, max_new_tokens=body.get(key), temperature=1.0 if temperature is None else temperature,
+                          top_p=body.get("top_p"), top_k=body.get("top_k"), seed=seed)  # fmt: skip
+    except BadRequest as exc:
+        param = {"max_new_tokens": key}.get(exc.field, exc.field)
+        raise ApiError(f"{param}: {str(exc).split(': ', 1)[-1]}", param=param, code="invalid_value") from None
+    if body.get(key) is not None and req.max_new_tokens > room:
+        raise ApiError(f"{key}={req.max_new_tokens} plus the prompt's {len(prompt_ids)} tokens exceed the context of "
+                       f"{context}", param=key, code="context_length_exceeded")  # fmt: skip
+    if body.get(key) is None:
+        req = dataclasses.replace(req, max_new_tokens=min(room, MAX_NEW_TOKENS))
+    if req.seed is None and req.temperature > 0:
+        req = dataclasses.replace(req, seed=int.from_bytes(os.urandom(8), "little") & MAX_SEED)
+    return GenSpec(kind=kind, model=model, request=req, stops=_stops(body), stream=stream,
+                   include_usage=bool(opts.get("include_usage", False)))  # fmt: skip
 
 
 def _content(msg: dict[str, Any], i: int) -> str:

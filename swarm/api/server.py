@@ -19,7 +19,6 @@ bind is enforced too. The token never appears in logs or errors.
 
 from __future__ import annotations
 
-import dataclasses
 import hmac
 import ipaddress
 import json
@@ -38,11 +37,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from swarm.api.backend import Backend, open_generation
+from swarm.api.backend import Backend, api_error, open_generation
 from swarm.api.requests import ApiError, GenSpec, parse_chat, parse_completion
 from swarm.api.stops import TextAssembler
 from swarm.errors import SwarmError, UsageError
-from swarm.node.errors_util import first_leaf
 
 log = logging.getLogger("swarm.api")
 
@@ -234,10 +232,8 @@ class Api:
         committed: list[int] = []
         lost_since: float | None = None
         while True:
-            part = dataclasses.replace(spec, prompt_ids=[*spec.prompt_ids, *committed],
-                                       max_new_tokens=spec.max_new_tokens - len(committed))  # fmt: skip
             try:
-                async with open_generation(self.backend, part) as gen:
+                async with open_generation(self.backend, spec.request.resumed(committed)) as gen:
                     async for ids in gen:
                         if isinstance(ids, str):
                             if on_notice is not None:
@@ -251,12 +247,12 @@ class Api:
                             return text, "stop"  # leaving the block cancels the generation
                     receipt = gen.receipt or {}
                 break
-            except (SwarmError, BaseExceptionGroup) as exc:
-                err = _api_error(exc)
+            except SwarmError as exc:
+                err = api_error(exc)
                 now = trio.current_time()
                 lost_since = now if lost_since is None else lost_since
                 if err.code != "swarm_unavailable" or now - lost_since > RESUME_TIMEOUT_S:
-                    raise
+                    raise err from None  # only a lost generation is resumed (not a bad request, a full swarm)
                 why = err.message
             note = (f"the swarm lost this generation after {len(committed)} tokens ({why[:200]}); "
                     "resuming on the next coordinator from the prompt and those tokens")  # fmt: skip
@@ -320,23 +316,6 @@ class Api:
         if spec.include_usage:
             await emit({**head, "id": rid, "choices": [], "usage": self._usage(spec, text)})
         await emit("[DONE]")
-
-
-def _api_error(exc: BaseException) -> ApiError:
-    """What the client is told about an error from the swarm side: an ApiError as it is; any
-    other SwarmError (even inside trio's exception groups) as a 503 naming it; anything else
-    (a cancellation, a bug) goes on as it was."""
-    if isinstance(exc, ApiError):
-        return exc
-    if first_leaf(exc, trio.Cancelled) is not None:
-        raise exc
-    err = first_leaf(exc, SwarmError)
-    if err is None:
-        raise exc
-    if isinstance(err, ApiError):
-        return err
-    return ApiError(f"the swarm could not serve this request: {err}", status=503, type="server_error",
-                    code="swarm_unavailable")  # fmt: skip
 
 
 def _ids(spec: GenSpec, *, chunk: bool = False) -> tuple[str, dict[str, Any]]:

@@ -20,11 +20,11 @@ import typer
 
 from swarm.cli import ui
 from swarm.errors import PeerError, SwarmError, UsageError
+from swarm.proto.limits import PROTO_GEN  # swarm.node.client's: status and generations
 
 log = logging.getLogger("swarm.cli.bootstrap")
 
 DEFAULT_LISTEN = "/ip4/0.0.0.0/tcp/4001"
-PROTO_GEN = "/shard-swarm/gen/1"  # swarm.node.client's: status and generations
 FORWARD_IDLE_S = 600.0  # a forwarded request stream with no frame either way for this long ends
 
 
@@ -51,9 +51,9 @@ async def _forward_requests(service: Any, peer: str, fs: Any) -> None:
     default peer (this node) still reach the swarm."""
     members = service.members()
     if not members:
-        from swarm.proto.control import Control
+        from swarm.proto.control import Fail
 
-        await fs.send(Control("fail", {"message": "the bootstrap node sees no member of the swarm yet"}).to_frame())
+        await fs.send(Fail("unavailable", "the bootstrap node sees no member of the swarm yet").to_frame())
         return
     last: SwarmError | None = None
     for member in members:
@@ -101,7 +101,8 @@ async def serve_bootstrap(
             await _serve_relay(host, identity.peer_id, ready)
         return
     from swarm.net.host import open_host
-    from swarm.node.membership import Membership, MembershipService
+    from swarm.node.gossip import MembershipService
+    from swarm.node.membership import Membership
 
     manifest = read_manifest(manifest_path)
     from swarm.manifest.pins import check_pin

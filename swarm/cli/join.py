@@ -38,12 +38,13 @@ import typer
 
 from swarm.cli import ui
 from swarm.cli.settings import flag_help, node_settings
-from swarm.errors import SwarmError, UsageError
+from swarm.errors import UsageError
 from swarm.manifest.identity import config_dir, load_identity, load_or_create_identity
 from swarm.manifest.manifest import Manifest, read_manifest
 from swarm.manifest.pins import check_pin
 from swarm.net.host import SwarmHost, open_host
-from swarm.node.membership import MemberEvent, Membership, MembershipService
+from swarm.node.gossip import MemberEvent, MembershipService
+from swarm.node.settings import NodeSettings
 
 log = logging.getLogger("swarm.cli.join")
 
@@ -140,82 +141,13 @@ class _Printer:
                 self.line("rtt", peer, info.addr if info else "", how, rtt)
 
 
-async def _run_node(
-    manifest: Manifest,
-    seed: bytes,
-    signer: Any,
-    listen: list[str],
-    memory: int,
-    *,
-    mdns: bool,
-    relay: bool,
-    as_json: bool,
-    exit_after: float | None,
-    model_dir: Path | None = None,
-    dtype: str = "auto",
-    device: str = "cpu",
-    threads: int = 0,
-    api: str | None = None,
-    api_token: str | None = None,
-) -> None:
-    if model_dir is not None:
-        await _serve_layers(manifest, seed, listen, memory, model_dir, dtype=dtype, device=device, threads=threads,
-                            mdns=mdns, relay=relay, as_json=as_json, exit_after=exit_after,
-                            api=api, api_token=api_token)
-        return
-    async with open_host(
-        seed, listen, secret=manifest.secret.value, swarm_id=manifest.swarm_id, revoked=frozenset(manifest.revoked)
-    ) as host:
-        addrs = host.addrs()
-        ui.notice(f"node {host.peer_id} listening on {', '.join(addrs)}")
-        membership = Membership(
-            signer, manifest.swarm_id, addrs=addrs, memory_bytes=memory, revoked=frozenset(manifest.revoked)
-        )
-        printer = _Printer(host, as_json)
-        service = MembershipService(host, membership, on_event=printer.on_event)
-        async with trio.open_nursery() as nursery:
-            await nursery.start(service.run)
-            if relay:
-                nursery.start_soon(_relay_client, service, host, list(manifest.bootstrap))
-            for addr in manifest.bootstrap:
-                try:
-                    service.add_candidate(addr, source="bootstrap")
-                except UsageError as exc:
-                    ui.notice(f"skipping bootstrap address: {exc}")
-            if mdns:
-                nursery.start_soon(_mdns_discovery, service, host, manifest.swarm_id, addrs)
-            nursery.start_soon(_signals, nursery.cancel_scope)
-            if exit_after is not None:
-                nursery.cancel_scope.deadline = trio.current_time() + exit_after
-            if not manifest.bootstrap and not mdns:
-                ui.notice("no bootstrap addresses and mDNS off: waiting for peers to dial us")
-            while True:
-                await trio.sleep(1.0)
-                printer.refresh(service)
-        ui.notice(f"left swarm {manifest.swarm_name!r} ({len(service.members())} peers connected at exit)")
+async def _run_peer(settings: NodeSettings, manifest: Manifest, *, as_json: bool, exit_after: float | None,
+                    api: str | None = None, api_token: str | None = None) -> None:  # fmt: skip
+    """The node, built by the one composition root (swarm.node.peer): membership, and (with a
+    model) its block or the coordinator role; the UI prints its peers and life as they change."""
+    from swarm.node.notices import Hooks
+    from swarm.node.peer import run_peer
 
-
-async def _serve_layers(
-    manifest: Manifest, seed: bytes, listen: list[str], memory: int, model_dir: Path, *,
-    dtype: str, device: str, threads: int, mdns: bool, relay: bool, as_json: bool, exit_after: float | None,
-    api: str | None = None, api_token: str | None = None,
-) -> None:
-    """A full node: membership as above, plus the ring (its block, or the coordinator role)."""
-    from swarm.model.dtypes import resolve_dtype
-    from swarm.net.host import dialable_addrs
-    from swarm.net.mdns import interface_table
-    from swarm.node.runtime import Node, NodeSettings
-
-    dialable = dialable_addrs(list(listen), interface_table())
-    first_ip = next((a.split("/")[2] for a in dialable if a.startswith("/ip4/") and not a.startswith("/ip4/127.")),
-                    "127.0.0.1")
-    settings = NodeSettings(
-        seed=seed, swarm_id=manifest.swarm_id, secret=manifest.secret.value, model_dir=model_dir,
-        listen=tuple(listen), bootstrap=tuple(manifest.bootstrap), memory_bytes=memory,
-        dtype=resolve_dtype(dtype, device), device=device, quant=manifest.quant,
-        threads=threads or max(1, (os.cpu_count() or 2)), revoked=frozenset(manifest.revoked),
-        fastpath_host=first_ip,
-    )  # fmt: skip
     printer: _Printer | None = None
 
     def on_member(ev: MemberEvent) -> None:
@@ -227,27 +159,50 @@ async def _serve_layers(
             sys.stdout.write(json.dumps(event) + "\n")
             sys.stdout.flush()
 
+    hooks = Hooks(on_event=ui.notice, on_member=on_member, on_life=on_life)
     async with trio.open_nursery() as nursery:
-        node = await nursery.start(Node(settings, on_event=ui.notice, on_member=on_member, on_life=on_life).run)
-        host, service = node.host, node.service
-        printer = _Printer(host, as_json)
-        if relay:
-            nursery.start_soon(_relay_client, service, host, list(manifest.bootstrap))
-        if mdns:
-            nursery.start_soon(_mdns_discovery, service, host, manifest.swarm_id, host.addrs())
+        peer = await nursery.start(functools.partial(run_peer, settings, hooks=hooks))
+        printer = _Printer(peer.host, as_json)
+        if settings.model_dir is None and not manifest.bootstrap and not settings.mdns:
+            ui.notice("no bootstrap addresses and mDNS off: waiting for peers to dial us")
         if api is not None:
             from swarm.api.backend import NodeBackend
             from swarm.api.server import serve_api
 
-            url = await nursery.start(functools.partial(serve_api, NodeBackend(node), api, token=api_token))
+            url = await nursery.start(functools.partial(serve_api, NodeBackend(peer), api, token=api_token))
             ui.notice(f"OpenAI-compatible endpoint on {url}/v1 (any peer forwards to the coordinator)")
-        nursery.start_soon(_signals, nursery.cancel_scope, node)
+        nursery.start_soon(_signals, nursery.cancel_scope, peer)
         if exit_after is not None:
             nursery.cancel_scope.deadline = trio.current_time() + exit_after
         while True:
             await trio.sleep(1.0)
-            printer.refresh(service)
-    ui.notice(f"left swarm {manifest.swarm_name!r}")
+            printer.refresh(peer.service)
+    if settings.model_dir is None:
+        ui.notice(f"left swarm {manifest.swarm_name!r} ({len(peer.service.members())} peers connected at exit)")
+    else:
+        ui.notice(f"left swarm {manifest.swarm_name!r}")
+
+
+def node_settings_of(manifest: Manifest, seed: bytes, listen: list[str], memory: int, model_dir: Path | None, *,
+                     dtype: str, device: str, threads: int, mdns: bool, relay: bool) -> NodeSettings:  # fmt: skip
+    """The node's settings, built once from the invite, the config file and the flags."""
+    fastpath_host = ""
+    torch_dtype = None
+    if model_dir is not None:
+        from swarm.model.dtypes import resolve_dtype
+        from swarm.net.host import dialable_addrs
+        from swarm.net.mdns import interface_table
+
+        dialable = dialable_addrs(list(listen), interface_table())
+        fastpath_host = next((a.split("/")[2] for a in dialable if a.startswith("/ip4/") and not a.startswith("/ip4/127.")),
+                             "127.0.0.1")  # fmt: skip
+        torch_dtype = resolve_dtype(dtype, device)
+    return NodeSettings(
+        seed=seed, swarm_id=manifest.swarm_id, secret=manifest.secret.value, model_dir=model_dir,
+        listen=tuple(listen), bootstrap=tuple(manifest.bootstrap), memory_bytes=memory, dtype=torch_dtype,
+        device=device, quant=manifest.quant, threads=threads or max(1, (os.cpu_count() or 2)),
+        revoked=frozenset(manifest.revoked), fastpath_host=fastpath_host, relay=relay, mdns=mdns,
+    )  # fmt: skip
 
 
 class _Left:
@@ -256,13 +211,12 @@ class _Left:
     by_signal = False
 
 
-async def _signals(scope: trio.CancelScope, node: Any = None) -> None:
+async def _signals(scope: trio.CancelScope, peer: Any) -> None:
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async for _ in signals:
             ui.notice("leaving the swarm...")
             _Left.by_signal = True
-            if node is not None:
-                await node.leave()  # the swarm re-plans without us first (bounded: LEAVE_TIMEOUT_S)
+            await peer.leave()  # the swarm re-plans without us first (bounded: LEAVE_TIMEOUT_S)
             scope.cancel()
             return
 
@@ -277,54 +231,6 @@ def _exit_now(code: int) -> None:
             f.flush()
     logging.shutdown()
     os._exit(code)
-
-
-async def _relay_client(service: MembershipService, host: SwarmHost, bootstrap: list[str]) -> None:
-    """NAT traversal (swarm/net/relay.py): accept relayed connections, dial /p2p-circuit
-    addresses, let DCUtR hole-punch relayed connections into direct ones, and hold a relay slot
-    on the first bootstrap node that grants one, advertising our circuit address so peers behind
-    other NATs can reach us."""
-    from swarm.net.relay import open_relay
-
-    try:
-        async with open_relay(host.libp2p, admit=host.dial) as node:
-            host.attach_relay(node)
-            for addr in bootstrap:
-                try:
-                    circuit = await node.reserve(addr, timeout=15.0)
-                except SwarmError as exc:
-                    log.info("no relay slot at %s: %s", addr, exc)
-                    continue
-                ui.notice(f"reachable through relay {circuit}")
-                if service.membership.update_local(addrs=host.addrs()):
-                    service.readvertise()
-                break
-            await trio.sleep_forever()
-    except SwarmError as exc:
-        ui.notice(f"relay off: {exc}")
-    finally:
-        host.attach_relay(None)
-
-
-async def _mdns_discovery(service: MembershipService, host: SwarmHost, swarm_id: str, addrs: list[str]) -> None:
-    """Hook for LAN discovery (net-discovery's swarm/net/mdns.py): feed found peers to the dialer."""
-    try:
-        from swarm.net.mdns import lan_interfaces, open_mdns
-    except ImportError:
-        ui.notice("mDNS discovery unavailable in this build")
-        return
-    interfaces = lan_interfaces()
-    if not interfaces:
-        ui.notice("mDNS: no LAN interface with a private IPv4 address; not announcing")
-        return
-    try:
-        async with open_mdns(peer_id=host.peer_id, swarm_id=swarm_id, listen_addrs=host.addrs(), interfaces=interfaces) as m:
-            async for found in m.discoveries():
-                for addr in found.addrs:
-                    with contextlib.suppress(UsageError):
-                        service.add_candidate(addr, source="mdns")
-    except UsageError as exc:
-        ui.notice(f"mDNS off: {exc}")
 
 
 async def _diagnose(manifest: Manifest, seed: bytes, listen: list[str], as_json: bool, relay: bool) -> None:
@@ -417,9 +323,9 @@ def join(
         from swarm.api.server import check_bind
 
         check_bind(api, api_token)
-    trio.run(lambda: _run_node(manifest, identity.seed, identity, listen, mem, mdns=mdns, relay=relay, as_json=as_json,
-                               exit_after=exit_after, model_dir=model_dir, dtype=dtype, device=dev or "cpu", threads=threads,
-                               api=api, api_token=api_token))
+    settings = node_settings_of(manifest, identity.seed, listen, mem, model_dir, dtype=dtype, device=dev or "cpu",
+                                threads=threads, mdns=mdns, relay=relay)  # fmt: skip
+    trio.run(lambda: _run_peer(settings, manifest, as_json=as_json, exit_after=exit_after, api=api, api_token=api_token))
     if _Left.by_signal:
         _exit_now(0)
 

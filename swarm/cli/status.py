@@ -31,7 +31,6 @@ from swarm.errors import PeerError, SwarmError, UsageError
 from swarm.manifest.identity import config_dir
 from swarm.manifest.manifest import read_manifest
 from swarm.node import client
-from swarm.proto.control import Control
 
 GB = 1e9
 
@@ -138,7 +137,7 @@ def format_text(view: dict[str, Any]) -> str:
 async def fetch_status(host: Any, peer: str) -> dict[str, Any]:
     """The coordinator's status (relayed by ``peer``), or ``peer``'s own when no ring serves."""
     try:
-        return (await client.request(host, peer, Control("status", {"coordinator": True}))).body
+        return await client.status(host, peer, coordinator=True)
     except PeerError:
         return await client.status(host, peer)
 

@@ -2,24 +2,42 @@
 
 Where things live:
 
-    runtime.py     Node: host + membership + the leader's planning (epochs, leave, faults)
-    epoch.py       one plan epoch at a peer: accept the plan, load the block, wire the hops, serve
+    peer.py        the composition root: ``open_peer``/``run_peer`` build a peer from its settings
+                   (used by ``join``, ``python -m swarm.node`` and the tests); ``Peer``
+    settings.py    NodeSettings, built once (join's config and flags, or a settings file)
+    serving.py     the serving half of a peer: its components wired with explicit dependencies
+    notices.py     what a node tells its user (notices, membership changes, life events)
+    view.py        this node's view: members, the leader, who may be planned
+    models.py      the checkpoint, the loaded block/head/tokenizer, and where torch work runs
+    epochs.py      one plan epoch at a peer: accept the plan, load the block, end the epoch
+    wiring.py      an epoch's hops: open them, accept them, run the stage worker and result reader
+    leader.py      the leader: when to plan, the plan, the set-up phases, catching up after a cut-off
+    recovery.py    losses, stalls, faults (and exclusion), leaving on purpose, nudging a leader
+    control.py     the control plane: which role may send each request (ROLES), the dispatcher,
+                   and the ring protocol's client (requests and set-up phases)
+    authority.py   the finer rules behind the roles (fault reports, epoch bounds), pure
+    service.py     the generation service (in-process for the API, and /shard-swarm/gen/1):
+                   requests, relaying, the coordinator's run
+    resume.py      a generation outliving its ring: wait for the next epoch, resume by replay
+    report.py      receipts and status
     stage_worker.py  a layer block serving verify chunks from upstream to downstream, the
                    sessions waiting for it batched into one forward, compute off the trio loop
     coordinator.py the coordinator's side of a ring: drives the speculative decoder, replays a
                    run on a new ring after a failure
-    service.py     /shard-swarm/gen/1: generation requests, relaying, recovery loop, receipts, status
+    capacity.py    how many sessions a ring holds, and the queue in front of it
     client.py      talking to a swarm as a client (status, wait until ready, one generation)
     launch.py      a local swarm of node processes on loopback (demo, tests, benchmarks);
                    __main__.py is the node process
+    discovery.py   relays and mDNS: finding and reaching peers beyond the bootstrap list
     links.py       the Link interface of a hop, and the in-process LocalLink
-    fastlink.py    a hop over a fast-path channel; wire.py: tensors <-> activation frames
+    fastlink.py    a hop over a fast-path channel
+    activation.py  the activation codec: tensors <-> CHUNK/RESULT messages, with every check
     failure.py     FailureDetector: alive -> suspect -> lost (and rejoin as a new incarnation);
                    pure, every call takes ``now``
     heartbeat.py   Liveness (the detector on the trio clock, RTT estimates); the ctl link that sends
                    heartbeats/adverts and measures RTT from echoes; the inbound ctl server
-    membership.py  Membership (signed adverts, the view, the planner's peers-file export) and
-                   MembershipService (runs it all on a SwarmHost: links, gossip, dialing)
+    membership.py  Membership: the signed-advert view and the planner's peers-file export
+    gossip.py      MembershipService: membership on a host (links, gossip, dialing)
     errors_util.py unwrapping trio's exception groups at the node's boundaries
     loopwatch.py   how long the trio loop is held (longest task step, timer lateness), for status
 """

@@ -1,13 +1,15 @@
-"""``python -m swarm.node SETTINGS.json``: run one node process (used by ``shard-swarm demo``).
+"""``python -m swarm.node SETTINGS.json``: run one node process (the demo, tests, benchmarks).
 
-The settings file holds NodeSettings fields and names the invite manifest (swarm ID, secret,
-bootstrap addresses; verified on load) and the identity seed file; secrets are read from those
-0600 files, never from the command line, where ``ps`` would show them.
+The settings file holds NodeSettings fields by name and names the invite manifest (swarm ID,
+secret, bootstrap addresses; verified on load) and the identity seed file; secrets are read from
+those 0600 files, never from the command line, where ``ps`` would show them (settings.py). The
+node is built by the same composition root as ``shard-swarm join`` (peer.py). SIGTERM or SIGINT:
+leave (bounded), then exit; SIGUSR1, SIGUSR2: fault injection for chaos tests (NaN activations;
+a stage that silently drops what it reads in this epoch).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import signal
 import sys
@@ -15,60 +17,26 @@ from pathlib import Path
 
 import trio
 
-from swarm.manifest.manifest import read_manifest
-from swarm.model.devices import device_label, resolve_device
-from swarm.model.dtypes import resolve_dtype
-from swarm.node.runtime import Node, NodeSettings
-
-
-def settings_from_file(path: Path) -> NodeSettings:
-    cfg = json.loads(path.read_text())
-    manifest = read_manifest(Path(cfg["manifest"]))  # verified: signature, expiry, fields
-    device = resolve_device(cfg.get("device", "auto"))
-    return NodeSettings(
-        seed=bytes.fromhex(Path(cfg["seed_file"]).read_text().strip()),
-        swarm_id=manifest.swarm_id,
-        secret=manifest.secret.value,
-        revoked=frozenset(manifest.revoked),
-        quant=manifest.quant,
-        model_dir=Path(cfg["model_dir"]),
-        listen=tuple(cfg.get("listen", ["/ip4/127.0.0.1/tcp/0"])),
-        announce=tuple(cfg.get("announce", [])),
-        bootstrap=tuple(manifest.bootstrap),
-        memory_bytes=int(cfg.get("memory_bytes", 0)),
-        dtype=resolve_dtype(cfg.get("dtype", "auto"), device),
-        device=device_label(device),
-        threads=int(cfg.get("threads", 1)),
-        coordinator_ok=bool(cfg.get("coordinator_ok", True)),
-        expect_peers=int(cfg.get("expect_peers", 0)),
-        context_tokens=int(cfg.get("context_tokens", 2048)),
-        draft=cfg.get("draft", "ngram"),
-        chunk_timeout=float(cfg.get("chunk_timeout", 30.0)),
-        fastpath=bool(cfg.get("fastpath", True)),
-        fastpath_port=int(cfg.get("fastpath_port", 0)),
-        fastpath_advertise=tuple(cfg.get("fastpath_advertise", [])),
-        compute_delay_s=float(cfg.get("compute_delay_s", 0.0)),
-        sessions=int(cfg.get("sessions", 8)),
-    )
+from swarm.node.notices import Hooks
+from swarm.node.peer import open_peer
+from swarm.node.settings import NodeSettings, settings_from_file
 
 
 async def _main(settings: NodeSettings) -> None:
     def event(text: str) -> None:
         print(text, file=sys.stderr, flush=True)
 
-    async with trio.open_nursery() as nursery:
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2) as signals:
-            node = await nursery.start(Node(settings, on_event=event).run)
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2) as signals:
+        async with open_peer(settings, hooks=Hooks(on_event=event)) as peer:
             async for signum in signals:
                 if signum == signal.SIGUSR1:  # fault injection for chaos tests
-                    node.start_corrupting()
+                    peer.start_corrupting()
                     continue
                 if signum == signal.SIGUSR2:  # fault injection: a hop that silently stops delivering
-                    node.start_swallowing()
+                    peer.start_swallowing()
                     continue
                 event("leaving")
-                await node.leave()  # the swarm re-plans without us first (bounded)
-                nursery.cancel_scope.cancel()
+                await peer.leave()  # the swarm re-plans without us first (bounded)
                 return
 
 

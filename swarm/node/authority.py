@@ -4,17 +4,21 @@ Theory of operation
 -------------------
 Admission proves only that a peer holds the swarm secret: a member gone bad, or anyone with a
 stolen invite, passes it. So every ring request is also checked against the sender's role in
-the plan this node serves (pure functions here; ``runtime.py`` applies them):
+the plan this node serves (pure functions here; leader.py, recovery.py and epochs.py apply them):
 
+- who may send each request at all is the dispatch table of ``control.py`` (a plan only from the
+  leader, ``connect`` and ``serve`` only from the current epoch's signer, ``fault`` only from a
+  stage of that epoch, ``ended``/``leave``/``leaving``/``current`` only from members; a client
+  only generates and reads status). On top of it:
 - ``plan`` is taken only when signed by the leader of this node's view (epoch.py); ``connect``
-  and ``serve`` only from the peer that signed the current epoch's plan, and only once per
-  epoch (a second one is a no-op, never a second worker or a replaced link).
+  and ``serve`` only once per epoch (a second one is a no-op, never a second worker or a
+  replaced link).
 - ``ended`` only from an advertised member, about an epoch at most ``MAX_EPOCH_STEP`` past the
   newest this node knows; a peer catching up adopts a served plan only when it is signed by the
   peer that leads its view without itself (the one that led while it was away), and an ended
   plan only within the same step bound: a forged epoch of 2^62 can no longer wedge the swarm.
-- ``fault`` only reaches the leader, only about the current epoch, and only from the receiving
-  end of the accused's hop: a stage about its upstream, the coordinator about the tail. A claim
+- ``fault`` only reaches the leader, only about the current epoch or the one it just replaced
+  (the fault may have ended it), and only from the receiving end of the accused's hop: a stage about its upstream, the coordinator about the tail. A claim
   relayed in an ERROR frame (``upstream=<id>``) is no evidence at all; the observing stage
   reports its own upstream directly.
 
@@ -32,17 +36,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from swarm.errors import ProtocolError
+from swarm.errors import Forbidden
 from swarm.planner import Plan
 
-EPOCH_MAX = 1 << 62  # the one bound on an epoch number, everywhere it is read
 MAX_EPOCH_STEP = 10_000  # how far past the newest epoch we know another party's epoch may be
 
 
 def check_epoch_step(epoch: int, newest_known: int, what: str) -> None:
-    """ProtocolError if ``epoch`` is implausibly far ahead of what this node has seen."""
+    """Forbidden if ``epoch`` is implausibly far ahead of what this node has seen."""
     if epoch > newest_known + MAX_EPOCH_STEP:
-        raise ProtocolError(
+        raise Forbidden(
             f"{what}: epoch {epoch} is more than {MAX_EPOCH_STEP} past the newest known ({newest_known})"
         )
 
@@ -61,12 +64,12 @@ def upstreams_of(plan: Plan, peer: str) -> set[str]:
 
 
 def check_fault_report(plan: Plan, accuser: str, accused: str, epoch: int) -> None:
-    """ProtocolError unless ``accuser`` may report ``accused`` in ``plan`` (its own inbound hop)."""
+    """Forbidden unless ``accuser`` may report ``accused`` in ``plan`` (its own inbound hop)."""
     if epoch != plan.epoch:
-        raise ProtocolError(f"fault report from {accuser} about epoch {epoch}; epoch {plan.epoch} is current")
+        raise Forbidden(f"fault report from {accuser} about epoch {epoch}; epoch {plan.epoch} is current")
     ups = upstreams_of(plan, accuser)
     if accused not in ups:
-        raise ProtocolError(
+        raise Forbidden(
             f"fault report from {accuser} about {accused}: a peer may report only its own upstream "
             f"hop in epoch {plan.epoch} ({', '.join(sorted(ups)) or 'none'})"
         )

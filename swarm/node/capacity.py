@@ -25,21 +25,13 @@ from collections.abc import Callable, Mapping
 
 import trio
 
-from swarm.errors import PeerError
+from swarm.errors import Busy
 from swarm.planner import ModelSpec, Plan
 
 MAX_SESSIONS = 64  # a stage never holds more (stage_worker.StageWorker.max_sessions)
 MIN_SESSIONS = 8  # ... and always at least this many (NodeSettings.sessions), KV on top of --memory
 MAX_QUEUED = 32  # generations waiting for a slot at one coordinator
 RETRY_AFTER_S = 5
-
-
-class Busy(PeerError):
-    """Every slot is taken and the queue is full: try again after ``retry_after_s``."""
-
-    def __init__(self, message: str, retry_after_s: int = RETRY_AFTER_S) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
 
 
 def stage_capacity(spec: ModelSpec, memory_bytes: int, block: tuple[int, int], *, coordinator: bool) -> int:
@@ -86,7 +78,8 @@ class Admission:
         if len(self._queue) >= self.max_queued:
             raise Busy(
                 f"the swarm is busy: {self.active} generations run (the ring's KV memory holds {self.capacity} "
-                f"at a time) and {len(self._queue)} wait; retry in {RETRY_AFTER_S} s"
+                f"at a time) and {len(self._queue)} wait; retry in {RETRY_AFTER_S} s",
+                RETRY_AFTER_S,
             )
         ev = trio.Event()
         self._queue.append(ev)

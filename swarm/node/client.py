@@ -14,14 +14,13 @@ from typing import Any
 
 import trio
 
-from swarm.errors import CannotServe, PeerError, PeerTimeout, ProtocolError
+from swarm.errors import PeerError, PeerTimeout, ProtocolError
 from swarm.net.host import SwarmHost, open_host
 from swarm.node.heartbeat import Liveness, serve_ctl_inbound
-from swarm.proto.control import Control
-from swarm.proto.limits import PROTO_CTL
+from swarm.node.hosting import Host
+from swarm.proto import control as ctl
+from swarm.proto.limits import PROTO_CTL, PROTO_GEN
 from swarm.proto.messages import parse_message
-
-PROTO_GEN = "/shard-swarm/gen/1"
 
 
 @contextlib.asynccontextmanager
@@ -80,28 +79,31 @@ async def _dial_retrying(host: SwarmHost, addr: str, timeout: float) -> str:
             await trio.sleep(0.5)
 
 
-async def request(host: SwarmHost, peer: str, msg: Control, *, timeout: float = 15.0) -> Control:
+async def request(host: Host, peer: str, msg: ctl.Control, *, timeout: float = 15.0) -> ctl.Control:
+    """One request/reply on ``/shard-swarm/gen/1`` (status); a Fail becomes its typed error."""
     async with host.open_stream(peer, PROTO_GEN, timeout=timeout) as fs:
         await fs.send(msg.to_frame())
         reply = parse_message(await fs.receive(timeout=timeout))
-    if not isinstance(reply, Control):
+    if isinstance(reply, ctl.Fail):
+        raise reply.error(f"peer {peer}: ")
+    if not isinstance(reply, ctl.Control):
         raise ProtocolError(f"peer {peer}: expected a CONTROL reply, got {reply!r}")
-    if reply.op == "fail":
-        raise PeerError(f"peer {peer}: {reply.body.get('message', 'request failed')}")
     return reply
 
 
-async def status(host: SwarmHost, peer: str) -> dict[str, Any]:
-    return (await request(host, peer, Control("status", {}))).body
+async def status(host: Host, peer: str, *, coordinator: bool = False, loop_window_s: int = 60) -> dict[str, Any]:
+    """What ``peer`` sees (``coordinator``: what the serving coordinator sees, relayed)."""
+    reply = await request(host, peer, ctl.Status(coordinator=coordinator, loop_window_s=loop_window_s))
+    return dict(ctl.expect(reply, ctl.StatusReply, peer, "status").status)
 
 
-async def wait_ready(host: SwarmHost, peer: str, *, timeout: float, on_status: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+async def wait_ready(host: Host, peer: str, *, timeout: float, on_status: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Poll the coordinator's status (relayed by ``peer``) until the ring serves."""
     last: dict[str, Any] = {}
     with trio.move_on_after(timeout):
         while True:
             try:
-                last = (await request(host, peer, Control("status", {"coordinator": True}))).body
+                last = await status(host, peer, coordinator=True)
             except PeerError as exc:
                 last = {"error": str(exc)}
             if on_status is not None:
@@ -113,7 +115,7 @@ async def wait_ready(host: SwarmHost, peer: str, *, timeout: float, on_status: C
 
 
 async def generate(
-    host: SwarmHost,
+    host: Host,
     peer: str,
     *,
     text: str | None = None,
@@ -137,50 +139,38 @@ async def generate(
     ``on_notice(text)`` gets the coordinator's one-line news (a pause for a re-plan, the resume).
     ``continue_ids``: with ``text``, tokens already generated after it (a resume). ``timeout``
     bounds each wait for progress (the first token: plus ``wait_s``): a notice that the swarm is
-    still re-planning is news, not progress, so it never stretches the wait."""
-    body: dict[str, Any] = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k,
-                            "top_p": top_p, "chat": chat, "wait_s": wait_s}
-    if seed is not None:
-        body["seed"] = seed
-    if draft is not None:
-        body["draft"] = draft
-    if depth is not None:
-        body["depth"] = depth
-    if draft_k is not None:
-        body["draft_k"] = draft_k
+    still re-planning is news, not progress, so it never stretches the wait. The request is
+    checked here against the same bounds the serving peer applies (BadRequest naming the field)."""
     if prompt_ids is None:
         if text is None:
             raise ValueError("give text or prompt_ids")
-        body["text"] = text
-        prompt_ids = continue_ids
-    elif continue_ids:
-        prompt_ids = [*prompt_ids, *continue_ids]
-    msg = Control("gen", body, tuple(prompt_ids or ()))
+        ids = list(continue_ids or ())
+    else:
+        ids = [*prompt_ids, *(continue_ids or ())]
+    req = ctl.Gen.checked(ids, text=text if prompt_ids is None else None, chat=chat, max_new_tokens=max_new_tokens,
+                          temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, draft=draft, depth=depth,
+                          draft_k=draft_k, wait_s=wait_s)  # fmt: skip
     async with host.open_stream(peer, PROTO_GEN, timeout=timeout) as fs:
-        await fs.send(msg.to_frame())
+        await fs.send(req.to_frame())
         progress_by = trio.current_time() + timeout + wait_s
         while True:
             left = progress_by - trio.current_time()
             if left <= 0:
                 raise PeerTimeout(f"peer {peer}: no new token within {timeout:.0f} s")
             reply = parse_message(await fs.receive(timeout=left))
-            if not isinstance(reply, Control):
-                raise ProtocolError(f"peer {peer}: expected CONTROL, got {reply!r}")
-            if reply.op == "tokens":
+            if isinstance(reply, ctl.Tokens):
                 progress_by = trio.current_time() + timeout
                 if on_tokens is not None:
-                    on_tokens(list(reply.ids), str(reply.body.get("text", "")))
-            elif reply.op == "notice":
+                    on_tokens(list(reply.ids), reply.text)
+            elif isinstance(reply, ctl.Notice):
                 if on_notice is not None:
-                    on_notice(str(reply.body.get("text", "")))
-            elif reply.op == "done":
-                return reply.body
-            elif reply.op == "fail":
-                if reply.body.get("code") == "cannot_serve":  # the live peers cannot hold the model
-                    raise CannotServe(f"generation failed: {reply.body.get('message', '')}")
-                raise PeerError(f"generation failed: {reply.body.get('message', '')}")
+                    on_notice(reply.text)
+            elif isinstance(reply, ctl.Done):
+                return dict(reply.receipt)
+            elif isinstance(reply, ctl.Fail):
+                raise reply.error("generation failed: ")  # CannotServe: the live peers cannot hold the model
             else:
-                raise ProtocolError(f"peer {peer}: unexpected {reply.op} during a generation")
+                raise ProtocolError(f"peer {peer}: unexpected {reply!r} during a generation")
 
 
 def _describe(st: dict[str, Any]) -> str:

@@ -63,11 +63,12 @@ from swarm.model.generate import output_sha256
 from swarm.model.sampling import SamplingParams
 from swarm.model.speculative import Committed, DraftSource, KPolicy, SpeculativeDecoder, VerifyChunk
 from swarm.model.stage import Head
+from swarm.node.activation import hidden_chunk, read_hidden
 from swarm.node.links import Link
-from swarm.node.wire import decode_hidden, encode_hidden
+from swarm.proto.activation import Error, Result, SessionEnd
 from swarm.proto.frame import Frame
 from swarm.proto.limits import DEFAULT_LIMITS, Limits
-from swarm.proto.messages import Chunk, Error, Result, SessionEnd, parse_message
+from swarm.proto.messages import parse_message
 
 log = logging.getLogger("swarm.node.coordinator")
 
@@ -162,6 +163,7 @@ class Coordinator:
         limiter: trio.CapacityLimiter | None = None,
         limits: Limits = DEFAULT_LIMITS,
         compute_delay_s: float = 0.0,
+        inline: bool = False,
     ) -> None:
         self.head = head
         self.args = head.args
@@ -181,6 +183,7 @@ class Coordinator:
         self._head_busy = False
         self._last_result = -math.inf  # trio time the tail last delivered anything
         self.compute_delay_s = compute_delay_s  # fault injection for load tests (see stage_worker)
+        self.inline = inline  # every head call on the trio thread (in-memory tests on a mock clock)
 
     # -- the result reader -----------------------------------------------------------------
 
@@ -372,7 +375,7 @@ class Coordinator:
     async def _logits(self, rows: torch.Tensor) -> torch.Tensor:
         """LM head on the trio thread when it is predicted quick, else in a worker thread."""
         small = rows.shape[0] <= 16
-        if small and self._head_s < INLINE_MAX_S:
+        if self.inline or (small and self._head_s < INLINE_MAX_S):
             out, took = self._head_logits(rows)
             await trio.lowlevel.checkpoint()
         else:
@@ -387,10 +390,9 @@ class Coordinator:
         for i, chunk in enumerate(chunks):
             ids = torch.tensor(chunk.tokens, dtype=torch.long)
             h = self.head.embed(ids)
-            dt, shape, data = encode_hidden(h)
             cid = REPLAY_ID_BASE + i
             sent[cid] = (None, time.perf_counter())
-            frame = Chunk(session, cid, chunk.base, "prefill", dt, shape, data, self.epoch).to_frame()
+            frame = hidden_chunk(session, cid, chunk.base, "prefill", h, self.epoch).to_frame()
             async with self._send_lock:
                 await self._first.send(frame, timeout=SEND_TIMEOUT_S)
 
@@ -406,9 +408,8 @@ class Coordinator:
         for chunk in chunks:
             ids = torch.tensor(chunk.tokens, dtype=torch.long)
             h = self.head.embed(ids)  # (T, D): a table lookup, cheaper than a thread hand-off
-            dt, shape, data = encode_hidden(h)
             mode = "prefill" if chunk.prefill else ("verify" if len(chunk.tokens) > 1 else "decode")
-            frame = Chunk(session, chunk.chunk_id, chunk.base, mode, dt, shape, data, self.epoch).to_frame()
+            frame = hidden_chunk(session, chunk.chunk_id, chunk.base, mode, h, self.epoch).to_frame()
             sent[chunk.chunk_id] = (chunk, time.perf_counter())
             gen.chunks.append((chunk.base, len(chunk.tokens)))
             async with self._send_lock:
@@ -450,9 +451,7 @@ class Coordinator:
         if msg.epoch != self.epoch:
             raise ProtocolError(f"tail {self._tail_peer}: result for epoch {msg.epoch}, serving {self.epoch}")
         try:
-            h = decode_hidden(
-                msg.dtype, msg.shape, msg.data, dim=self.args.dim, expect=self.dtype, peer=self._tail_peer
-            )
+            h = read_hidden(msg, dim=self.args.dim, expect=self.dtype, peer=self._tail_peer)
         except ProtocolError as exc:
             raise FaultyPeer(self._tail_peer, str(exc)) from None
         return msg.chunk_id, h

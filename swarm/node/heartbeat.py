@@ -50,8 +50,12 @@ class Liveness:
     """The failure detector on the trio clock, plus per-peer RTT estimates (median of the last
     :data:`RTT_SAMPLES` heartbeat round trips)."""
 
-    def __init__(self, detector: FailureDetector | None = None, on_transition: OnTransition | None = None) -> None:
+    def __init__(
+        self, detector: FailureDetector | None = None, on_transition: OnTransition | None = None,
+        clock: Callable[[], float] = trio.current_time,
+    ) -> None:  # fmt: skip
         self.detector = detector or FailureDetector()
+        self.clock = clock  # this node's clock (an in-memory test stops a "frozen" node's)
         self._on_transition = on_transition
         self.on_stall: Callable[[float], None] | None = None  # called with the gap after we were stopped
         self._rtts: dict[str, deque[float]] = {}
@@ -64,13 +68,13 @@ class Liveness:
                 self._on_transition(t)
 
     def heard(self, peer: str) -> None:
-        self._emit(self.detector.heard(peer, trio.current_time()))
+        self._emit(self.detector.heard(peer, self.clock()))
 
     def lost(self, peer: str, reason: str) -> None:
-        self._emit(self.detector.declare_lost(peer, trio.current_time(), reason))
+        self._emit(self.detector.declare_lost(peer, self.clock(), reason))
 
     def tick(self) -> None:
-        self._emit(self.detector.tick(trio.current_time()))
+        self._emit(self.detector.tick(self.clock()))
 
     def state(self, peer: str) -> PeerState | None:
         return self.detector.state(peer)
@@ -90,9 +94,9 @@ class Liveness:
         """Tick the detector forever (run in a nursery). A gap of STALL_S or more between two
         ticks means this process was stopped: its own silence is excused (nobody is declared
         lost for it) and ``on_stall`` is told."""
-        last = trio.current_time()
+        last = self.clock()
         while True:
-            now = trio.current_time()
+            now = self.clock()
             if now - last >= max(STALL_S, 4 * period):
                 log.warning("this node was stopped for %.1f s", now - last)
                 self.detector.excuse_silence(now)

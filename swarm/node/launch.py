@@ -30,7 +30,7 @@ from swarm.manifest.manifest import new_manifest, sign_manifest, write_manifest
 from swarm.model.devices import resolve_device
 from swarm.model.dtypes import resolve_dtype
 from swarm.model.weights import open_checkpoint
-from swarm.node.runtime import model_spec
+from swarm.node.settings import model_spec
 
 
 def free_ports(n: int) -> list[int]:

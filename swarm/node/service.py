@@ -1,12 +1,16 @@
-"""The generation service on ``/shard-swarm/gen/1``: requests in, tokens and a receipt out.
+"""The generation service: requests in, tokens and a receipt out, in-process or on ``gen/1``.
 
-A client (``shard-swarm generate``, the demo, the API) opens one stream per request to any peer
-and sends a CONTROL ``gen`` (prompt ids, or text that the coordinator tokenizes, with or without
-the chat template) or ``status``. The coordinator answers ``gen`` with ``tokens`` frames as
-tokens commit (ids plus their text) and one ``done`` frame carrying the run receipt; a peer that
-is not the coordinator relays the request to it, so users can point their tools at their own
-machine. Anything that cannot be served is answered with ``fail`` (code + message), never by
-silence: every wait here has a deadline.
+A request is one :class:`~swarm.proto.control.Gen` (prompt ids, or text that the coordinator
+tokenizes, with or without the chat template), already checked against its bounds where it was
+made or decoded. :meth:`GenService.generate` serves it on this node, whatever the caller: the
+coordinator runs it and streams its tokens to a :class:`GenSink` as they commit, and returns the
+run receipt; a peer that is not the coordinator relays it there over ``/shard-swarm/gen/1``, so
+users can point their tools at their own machine. The API server of this node calls
+``generate`` directly; :meth:`GenService.serve` is the same service for a client on the network
+(``shard-swarm generate``, the demo, a relaying peer): a ``gen`` or ``status`` request in,
+``tokens`` and ``notice`` frames and one ``done`` (the receipt) or ``status_reply`` out. Anything
+that cannot be served is answered with a typed ``fail`` (control.fail_of), never by silence:
+every wait here has a deadline.
 """
 
 from __future__ import annotations
@@ -15,139 +19,63 @@ import contextlib
 import dataclasses
 import logging
 import math
-import statistics
 import time
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Protocol
 
 import trio
 
-from swarm import __version__
-from swarm.errors import (
-    FaultyPeer,
-    PeerError,
-    PeerLost,
-    PeerTimeout,
-    PlanningError,
-    ProtocolError,
-    SwarmError,
-    UsageError,
-)
+from swarm.errors import PeerError, PeerLost, PlanningError, ProtocolError, SwarmError, UsageError
 from swarm.model.drafters import NgramDrafter
 from swarm.model.sampling import SamplingParams
 from swarm.model.speculative import DraftSource, KPolicy
-from swarm.net.streams import FramedStream
-from swarm.node.capacity import Busy
-from swarm.node.coordinator import RingGeneration, RingRun
+from swarm.node.capacity import Admission
+from swarm.node.control import Dispatcher
+from swarm.node.coordinator import output_sha256
+from swarm.node.epochs import Epoch, Epochs
 from swarm.node.errors_util import unwrap
-from swarm.proto.control import Body, Control
+from swarm.node.hosting import Host
+from swarm.node.models import Models
+from swarm.node.report import Reporter
+from swarm.node.resume import CoordinatorMoved, Resumer
+from swarm.node.settings import NodeSettings
+from swarm.node.view import MemberView
+from swarm.planner import Plan
+from swarm.proto import control as ctl
+from swarm.proto.control import MAX_DEPTH, Gen
+from swarm.proto.limits import PROTO_GEN
 from swarm.proto.messages import parse_message
-
-if TYPE_CHECKING:
-    from swarm.node.runtime import Node
 
 log = logging.getLogger("swarm.node.service")
 
 REQUEST_TIMEOUT_S = 20.0
-RECOVERY_TIMEOUT_S = 120.0  # a re-plan may include loading a block
-NOTICE_EVERY_S = 2.0  # while a run waits for a re-plan, its client hears this often that it does
-PROBLEM_GRACE_S = 3.0  # how long the planner may call the swarm too small before a run gives up
-MAX_NEW_TOKENS = 4096
-MAX_TEXT = 64 * 1024
+HAND_OVER_WAIT_S = 30.0  # how long the coordinator a run is handed over to may wait for its ring
+SERVING_POLL_S = 0.1
 
 
-async def serve_generation(node: Node, peer: str, fs: FramedStream) -> None:
-    frame = await fs.receive(timeout=REQUEST_TIMEOUT_S)
-    try:
-        msg = parse_message(frame)
-        if not isinstance(msg, Control) or msg.op not in ("gen", "status"):
-            raise ProtocolError(f"expected a gen or status request, got {msg!r}")
-        if msg.op == "status":
-            ep = node.epoch
-            want_coord = msg.body_reader().bool("coordinator", default=False)
-            if want_coord and ep is not None and not ep.done.is_set() and ep.plan.coordinator != node.peer_id:
-                await _relay(node, ep.plan.coordinator, frame, fs)
-            else:
-                window = msg.body_reader().int("loop_window_s", 1, 300, default=60)
-                await fs.send(Control("status_reply", status(node, loop_window_s=window)).to_frame())
-            return
-        wait_s = msg.body_reader().float("wait_s", 0.0, 600.0, default=0.0)
-        ep = await _serving_epoch(node, wait_s)
-        if ep.plan.coordinator != node.peer_id:
-            await _relay(node, ep.plan.coordinator, frame, fs)
-            return
-        await _generate(node, ep, msg, fs)
-    except SwarmError as exc:
-        log.info("request from %s failed: %s", peer, exc)
-        code = "bad_request" if isinstance(exc, UsageError | ProtocolError) else (
-            "cannot_serve" if isinstance(exc, PlanningError) else "busy" if isinstance(exc, Busy) else "unavailable")  # fmt: skip
-        body: dict[str, Any] = {"code": code, "message": str(exc)[:900]}
-        if isinstance(exc, Busy):
-            body["retry_after_s"] = exc.retry_after_s
-        await fs.send(Control("fail", body).to_frame())
+class GenSink(Protocol):
+    """Where a generation's news goes as it happens (the receipt is ``generate``'s value)."""
+
+    async def tokens(self, ids: list[int], text: str) -> None: ...
+
+    async def notice(self, text: str) -> None: ...
 
 
-async def _serving_epoch(node: Node, wait_s: float) -> Any:
-    deadline = trio.current_time() + wait_s
-    while True:
-        ep = node.epoch
-        if ep is not None and not ep.done.is_set() and (ep.plan.coordinator != node.peer_id or ep.serving.is_set()):
-            return ep
-        if trio.current_time() >= deadline:
-            problem = node.planning_problem() if node.service is not None else None
-            if problem is not None:
-                raise PlanningError(f"the swarm cannot serve: {problem}; it keeps waiting for peers")
-            state = "no plan yet" if ep is None else f"epoch {ep.plan.epoch} not serving"
-            raise PeerError(f"the swarm is not ready ({state}); retry in a few seconds")
-        await trio.sleep(0.1)
+class _StreamSink:
+    """A client on a gen stream: tokens and notices as frames."""
+
+    def __init__(self, fs: Any) -> None:
+        self.fs = fs
+
+    async def tokens(self, ids: list[int], text: str) -> None:
+        await self.fs.send(ctl.Tokens(tuple(ids), text).to_frame())
+
+    async def notice(self, text: str) -> None:
+        await self.fs.send(ctl.Notice(text[:1000]).to_frame())
 
 
-async def _relay(node: Node, coordinator: str, frame: Any, fs: FramedStream) -> None:
-    assert node.host is not None
-    async with node.host.open_stream(coordinator, "/shard-swarm/gen/1", timeout=REQUEST_TIMEOUT_S) as up:
-        finished = False
-        try:
-            await up.send(frame)
-            while True:
-                reply = await up.receive(timeout=node.settings.chunk_timeout + 5)
-                await fs.send(reply)
-                msg = parse_message(reply)
-                if isinstance(msg, Control) and msg.op in ("done", "fail", "status_reply"):
-                    finished = True
-                    return
-        finally:
-            if not finished:  # our client went away (or the coordinator did): stop the generation
-                with trio.CancelScope(shield=True), trio.move_on_after(2):
-                    await up.reset()
-
-
-def sampling_from(body: Body) -> SamplingParams:
-    seed = body.optional("seed")
-    return SamplingParams(
-        temperature=body.float("temperature", 0.0, 100.0, default=0.0),
-        top_k=body.int("top_k", 0, 1 << 20, default=0),
-        top_p=body.float("top_p", 0.0, 1.0, default=1.0),
-        seed=body.int("seed", 0, (1 << 63) - 1) if seed is not None else 0,
-    )
-
-
-MAX_DEPTH = 4  # verify chunks in flight at most
-
-
-def ring_depth(node: Node, plan: Any) -> int:
-    """Chunks worth keeping in flight on this ring: one traversal over its slowest stage.
-
-    A chunk occupies one stage at a time, so a ring whose traversal is T with a slowest stage of
-    S can usefully hold about T / S chunks (more only queue). Both come from the plan's
-    predictions (measured RTTs and ms per layer), fixed for the epoch so a generation's chunk
-    schedule, hence its output, does not depend on timing; the receipt records the depth, and
-    ``shard-swarm run --depth`` reproduces it on one box."""
-    view = node.service.membership.view() if node.service is not None else {}
-    stage_ms = [
-        (b - a) * (view[p].layer_us / 1000 if p in view else node.ms_per_layer) for p, (a, b) in plan.blocks.items()
-    ]
-    slowest = max([*stage_ms, 0.05])
-    return max(1, min(MAX_DEPTH, math.ceil(plan.predicted_traversal_ms / slowest)))
+def sampling_of(req: Gen) -> SamplingParams:
+    return SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=req.seed or 0)
 
 
 def make_drafter(name: str, *, depth: int, draft_k: int | None) -> tuple[DraftSource | None, KPolicy | None]:
@@ -160,17 +88,126 @@ def make_drafter(name: str, *, depth: int, draft_k: int | None) -> tuple[DraftSo
     raise UsageError(f"unknown draft {name!r}: choose ngram or none")
 
 
-async def _generate(node: Node, ep: Any, msg: Control, fs: FramedStream) -> None:
-    body = msg.body_reader()
-    coord = ep.coordinator
-    tok = node.tokenizer
-    if msg.ids and body.optional("text") is None:
-        prompt = list(msg.ids)
-    else:  # text (with ids: the tokens a lost coordinator had committed, resumed after the text's)
-        text = body.str("text", MAX_TEXT)
+class GenService:
+    def __init__(
+        self, settings: NodeSettings, peer_id: str, host: Host, view: MemberView, epochs: Epochs, models: Models,
+        admission: Admission, reporter: Reporter, resumer: Resumer, roles: Dispatcher,
+        *, planning_problem: Callable[[], str | None],
+    ) -> None:  # fmt: skip
+        self.settings = settings
+        self.peer_id = peer_id
+        self.host = host
+        self.view = view
+        self.epochs = epochs
+        self.models = models
+        self.admission = admission
+        self.reporter = reporter
+        self.resumer = resumer
+        self.roles = roles
+        self.planning_problem = planning_problem
+
+    # -- the network service ---------------------------------------------------------------
+
+    async def serve(self, peer: str, fs: Any) -> None:
+        """``/shard-swarm/gen/1``: one ``gen`` or ``status`` request from ``peer``."""
+        frame = await fs.receive(timeout=REQUEST_TIMEOUT_S)
+        try:
+            msg = parse_message(frame)
+            if not isinstance(msg, Gen | ctl.Status):
+                raise ProtocolError(f"expected a gen or status request, got {msg!r}")
+            self.roles.check(peer, msg)
+            if isinstance(msg, ctl.Status):
+                await fs.send(ctl.StatusReply(await self.status(msg)).to_frame())
+                return
+            receipt = await _until_hung_up(fs, lambda: self.generate(msg, _StreamSink(fs)))
+            await fs.send(ctl.Done(receipt).to_frame())
+        except SwarmError as exc:
+            log.info("request from %s failed: %s", peer, exc)
+            await fs.send(ctl.fail_of(exc).to_frame())
+
+    async def status(self, req: ctl.Status) -> dict[str, Any]:
+        """This node's status, or (``req.coordinator``) the serving coordinator's, relayed."""
+        ep = self.epochs.serving
+        if req.coordinator and ep is not None and ep.plan.coordinator != self.peer_id:
+            coordinator = ep.plan.coordinator
+            async with self.host.open_stream(coordinator, PROTO_GEN, timeout=REQUEST_TIMEOUT_S) as up:
+                await up.send(ctl.Status(coordinator=True, loop_window_s=req.loop_window_s).to_frame())
+                reply = parse_message(await up.receive(timeout=REQUEST_TIMEOUT_S))
+            return dict(ctl.expect(reply, ctl.StatusReply, coordinator, "status").status)
+        return self.reporter.status(loop_window_s=req.loop_window_s)
+
+    # -- one generation ------------------------------------------------------------------
+
+    async def generate(self, req: Gen, sink: GenSink) -> dict[str, Any]:
+        """Serve ``req`` from this node: run it here if we coordinate the serving ring, else relay
+        it to the coordinator; its tokens go to ``sink``, its receipt is returned. Cancelling the
+        call stops the generation (on every stage, or at the coordinator we relay to)."""
+        ep = await self._serving_epoch(req.wait_s)
+        if ep.plan.coordinator != self.peer_id:
+            return await self._relay(ep.plan.coordinator, req, sink)
+        return await self._generate(ep, req, sink)
+
+    async def _serving_epoch(self, wait_s: float) -> Epoch:
+        deadline = trio.current_time() + wait_s
+        while True:
+            ep = self.epochs.serving
+            if ep is not None and (ep.plan.coordinator != self.peer_id or ep.serving.is_set()):
+                return ep
+            if trio.current_time() >= deadline:
+                problem = self.planning_problem()
+                if problem is not None:
+                    raise PlanningError(f"the swarm cannot serve: {problem}; it keeps waiting for peers")
+                cur = self.epochs.current
+                state = "no plan yet" if cur is None else f"epoch {cur.plan.epoch} not serving"
+                raise PeerError(f"the swarm is not ready ({state}); retry in a few seconds")
+            await trio.sleep(SERVING_POLL_S)
+
+    async def _relay(self, coordinator: str, req: Gen, sink: GenSink) -> dict[str, Any]:
+        """Pass ``req`` to the coordinator and its news back to ``sink``; its receipt."""
+        async with self.host.open_stream(coordinator, PROTO_GEN, timeout=REQUEST_TIMEOUT_S) as up:
+            finished = False
+            try:
+                await up.send(req.to_frame())
+                while True:
+                    reply = parse_message(await up.receive(timeout=self.settings.chunk_timeout + 5))
+                    if isinstance(reply, ctl.Tokens):
+                        await sink.tokens(list(reply.ids), reply.text)
+                    elif isinstance(reply, ctl.Notice):
+                        await sink.notice(reply.text)
+                    else:
+                        finished = True
+                        if isinstance(reply, ctl.Fail):
+                            raise reply.error()  # the coordinator's words, as they were
+                        return dict(ctl.expect(reply, ctl.Done, coordinator, "gen").receipt)
+            finally:
+                if not finished:  # our client went away (or the coordinator did): stop the generation
+                    with trio.CancelScope(shield=True), trio.move_on_after(2):
+                        await up.reset()
+
+    def ring_depth(self, plan: Plan) -> int:
+        """Chunks worth keeping in flight on this ring: one traversal over its slowest stage.
+
+        A chunk occupies one stage at a time, so a ring whose traversal is T with a slowest stage
+        of S can usefully hold about T / S chunks (more only queue). Both come from the plan's
+        predictions (measured RTTs and ms per layer), fixed for the epoch so a generation's chunk
+        schedule, hence its output, does not depend on timing; the receipt records the depth, and
+        ``shard-swarm run --depth`` reproduces it on one box."""
+        view = self.view.service.membership.view()
+        ms = self.models.ms_per_layer
+        stage_ms = [(b - a) * (view[p].layer_us / 1000 if p in view else ms) for p, (a, b) in plan.blocks.items()]
+        slowest = max([*stage_ms, 0.05])
+        return max(1, min(MAX_DEPTH, math.ceil(plan.predicted_traversal_ms / slowest)))
+
+    async def _prompt(self, req: Gen) -> list[int]:
+        """The prompt's token ids: ``req.ids``, or its text tokenized here (then ``ids`` are the
+        tokens a lost coordinator had committed, resumed after the text's)."""
+        if req.text is None:
+            return list(req.ids)
+        tok = self.models.tokenizer
         if tok is None:
             raise UsageError("this coordinator has no tokenizer: send prompt token ids")
-        chat = body.bool("chat", default=False) and tok.chat_template is not None
+        text = req.text
+        chat = req.chat and tok.chat_template is not None
         if chat:
             text = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
         special = not chat  # plain text gets the BOS its tokenizer asks for; a chat template writes its own
@@ -178,297 +215,145 @@ async def _generate(node: Node, ep: Any, msg: Control, fs: FramedStream) -> None
             prompt = await trio.to_thread.run_sync(lambda: tok.encode(text, add_special_tokens=special))
         else:
             prompt = tok.encode(text, add_special_tokens=special)
-        prompt += list(msg.ids)
-    max_new = body.int("max_new_tokens", 1, MAX_NEW_TOKENS, default=64)
-    params = sampling_from(body)
-    draft_name = body.str("draft", 16, default=node.settings.draft)
-    depth = body.int("depth", 1, MAX_DEPTH) if body.optional("depth") is not None else ring_depth(node, ep.plan)
-    draft_k = body.int("draft_k", 1, 32) if body.optional("draft_k") is not None else None
-    drafter, policy = make_drafter(draft_name, depth=depth, draft_k=draft_k)
-    send, recv = trio.open_memory_channel[list[int] | str](math.inf)  # token ids, or a notice
-    all_ids: list[int] = []
+        return prompt + list(req.ids)
 
-    async def stream_out() -> None:
-        # incremental detokenization: decode only a short window (the tokens since the last
-        # emitted piece, plus the ones before it for context), never the whole output again
-        prefix = read = 0
-        async for ids in recv:
-            if isinstance(ids, str):
-                await fs.send(Control("notice", {"text": ids}).to_frame())
-                continue
-            all_ids.extend(ids)
-            piece = ""
-            if tok is not None:
-                before = tok.decode(all_ids[prefix:read])
-                text = tok.decode(all_ids[prefix:])
-                if len(text) > len(before) and not text.endswith("\ufffd"):  # hold back half a character
-                    piece = text[len(before):]
-                    prefix, read = read, len(all_ids)
-            await fs.send(Control("tokens", {"text": piece}, tuple(ids)).to_frame())
+    async def _generate(self, ep: Epoch, req: Gen, sink: GenSink) -> dict[str, Any]:
+        coord = ep.coordinator
+        assert coord is not None
+        tok = self.models.tokenizer
+        prompt = await self._prompt(req)
+        params = sampling_of(req)
+        draft_name = req.draft or self.settings.draft
+        depth = req.depth if req.depth is not None else self.ring_depth(ep.plan)
+        drafter, policy = make_drafter(draft_name, depth=depth, draft_k=req.draft_k)
+        send, recv = trio.open_memory_channel[list[int] | str](math.inf)  # token ids, or a notice
+        all_ids: list[int] = []
 
-    t0 = time.time()
-    replans: list[dict[str, Any]] = []
+        async def stream_out() -> None:
+            # incremental detokenization: decode only a short window (the tokens since the last
+            # emitted piece, plus the ones before it for context), never the whole output again
+            prefix = read = 0
+            async for ids in recv:
+                if isinstance(ids, str):
+                    await sink.notice(ids)
+                    continue
+                all_ids.extend(ids)
+                piece = ""
+                if tok is not None:
+                    before = tok.decode(all_ids[prefix:read])
+                    text = tok.decode(all_ids[prefix:])
+                    if len(text) > len(before) and not text.endswith("\ufffd"):  # hold back half a character
+                        piece = text[len(before):]
+                        prefix, read = read, len(all_ids)
+                await sink.tokens(ids, piece)
 
-    def on_tokens(ids: Sequence[int]) -> None:
-        now = time.time()
-        if replans and "pause_s" not in replans[-1]:
-            replans[-1]["pause_s"] = round(now - replans[-1]["last_token_unix"], 3)
-            replans[-1]["resume_s"] = round(now - replans[-1]["ring_ready_unix"], 3)  # replay + first step
-        last_token[0] = now
-        send.send_nowait(list(ids))
+        t0 = time.time()
+        replans: list[dict[str, Any]] = []
+        last_token = [time.time()]
 
-    last_token = [time.time()]
+        def on_tokens(ids: Sequence[int]) -> None:
+            now = time.time()
+            if replans and "pause_s" not in replans[-1]:
+                replans[-1]["pause_s"] = round(now - replans[-1]["last_token_unix"], 3)
+                replans[-1]["resume_s"] = round(now - replans[-1]["ring_ready_unix"], 3)  # replay + first step
+            last_token[0] = now
+            send.send_nowait(list(ids))
 
-    run = coord.new_run(prompt, params=params, max_new_tokens=max_new, drafter=drafter, policy=policy, on_tokens=on_tokens)
-    hung_up = False
+        run = coord.new_run(prompt, params=params, max_new_tokens=req.max_new_tokens, drafter=drafter, policy=policy,
+                            on_tokens=on_tokens)  # fmt: skip
+        moved: CoordinatorMoved | None = None
+        handed_over: dict[str, Any] = {}
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(stream_out)
+                try:
+                    await self.admission.enter(send.send_nowait)  # a slot of the ring's KV memory (capacity.py)
+                    try:
+                        ep = await self.resumer.drive(ep, run, replans, last_token, send.send_nowait)
+                    except CoordinatorMoved as exc:
+                        moved = exc
+                        handed_over = await self._hand_over(exc, req, prompt, run.decoder.output_ids, depth, on_tokens,
+                                                            send.send_nowait)  # fmt: skip
+                    finally:
+                        self.admission.leave()
+                finally:
+                    send.close()
+        except BaseExceptionGroup as eg:
+            raise unwrap(eg) from None
+        if moved is not None:
+            return _handed_over_receipt(handed_over, prompt, moved, replans, t0)
+        gen = run.gen
+        receipt = self.reporter.receipt(ep, gen, params, started=t0)
+        self.reporter.recent.append((gen.tokens_per_s, gen.tokens_per_traversal))
+        receipt["replans"] = replans
+        receipt["draft"] = {"name": draft_name, "max_depth": depth if drafter is not None else 1, "draft_k": req.draft_k}
+        return receipt
 
-    async def watch_client(cancel: trio.CancelScope) -> None:
-        nonlocal hung_up
-        # the client sends nothing more: any end of its stream means it hung up
-        with contextlib.suppress(SwarmError):
-            await fs.receive(timeout=math.inf)
-        hung_up = True
-        log.info("the client went away: stopping its generation")
-        cancel.cancel()
 
+    async def _hand_over(
+        self, moved: CoordinatorMoved, req: Gen, prompt: list[int], committed: list[int], depth: int,
+        on_tokens: Callable[[Sequence[int]], None], notify: Callable[[str], None],
+    ) -> dict[str, Any]:  # fmt: skip
+        """The run's next ring is coordinated elsewhere (resume.py): ask that coordinator for the
+        rest, from the prompt plus the tokens committed here, with the same sampling and schedule
+        (position-keyed sampling makes the rest the same tokens); its tokens stream on to our
+        client as if they were ours. Its receipt."""
+        done = list(committed)
+        note = (f"the swarm now serves epoch {moved.epoch.plan.epoch}, coordinated by {moved.coordinator}: "
+                f"handing the run over after {len(done)} tokens")  # fmt: skip
+        log.info("%s", note)
+        notify(note)
+        rest = dataclasses.replace(req, ids=(*prompt, *done), text=None, chat=False, depth=depth,
+                                   max_new_tokens=req.max_new_tokens - len(done), wait_s=HAND_OVER_WAIT_S)  # fmt: skip
+
+        class Relay:
+            async def tokens(self, ids: list[int], text: str) -> None:
+                on_tokens(ids)
+
+            async def notice(self, text: str) -> None:
+                notify(text)
+
+        return await self._relay(moved.coordinator, rest, Relay())
+
+
+def _handed_over_receipt(
+    rest: dict[str, Any], prompt: list[int], moved: CoordinatorMoved, replans: list[dict[str, Any]], started: float
+) -> dict[str, Any]:
+    """The receipt of a run finished by another coordinator: its receipt, over the whole run."""
+    n = len(rest["prompt_token_ids"]) - len(prompt)  # tokens committed here before the hand-over
+    out = [*rest["prompt_token_ids"][len(prompt):], *rest["output_token_ids"]]
+    old = moved.epoch
+    return {
+        **rest,
+        "prompt_token_ids": prompt,
+        "output_token_ids": out,
+        "output_sha256": output_sha256(out),
+        "started_unix": started,
+        "replans": [*replans, {
+            "reason": str(moved)[:300], "cause": old.cause, "moved_to": moved.coordinator,
+            "detected_unix": round(moved.failed_at, 3), "to_epoch": old.plan.epoch, "resumed_at_token": n,
+        }, *rest.get("replans", [])],  # fmt: skip
+    }
+
+
+async def _until_hung_up(fs: Any, work: Callable[[], Awaitable[Any]]) -> Any:
+    """Run ``work`` until it returns, or until the client ends its stream (it sends nothing
+    more: any end of it means it hung up), which stops the generation (PeerLost)."""
+    result: list[Any] = []
     try:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(stream_out)
-            try:
-                async with trio.open_nursery() as inner:
-                    inner.start_soon(watch_client, inner.cancel_scope)
-                    await node.admission.enter(send.send_nowait)  # a slot of the ring's KV memory (capacity.py)
-                    try:
-                        ep = await _drive_with_recovery(node, ep, run, replans, last_token, send.send_nowait)
-                    finally:
-                        node.admission.leave()
-                    inner.cancel_scope.cancel()
-            finally:
-                send.close()
+
+            async def watch() -> None:
+                with contextlib.suppress(SwarmError):
+                    await fs.receive(timeout=math.inf)
+                log.info("the client went away: stopping its generation")
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(watch)
+            result.append(await work())
+            nursery.cancel_scope.cancel()
     except BaseExceptionGroup as eg:
         raise unwrap(eg) from None
-    if hung_up:
+    if not result:
         raise PeerLost("the client hung up")
-    gen = run.gen
-    receipt = build_receipt(node, ep, gen, params, started=t0)
-    node.recent.append((gen.tokens_per_s, gen.tokens_per_traversal))
-    receipt["replans"] = replans
-    receipt["draft"] = {"name": draft_name, "max_depth": depth if drafter is not None else 1, "draft_k": draft_k}
-    await fs.send(Control("done", receipt).to_frame())
-
-
-async def _drive_with_recovery(
-    node: Node, ep: Any, run: RingRun, replans: list[dict[str, Any]], last_token: list[float],
-    notify: Callable[[str], None] = lambda text: None,
-) -> Any:
-    """Drive ``run`` to the end, moving it to the next epoch's ring whenever its ring fails.
-
-    The coordinator keeps the run (decoder, committed tokens, the log of fed chunks); the swarm
-    re-plans around the lost peer (the leader's job, see runtime.py); the run then resumes on the
-    new ring by replaying its fed chunks (coordinator.drive), so no token is lost or changed.
-    ``notify`` tells the client, in one line, that the run paused and why, every NOTICE_EVERY_S
-    while it waits (so a client, or a relaying peer, never mistakes the pause for silence), and
-    when it resumes.
-    """
-    while True:
-        try:
-            await ep.coordinator.drive(run)
-            return ep
-        except (PeerLost, PeerTimeout, PeerError) as exc:
-            if isinstance(exc, PeerError) and "bad_request" in str(exc):
-                raise
-            failed_at = time.time()
-            old = ep.plan
-            # Whatever broke (a lost peer, a hop gone silent, a stage's error), this ring cannot
-            # carry the run: end its epoch here. A loss already ended it; a ring that stalls with
-            # every peer alive (a relayed stream that died silently) ends only here, and ending
-            # it nudges the leader to re-plan (runtime.py), so the run never waits on a ring
-            # nobody else knows is broken.
-            node._end_epoch(f"a generation on epoch {old.epoch} failed: {str(exc)[:200]}", only=ep)
-            if isinstance(exc, FaultyPeer):
-                # a peer that sends NaN or malformed activations is not waited for: it is dropped
-                await node.report_fault(exc.peer, str(exc), old.epoch)
-            node.notice(f"ring failed during a generation ({exc}); waiting for the swarm to re-plan")
-            notify(f"paused after {len(run.decoder.output_ids)} tokens: {str(exc)[:200]}; the swarm is re-planning")
-            ep = await _next_epoch(
-                node, old.epoch, RECOVERY_TIMEOUT_S,
-                on_wait=lambda waited: notify(f"still waiting for the swarm to re-plan ({waited:.0f} s)"),
-            )  # fmt: skip
-            if ep.plan.coordinator != node.peer_id:
-                raise PeerError(
-                    f"the coordinator moved to {ep.plan.coordinator} after a failure; retry the request"
-                ) from None
-            moved = {p: list(b) for p, b in ep.plan.blocks.items() if old.blocks.get(p) != b}
-            replans.append({
-                "reason": str(exc)[:300],  # what this coordinator saw
-                "cause": ep.cause,  # why the leader re-planned (they differ when a hand-over races)
-                "lost": sorted({*old.ring, old.coordinator} - {*ep.plan.ring, ep.plan.coordinator}),
-                "detected_unix": round(failed_at, 3),
-                "last_token_unix": round(last_token[0], 3),
-                "ring_ready_unix": round(time.time(), 3),
-                "from_epoch": old.epoch,
-                "to_epoch": ep.plan.epoch,
-                "layers_moved": ep.plan.layers_moved,
-                "blocks_changed": moved,
-                "replayed_chunks": len(run.fed_log),
-                "resumed_at_token": len(run.decoder.output_ids),
-            })  # fmt: skip
-            resumed = (
-                f"resuming on epoch {ep.plan.epoch} after {time.time() - failed_at:.1f} s "
-                f"({ep.plan.layers_moved} layers moved, replaying {len(run.fed_log)} chunks)"
-            )
-            node.notice(resumed)
-            notify(resumed)
-
-
-async def _next_epoch(
-    node: Node, after: int, timeout: float, on_wait: Callable[[float], None] = lambda waited: None
-) -> Any:
-    """The next serving epoch after ``after``; PeerError when none comes within ``timeout``, or
-    sooner when the planner says the live members cannot hold the model (its words: how many GB
-    are missing) for longer than PROBLEM_GRACE_S: the client learns why and may retry later."""
-    problem_since: float | None = None
-    start = trio.current_time()
-    next_check = start + 1.0
-    next_notice = start + NOTICE_EVERY_S
-    with trio.move_on_after(timeout):
-        while True:
-            ep = node.epoch
-            if ep is not None and ep.plan.epoch > after and not ep.done.is_set() and (
-                ep.serving.is_set() or ep.plan.coordinator != node.peer_id
-            ):
-                return ep
-            now = trio.current_time()
-            if now >= next_notice:
-                next_notice = now + NOTICE_EVERY_S
-                on_wait(now - start)
-            if now >= next_check:  # planning costs CPU: ask once a second
-                next_check = now + 1.0
-                problem = node.planning_problem()
-                if problem is None:
-                    problem_since = None
-                elif problem_since is None:
-                    problem_since = now
-                elif now - problem_since > PROBLEM_GRACE_S:
-                    raise PlanningError(f"the swarm cannot serve: {problem}; it keeps waiting for peers")
-            await trio.sleep(0.05)
-    raise PeerError(f"the swarm did not recover within {timeout:.0f} s (no new plan); see the nodes' logs")
-
-
-def build_receipt(node: Node, ep: Any, gen: RingGeneration, params: SamplingParams, *, started: float) -> dict[str, Any]:
-    plan = ep.plan
-    view = node.service.membership.view() if node.service is not None else {}
-    pf = node.peers_file()
-    peers = []
-    for pid in sorted({plan.coordinator, *plan.ring, *plan.standbys}):
-        adv = view.get(pid)
-        peers.append({
-            "id": pid,
-            "addresses": list(adv.addrs) if adv else [],
-            "device": f"{adv.device_kind}:{adv.device_name}" if adv else "",
-            "memory_bytes": adv.memory_bytes if adv else 0,
-            "ms_per_layer": adv.layer_us / 1000 if adv else None,
-            "block": list(plan.blocks[pid]) if pid in plan.blocks else None,
-            "role": "coordinator" if pid == plan.coordinator else ("stage" if pid in plan.blocks else "standby"),
-        })  # fmt: skip
-    tms = gen.traversal_ms
-    return {
-        "version": __version__,
-        "model": {"name": node.settings.model_dir.name, "config_sha256": node.ckpt.config_sha256},
-        "quant": node.settings.quant,
-        "peers": peers,
-        "coordinator": plan.coordinator,
-        "ring": list(plan.ring),
-        "epoch": plan.epoch,
-        "rtt_ms": pf.get("rtt_ms", {}),
-        "prompt_token_ids": gen.prompt_token_ids,
-        "output_token_ids": gen.output_token_ids,
-        "output_sha256": gen.output_sha256,
-        "finish_reason": gen.finish_reason,
-        "sampling": {"temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p, "seed": params.seed},
-        "tokens_per_s": gen.tokens_per_s,
-        "decode_tokens_per_s": gen.decode_tokens_per_s,
-        "traversal_ms": statistics.median(tms) if tms else None,
-        "accepted_per_traversal": gen.tokens_per_traversal,
-        "accepted_per_round": gen.accepted_per_round,
-        # LM head calls shared with other sessions: fp32 greedy tokens equal running alone; in bf16 a
-        # near-tie can flip (coordinator.py); stages compute each session's rows alone (model/batched.py)
-        "shared_head_calls": gen.shared_head_calls,
-        "chunks": len(gen.chunks),
-        "predicted_traversal_ms": plan.predicted_traversal_ms,
-        "hops": _hops(ep),
-        "replans": list(node.replans),
-        "started_unix": started,
-    }
-
-
-def _hops(ep: Any) -> list[dict[str, str]]:
-    """Each hop of the ring with how it travels (the leader collected it at set-up)."""
-    from swarm.node.epoch import hops
-
-    return [{"from": a, "to": b, "path": ep.hop_labels.get(i, "?")} for i, (a, b) in enumerate(hops(ep.plan))]
-
-
-def _recent(node: Node) -> dict[str, Any]:
-    """Medians over the last generations this node coordinated."""
-    if not node.recent:
-        return {}
-    tps = [t for t, _ in node.recent]
-    acc = [a for _, a in node.recent if a is not None]
-    return {"tokens_per_s": statistics.median(tps), "accepted_per_traversal": statistics.median(acc) if acc else None,
-            "generations": len(node.recent)}
-
-
-def _peer_info(node: Node, plan: Any) -> dict[str, Any]:
-    """What this node sees of every member: device, memory its block uses, heartbeat age, path."""
-    if node.service is None:
-        return {}
-    view = node.service.membership.view()
-    detector = node.service.liveness.detector
-    now = trio.current_time()
-    out: dict[str, Any] = {}
-    for peer, adv in view.items():
-        heard = detector.last_heard(peer)
-        block = plan.blocks.get(peer) if plan is not None else None
-        used = (block[1] - block[0]) * node.spec.bytes_per_layer if block else 0
-        if plan is not None and plan.coordinator == peer:
-            used += node.spec.coordinator_bytes
-        out[peer] = {
-            "device": f"{adv.device_kind}:{adv.device_name}",
-            "memory_used_bytes": used,
-            "heartbeat_age_s": None if peer == node.peer_id or heard is None else round(now - heard, 2),
-            "path": "self" if peer == node.peer_id else _path(node, peer),
-        }
-    return out
-
-
-def _path(node: Node, peer: str) -> str:
-    """How we reach ``peer``: direct, hole-punched, relayed via <relay> (net/ knows)."""
-    return node.host.path_label(peer) if node.host is not None else "?"
-
-
-def status(node: Node, *, loop_window_s: int = 60) -> dict[str, Any]:
-    ep = node.epoch
-    plan = ep.plan if ep is not None and not ep.done.is_set() else None
-    worker = ep.worker if plan is not None and ep is not None else None
-    return {
-        "peer_id": node.peer_id,
-        "members": node.members() if node.service is not None else [],
-        "leader": node.leader() if node.service is not None else None,
-        "epoch": plan.epoch if plan else None,
-        "serving": bool(ep is not None and ep.serving.is_set() and not ep.done.is_set()),
-        "plan": {"coordinator": plan.coordinator, "ring": list(plan.ring),
-                 "blocks": {p: list(b) for p, b in plan.blocks.items()}, "standbys": list(plan.standbys)}
-        if plan else None,
-        "peers_file": node.peers_file() if node.service is not None else None,
-        "ms_per_layer": node.ms_per_layer,
-        "hop_paths": {str(k): v for k, v in node.hop_paths.items()},
-        "hops": _hops(ep) if plan else [],
-        "peer_info": _peer_info(node, plan),
-        "recent": _recent(node),
-        "replans": list(node.replans),
-        "loop": node.loopwatch.summary(loop_window_s),  # how long the trio loop was held (loopwatch.py)
-        "stage": dataclasses.asdict(worker.stats) if worker is not None else None,  # this epoch's batching
-        "capacity": {"sessions": node.admission.capacity, "active": node.admission.active,
-                     "stage_sessions": worker.max_sessions if worker is not None else None},  # fmt: skip
-    }
+    return result[0]

@@ -61,15 +61,15 @@ import trio
 from swarm.errors import PeerLost, PeerTimeout, ProtocolError, SwarmError
 from swarm.model.batched import forward_many
 from swarm.model.stage import Stage
+from swarm.node.activation import Encoded, encode_hidden, hidden_chunk, hidden_result, read_hidden
 from swarm.node.errors_util import unwrap
 from swarm.node.links import Link
-from swarm.node.wire import decode_hidden, encode_hidden
-from swarm.proto.frame import DType, Frame, MsgType
+from swarm.proto.activation import Chunk, Error, Result, Rollback, SessionEnd
+from swarm.proto.frame import Frame, MsgType
 from swarm.proto.limits import DEFAULT_LIMITS, Limits
-from swarm.proto.messages import Chunk, Error, Result, Rollback, SessionEnd, parse_message
+from swarm.proto.messages import parse_message
 
 log = logging.getLogger("swarm.node.stage")
-Encoded = tuple[DType, tuple[int, ...], bytes]
 
 INLINE_MAX_S = 0.005  # a batch predicted to compute in less runs on the trio thread (see above)
 MAX_BATCH = 16  # sessions in one forward
@@ -104,6 +104,7 @@ class StageWorker:
         on_bad_input: Callable[[str, str], None] | None = None,
         compute_delay_s: float = 0.0,
         max_batch: int = MAX_BATCH,
+        inline: bool = False,
     ) -> None:
         self.stage = stage
         self.epoch = epoch
@@ -126,6 +127,7 @@ class StageWorker:
         # fault injection for load tests: every forward blocks this much longer (a blocking sleep
         # inside the compute, as a busy box's compute does), wherever the forward runs
         self.compute_delay_s = compute_delay_s
+        self.inline = inline  # every forward on the trio thread (in-memory tests on a mock clock)
         self._pending: deque[Frame] = deque()  # read, not yet handled (sessions busy in a batch)
         self.trace: list[list[tuple[int, int, int]]] | None = None  # tests: (session, pos, tokens) per batch
 
@@ -242,9 +244,7 @@ class StageWorker:
         try:
             if msg.epoch != self.epoch:
                 raise ProtocolError(f"chunk for epoch {msg.epoch}, {where} serves epoch {self.epoch}")
-            h = decode_hidden(
-                msg.dtype, msg.shape, msg.data, dim=self.stage.args.dim, expect=self.dtype, peer=self.upstream
-            )
+            h = read_hidden(msg, dim=self.stage.args.dim, expect=self.dtype, peer=self.upstream)
         except SwarmError as exc:  # the upstream peer sent bad activations: name it as faulty
             self.stats.errors += 1
             log.warning("%r: bad activations from %s: %s", self, self.upstream, exc)
@@ -279,7 +279,7 @@ class StageWorker:
         items = [(msg.session, h) for msg, h in batch]
         if self.trace is not None:
             self.trace.append([(m.session, m.pos, m.tokens) for m, _ in batch])
-        if self._predict_s < INLINE_MAX_S:
+        if self.inline or self._predict_s < INLINE_MAX_S:
             outs, took = self._forward(items)
         else:
             outs, took = await trio.to_thread.run_sync(self._forward, items, limiter=self.limiter)
@@ -293,14 +293,14 @@ class StageWorker:
         st.max_batch = max(st.max_batch, len(batch))
         if len(batch) > 1:
             st.batched_chunks += len(batch)
-        for (msg, _), (dt, shape, data) in zip(batch, outs, strict=True):
+        for (msg, _), enc in zip(batch, outs, strict=True):
             st.chunks += 1
             st.tokens += msg.tokens
             reply: Chunk | Result
             if self.is_tail:
-                reply = Result(msg.session, msg.chunk_id, msg.pos, "hidden", dt, shape, data, msg.epoch)
+                reply = hidden_result(msg.session, msg.chunk_id, msg.pos, enc, msg.epoch)
             else:
-                reply = Chunk(msg.session, msg.chunk_id, msg.pos, msg.mode, dt, shape, data, msg.epoch, msg.flags)
+                reply = hidden_chunk(msg.session, msg.chunk_id, msg.pos, msg.mode, enc, msg.epoch, msg.flags)
             await outbound.send(reply.to_frame(), timeout=SEND_TIMEOUT_S)
             await trio.lowlevel.checkpoint()  # the fast path's hot send never yields
 

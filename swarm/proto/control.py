@@ -1,133 +1,394 @@
-"""CONTROL: the swarm's small requests and replies (ring set-up, generation requests, status).
+"""CONTROL: the swarm's small requests and replies, one typed message per op.
 
-One message type with an ``op`` word from a fixed set and a JSON ``body`` whose keys each op's
-handler reads through :class:`Body` (every access names the op and field in its error), plus an
-optional INT32 (T,) tensor of token ids (a prompt, or newly committed tokens): token lists can be
-long, and JSON lists are capped at ``max_list`` entries.
+On the wire a CONTROL frame is one envelope: metadata ``{"op": word, "body": {...}}`` and, for the
+ops that carry token ids (``gen``, ``tokens``), an INT32 (T,) tensor (token lists can be long,
+and JSON lists are capped at ``max_list`` entries). Here every op is its own class, its body's
+fields declared once with their bounds (``swarm.proto.fields``): decoding a frame gives the op's
+class or a ProtocolError naming ``CONTROL <op> field '<key>'``.
 
-Ops, by protocol:
+Ops, by protocol (who may send each request is ``swarm.node.control``'s dispatch table):
 
-- ring set-up (``/shard-swarm/ring/1``): ``plan`` is sent as a PLAN message; replies ``loaded``;
-  then ``connect`` -> ``linked``; ``serve`` -> ``serving``; ``hop`` opens an activation stream.
-- generation (``/shard-swarm/gen/1``): ``gen`` (ids = prompt ids, or body.text) -> ``tokens``
-  (ids = newly committed tokens, body.text = their text) ... -> ``done`` (body = receipt);
-  ``status`` -> ``status_reply``.
-- any: ``fail`` (body.code, body.message) answers a request that could not be served.
+- ring set-up (``/shard-swarm/ring/1``): a PLAN message -> :class:`Loaded`; :class:`Connect` ->
+  :class:`Linked`; :class:`Serve` -> :class:`Serving`; :class:`Current` -> the serving PLAN or
+  :class:`NoPlan`; :class:`Ended`, :class:`Leaving`, :class:`Leave`, :class:`Fault` ->
+  :class:`Serving` (an acknowledgement).
+- activation streams (``/shard-swarm/act/1``): :class:`Hop` opens one.
+- generation (``/shard-swarm/gen/1``): :class:`Gen` (the one generation request type) ->
+  :class:`Tokens`* and :class:`Notice`* -> :class:`Done` (the receipt); :class:`Status` ->
+  :class:`StatusReply`.
+- any: :class:`Fail` answers a request that could not be served; its ``code`` maps to one error
+  type both ways (:func:`fail_of`, :meth:`Fail.error`), so errors stay typed end to end.
 """
 
 from __future__ import annotations
 
-import builtins
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
-from swarm.errors import ProtocolError
+from swarm.errors import (
+    BadRequest,
+    Busy,
+    CannotServe,
+    Forbidden,
+    PeerError,
+    PlanningError,
+    ProtocolError,
+    SwarmError,
+    UsageError,
+)
+from swarm.proto.fields import (
+    Bool,
+    Fields,
+    Float,
+    Int,
+    Obj,
+    Str,
+    StrMap,
+    Word,
+    meta,
+    read_fields,
+    write_fields,
+)
 from swarm.proto.frame import DType, Frame, MsgType
-from swarm.proto.limits import Limits
-from swarm.proto.messages import Message, Meta, register
+from swarm.proto.limits import DEFAULT_LIMITS, Limits
+from swarm.proto.messages import I63, Message, register
 
-OPS = (
-    "loaded", "connect", "linked", "serve", "serving", "hop",
-    "gen", "tokens", "notice", "done", "status", "status_reply", "fail", "leave", "leaving", "fault", "current", "none", "ended",
-)  # fmt: skip
 MAX_IDS = 1 << 16  # token ids in one CONTROL (prompt or committed tokens)
+EPOCH_MAX = 1 << 62  # the one bound on an epoch number, everywhere it is read
+MAX_PEER_ID = 128
+MAX_HOPS = 64
+
+# the bounds of a generation request (Gen): one set, checked once where a request is made or read
+MAX_NEW_TOKENS = 4096
+MAX_TEXT = 64 * 1024
+MAX_TEMPERATURE = 2.0  # OpenAI's bound; 0 is greedy
+MAX_TOP_K = 1 << 20
+MAX_DEPTH = 4  # verify chunks in flight at most
+MAX_DRAFT_K = 32
+MAX_WAIT_S = 600.0
+DRAFTS = ("ngram", "none")
 
 
-@register
-@dataclass(frozen=True, slots=True)
 class Control(Message):
-    TYPE: ClassVar[MsgType] = MsgType.CONTROL
-    op: str
-    body: dict[str, Any] = field(default_factory=dict)
-    ids: tuple[int, ...] = ()
-    session: int = 0
+    """Base of every CONTROL op (see the module docstring)."""
 
-    def __repr__(self) -> str:
-        return f"Control({self.op}, keys={sorted(self.body)}, ids={len(self.ids)})"
+    TYPE: ClassVar[MsgType] = MsgType.CONTROL
+    OP: ClassVar[str]
+    BODY: ClassVar[str | None] = None  # a field that is the whole body (a receipt, a status)
+
+    def body(self) -> dict[str, Any]:
+        if self.BODY is not None:
+            return dict(getattr(self, self.BODY))
+        return write_fields(self)
 
     def to_frame(self) -> Frame:
-        if self.ids:
-            payload = b"".join(int(t).to_bytes(4, "little", signed=True) for t in self.ids)
-            return Frame(
-                self.TYPE,
-                self.session,
-                0,
-                0,
-                DType.INT32,
-                (len(self.ids),),
-                {"op": self.op, "body": self.body},
-                payload,
-            )
-        return Frame(self.TYPE, self.session, meta={"op": self.op, "body": self.body})
+        meta = {"op": self.OP, "body": self.body()}
+        ids: tuple[int, ...] = getattr(self, "ids", ())
+        if ids:
+            payload = b"".join(int(t).to_bytes(4, "little", signed=True) for t in ids)
+            return Frame(self.TYPE, dtype=DType.INT32, shape=(len(ids),), meta=meta, payload=payload)
+        return Frame(self.TYPE, meta=meta)
 
     @classmethod
     def from_frame(cls, frame: Frame, limits: Limits) -> Control:
-        m = Meta(frame, "CONTROL")
-        op = m.get_str("op", 16, choices=OPS)
-        body = m.get_raw("body")
-        if not isinstance(body, dict):
-            raise m.fail("body", "expected a JSON object")
-        m.done()
-        ids: tuple[int, ...] = ()
-        if frame.dtype is DType.INT32:
-            if len(frame.shape) != 1 or frame.shape[0] > MAX_IDS:
-                raise ProtocolError(
-                    f"CONTROL field 'shape': token ids are (T,) with T <= {MAX_IDS}, got {frame.shape}"
-                )
-            raw = frame.payload
-            ids = tuple(
-                int.from_bytes(raw[i : i + 4], "little", signed=True) for i in range(0, len(raw), 4)
-            )
-        elif frame.dtype is not DType.NONE:
-            raise ProtocolError(
-                f"CONTROL field 'dtype': {frame.dtype.name}, expected INT32 token ids or none"
-            )
-        return cls(op, body, ids, frame.session)
-
-    def body_reader(self) -> Body:
-        return Body(self.op, self.body)
+        if frame.session:
+            raise ProtocolError(f"CONTROL field 'session': {frame.session}, must be 0 for this message")
+        env = Fields(frame.meta, "CONTROL")
+        op = Str(16, choices=tuple(OPS)).read(frame.meta.get("op"), lambda why: env.fail("op", why), limits)
+        body = Obj().read(frame.meta.get("body"), lambda why: env.fail("body", why), limits)
+        env.seen |= {"op", "body"}
+        env.done()
+        op_cls = OPS[op]
+        ids = _ids(frame, op_cls)
+        if op_cls.BODY is not None:
+            return op_cls(**{op_cls.BODY: body}, **({"ids": ids} if ids else {}))
+        values = read_fields(op_cls, Fields(body, f"CONTROL {op}"), limits)
+        if ids:
+            values["ids"] = ids
+        return op_cls(**values)
 
 
-class Body:
-    """Typed reads of a CONTROL body: every error names the op and the field."""
+def _ids(frame: Frame, op_cls: type[Control]) -> tuple[int, ...]:
+    if frame.dtype is DType.NONE:
+        return ()
+    if frame.dtype is not DType.INT32 or "ids" not in {f.name for f in dataclasses.fields(op_cls)}:  # type: ignore[arg-type]
+        raise ProtocolError(f"CONTROL {op_cls.OP} field 'dtype': {frame.dtype.name}, expected INT32 token ids or none")
+    if len(frame.shape) != 1 or frame.shape[0] > MAX_IDS:
+        raise ProtocolError(f"CONTROL field 'shape': token ids are (T,) with T <= {MAX_IDS}, got {frame.shape}")
+    raw = frame.payload
+    return tuple(int.from_bytes(raw[i : i + 4], "little", signed=True) for i in range(0, len(raw), 4))
 
-    def __init__(self, op: str, body: dict[str, Any], path: str = "") -> None:
-        self.op, self.body, self.path = op, body, path
 
-    def _fail(self, key: str, why: str) -> ProtocolError:
-        return ProtocolError(f"CONTROL {self.op} field '{self.path}{key}': {why}")
+OPS: dict[str, type[Control]] = {}
+C = TypeVar("C", bound=type[Control])
 
-    def sub(self, key: str) -> Body:
-        v = self.body.get(key)
-        if not isinstance(v, dict):
-            raise self._fail(key, "expected an object")
-        return Body(self.op, v, f"{self.path}{key}.")
 
-    def int(self, key: str, lo: int, hi: int, default: int | None = None) -> int:
-        v = self.body.get(key, default)
-        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-            raise self._fail(key, f"expected an integer in {lo}..{hi}, got {v!r}")
-        return v
+def op(cls: C) -> C:
+    if cls.OP in OPS:
+        raise RuntimeError(f"CONTROL op {cls.OP} registered twice")
+    OPS[cls.OP] = cls
+    return cls
 
-    def float(self, key: str, lo: float, hi: float, default: float | None = None) -> float:
-        v = self.body.get(key, default)
-        if isinstance(v, bool) or not isinstance(v, int | float) or not lo <= v <= hi:
-            raise self._fail(key, f"expected a number in {lo}..{hi}, got {v!r}")
-        return float(v)
 
-    def str(
-        self, key: builtins.str, max_len: builtins.int, default: builtins.str | None = None
-    ) -> builtins.str:
-        v = self.body.get(key, default)
-        if not isinstance(v, str) or len(v) > max_len:
-            raise self._fail(key, f"expected a string of at most {max_len} chars")
-        return v
+register(Control)  # CONTROL frames decode to the op's class
 
-    def bool(self, key: builtins.str, default: bool | None = None) -> bool:
-        v = self.body.get(key, default)
-        if not isinstance(v, bool):
-            raise self._fail(key, f"expected true or false, got {v!r}")
-        return v
 
-    def optional(self, key: builtins.str) -> Any:
-        return self.body.get(key)
+# ---------------------------------------------------------------- ring set-up and recovery
+
+
+@op
+@dataclass(frozen=True, slots=True)
+class Loaded(Control):
+    """A peer took a plan (and loaded its block)."""
+
+    OP: ClassVar[str] = "loaded"
+    epoch: int = meta("epoch", Int(0, EPOCH_MAX))
+
+
+@op
+@dataclass(frozen=True, slots=True)
+class Connect(Control):
+    """Open every hop that leaves you in ``epoch`` (from that plan's signer)."""
+
+    OP: ClassVar[str] = "connect"
+    epoch: int = meta("epoch", Int(0, EPOCH_MAX))
+
+
+@op
+@dataclass(frozen=True, slots=True)
+class Linked(Control):
+    """The hops that leave this peer are open; how each travels ("hop index" -> path label)."""
+
+    OP: ClassVar[str] = "linked"
+    hops: dict[str, str] = meta("hops", StrMap(MAX_HOPS, 8, 200), optional=True, default_factory=dict)
+
+
+@op
+@dataclass(frozen=True, slots=True)
+class Serve(Control):
+    """Coordinator: start taking generations on ``epoch`` (``hops``: every hop's path label)."""
+
+    OP: ClassVar[str] = "serve"
+    epoch: int = meta("epoch", Int(0, EPOCH_MAX))
+    hops: dict[str, str] = meta("hops", StrMap(MAX_HOPS, 8, 200), optional=True, default_factory=dict)
+
+
+@op
+@dataclass(frozen=True, slots=True)
+class Serving(Control):
+    """An acknowledgement (of serve, ended, leaving, leave, fault)."""
+
+    OP: ClassVar[str] = "serving"
+
+
+@op
+@dataclass(frozen=True, slots=True)
+class Current(Control):
+    """What do you serve? (a peer catching up asks): the serving PLAN, or :class:`NoPlan`."""
+
+    OP: ClassVar[str] = "current"
+
+
+@op
+@dataclass(frozen=True, slots=True)
+class NoPlan(Control):
+    """Nothing serving here; an ended epoch's plan still says who held what."""
+
+    OP: ClassVar[str] = "none"
+    epoch: int | None = meta("epoch", Int(0, EPOCH_MAX), optional=True, default=None)
+    plan: dict[str, Any] | None = meta("plan", Obj(), optional=True, default=None)
+
+
+@op
+@dataclass(frozen=True, slots=True)
+class Ended(Control):
+    """A member's ring of ``epoch`` ended and no new plan came (told to the leader)."""
+
+    OP: ClassVar[str] = "ended"
+    epoch: int = meta("epoch", Int(0, EPOCH_MAX))
+
+
+@op
+@dataclass(frozen=True, slots=True)
+class Leaving(Control):
+    """The sender leaves: never plan with it, nor take its plans."""
+
+    OP: ClassVar[str] = "leaving"
+
+
+@op
+@dataclass(frozen=True, slots=True)
+class Leave(Control):
+    """Leader: re-plan without the sender; answer once a ring without it serves."""
+
+    OP: ClassVar[str] = "leave"
+
+
+@op
+@dataclass(frozen=True, slots=True)
+class Fault(Control):
+    """Leader: ``peer`` sent the sender bad activations in ``epoch``."""
+
+    OP: ClassVar[str] = "fault"
+    peer: str = meta("peer", Str(MAX_PEER_ID))
+    epoch: int = meta("epoch", Int(0, EPOCH_MAX))
+    reason: str = meta("reason", Str(1000), optional=True, default="")
+
+
+@op
+@dataclass(frozen=True, slots=True)
+class Hop(Control):
+    """The first frame of an activation stream: it carries hop ``hop`` of ``epoch``."""
+
+    OP: ClassVar[str] = "hop"
+    epoch: int = meta("epoch", Int(0, EPOCH_MAX))
+    hop: int = meta("hop", Int(0, 1 << 16))
+
+
+# ---------------------------------------------------------------- generation and status
+
+
+@op
+@dataclass(frozen=True, slots=True)
+class Gen(Control):
+    """The one generation request: a prompt as token ids, or as text the coordinator tokenizes
+    (``chat``: through the model's chat template; ``ids`` after a text are tokens a lost
+    coordinator had committed, resumed after the text's). ``draft`` None: the node's default;
+    ``depth`` None: the ring's own (service.ring_depth). Build one with :meth:`checked`."""
+
+    OP: ClassVar[str] = "gen"
+    ids: tuple[int, ...] = ()
+    text: str | None = meta("text", Str(MAX_TEXT), optional=True, default=None)
+    chat: bool = meta("chat", Bool(), optional=True, default=False)
+    max_new_tokens: int = meta("max_new_tokens", Int(1, MAX_NEW_TOKENS), optional=True, default=64)
+    temperature: float = meta("temperature", Float(0.0, MAX_TEMPERATURE), optional=True, default=0.0)
+    top_k: int = meta("top_k", Int(0, MAX_TOP_K), optional=True, default=0)
+    top_p: float = meta("top_p", Float(0.0, 1.0, lo_open=True), optional=True, default=1.0)
+    seed: int | None = meta("seed", Int(0, I63), optional=True, default=None)
+    draft: str | None = meta("draft", Str(16, choices=DRAFTS), optional=True, default=None)
+    depth: int | None = meta("depth", Int(1, MAX_DEPTH), optional=True, default=None)
+    draft_k: int | None = meta("draft_k", Int(1, MAX_DRAFT_K), optional=True, default=None)
+    wait_s: float = meta("wait_s", Float(0.0, MAX_WAIT_S), optional=True, default=0.0)
+
+    @classmethod
+    def checked(cls, ids: tuple[int, ...] | list[int] = (), **fields: Any) -> Gen:
+        """A request from local values, checked against the same bounds as one from a peer;
+        BadRequest naming the field otherwise."""
+        ids = tuple(ids)
+        if len(ids) > MAX_IDS or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise BadRequest(f"generation request field 'ids': at most {MAX_IDS} integer token ids", "ids")
+        given = {k: v for k, v in fields.items() if v is not None}
+        values = read_fields(cls, Fields(given, "generation request", bad_request=True), DEFAULT_LIMITS)
+        return cls(ids=ids, **values)
+
+    def resumed(self, committed: list[int]) -> Gen:
+        """The rest of this request after ``committed`` tokens (a generation moved to another
+        coordinator goes on from the prompt plus what it had committed)."""
+        return dataclasses.replace(
+            self, ids=(*self.ids, *committed), max_new_tokens=self.max_new_tokens - len(committed)
+        )
+
+
+@op
+@dataclass(frozen=True, slots=True)
+class Tokens(Control):
+    """Newly committed tokens of a generation (``text``: their text, as far as it is whole)."""
+
+    OP: ClassVar[str] = "tokens"
+    ids: tuple[int, ...] = ()
+    text: str = meta("text", Str(lambda lim: lim.max_string), optional=True, default="")
+
+
+@op
+@dataclass(frozen=True, slots=True)
+class Notice(Control):
+    """A generation's one line of news for its client (a pause for a re-plan, the resume)."""
+
+    OP: ClassVar[str] = "notice"
+    text: str = meta("text", Str(1000))
+
+
+@op
+@dataclass(frozen=True, slots=True)
+class Done(Control):
+    """The generation finished; the body is its receipt."""
+
+    OP: ClassVar[str] = "done"
+    BODY: ClassVar[str | None] = "receipt"
+    receipt: dict[str, Any] = field(default_factory=dict)
+
+
+@op
+@dataclass(frozen=True, slots=True)
+class Status(Control):
+    """What this peer sees (``coordinator``: ask the coordinator, relayed, instead)."""
+
+    OP: ClassVar[str] = "status"
+    coordinator: bool = meta("coordinator", Bool(), optional=True, default=False)
+    loop_window_s: int = meta("loop_window_s", Int(1, 300), optional=True, default=60)
+
+
+@op
+@dataclass(frozen=True, slots=True)
+class StatusReply(Control):
+    OP: ClassVar[str] = "status_reply"
+    BODY: ClassVar[str | None] = "status"
+    status: dict[str, Any] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------- failures, typed both ways
+
+# code -> the error a requester raises; fail_of picks the code of an error raised here
+FAIL_CODES: dict[str, type[SwarmError]] = {
+    "bad_request": BadRequest,  # the request itself is wrong (a field out of bounds, a bad prompt)
+    "forbidden": Forbidden,  # the sender's role may not send it (swarm.node.control)
+    "cannot_serve": CannotServe,  # the live peers cannot hold the model (the planner's words)
+    "busy": Busy,  # every slot of the ring is taken and its queue is full
+    "unavailable": PeerError,  # anything else on the way: a lost peer, a timeout, no ring yet
+}
+
+
+@op
+@dataclass(frozen=True, slots=True)
+class Fail(Control):
+    """A request that could not be served."""
+
+    OP: ClassVar[str] = "fail"
+    code: str = meta("code", Word(32))
+    message: str = meta("message", Str(1000), optional=True, default="")
+    retry_after_s: int | None = meta("retry_after_s", Int(0, 3600), optional=True, default=None)
+
+    def error(self, prefix: str = "") -> SwarmError:
+        """The typed error this failure stands for (an unknown code: PeerError)."""
+        kind = FAIL_CODES.get(self.code, PeerError)
+        text = prefix + self.message
+        if kind is Busy:
+            return Busy(text, self.retry_after_s if self.retry_after_s is not None else 5)
+        if kind is BadRequest:
+            return BadRequest(text)
+        return kind(text)
+
+
+def fail_of(exc: SwarmError) -> Fail:
+    """The Fail that tells a requester about ``exc``, raised while serving its request."""
+    if isinstance(exc, Busy):
+        code = "busy"
+    elif isinstance(exc, PlanningError | CannotServe):
+        code = "cannot_serve"
+    elif isinstance(exc, Forbidden):
+        code = "forbidden"
+    elif isinstance(exc, UsageError | ProtocolError):
+        code = "bad_request"
+    else:
+        code = "unavailable"
+    return Fail(code, str(exc)[:900], exc.retry_after_s if isinstance(exc, Busy) else None)
+
+
+def expect(reply: Message, kind: type[Control], peer: str, what: str) -> Any:
+    """``reply`` as a ``kind``; a Fail becomes its typed error, anything else a ProtocolError."""
+    if isinstance(reply, kind):
+        return reply
+    if isinstance(reply, Fail):
+        raise reply.error(f"peer {peer} refused {what}: ")
+    raise ProtocolError(f"peer {peer} answered {what} with {reply!r}, expected {kind.OP}")

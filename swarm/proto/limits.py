@@ -9,11 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Versioned libp2p protocol IDs. A breaking change to a protocol bumps its trailing number.
+# Versioned libp2p protocol IDs, the only place they are written. A breaking change to a
+# protocol bumps its trailing number.
 PROTO_ADMIT = "/shard-swarm/admit/1"  # admission handshake (hello/challenge/response/result)
-PROTO_CTL = "/shard-swarm/ctl/1"  # adverts, heartbeats, plans
+PROTO_CTL = "/shard-swarm/ctl/1"  # adverts and heartbeats
 PROTO_ACT = "/shard-swarm/act/1"  # activation/verify chunks, results, rollbacks, errors
-PROTOCOL_IDS = (PROTO_ADMIT, PROTO_CTL, PROTO_ACT)
+PROTO_RING = "/shard-swarm/ring/1"  # plans and the ring's set-up and recovery (control.py)
+PROTO_GEN = "/shard-swarm/gen/1"  # generation requests and status (control.py)
+PROTOCOL_IDS = (PROTO_ADMIT, PROTO_CTL, PROTO_ACT, PROTO_RING, PROTO_GEN)
 
 WIRE_VERSION = 1  # the frame header's version byte
 

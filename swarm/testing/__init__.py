@@ -1,7 +1,9 @@
 """Fakes and labs shipped with the package (imported by tests and benchmarks, never by swarm/).
 
 - ``checkpoints.py`` seeded random tiny checkpoints of each supported family, as real HF dirs
-- ``memnet.py``     an in-memory network: links with delay, kill and freeze
+- ``memnet.py``     an in-memory network: hosts (the node's host interface) with admission,
+                    framed streams, kill, freeze, partition; single links with delay and failure
+- ``memswarm.py``   a swarm of real nodes (join's composition root) on memnet, one trio run
 - ``ring.py``       a whole ring (coordinator + stage workers) over memnet, in one task tree
 - ``delayproxy.py`` a delaying TCP proxy on loopback (WAN latency without tc netem)
 - ``netlab.py``     network-namespace labs: bridges, MASQUERADE routers, processes inside

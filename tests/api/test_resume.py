@@ -29,7 +29,7 @@ from swarm.model.config import ModelArgs
 from swarm.model.tokenizer import Tokenizer
 from swarm.node import client
 from swarm.node.launch import start_local_swarm
-from swarm.node.runtime import model_spec
+from swarm.node.settings import model_spec
 from tests.api.conftest import MODEL_NAME, api_on
 
 ROOT = Path(__file__).resolve().parents[2]

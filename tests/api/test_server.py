@@ -19,7 +19,8 @@ from swarm.api.server import check_bind, serve_api
 from swarm.errors import UsageError
 from swarm.model.generate import LocalModel, generate
 from swarm.model.tokenizer import Tokenizer
-from swarm.node.runtime import Node, NodeSettings
+from swarm.node.peer import Peer, run_peer
+from swarm.node.settings import NodeSettings
 
 MODEL = "tiny-chat"
 TOKEN = "s3cret-token"
@@ -30,14 +31,14 @@ def _settings(model_dir: Path) -> NodeSettings:
                         dtype=torch.float32, expect_peers=1, context_tokens=512)  # fmt: skip
 
 
-async def _serving(node: Node) -> None:
+async def _serving(node: Peer) -> None:
     with trio.fail_after(30):
         while node.epoch is None or not node.epoch.serving.is_set():
             await trio.sleep(0.05)
 
 
-async def _api(nursery: trio.Nursery, model_dir: Path, token: str | None = None) -> tuple[str, Node]:
-    node = await nursery.start(Node(_settings(model_dir)).run)
+async def _api(nursery: trio.Nursery, model_dir: Path, token: str | None = None) -> tuple[str, Peer]:
+    node = await nursery.start(run_peer, _settings(model_dir))
     await _serving(node)
     url: str = await nursery.start(lambda task_status: serve_api(NodeBackend(node), "127.0.0.1:0", token=token,
                                                                  task_status=task_status))  # fmt: skip
@@ -45,14 +46,14 @@ async def _api(nursery: trio.Nursery, model_dir: Path, token: str | None = None)
 
 
 @pytest.fixture
-async def served(tiny_chat_dir: Path) -> AsyncIterator[tuple[str, Node]]:
+async def served(tiny_chat_dir: Path) -> AsyncIterator[tuple[str, Peer]]:
     async with trio.open_nursery() as nursery:
         yield await _api(nursery, tiny_chat_dir)
         nursery.cancel_scope.cancel()
 
 
 @pytest.fixture
-def node_api(served: tuple[str, Node]) -> str:
+def node_api(served: tuple[str, Peer]) -> str:
     return served[0]
 
 
@@ -140,7 +141,7 @@ def test_bind_beyond_loopback_needs_a_token() -> None:
         check_bind("8000", None)
 
 
-async def test_hang_up_frees_the_session_inside_the_node(served: tuple[str, Node]) -> None:
+async def test_hang_up_frees_the_session_inside_the_node(served: tuple[str, Peer]) -> None:
     url, node = served
     assert node.epoch is not None and node.epoch.coordinator is not None
     sessions = node.epoch.coordinator._sessions  # the coordinator's live generations
@@ -194,7 +195,7 @@ async def test_hung_up_is_logged_only_when_the_client_hung_up(node_api: str) -> 
         log.setLevel(old_level)
 
 
-async def test_big_bodies_never_hold_the_event_loop(served: tuple[str, Node]) -> None:
+async def test_big_bodies_never_hold_the_event_loop(served: tuple[str, Peer]) -> None:
     """Issue 14: 16 concurrent 1 MiB chat bodies are parsed and tokenized off the event loop, so
     the loop that answers the swarm's heartbeats (suspicion after ~1.4 s) keeps ticking; before,
     8 such bodies held it 3.1 s. Each body is refused cleanly (its prompt is over the context)."""

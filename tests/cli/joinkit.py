@@ -21,7 +21,7 @@ from swarm.manifest.identity import Identity, save_identity
 from swarm.manifest.manifest import new_manifest, sign_manifest, write_manifest
 from swarm.manifest.modelcheck import describe_model
 from swarm.model.config import ModelArgs
-from swarm.node.runtime import model_spec
+from swarm.node.settings import model_spec
 from swarm.testing.checkpoints import TinySpec, write_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -21,7 +21,8 @@ from swarm.cli.status import build_view, format_text
 from swarm.manifest.identity import Identity
 from swarm.manifest.manifest import SwarmSecret, new_manifest, sign_manifest, write_manifest
 from swarm.node.launch import free_ports
-from swarm.node.runtime import Node, NodeSettings
+from swarm.node.peer import run_peer
+from swarm.node.settings import NodeSettings
 from swarm.testing.checkpoints import TinySpec, write_checkpoint
 
 A, B, C, D = ("12D3KooWAaaaaaaaaaaaaaaaaaaa", "12D3KooWBbbbbbbbbbbbbbbbbbbb", "12D3KooWCccccccccccccccccccc",
@@ -93,7 +94,7 @@ class NodeThread:
         self.token = trio.lowlevel.current_trio_token()
         async with trio.open_nursery() as nursery:
             self.scope = nursery.cancel_scope
-            node = await nursery.start(Node(self.settings).run)
+            node = await nursery.start(run_peer, self.settings)
             with trio.fail_after(30):
                 while node.epoch is None or not node.epoch.serving.is_set():
                     await trio.sleep(0.05)

@@ -74,44 +74,31 @@ def test_claims_stay_bounded() -> None:
     assert len(claims._claims) <= 16
 
 
-class _Standby:
-    """Just enough of a Node for EpochRole._accept_plan: a standby with no block."""
+def _standby_epochs(leader_id: str) -> tuple[object, list[str]]:
+    """The real epoch state of a standby (no block: nothing to load) whose leader is ``leader_id``."""
+    from swarm.node.capacity import Admission
+    from swarm.node.epochs import Epochs
+    from swarm.node.notices import Hooks, Notices
+    from swarm.node.settings import NodeSettings
 
-    def __init__(self, leader_identity: object) -> None:
-        from types import SimpleNamespace
-
-        self.settings = SimpleNamespace(swarm_id="friends")
-        self.epoch = None
-        self._newest_plan = (0, None)
-        self._cut_off_since = None
-        self.peer_id = "standby"
-        self._leader = leader_identity.peer_id  # type: ignore[attr-defined]
-        self.ended: list[str] = []
-        self.events: list[str] = []
-        self._epoch_ended_at = 0.0
-
-    def leader(self) -> str:
-        return self._leader
-
-    def life(self, event: str, **fields: object) -> None:
-        self.events.append(event)
-
-    def _end_epoch(self, reason: str, *, only: object = None) -> None:
-        assert self.epoch is not None
-        self.epoch.done.set()
-        self.ended.append(reason)
+    events: list[str] = []
+    settings = NodeSettings(seed=b"s" * 32, swarm_id="friends", secret=b"x" * 32, model_dir=None)
+    notices = Notices(Hooks(on_life=lambda ev: events.append(ev["event"])))
+    epochs = Epochs(settings, "standby", None, Admission(), notices, leader=lambda: leader_id,  # type: ignore[arg-type]
+                    memory=dict)  # fmt: skip
+    return epochs, events
 
 
 async def test_an_old_plan_is_refused_after_the_newer_epoch_ends() -> None:
     """A replayed plan of an earlier epoch, validly signed by the leader, is never taken again,
-    not even once the newer epoch has ended (epoch.py ``_newest_plan``)."""
+    not even once the newer epoch has ended (epochs.py ``Epochs.newest``)."""
     from swarm.manifest.identity import Identity
-    from swarm.node.epoch import EpochRole, plan_body
+    from swarm.node.epochs import plan_body
     from swarm.proto.messages import Plan as PlanMsg
     from swarm.proto.signed import sign_plan
 
     leader = Identity.generate()
-    node = _Standby(leader)
+    epochs, events = _standby_epochs(leader.peer_id)
 
     def signed(epoch: int) -> PlanMsg:
         p = _plan()
@@ -119,12 +106,101 @@ async def test_an_old_plan_is_refused_after_the_newer_epoch_ends() -> None:
         return sign_plan(PlanMsg(epoch, plan_body(p, "test")), leader, "friends")
 
     old, new = signed(3), signed(4)
-    await EpochRole._accept_plan(node, "L", old)  # type: ignore[arg-type]
-    await EpochRole._accept_plan(node, "L", new)  # type: ignore[arg-type]
-    node._end_epoch("lost a peer")  # the newer epoch ends
+    await epochs.accept("L", old)  # type: ignore[attr-defined]
+    await epochs.accept("L", new)  # type: ignore[attr-defined]
+    epochs.end("lost a peer")  # type: ignore[attr-defined]  # the newer epoch ends
     with pytest.raises(ProtocolError, match="epoch 4 was planned already"):
-        await EpochRole._accept_plan(node, "M", old)  # type: ignore[arg-type]
+        await epochs.accept("M", old)  # type: ignore[attr-defined]
     other_swarm = sign_plan(PlanMsg(5, plan_body(_plan(), "x")), leader, "another-swarm")
     with pytest.raises(ProtocolError, match="forged"):
-        await EpochRole._accept_plan(node, "M", other_swarm)  # type: ignore[arg-type]
-    assert node.epoch is not None and node.epoch.plan.epoch == 4
+        await epochs.accept("M", other_swarm)  # type: ignore[attr-defined]
+    assert epochs.current is not None and epochs.current.plan.epoch == 4  # type: ignore[attr-defined]
+    assert events == ["plan", "replan", "plan", "replan"]  # taken twice, each ended once
+
+
+async def test_a_plan_not_signed_by_the_leader_here_is_refused() -> None:
+    from swarm.manifest.identity import Identity
+    from swarm.node.epochs import plan_body
+    from swarm.proto.messages import Plan as PlanMsg
+    from swarm.proto.signed import sign_plan
+
+    leader, other = Identity.generate(), Identity.generate()
+    epochs, _ = _standby_epochs(leader.peer_id)
+    with pytest.raises(ProtocolError, match="but the leader here is"):
+        await epochs.accept("M", sign_plan(PlanMsg(3, plan_body(_plan(), "x")), other, "friends"))  # type: ignore[attr-defined]
+    took = await epochs.accept("M", sign_plan(PlanMsg(3, plan_body(_plan(), "x")), other, "friends"),  # type: ignore[attr-defined]
+                               catching_up=True)  # fmt: skip
+    assert took.plan.epoch == 3  # a peer catching up takes a plan its view's leader did not sign
+
+
+class _View:
+    """The dispatcher's view of roles: members M1, M2 (leader M1), client C, an outsider X."""
+
+    peer_id = "ME"
+
+    def admitted_role(self, peer: str) -> str | None:
+        return {"M1": "member", "M2": "member", "C": "client"}.get(peer)
+
+    def members(self) -> list[str]:
+        return ["M1", "M2", "ME"]
+
+    def leader(self) -> str:
+        return "M1"
+
+
+def _epoch_roles(epoch: int) -> tuple[str | None, set[str]]:
+    if epoch == 7:  # the current epoch
+        return "M1", {"M1", "M2"}
+    if epoch == 6:  # the one it replaced: its stages may still report a fault in it
+        return None, {"M2"}
+    raise ProtocolError(f"epoch {epoch} is not current here (current: 7)")
+
+
+async def test_the_dispatch_table_checks_every_role_before_the_handler() -> None:
+    from swarm.node.control import ROLES, Dispatcher
+    from swarm.proto import control as ctl
+    from swarm.proto.messages import Plan as PlanMsg
+
+    handled: list[str] = []
+
+    async def handler(peer: str, msg: object) -> ctl.Control:
+        handled.append(f"{type(msg).__name__}:{peer}")
+        return ctl.Serving()
+
+    table = Dispatcher(_View(), _epoch_roles, {t: handler for t in ROLES}, "test")
+    cases = [  # (message, sender, refused with)
+        (PlanMsg(7, {}), "M2", "only the leader M1"), (PlanMsg(7, {}), "M1", None),
+        (ctl.Connect(7), "M2", "only the plan's signer M1"), (ctl.Connect(7), "M1", None),
+        (ctl.Serve(7), "C", "only the plan's signer"), (ctl.Connect(6), "M1", "epoch 6 is not current"),
+        (ctl.Fault("M1", 6), "M2", None), (ctl.Fault("M2", 6), "M1", "only its own upstream hop"),
+        (ctl.Fault("M2", 5), "M1", "epoch 5 is not current"),
+        (ctl.Fault("M2", 7), "M1", None), (ctl.Fault("M2", 7), "C", "only its own upstream hop"),
+        (ctl.Ended(7), "C", "not an advertised member"), (ctl.Leave(), "M2", None), (ctl.Leaving(), "C", "member"),
+        (ctl.Current(), "C", "not an advertised member"), (ctl.Current(), "M2", None),
+        (ctl.Gen.checked([1]), "C", None), (ctl.Status(), "C", None), (ctl.Status(), "X", "not admitted"),
+        (ctl.Leave(), "ME", None),  # our own request, in-process (the leader's own phases)
+    ]  # fmt: skip
+    for msg, sender, refused in cases:
+        reply = await table(sender, msg)
+        if refused is None:
+            assert isinstance(reply, ctl.Serving), (msg, sender, reply)
+        else:
+            assert isinstance(reply, ctl.Fail) and refused in reply.message, (msg, sender, reply)
+            assert reply.code == ("bad_request" if "not current" in refused else "forbidden"), reply
+    assert len(handled) == sum(r is None for _, _, r in cases)
+    unexpected = await Dispatcher(_View(), _epoch_roles, {}, "test")("M1", ctl.Serving())
+    assert isinstance(unexpected, ctl.Fail) and "unexpected Serving" in unexpected.message
+    with pytest.raises(TypeError, match="no role declared"):
+        Dispatcher(_View(), _epoch_roles, {ctl.Done: handler}, "test")
+
+
+def test_a_peer_s_role_comes_from_the_host_when_it_can_tell() -> None:
+    from types import SimpleNamespace
+
+    from swarm.node.control import role_of
+
+    old = SimpleNamespace(is_admitted=lambda p: p != "X")  # today's host: advertised peers are members
+    assert role_of(old, "A", advertised=True) == "member" and role_of(old, "C", advertised=False) == "client"
+    assert role_of(old, "X", advertised=True) is None
+    new = SimpleNamespace(is_admitted=lambda p: True, admitted_role=lambda p: "client")  # a lesser credential
+    assert role_of(new, "A", advertised=True) == "client"

@@ -9,7 +9,8 @@ import trio
 from swarm.manifest.identity import Identity
 from swarm.net.host import open_host
 from swarm.node import client
-from swarm.node.membership import Membership, MembershipService
+from swarm.node.gossip import MembershipService
+from swarm.node.membership import Membership
 
 SWARM = "0123456789abcdef0123456789abcdef"
 SECRET = b"c" * 32

@@ -19,7 +19,6 @@ import trio
 from swarm.model.generate import LocalModel, generate
 from swarm.node import client
 from swarm.node.launch import start_local_swarm
-from swarm.proto.control import Control
 from swarm.testing.checkpoints import TinySpec, write_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -63,7 +62,7 @@ async def test_eight_sessions_on_a_slow_ring_lose_no_peer_and_match_alone(ckpt: 
         statuses = []
         for i in range(3):
             async with client.open_client(swarm.addrs[i], secret=swarm.secret, swarm_id=swarm.swarm_id) as (h, peer):
-                statuses.append((await client.request(h, peer, Control("status", {"loop_window_s": window}))).body)
+                statuses.append(await client.status(h, peer, loop_window_s=window))
         logs = [swarm.log(i) for i in range(3)]
         assert all(swarm.alive()), [lg[-2000:] for lg in logs]
     for i, r in enumerate(got):
@@ -88,7 +87,7 @@ async def test_a_kill_during_a_batch_of_four_sessions_resumes_them_all_identical
     killed mid-way, the swarm re-plans once, and every session resumes and ends exactly as it
     would alone (fp32; replay rebuilds each session's caches on the new ring)."""
     from swarm.model.config import ModelArgs
-    from swarm.node.runtime import model_spec
+    from swarm.node.settings import model_spec
 
     torch.set_num_threads(1)
     model = LocalModel.load(ckpt, stages=1, dtype=torch.float32)

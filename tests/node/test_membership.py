@@ -12,7 +12,8 @@ import trio
 from swarm.errors import ProtocolError, UsageError
 from swarm.manifest.identity import Identity
 from swarm.net.host import open_host
-from swarm.node.membership import MemberEvent, Membership, MembershipService, detect_device
+from swarm.node.gossip import MemberEvent, MembershipService
+from swarm.node.membership import Membership, detect_device
 from swarm.planner.peersfile import parse_peers_file
 from swarm.proto.signed import sign_advert, verify_advert
 

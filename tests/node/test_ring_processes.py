@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import trio
 
 from swarm.model.drafters import NgramDrafter
 from swarm.model.generate import LocalModel, generate
@@ -102,29 +101,3 @@ async def test_wan_ring_through_delaying_proxies(ckpt: Path) -> None:
     # the measured RTTs the planner used include the proxies' delay too
     rtts = [v for row in got["rtt_ms"].values() for v in row.values()]
     assert rtts and min(rtts) >= 2 * delay_ms * 0.9, rtts
-
-
-async def test_late_joiner_becomes_a_standby_and_relays(ckpt: Path) -> None:
-    """A peer that joins while the ring serves does not disturb it: it becomes a standby, learns
-    the plan, and serves requests by relaying them to the coordinator."""
-    want = _reference(ckpt, max_new_tokens=16)
-    with start_local_swarm(2, ckpt, dtype="fp32") as swarm:
-        async with client.open_client(swarm.addrs[0], secret=swarm.secret, swarm_id=swarm.swarm_id) as (h, peer):
-            before = await client.wait_ready(h, peer, timeout=90)
-        late = swarm.add_node()
-        async with client.open_client(swarm.addrs[late], secret=swarm.secret, swarm_id=swarm.swarm_id) as (h, peer):
-            st = await client.wait_ready(h, peer, timeout=90)
-            if st["epoch"] == before["epoch"]:
-                assert st["plan"] == before["plan"]
-                with trio.fail_after(20):  # the leader tells newcomers the serving plan
-                    while (mine := await client.status(h, peer))["plan"] is None:
-                        await trio.sleep(0.2)
-                assert swarm.peer_ids[late] in mine["members"]
-                if mine["epoch"] == before["epoch"]:
-                    assert swarm.peer_ids[late] not in mine["plan"]["blocks"]  # a standby
-            else:
-                # a heartbeat missed under heavy load can end an epoch; the join itself never does
-                reasons = [r["reason"] for r in st["replans"]]
-                assert reasons and not any("join" in r for r in reasons), reasons
-            got = await client.generate(h, peer, prompt_ids=PROMPT, max_new_tokens=16, draft="none", timeout=60)
-        assert got["output_token_ids"] == want[: len(got["output_token_ids"])]

@@ -6,8 +6,9 @@ import dataclasses
 
 import pytest
 
-from swarm.errors import FrameError, ProtocolError
-from swarm.proto.control import Control
+from swarm.errors import BadRequest, FrameError, ProtocolError
+from swarm.proto import control as ctl
+from swarm.proto.activation import Chunk, Error, Result, Rollback, SessionEnd
 from swarm.proto.frame import DType, Frame, MsgType, decode_frame, encode_frame
 from swarm.proto.limits import Limits
 from swarm.proto.messages import (
@@ -17,14 +18,9 @@ from swarm.proto.messages import (
     AdmitResponse,
     AdmitResult,
     Advert,
-    Chunk,
-    Error,
     Heartbeat,
     Message,
     Plan,
-    Result,
-    Rollback,
-    SessionEnd,
     decode_message,
     parse_message,
 )
@@ -63,14 +59,117 @@ SAMPLES: list[Message] = [
     SessionEnd(1),
     Error(1, 2, "bad_tensor", "NaN in hidden states"),
     Error(0, 0, "overloaded"),
-    Control("gen", {"max_new_tokens": 8}, (1, 2, 3), session=5),
-    Control("status"),
+    ctl.Gen.checked((1, 2, 3), max_new_tokens=8),
+    ctl.Status(),
 ]
+# one sample of every CONTROL op (all CONTROL frames: their class is the op's)
+CONTROLS: list[ctl.Control] = [
+    ctl.Loaded(3), ctl.Connect(3), ctl.Linked({"0": "direct", "1": "relayed via x"}), ctl.Serve(3, {"0": "local"}),
+    ctl.Serving(), ctl.Current(), ctl.NoPlan(), ctl.NoPlan(2, {"ring": [PEER]}), ctl.Ended(2), ctl.Leaving(),
+    ctl.Leave(), ctl.Fault(PEER, 3, "NaN"), ctl.Hop(3, 1), SAMPLES[19],  # type: ignore[list-item]
+    ctl.Gen.checked(text="hi", chat=True, temperature=0.7, top_p=0.9, top_k=5, seed=3, draft="none", depth=2,
+                    draft_k=4, wait_s=1.5),
+    ctl.Tokens((7, 8), "ab"), ctl.Notice("paused"), ctl.Done({"output_token_ids": [1]}),
+    SAMPLES[20], ctl.Status(coordinator=True, loop_window_s=5),  # type: ignore[list-item]
+    ctl.StatusReply({"epoch": 1}), ctl.Fail("busy", "full", 5), ctl.Fail("bad_request"),
+]  # fmt: skip
 
 
 def test_every_type_has_a_parser_and_a_sample() -> None:
     assert set(MESSAGE_TYPES) == set(MsgType)
-    assert {type(m) for m in SAMPLES} == set(MESSAGE_TYPES.values())
+    assert {m.TYPE for m in SAMPLES} == set(MESSAGE_TYPES)
+    assert {type(m) for m in SAMPLES if m.TYPE is not MsgType.CONTROL} == set(MESSAGE_TYPES.values()) - {ctl.Control}
+    assert {type(m) for m in CONTROLS} == set(ctl.OPS.values())
+
+
+@pytest.mark.parametrize("msg", CONTROLS, ids=lambda m: type(m).__name__)
+def test_control_round_trip(msg: ctl.Control) -> None:
+    assert decode_message(msg.encode()) == msg
+
+
+@pytest.mark.parametrize(
+    ("msg", "changes", "match"),
+    [
+        (ctl.Connect(3), {"epoch": -1}, "CONTROL connect field 'epoch': -1 outside"),
+        (ctl.Connect(3), {"epoch": (1 << 62) + 1}, "CONTROL connect field 'epoch': 4611686018427387905 outside"),
+        (ctl.Connect(3), {"extra": 1}, "CONTROL connect field 'extra': unknown field"),
+        (ctl.Fault(PEER, 3), {"peer": ...}, "CONTROL fault field 'peer': missing"),
+        (ctl.Hop(3, 1), {"hop": "1"}, "CONTROL hop field 'hop': expected an integer"),
+        (ctl.Linked({}), {"hops": {"0": 5}}, "CONTROL linked field 'hops'"),
+        (SAMPLES[19], {"temperature": 2.5}, r"CONTROL gen field 'temperature': expected a number in \[0, 2\]"),
+        (SAMPLES[19], {"top_p": 0}, r"CONTROL gen field 'top_p': expected a number in \(0, 1\]"),
+        (SAMPLES[19], {"max_new_tokens": 4097}, "CONTROL gen field 'max_new_tokens': 4097 outside 1..4096"),
+        (SAMPLES[19], {"draft": "magic"}, "CONTROL gen field 'draft': 'magic' not one of"),
+        (ctl.Fail("busy"), {"code": "no spaces"}, "CONTROL fail field 'code'"),
+    ],
+)
+def test_control_schema_violations_name_the_op_and_field(
+    msg: ctl.Control, changes: dict[str, object], match: str
+) -> None:
+    frame = msg.to_frame()
+    body = dict(frame.meta["body"])
+    for k, v in changes.items():
+        if v is ...:
+            body.pop(k)
+        else:
+            body[k] = v
+    bad = dataclasses.replace(frame, meta={**frame.meta, "body": body})
+    with pytest.raises(ProtocolError, match=match):
+        parse_message(bad)
+    with pytest.raises(ProtocolError, match=match):
+        decode_message(encode_frame(bad))
+
+
+def test_control_envelope_is_checked() -> None:
+    good = ctl.Status().to_frame()
+    for frame, match in [
+        (dataclasses.replace(good, meta={"op": "launch", "body": {}}), "CONTROL field 'op': 'launch' not one of"),
+        (dataclasses.replace(good, meta={"op": "status"}), "CONTROL field 'body': expected a JSON object"),
+        (dataclasses.replace(good, meta={**good.meta, "x": 1}), "CONTROL field 'x': unknown field"),
+        (dataclasses.replace(good, session=5), "CONTROL field 'session': 5, must be 0"),
+        (dataclasses.replace(good, dtype=DType.INT32, shape=(1,), payload=bytes(4)), "CONTROL status field 'dtype'"),
+        (dataclasses.replace(SAMPLES[19].to_frame(), dtype=DType.FP32), "CONTROL gen field 'dtype': FP32"),
+    ]:
+        with pytest.raises(ProtocolError, match=match):
+            parse_message(frame)
+
+
+def test_a_local_generation_request_is_checked_against_the_same_bounds() -> None:
+    assert ctl.Gen.checked(temperature=2, top_p=1e-9).temperature == 2.0
+    for fields, name in [({"temperature": 2.01}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"seed": -1}, "seed"),
+                         ({"max_new_tokens": 0}, "max_new_tokens"), ({"max_new_tokens": True}, "max_new_tokens"),
+                         ({"draft": "x"}, "draft"), ({"frobnicate": 1}, "frobnicate")]:  # fmt: skip
+        with pytest.raises(BadRequest) as info:
+            ctl.Gen.checked(**fields)
+        assert info.value.field == name, (fields, info.value)
+    with pytest.raises(BadRequest, match="token ids"):
+        ctl.Gen.checked([1, "2"])  # type: ignore[list-item]
+    resumed = ctl.Gen.checked((1, 2), max_new_tokens=10).resumed([5, 6, 7])
+    assert resumed.ids == (1, 2, 5, 6, 7) and resumed.max_new_tokens == 7
+
+
+def test_fail_codes_map_to_one_error_type_each_way() -> None:
+    from swarm.errors import (
+        Busy,
+        CannotServe,
+        Forbidden,
+        PeerError,
+        PeerTimeout,
+        PlanningError,
+        UsageError,
+    )
+
+    for exc, code, back in [
+        (Busy("full", 7), "busy", Busy), (PlanningError("3 GB short"), "cannot_serve", CannotServe),
+        (Forbidden("no"), "forbidden", Forbidden), (UsageError("bad"), "bad_request", BadRequest),
+        (ProtocolError("junk"), "bad_request", BadRequest), (PeerTimeout("slow"), "unavailable", PeerError),
+    ]:  # fmt: skip
+        fail = decode_message(ctl.fail_of(exc).encode())
+        assert isinstance(fail, ctl.Fail) and fail.code == code and fail.message == str(exc)
+        err = fail.error("peer x: ")
+        assert type(err) is back and str(err) == f"peer x: {exc}"
+    busy = ctl.fail_of(Busy("full", 7)).error()
+    assert isinstance(busy, Busy) and busy.retry_after_s == 7
 
 
 @pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: type(m).__name__)
@@ -78,8 +177,8 @@ def test_round_trip(msg: Message) -> None:
     assert decode_message(msg.encode()) == msg
 
 
-def _with_meta(msg: Message, **changes: object) -> Frame:
-    f = msg.to_frame()
+def _with_meta(message: Message, **changes: object) -> Frame:
+    f = message.to_frame()
     meta = dict(f.meta)
     for k, v in changes.items():
         if v is ...:
@@ -116,6 +215,8 @@ def _with_meta(msg: Message, **changes: object) -> Frame:
         (SAMPLES[15], {"len": "1"}, "ROLLBACK field 'len'"),
         (SAMPLES[16], {"x": 1}, "SESSION_END field 'x': unknown"),
         (SAMPLES[17], {"code": "no spaces"}, "ERROR field 'code'"),
+        (SAMPLES[17], {"msg": ...}, "ERROR field 'msg': missing"),
+        (SAMPLES[9], {"epoch": ...}, "CHUNK field 'epoch': missing"),
     ],
 )
 def test_schema_violations_name_the_field(

@@ -23,11 +23,17 @@ from libp2p.peer.id import ID
 
 from swarm.errors import PeerError, ProtocolError
 from swarm.net.host import SwarmHost
-from swarm.node.runtime import PROTO_ACT, PROTO_GEN, PROTO_RING
-from swarm.proto.control import Control
+from swarm.proto.activation import Chunk
+from swarm.proto.control import Hop
 from swarm.proto.frame import HEADER, MAGIC, DType, MsgType
-from swarm.proto.limits import DEFAULT_LIMITS, PROTO_CTL, WIRE_VERSION
-from swarm.proto.messages import Chunk
+from swarm.proto.limits import (
+    DEFAULT_LIMITS,
+    PROTO_ACT,
+    PROTO_CTL,
+    PROTO_GEN,
+    PROTO_RING,
+    WIRE_VERSION,
+)
 
 from .swarmkit import LiveSwarm, admitted_attacker, assert_still_serving, current_plan
 
@@ -207,7 +213,7 @@ async def test_nan_activations_from_a_non_upstream_peer_are_refused(live: LiveSw
     chunk = Chunk(1, 1, 0, "prefill", DType.FP32, nan.shape, nan.tobytes(), plan["epoch"])
     outcomes: list[str] = []
     async with admitted_attacker(live, idx) as (h, _peer):
-        for hello in (Control("hop", {"epoch": plan["epoch"], "hop": hop}), None):
+        for hello in (Hop(plan["epoch"], hop), None):
             async with h.open_stream(target, PROTO_ACT, timeout=10) as fs:
                 try:
                     if hello is not None:

@@ -31,9 +31,9 @@ from multiaddr import Multiaddr
 from swarm.errors import AdmissionError, PeerError
 from swarm.manifest.identity import Identity
 from swarm.net.host import open_host
-from swarm.node.runtime import PROTO_GEN
-from swarm.proto.control import Control
+from swarm.proto.control import Status
 from swarm.proto.frame import encode_frame
+from swarm.proto.limits import PROTO_GEN
 
 from .swarmkit import LiveSwarm, assert_still_serving, outsider
 
@@ -117,7 +117,7 @@ async def test_peer_without_the_secret_is_refused_and_the_swarm_keeps_serving(
         with trio.move_on_after(8):
             try:
                 raw = await h.libp2p.new_stream(ID.from_base58(target), [TProtocol(PROTO_GEN)])
-                await raw.write(encode_frame(Control("status", {}).to_frame()))
+                await raw.write(encode_frame(Status().to_frame()))
                 answered = await raw.read(4096)
             except Exception:
                 answered = b""

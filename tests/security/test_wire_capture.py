@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from swarm.errors import PeerError
+from swarm.errors import BadRequest
 from swarm.node import client
 from swarm.testing.netlab import missing_tools_reason
 
@@ -91,9 +91,9 @@ async def test_capture_shows_no_prompt_or_token_ids(live: LiveSwarm, tmp_path: P
             got = await client.generate(
                 h, peer, prompt_ids=PROMPT, max_new_tokens=MAX_NEW, timeout=60
             )
-            try:  # the tiny checkpoint has no tokenizer: the coordinator refuses, but the text travels
+            try:  # the tiny checkpoint has no tokenizer: the coordinator refuses (a bad request), but the text travels
                 await client.generate(h, peer, text=marker, max_new_tokens=4, timeout=30)
-            except PeerError as exc:
+            except BadRequest as exc:
                 assert "tokenizer" in str(exc)
         assert got["output_token_ids"] == live.reference
         output = got["output_token_ids"]

@@ -1,4 +1,6 @@
-"""Tensors <-> activation-path messages, with the checks that bytes from another peer need.
+"""The activation codec: tensors <-> activation-path messages, with the checks that bytes from
+another peer need. The messages' wire schema (shapes, tokens per chunk, positions) is
+``swarm.proto.activation``; this module is the only place a tensor becomes bytes or back.
 
 A hidden state travels as raw bytes in the serving dtype (bf16 as its int16 bit pattern, fp16,
 fp32): exactly the values the next stage would have received in one process, so a ring computes
@@ -21,7 +23,10 @@ import numpy as np
 import torch
 
 from swarm.errors import ProtocolError
+from swarm.proto.activation import Chunk, Result
 from swarm.proto.frame import DType
+
+Encoded = tuple[DType, tuple[int, ...], bytes]
 
 _TO_WIRE = {torch.bfloat16: DType.BF16, torch.float16: DType.FP16, torch.float32: DType.FP32}
 _FROM_WIRE = {DType.BF16: torch.bfloat16, DType.FP16: torch.float16, DType.FP32: torch.float32}
@@ -35,7 +40,7 @@ def wire_dtype(dtype: torch.dtype) -> DType:
         raise ProtocolError(f"dtype {dtype} cannot travel on the activation path") from None
 
 
-def encode_hidden(h: torch.Tensor) -> tuple[DType, tuple[int, ...], bytes]:
+def encode_hidden(h: torch.Tensor) -> Encoded:
     """(T, D) tensor -> (wire dtype, shape, raw little-endian bytes)."""
     h = h.detach().contiguous().cpu()
     dt = wire_dtype(h.dtype)
@@ -60,3 +65,22 @@ def decode_hidden(
     if not bool(torch.isfinite(t).all()):
         raise ProtocolError(f"peer {peer}: hidden states contain NaN or Inf (shape {shape})")
     return t
+
+
+def hidden_chunk(
+    session: int, chunk_id: int, pos: int, mode: str, h: torch.Tensor | Encoded, epoch: int, flags: int = 0
+) -> Chunk:
+    """A CHUNK carrying hidden states ``h`` (T, D) (or their encoding, made off the trio loop)."""
+    dt, shape, data = encode_hidden(h) if isinstance(h, torch.Tensor) else h
+    return Chunk(session, chunk_id, pos, mode, dt, shape, data, epoch, flags)
+
+
+def hidden_result(session: int, chunk_id: int, pos: int, h: torch.Tensor | Encoded, epoch: int) -> Result:
+    """The tail's RESULT for one chunk: its hidden states (the coordinator holds the head)."""
+    dt, shape, data = encode_hidden(h) if isinstance(h, torch.Tensor) else h
+    return Result(session, chunk_id, pos, "hidden", dt, shape, data, epoch)
+
+
+def read_hidden(msg: Chunk | Result, *, dim: int, expect: torch.dtype, peer: str) -> torch.Tensor:
+    """The checked (T, dim) hidden states a CHUNK or a RESULT(hidden) from ``peer`` carries."""
+    return decode_hidden(msg.dtype, msg.shape, msg.data, dim=dim, expect=expect, peer=peer)

@@ -1,0 +1,207 @@
+"""The control plane's dispatch: which role may send each request, and who handles it.
+
+Theory of operation
+-------------------
+Every request on ``/shard-swarm/ring/1`` and ``/shard-swarm/gen/1`` is one typed message
+(``swarm.proto.control``; a plan is a PLAN message). :data:`ROLES` is the one table of who may
+send each type; a :class:`Dispatcher` checks the sender's role against it before the handler
+runs, and answers a refusal with a ``forbidden`` Fail whose text names the rule. The roles, as
+this node sees them (issue 14):
+
+- ``client``: any admitted peer; it may open generations and read status, nothing else.
+- ``member``: an admitted peer that holds a member credential (``host.admitted_role``) and
+  has advertised; until the host tells members from clients, every peer that advertised is one.
+- ``leader``: the member that leads this node's view (the smallest live ID not leaving).
+- ``signer``: the peer that signed the plan of the epoch the request names (connect, serve).
+- ``stage``: the coordinator or a ring member of the epoch the request names (a fault report;
+  ``authority.check_fault_report`` then narrows it to the accuser's own upstream hop).
+
+What a handler raises is answered with :func:`~swarm.proto.control.fail_of`: errors stay typed
+from the handler to the requester (``Fail.error``), never matched by their text.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+import trio
+
+from swarm.errors import Forbidden, PeerError, ProtocolError, SwarmError
+from swarm.node.errors_util import first_leaf
+from swarm.node.hosting import Host
+from swarm.proto import control as ctl
+from swarm.proto.limits import PROTO_RING
+from swarm.proto.messages import Message, parse_message
+from swarm.proto.messages import Plan as PlanMsg
+
+log = logging.getLogger("swarm.node")
+
+CLIENT, MEMBER, LEADER, SIGNER, STAGE = "client", "member", "leader", "signer", "stage"
+
+# message type -> the role its sender must hold (the one table; SECURITY.md lists it too)
+ROLES: dict[type[Message], str] = {
+    PlanMsg: LEADER,
+    ctl.Connect: SIGNER,
+    ctl.Serve: SIGNER,
+    ctl.Current: MEMBER,
+    ctl.Ended: MEMBER,
+    ctl.Leaving: MEMBER,
+    ctl.Leave: MEMBER,
+    ctl.Fault: STAGE,
+    ctl.Gen: CLIENT,
+    ctl.Status: CLIENT,
+}
+
+Handler = Callable[[str, Any], Awaitable[Message]]
+R = TypeVar("R", bound=ctl.Control)
+RPC_TIMEOUT_S = 20.0
+
+
+class RoleView(Protocol):
+    """What the dispatcher needs to know to tell a sender's role (view.MemberView)."""
+
+    peer_id: str
+
+    def admitted_role(self, peer: str) -> str | None: ...
+
+    def members(self) -> list[str]: ...
+
+    def leader(self) -> str: ...
+
+
+@dataclass
+class Dispatcher:
+    """Checks each request's sender against :data:`ROLES`, then runs its handler.
+    ``epoch_roles(epoch)``: (the signer's peer ID if ``epoch`` is the live current epoch, else
+    None; the coordinator and ring members of ``epoch``), ProtocolError for an epoch this node
+    does not know (epochs.Epochs.roles)."""
+
+    view: RoleView
+    epoch_roles: Callable[[int], tuple[str | None, set[str]]]
+    handlers: Mapping[type[Message], Handler]
+    what: str  # the protocol, for messages
+
+    def __post_init__(self) -> None:
+        unknown = set(self.handlers) - set(ROLES)
+        if unknown:
+            raise TypeError(f"no role declared for {sorted(t.__name__ for t in unknown)}")
+
+    async def __call__(self, peer: str, msg: Message) -> Message:
+        """The reply to ``msg`` from ``peer``: the handler's, or a Fail (never an exception)."""
+        try:
+            handler = self.handlers.get(type(msg))
+            if handler is None:
+                raise ProtocolError(f"unexpected {type(msg).__name__} on {self.what}")
+            self.check(peer, msg)
+            return await handler(peer, msg)
+        except SwarmError as exc:
+            log.warning("%s request %s from %s failed: %s", self.what, type(msg).__name__, peer, exc)
+            return ctl.fail_of(exc)
+
+    def check(self, peer: str, msg: Message) -> None:
+        """Forbidden unless ``peer`` holds the role ``msg``'s type requires."""
+        role = ROLES[type(msg)]
+        name = getattr(msg, "OP", "plan")
+        v = self.view
+        if peer == v.peer_id:
+            return  # our own request, dispatched in-process (the leader's own phases)
+        kind = v.admitted_role(peer)
+        if kind is None:
+            raise Forbidden(f"{name} from {peer}, which is not admitted")
+        if role == CLIENT:
+            return
+        if role in (SIGNER, STAGE):  # the epoch's own roles (their holders are members by the plan)
+            epoch = int(msg.epoch)  # type: ignore[attr-defined]  # Connect, Serve, Fault
+            signer, stages = self.epoch_roles(epoch)
+            if role == SIGNER and signer is None:
+                raise ProtocolError(f"epoch {epoch} is not current here")
+            if role == SIGNER and peer != signer:
+                raise Forbidden(f"{name} for epoch {epoch} from {peer}: only the plan's signer {signer} may send it")
+            if role == STAGE and peer not in stages:
+                raise Forbidden(
+                    f"{name} from {peer}: a peer may report only its own upstream hop, and {peer} holds none "
+                    f"in epoch {epoch}"
+                )
+        if kind != "member" or peer not in v.members():
+            raise Forbidden(f"{name} from {peer}, which is not an advertised member")
+        if role == LEADER and peer != v.leader():
+            raise Forbidden(f"{name} from {peer}: only the leader {v.leader()} may send it")
+
+
+def role_of(host: Any, peer: str, advertised: bool) -> str | None:
+    """A peer's admitted role as the host tells it (``admitted_role``: "member", "client" or
+    None); a host that cannot tell yet: every admitted peer that has advertised is a member."""
+    tell = getattr(host, "admitted_role", None)
+    if tell is not None:
+        role: str | None = tell(peer)
+        return role
+    if not host.is_admitted(peer):
+        return None
+    return "member" if advertised else "client"
+
+
+class RingClient:
+    """Requests to other peers on ``/shard-swarm/ring/1`` (our own go through ``local``)."""
+
+    def __init__(self, host: Host, peer_id: str, local: Dispatcher, *, rpc_timeout: float = RPC_TIMEOUT_S) -> None:
+        self.host = host
+        self.peer_id = peer_id
+        self.local = local
+        self.rpc_timeout = rpc_timeout
+
+    async def call(self, peer: str, msg: Message, timeout: float = RPC_TIMEOUT_S) -> Message:
+        """One request to ``peer`` and its reply; opening the stream is bounded by RPC_TIMEOUT_S
+        (or ``timeout`` if shorter), the reply by ``timeout``."""
+        if peer == self.peer_id:
+            return await self.local(peer, msg)
+        async with self.host.open_stream(peer, PROTO_RING, timeout=min(timeout, self.rpc_timeout)) as fs:
+            await fs.send(msg.to_frame())
+            return parse_message(await fs.receive(timeout=timeout))
+
+    async def serve(self, peer: str, fs: Any) -> None:
+        """The ring protocol's server: one request, one reply."""
+        frame = await fs.receive(timeout=self.rpc_timeout)
+        try:
+            msg = parse_message(frame)
+        except ProtocolError as exc:
+            await fs.send(ctl.fail_of(exc).to_frame())
+            return
+        reply = await self.local(peer, msg)
+        await fs.send(reply.to_frame())
+
+    async def phase(
+        self, peers: Sequence[str], msg: Message, want: type[R], timeout: float, best_effort: Sequence[str] = ()
+    ) -> dict[str, R]:
+        """Send ``msg`` to every peer and wait for a ``want`` reply from each (the set-up phases);
+        ``best_effort`` peers are told too, but not waited for. Their replies, by peer."""
+        name = getattr(msg, "OP", "plan")
+        replies: dict[str, R] = {}
+
+        async def one(peer: str) -> None:
+            replies[peer] = ctl.expect(await self.call(peer, msg, timeout), want, peer, name)
+
+        async def maybe(peer: str) -> None:
+            try:
+                with trio.move_on_after(self.rpc_timeout):
+                    await one(peer)
+            except SwarmError as exc:
+                log.info("standby %s did not take %s: %s", peer, name, exc)
+
+        try:
+            with trio.fail_after(timeout + 5):
+                async with trio.open_nursery() as nursery:
+                    for p in peers:
+                        nursery.start_soon(one, p)
+                    for p in best_effort:
+                        nursery.start_soon(maybe, p)
+        except trio.TooSlowError:
+            raise PeerError(f"{name}: no answer from every peer within {timeout:.0f} s") from None
+        except BaseExceptionGroup as eg:
+            err = first_leaf(eg, SwarmError)
+            if err is None:
+                raise
+            raise err from None
+        return replies

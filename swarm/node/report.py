@@ -1,0 +1,155 @@
+"""What a node reports: a generation's receipt, and its status (``shard-swarm status``).
+
+A receipt says everything needed to check a run against one box (``shard-swarm run --receipt``):
+the peers and their blocks, the plan, the RTTs, the prompt and output token ids with their
+hash, the sampling and draft settings, timings, and every re-plan the run went through. Status
+is what this node sees: members, leader, the serving plan, per-peer device and heartbeat age,
+how each hop travels, recent throughput, how long the trio loop was held, and capacity.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import statistics
+from typing import Any
+
+from swarm import __version__
+from swarm.model.sampling import SamplingParams
+from swarm.node.capacity import Admission
+from swarm.node.coordinator import RingGeneration
+from swarm.node.epochs import Epoch, Epochs, hops
+from swarm.node.gossip import MembershipService
+from swarm.node.hosting import Host
+from swarm.node.loopwatch import LoopWatch
+from swarm.node.models import Models
+from swarm.node.view import MemberView
+from swarm.node.wiring import Wiring
+from swarm.planner import Plan
+
+
+class Reporter:
+    def __init__(
+        self, peer_id: str, host: Host, service: MembershipService, view: MemberView, epochs: Epochs, wiring: Wiring,
+        models: Models, admission: Admission, loopwatch: LoopWatch,
+    ) -> None:  # fmt: skip
+        self.peer_id = peer_id
+        self.host = host
+        self.service = service
+        self.view = view
+        self.epochs = epochs
+        self.wiring = wiring
+        self.models = models
+        self.admission = admission
+        self.loopwatch = loopwatch
+        self.recent: collections.deque[tuple[float, float | None]] = collections.deque(maxlen=20)
+
+    def receipt(self, ep: Epoch, gen: RingGeneration, params: SamplingParams, *, started: float) -> dict[str, Any]:
+        plan = ep.plan
+        view = self.service.membership.view()
+        pf = self.service.membership.peers_file()
+        peers = []
+        for pid in sorted({plan.coordinator, *plan.ring, *plan.standbys}):
+            adv = view.get(pid)
+            peers.append({
+                "id": pid,
+                "addresses": list(adv.addrs) if adv else [],
+                "device": f"{adv.device_kind}:{adv.device_name}" if adv else "",
+                "memory_bytes": adv.memory_bytes if adv else 0,
+                "ms_per_layer": adv.layer_us / 1000 if adv else None,
+                "block": list(plan.blocks[pid]) if pid in plan.blocks else None,
+                "role": "coordinator" if pid == plan.coordinator else ("stage" if pid in plan.blocks else "standby"),
+            })  # fmt: skip
+        tms = gen.traversal_ms
+        s = self.models.settings
+        assert s.model_dir is not None
+        return {
+            "version": __version__,
+            "model": {"name": s.model_dir.name, "config_sha256": self.models.ckpt.config_sha256},
+            "quant": s.quant,
+            "peers": peers,
+            "coordinator": plan.coordinator,
+            "ring": list(plan.ring),
+            "epoch": plan.epoch,
+            "rtt_ms": pf.get("rtt_ms", {}),
+            "prompt_token_ids": gen.prompt_token_ids,
+            "output_token_ids": gen.output_token_ids,
+            "output_sha256": gen.output_sha256,
+            "finish_reason": gen.finish_reason,
+            "sampling": {"temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
+                         "seed": params.seed},  # fmt: skip
+            "tokens_per_s": gen.tokens_per_s,
+            "decode_tokens_per_s": gen.decode_tokens_per_s,
+            "traversal_ms": statistics.median(tms) if tms else None,
+            "accepted_per_traversal": gen.tokens_per_traversal,
+            "accepted_per_round": gen.accepted_per_round,
+            # LM head calls shared with other sessions: fp32 greedy tokens equal running alone; in bf16 a
+            # near-tie can flip (coordinator.py); stages compute each session's rows alone (model/batched.py)
+            "shared_head_calls": gen.shared_head_calls,
+            "chunks": len(gen.chunks),
+            "predicted_traversal_ms": plan.predicted_traversal_ms,
+            "hops": hop_report(ep),
+            "replans": list(self.epochs.replans),
+            "started_unix": started,
+        }
+
+    def status(self, *, loop_window_s: int = 60) -> dict[str, Any]:
+        ep = self.epochs.serving
+        plan = ep.plan if ep is not None else None
+        worker = ep.worker if ep is not None else None
+        return {
+            "peer_id": self.peer_id,
+            "members": self.view.members(),
+            "leader": self.view.leader(),
+            "epoch": plan.epoch if plan else None,
+            "serving": bool(ep is not None and ep.serving.is_set()),
+            "plan": {"coordinator": plan.coordinator, "ring": list(plan.ring),
+                     "blocks": {p: list(b) for p, b in plan.blocks.items()}, "standbys": list(plan.standbys)}
+            if plan else None,
+            "peers_file": self.service.membership.peers_file(),
+            "ms_per_layer": self.models.ms_per_layer,
+            "hop_paths": {str(k): v for k, v in self.wiring.hop_paths.items()},
+            "hops": hop_report(ep) if ep is not None else [],
+            "peer_info": self._peer_info(plan),
+            "recent": self._recent(),
+            "replans": list(self.epochs.replans),
+            "loop": self.loopwatch.summary(loop_window_s),  # how long the trio loop was held (loopwatch.py)
+            "stage": dataclasses.asdict(worker.stats) if worker is not None else None,  # this epoch's batching
+            "capacity": {"sessions": self.admission.capacity, "active": self.admission.active,
+                         "stage_sessions": worker.max_sessions if worker is not None else None},  # fmt: skip
+        }
+
+    def _recent(self) -> dict[str, Any]:
+        """Medians over the last generations this node coordinated."""
+        if not self.recent:
+            return {}
+        tps = [t for t, _ in self.recent]
+        acc = [a for _, a in self.recent if a is not None]
+        return {"tokens_per_s": statistics.median(tps), "accepted_per_traversal": statistics.median(acc) if acc else None,
+                "generations": len(self.recent)}  # fmt: skip
+
+    def _peer_info(self, plan: Plan | None) -> dict[str, Any]:
+        """What this node sees of every member: device, memory its block uses, heartbeat age, path."""
+        view = self.service.membership.view()
+        detector = self.service.liveness.detector
+        spec = self.models.spec
+        now = self.service.liveness.clock()
+        out: dict[str, Any] = {}
+        for peer, adv in view.items():
+            heard = detector.last_heard(peer)
+            block = plan.blocks.get(peer) if plan is not None else None
+            used = (block[1] - block[0]) * spec.bytes_per_layer if block else 0
+            if plan is not None and plan.coordinator == peer:
+                used += spec.coordinator_bytes
+            out[peer] = {
+                "device": f"{adv.device_kind}:{adv.device_name}",
+                "memory_used_bytes": used,
+                "heartbeat_age_s": None if peer == self.peer_id or heard is None else round(now - heard, 2),
+                "path": "self" if peer == self.peer_id else self.host.path_label(peer),  # direct, hole-punched, relayed
+            }
+        return out
+
+
+def hop_report(ep: Epoch) -> list[dict[str, str]]:
+    """Each hop of the ring with how it travels (the leader collected it at set-up)."""
+    return [{"from": a, "to": b, "path": ep.hop_labels.get(i, "?")} for i, (a, b) in enumerate(hops(ep.plan))]

@@ -1,0 +1,106 @@
+"""The serving half of a peer: the components that hold layers, plan, set up and run the ring,
+serve generations and recover, wired together with explicit dependencies.
+
+Construction order follows the dependencies, so nothing reaches through another object to find
+what it needs: the model store and the epoch state first; then the hops' wiring, the leader
+(planning, catch-up), recovery (losses, faults, leaving), and the generation service; last the
+dispatch tables that say which role may send each request and which component answers it
+(control.py). The peer (peer.py) owns the host and membership and starts :meth:`Serving.run`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import trio
+
+from swarm.manifest.identity import Identity
+from swarm.node.capacity import Admission
+from swarm.node.control import Dispatcher, RingClient
+from swarm.node.epochs import Epochs
+from swarm.node.gossip import MembershipService
+from swarm.node.hosting import Host
+from swarm.node.leader import Leader
+from swarm.node.loopwatch import LoopWatch
+from swarm.node.models import Models
+from swarm.node.notices import Notices
+from swarm.node.recovery import Recovery
+from swarm.node.report import Reporter
+from swarm.node.resume import Resumer
+from swarm.node.service import GenService
+from swarm.node.settings import NodeSettings
+from swarm.node.view import MemberView
+from swarm.node.wiring import Wiring
+from swarm.proto import control as ctl
+from swarm.proto.limits import PROTO_ACT, PROTO_GEN, PROTO_RING
+from swarm.proto.messages import Plan as PlanMsg
+
+
+class Serving:
+    def __init__(
+        self,
+        settings: NodeSettings,
+        identity: Identity,
+        host: Host,
+        service: MembershipService,
+        view: MemberView,
+        models: Models,
+        notices: Notices,
+        loopwatch: LoopWatch,
+        nursery: trio.Nursery,
+        *,
+        fastpath: Any = None,
+    ) -> None:
+        peer_id = identity.peer_id
+        self.models = models
+        self.admission = Admission()  # generations the ring's KV memory holds at once (capacity.py)
+        self.epochs = Epochs(settings, peer_id, models, self.admission, notices, leader=view.leader, memory=view.memory)
+        ring_table = Dispatcher(view, self.epochs.roles, {}, PROTO_RING)
+        self.ring = RingClient(host, peer_id, ring_table)
+
+        async def report_fault(peer: str, why: str, epoch: int) -> None:
+            await self.recovery.report_fault(peer, why, epoch)
+
+        self.wiring = Wiring(
+            peer_id, host, fastpath, self.epochs, models, notices, nursery,
+            report_fault=report_fault, offered=lambda: service.membership.local.memory_bytes,
+        )  # fmt: skip
+        self.leader = Leader(settings, identity, view, self.epochs, self.ring, models.spec, notices,
+                             peers_file=service.membership.peers_file)  # fmt: skip
+        self.recovery = Recovery(view, self.epochs, self.leader, self.ring, notices, nursery)
+        self.epochs.on_end = self.recovery.epoch_ended
+        self.epochs.on_plan = self.leader.took_plan
+        self.reporter = Reporter(peer_id, host, service, view, self.epochs, self.wiring, models, self.admission, loopwatch)
+        resumer = Resumer(peer_id, self.epochs, notices, self.leader.planning_problem, report_fault)
+        gen_table = Dispatcher(view, self.epochs.roles, {}, PROTO_GEN)
+        self.gen = GenService(settings, peer_id, host, view, self.epochs, models, self.admission, self.reporter,
+                              resumer, gen_table, planning_problem=self.leader.planning_problem)  # fmt: skip
+        ring_table.handlers = {
+            PlanMsg: self.leader.on_plan,
+            ctl.Current: self.leader.on_current,
+            ctl.Ended: self.leader.on_ended,
+            ctl.Connect: self._on_connect,
+            ctl.Serve: self._on_serve,
+            ctl.Leaving: self.recovery.on_leaving,
+            ctl.Leave: self.recovery.on_leave,
+            ctl.Fault: self.recovery.on_fault,
+        }
+        ring_table.__post_init__()  # every handled type has a role
+        host.handle(PROTO_RING, self.ring.serve)
+        host.handle(PROTO_ACT, self.wiring.serve_act)
+        host.handle(PROTO_GEN, self.gen.serve)
+        self._fastpath = fastpath
+
+    async def _on_connect(self, peer: str, msg: ctl.Connect) -> ctl.Linked:
+        labels = await self.wiring.connect(msg.epoch)
+        return ctl.Linked({str(k): v for k, v in labels.items()})
+
+    async def _on_serve(self, peer: str, msg: ctl.Serve) -> ctl.Serving:
+        await self.wiring.serve(msg.epoch, {int(k): v for k, v in msg.hops.items() if k.isdigit()})
+        return ctl.Serving()
+
+    async def run(self, nursery: trio.Nursery) -> None:
+        """Start the serving tasks: the fast path's inbound channels and the leader loop."""
+        if self._fastpath is not None:
+            nursery.start_soon(self.wiring.accept_fast)
+        nursery.start_soon(self.leader.run)

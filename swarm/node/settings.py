@@ -1,0 +1,130 @@
+"""A node's settings, built once: from ``join``'s config file and flags, or a settings file.
+
+``NodeSettings`` is the one description of a peer that :func:`swarm.node.peer.run_peer` (the
+composition root) builds a node from. ``join`` fills it from the TOML config and its flags
+(swarm/cli/settings.py); ``python -m swarm.node SETTINGS.json`` (the local swarms of the demo,
+tests and benchmarks) from a JSON file through :func:`settings_from_file`, which takes every key
+by its field name and the dataclass's own defaults for the rest, so no default is written twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from swarm.errors import UsageError
+from swarm.planner import ModelSpec
+
+if TYPE_CHECKING:  # torch is imported only by a peer that holds layers (join --no-serve never does)
+    import torch
+
+    from swarm.model.config import ModelArgs
+
+
+@dataclass
+class NodeSettings:
+    seed: bytes
+    swarm_id: str
+    secret: bytes
+    model_dir: Path | None  # None: a member that holds no layers (join --no-serve): membership only
+    listen: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
+    announce: tuple[str, ...] = ()  # addresses to advertise instead of the listen ones (e.g. behind a proxy)
+    bootstrap: tuple[str, ...] = ()
+    memory_bytes: int = 0  # offered for layers; 0 = what the device has free (model/devices.py)
+    dtype: Any = None  # a torch.dtype; None: bfloat16
+    quant: str = "none"  # the invite's: how the decoder layers are held (swarm.model.quant)
+    device: str = "cpu"  # cpu, cuda:N or mps, already resolved (swarm.model.devices.resolve_device)
+    threads: int = 1
+    coordinator_ok: bool = True
+    expect_peers: int = 0  # plan once this many members (us included) are present
+    settle_s: float = 3.0
+    context_tokens: int = 2048
+    draft: str = "ngram"
+    chunk_timeout: float = 30.0
+    revoked: frozenset[str] = frozenset()
+    fastpath: bool = True  # activations over a direct sealed socket when one can be opened
+    fastpath_port: int = 0
+    fastpath_host: str = ""  # IP the direct socket binds (default: the first /ip4 listen address)
+    fastpath_advertise: tuple[str, ...] = ()  # "ip:port" to announce (e.g. behind a proxy or NAT)
+    sessions: int = 8  # generations held at once at least (their KV on top of memory_bytes): capacity.py
+    compute_delay_s: float = 0.0  # fault injection (load tests): every forward and head call blocks this much longer
+    relay: bool = False  # use the bootstrap nodes as relays and hole punch (swarm.node.discovery)
+    mdns: bool = False  # announce and discover peers on the LAN
+
+
+def model_spec(args: ModelArgs, dtype: torch.dtype, context_tokens: int, quant: str = "none") -> ModelSpec:
+    """The planner's view of the model as this node holds it (bytes per layer in ``dtype``)."""
+    import torch
+
+    from swarm.model.quant import layer_bytes as quant_layer_bytes
+    from swarm.model.quant import layer_bytes_each as quant_layer_bytes_each
+
+    nbytes = torch.empty(0, dtype=dtype).element_size()
+    return ModelSpec(
+        n_layers=args.n_layers,
+        layer_bytes=quant_layer_bytes(args, quant, nbytes),
+        layer_bytes_each=tuple(quant_layer_bytes_each(args, quant, nbytes)),  # each layer at its own size
+        kv_bytes_per_token_per_layer=args.kv_bytes_per_token_per_layer(nbytes),
+        coordinator_bytes=args.head_bytes(nbytes),
+        context_tokens=context_tokens,
+    )
+
+
+def advertised_resources(s: NodeSettings) -> tuple[int, tuple[str, str]]:
+    """(memory offered for layers, (device kind, name)) for this node's advert: ``memory_bytes``
+    when the user gave one, else what the device has free (on a GPU, its memory less a margin)."""
+    import torch
+
+    from swarm.model.devices import auto_memory_bytes, describe_device
+
+    device = torch.device(s.device)
+    return s.memory_bytes or auto_memory_bytes(device), describe_device(device)
+
+
+_FROM_MANIFEST = ("seed", "swarm_id", "secret", "revoked", "quant", "bootstrap")
+
+
+def settings_from_mapping(cfg: Mapping[str, Any], *, seed: bytes, manifest: Any) -> NodeSettings:
+    """Settings from a JSON object of NodeSettings fields (by name; anything absent keeps the
+    dataclass default) plus the invite (``manifest``: swarm ID, secret, bootstrap, quant, revoked)
+    and the identity ``seed``. ``dtype``/``device`` may be "auto"; an unknown key is refused."""
+    from swarm.model.devices import device_label, resolve_device
+    from swarm.model.dtypes import resolve_dtype
+
+    fields = {f.name: f for f in dataclasses.fields(NodeSettings)}
+    bad = sorted(set(cfg) - set(fields) - {"manifest", "seed_file"} | (set(cfg) & set(_FROM_MANIFEST)))
+    if bad:
+        raise UsageError(f"node settings: unknown or invite-only key {bad[0]!r}")
+    device = resolve_device(cfg.get("device", "auto"))
+    kw: dict[str, Any] = {"device": device_label(device), "dtype": resolve_dtype(cfg.get("dtype", "auto"), device)}
+    for name, v in cfg.items():
+        if name in kw or name not in fields:
+            continue
+        default = fields[name].default
+        if isinstance(default, tuple):
+            v = tuple(v)
+        elif name == "model_dir":
+            v = None if v is None else Path(v)
+        elif isinstance(default, int | float | str):  # bool is an int
+            v = type(default)(v)
+        kw[name] = v
+    return NodeSettings(
+        seed=seed, swarm_id=manifest.swarm_id, secret=manifest.secret.value, revoked=frozenset(manifest.revoked),
+        quant=manifest.quant, bootstrap=tuple(manifest.bootstrap), **kw,
+    )  # fmt: skip
+
+
+def settings_from_file(path: Path) -> NodeSettings:
+    """``python -m swarm.node``'s settings file: NodeSettings fields by name, plus ``manifest``
+    (the invite, verified on load) and ``seed_file`` (the identity seed, hex): secrets are read
+    from those 0600 files, never from the command line, where ``ps`` would show them."""
+    from swarm.manifest.manifest import read_manifest
+
+    cfg = json.loads(path.read_text())
+    manifest = read_manifest(Path(cfg["manifest"]))  # verified: signature, expiry, fields
+    seed = bytes.fromhex(Path(cfg["seed_file"]).read_text().strip())
+    return settings_from_mapping(cfg, seed=seed, manifest=manifest)
