@@ -59,6 +59,8 @@ class Liveness:
         self._on_transition = on_transition
         self.on_stall: Callable[[float], None] | None = None  # called with the gap after we were stopped
         self._rtts: dict[str, deque[float]] = {}
+        self._ran_at: float | None = None  # our clock when this node last ran its liveness code
+        self._stall_s = max(STALL_S, 2 * DEFAULT_INTERVAL)  # a gap this long: we were stopped (watch sets it)
 
     def _emit(self, transitions: list[Transition]) -> None:
         for t in transitions:
@@ -71,10 +73,27 @@ class Liveness:
         self._emit(self.detector.heard(peer, self.clock()))
 
     def lost(self, peer: str, reason: str) -> None:
+        self.catch_stall()  # news that arrived while we were stopped is judged after the stall
         self._emit(self.detector.declare_lost(peer, self.clock(), reason))
 
     def tick(self) -> None:
+        self.catch_stall()
         self._emit(self.detector.tick(self.clock()))
+
+    def catch_stall(self) -> None:
+        """If this node has not run for ``_stall_s`` or more, it was stopped (SIGSTOP, a laptop
+        asleep): its own silence is excused (nobody is declared lost for it) and ``on_stall`` is
+        told, at once. Called before any liveness news is acted on, and by the leader before it
+        plans: after a stop, tasks wake in any order, and the first to run must not act on a
+        stale view (a peer's closed connection, the others' silence) before the stall is known."""
+        now = self.clock()
+        last, self._ran_at = self._ran_at, now
+        if last is None or now - last < self._stall_s:
+            return
+        log.warning("this node was stopped for %.1f s", now - last)
+        self.detector.excuse_silence(now)
+        if self.on_stall is not None:
+            self.on_stall(now - last)
 
     def state(self, peer: str) -> PeerState | None:
         return self.detector.state(peer)
@@ -94,16 +113,9 @@ class Liveness:
         """Tick the detector forever (run in a nursery). A gap of STALL_S or more between two
         ticks means this process was stopped: its own silence is excused (nobody is declared
         lost for it) and ``on_stall`` is told."""
-        last = self.clock()
+        self._stall_s = max(STALL_S, 4 * period)
         while True:
-            now = self.clock()
-            if now - last >= max(STALL_S, 4 * period):
-                log.warning("this node was stopped for %.1f s", now - last)
-                self.detector.excuse_silence(now)
-                if self.on_stall is not None:
-                    self.on_stall(now - last)
-            last = now
-            self.tick()
+            self.tick()  # catches a stall first
             await trio.sleep(period)
 
 

@@ -90,8 +90,10 @@ class Leader:
         notices: Notices,
         *,
         peers_file: Callable[[], dict[str, Any]],
+        catch_stall: Callable[[], None] = lambda: None,
     ) -> None:
         self.settings = settings
+        self.catch_stall = catch_stall  # heartbeat.Liveness.catch_stall: were we stopped just now?
         self.signer = signer
         self.peer_id = view.peer_id
         self.view = view
@@ -127,6 +129,7 @@ class Leader:
         while True:
             await self.view.changed(wait)
             wait = 0.5
+            self.catch_stall()  # a node back from a stop marks its view stale before it decides anything
             now = trio.current_time()
             members = self.view.members()
             if members != last_members:

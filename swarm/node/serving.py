@@ -66,7 +66,8 @@ class Serving:
             report_fault=report_fault, offered=lambda: service.membership.local.memory_bytes,
         )  # fmt: skip
         self.leader = Leader(settings, identity, view, self.epochs, self.ring, models.spec, notices,
-                             peers_file=service.membership.peers_file)  # fmt: skip
+                             peers_file=service.membership.peers_file,
+                             catch_stall=service.liveness.catch_stall)  # fmt: skip
         self.recovery = Recovery(view, self.epochs, self.leader, self.ring, notices, nursery)
         self.epochs.on_end = self.recovery.epoch_ended
         self.epochs.on_plan = self.leader.took_plan

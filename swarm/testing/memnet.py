@@ -123,6 +123,7 @@ class _Pipe:
         self._send.close()
 
     async def read(self) -> bytes:
+        await self.net.awake(self.dst)  # a stopped process reads nothing, not even a reset
         if self.reset:
             raise trio.BrokenResourceError("stream reset")
         try:
@@ -150,6 +151,7 @@ class _Raw:
 
     async def write(self, data: bytes) -> None:
         await trio.lowlevel.checkpoint()
+        await self.outbound.net.awake(self.outbound.src)  # a stopped process writes nothing
         self.outbound.write(data)
 
     async def close(self) -> None:
@@ -326,6 +328,11 @@ class MemNet:
 
     def reachable(self, a: str, b: str) -> bool:
         return a not in self.frozen and b not in self.frozen and frozenset((a, b)) not in self._apart
+
+    async def awake(self, peer: str) -> None:
+        """Return once ``peer`` is not frozen (its I/O, even a failing one, waits until then)."""
+        while peer in self.frozen:
+            await self._changed.wait()
 
     async def passable(self, a: str, b: str) -> None:
         """Return once bytes can go from ``a`` to ``b``."""

@@ -125,10 +125,17 @@ def test_config_show_defaults_are_what_join_uses_and_says(tmp_path: Path, monkey
 
     ran: dict[str, object] = {}
 
-    async def fake_run_node(manifest, seed, signer, listen, memory, **kw):  # type: ignore[no-untyped-def]
-        ran.update(listen=listen, memory=memory, dtype=kw["dtype"], threads=kw["threads"])
+    real_settings = join_cli.node_settings_of
 
-    monkeypatch.setattr(join_cli, "_run_node", fake_run_node)
+    def spy_settings(manifest, seed, listen, memory, model_dir, **kw):  # type: ignore[no-untyped-def]
+        ran.update(listen=listen, memory=memory, dtype=kw["dtype"], threads=kw["threads"])
+        return real_settings(manifest, seed, listen, memory, model_dir, **kw)
+
+    async def no_peer(settings, manifest, **kw):  # type: ignore[no-untyped-def]
+        return None
+
+    monkeypatch.setattr(join_cli, "node_settings_of", spy_settings)  # what join builds the node from
+    monkeypatch.setattr(join_cli, "_run_peer", no_peer)
     ident = Identity(bytes([3]) * 32)
     invite = tmp_path / "invite.json"
     write_manifest(sign_manifest(new_manifest(swarm_name="lab", issuer=ident.public_key), ident), invite)

@@ -25,7 +25,7 @@ import torch
 from swarm.model.weights import open_checkpoint
 from swarm.node import client
 from swarm.node.launch import start_local_swarm
-from swarm.node.runtime import model_spec
+from swarm.node.settings import model_spec
 from swarm.testing.hf_checkpoints import write_family_checkpoint
 
 pytestmark = pytest.mark.slow
