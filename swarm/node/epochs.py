@@ -198,13 +198,15 @@ class Epochs:
         return signer, ep.members
 
     async def accept(self, sender: str, msg: PlanMsg, *, catching_up: bool = False) -> Epoch:
-        """Take the leader's plan (``catching_up``: a plan the swarm already serves, which this
-        node, back from being cut off, was shown by a member; its signer need not lead here)."""
+        """Take the leader's plan: signed by it, or passed on by it as it was signed (the ring it
+        leads was planned by a leader that has left since: a newcomer learns it as a standby).
+        ``catching_up``: a plan the swarm already serves, which this node, back from being cut
+        off, was shown by a member; its signer need not lead here."""
         if msg.signer is None:
             raise ProtocolError(f"plan epoch {msg.epoch} from {sender} is unsigned")
         verify_plan(msg, msg.signer, self.settings.swarm_id)
         signer_id = peer_id_of(msg.signer)
-        if signer_id != self.leader() and not catching_up:
+        if signer_id != self.leader() and sender != self.leader() and not catching_up:
             raise ProtocolError(f"plan epoch {msg.epoch} signed by {signer_id}, but the leader here is {self.leader()}")
         try:
             plan = plan_from_body(msg.epoch, msg.plan)

@@ -258,11 +258,17 @@ class Leader:
         swarm is planned, newer than both (True: the caller plans it now), sticky with ours; the
         generations of either ring resume on it (resume.py, service.py), none fails."""
         msg = self._plan_msg
+        ep = self.epochs.serving
+        if msg is None and ep is not None and ep.msg is not None:
+            # we lead a ring another leader planned (it left, and was not in the ring): we tell
+            # newcomers its plan as it was signed (epochs.accept takes a plan its leader passes on)
+            msg = self._plan_msg = ep.msg
+            self._informed = {self.peer_id}
         self._informed &= set(members)  # one that was lost and comes back is told again
         new = [p for p in members if p not in self._informed]
         if msg is None or not new:
             return False
-        answered, foreign = await self._rings_of(new, msg)
+        answered, foreign, holding = await self._rings_of(new, msg)
         self._informed |= answered
         if foreign:
             self._last_epoch = max(self._last_epoch, *foreign.values())
@@ -271,23 +277,27 @@ class Leader:
                 "planning one epoch for the whole swarm"
             )
             return True
-        joiners = sorted(answered)
+        joiners = sorted(answered - holding)
         if joiners:
             self.notices.event(f"{len(joiners)} new peer(s) join as standbys of epoch {msg.epoch}")
             await self.ring.phase([], msg, ctl.Loaded, INFORM_TIMEOUT_S, best_effort=joiners)
         return False
 
-    async def _rings_of(self, peers: list[str], ours: PlanMsg) -> tuple[set[str], dict[str, int]]:
-        """Ask ``peers`` what they serve: those that answered, and the epoch of each that serves
-        a ring other than ours (a plan validly signed for this swarm, within the epoch step)."""
+    async def _rings_of(self, peers: list[str], ours: PlanMsg) -> tuple[set[str], dict[str, int], set[str]]:
+        """Ask ``peers`` what they serve: those that answered, the epoch of each that serves a
+        ring other than ours (a plan validly signed for this swarm, within the epoch step), and
+        those that hold ours already."""
         answered: set[str] = set()
         foreign: dict[str, int] = {}
+        holding: set[str] = set()
 
         async def ask(peer: str) -> None:
             try:
                 reply = await self.ring.call(peer, ctl.Current(), CATCH_UP_TIMEOUT_S)
                 answered.add(peer)
-                if isinstance(reply, PlanMsg) and reply.signature != ours.signature and reply.signer is not None:
+                if isinstance(reply, PlanMsg) and reply.signature == ours.signature:
+                    holding.add(peer)
+                elif isinstance(reply, PlanMsg) and reply.signer is not None:
                     verify_plan(reply, reply.signer, self.settings.swarm_id)
                     check_epoch_step(reply.epoch, ours.epoch, f"plan shown by {peer}")
                     foreign[peer] = reply.epoch
@@ -298,7 +308,7 @@ class Leader:
             async with trio.open_nursery() as nursery:
                 for p in peers:
                     nursery.start_soon(ask, p)
-        return answered, foreign
+        return answered, foreign, holding
 
     # -- catching up after a cut-off ------------------------------------------------------------
 

@@ -443,3 +443,28 @@ async def test_a_hop_gone_silent_with_every_peer_alive_is_replanned(
         assert len(got["replans"]) == 1 and got["replans"][0]["lost"] == [], got["replans"]
         assert "no result from the ring" in got["replans"][0]["reason"], got["replans"]
         nursery.cancel_scope.cancel()
+
+
+async def test_a_joiner_learns_the_serving_plan_after_the_leader_that_made_it_left(
+    ckpt: Path, reference: list[int], autojump_clock  # type: ignore[no-untyped-def]
+) -> None:
+    """The leader (smallest ID) holds nothing of the ring; it leaves (Ctrl-C) and the ring serves
+    on, since nothing of it was lost. A peer that joins after that learns the serving plan from
+    the new leader (which did not sign it), becomes a standby and relays; nobody re-plans."""
+    async with trio.open_nursery() as nursery:
+        swarm = MemSwarm(MemNet(), ckpt, nursery, layers=[4, 4, 4, 4])
+        swarm.overrides = {0: {"coordinator_ok": False, "memory_bytes": 1, "expect_peers": 3},
+                           1: {"expect_peers": 3}, 2: {"expect_peers": 3},
+                           3: {"bootstrap": (f"/memory/{swarm.ids[1]}/p2p/{swarm.ids[1]}",)}}  # fmt: skip
+        for i in range(3):
+            await swarm.start(i)
+        before = await swarm.ready()
+        assert swarm.ids[0] not in {before.coordinator, *before.ring}
+        await swarm.leave(0)
+        late = await swarm.start(3)
+        await swarm.until(lambda: late.epoch is not None, 30, "the newcomer told the serving plan")
+        assert late.epoch.plan.epoch == before.epoch and swarm.ids[3] not in late.epoch.plan.blocks
+        assert all(p.epoch.plan.epoch == before.epoch for p in swarm.peers.values())  # nobody re-planned
+        got = await swarm.generate(3, PROMPT, N_NEW, draft="none")
+        assert got["output_token_ids"] == reference and got["coordinator"] == before.coordinator
+        nursery.cancel_scope.cancel()
