@@ -21,18 +21,8 @@ and read status). The dialer runs the handshake right after connecting; an inbou
 not completed it within ``admit_timeout`` is disconnected. A peer that fails is logged (peer ID
 and reason, never the secret) and disconnected; the other connections never notice.
 
-The door (what an unadmitted peer can make this host do):
-
-- Every stream handler on the libp2p host, ours and py-libp2p's (identify, ping, relay, DCUtR,
-  dial-back, fast path), sits behind :meth:`SwarmHost._gate`: a stream from a peer not yet
-  admitted waits (at most ``admit_timeout``) for its admission, else it is reset unanswered; only
-  the admission protocol is served before. A client gets only the protocols registered for it
-  (``handle(..., roles=(MEMBER, CLIENT))``) plus identify and ping.
-- An unadmitted connection may open at most ``PRE_ADMISSION_STREAMS`` streams, each stream's
-  yamux receive window is enforced (a peer that sends past it is disconnected), and at most
-  :data:`MAX_PENDING_ADMISSIONS` inbound connections wait for admission at once (the oldest goes
-  first), so parallel identities cannot multiply what one may hold.
-- Outbound identify runs only towards admitted peers.
+What an unadmitted peer can make the host do, roles, and the gate in front of every handler:
+``door.py`` (:class:`~swarm.net.door.Door`, ``host.door``).
 
 Lifetime: everything runs inside the ``async with open_host(...)`` block's nursery. Leaving it
 calls ``host.close()`` *before* leaving ``host.run()`` (py-libp2p leaks connections otherwise),
@@ -47,9 +37,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import multiaddr
@@ -61,7 +49,6 @@ from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
 from libp2p.custom_types import TProtocol
 from libp2p.host.ping import ID as PING_PROTOCOL
 from libp2p.host.ping import PING_LENGTH
-from libp2p.identity.identify.identify import ID as IDENTIFY_PROTOCOL
 from libp2p.network.config import ConnectionConfig
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
@@ -71,7 +58,8 @@ from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 
 from swarm.errors import AdmissionError, FrameError, PeerError, SwarmError, UsageError
 from swarm.net import libp2p_patches
-from swarm.net.addrs import conn_addr, dialable_addrs, is_wildcard, parse_multiaddr, strip_p2p
+from swarm.net.addrs import dialable_addrs, is_wildcard, parse_multiaddr, strip_p2p
+from swarm.net.door import Credential, Door, HostEvent, close_raw, peer_of, reset_raw
 from swarm.net.libp2p_patches import WholeFrameYamux
 from swarm.net.streams import (
     DEFAULT_IO_TIMEOUT,
@@ -80,7 +68,7 @@ from swarm.net.streams import (
     map_exception,
     open_framed,
 )
-from swarm.proto.admission import CLIENT, MEMBER, ROLES, Initiator, Responder
+from swarm.proto.admission import CLIENT, MEMBER, ROLES
 from swarm.proto.limits import DEFAULT_LIMITS, PROTO_ADMIT, Limits
 
 log = logging.getLogger("swarm.net.host")
@@ -90,37 +78,13 @@ DEFAULT_ADMIT_TIMEOUT = 5.0
 CLOSE_TIMEOUT = 3.0
 BAN_S = 300.0  # a peer that sent malformed frames is refused this long
 MAX_STREAMS_PER_PEER = 256  # inbound swarm streams (fast-path channels included) one peer may hold open at once
-MAX_PENDING_ADMISSIONS = 16  # inbound connections waiting for admission at once; past it the oldest is dropped
-# what a client-admitted peer may use besides the protocols registered for clients
-CLIENT_LIBP2P_PROTOCOLS = frozenset({str(IDENTIFY_PROTOCOL), str(PING_PROTOCOL)})
 
 Handler = Callable[[str, FramedStream], Awaitable[None]]
 
 
-@dataclass(frozen=True)
-class HostEvent:
-    """Something happened to a peer. ``kind``: "admitted", "refused" or "disconnected"."""
-
-    kind: str
-    peer: str
-    addr: str = ""  # remote address of the connection ("/ip4/.../tcp/..."), when known
-    reason: str = ""
-    outbound: bool = False  # we dialed it
-    role: str = MEMBER  # for "admitted": the credential the peer proved ("member" or "client")
-
-
-def _peer_of(raw: Any) -> str:
-    return str(raw.muxed_conn.peer_id)
-
-
-async def _reset(raw: Any) -> None:
-    with trio.CancelScope(shield=True), trio.move_on_after(1.0), contextlib.suppress(Exception):
-        await raw.reset()
-
-
 class _Notifee(INotifee):
-    def __init__(self, host: SwarmHost) -> None:
-        self._host = host
+    def __init__(self, door: Door) -> None:
+        self._door = door
 
     async def opened_stream(self, network: INetwork, stream: INetStream) -> None:
         return None
@@ -129,10 +93,10 @@ class _Notifee(INotifee):
         return None
 
     async def connected(self, network: INetwork, conn: INetConn) -> None:
-        self._host._on_connected(conn)
+        self._door.on_connected(conn)
 
     async def disconnected(self, network: INetwork, conn: INetConn) -> None:
-        self._host._on_disconnected(conn)
+        self._door.on_disconnected(conn)
 
     async def listen(self, network: INetwork, multiaddr: multiaddr.Multiaddr) -> None:
         return None
@@ -149,38 +113,29 @@ class SwarmHost:
         libp2p_host: Any,
         nursery: trio.Nursery,
         *,
-        secret: bytes,
+        credential: Credential,
         swarm_id: str,
         revoked: frozenset[str],
         limits: Limits,
         io_timeout: float,
         dial_timeout: float,
         admit_timeout: float,
-        role: str = MEMBER,
-        member_key: bytes = b"",
     ) -> None:
         self._h = libp2p_host
-        self._nursery = nursery
-        self._secret = secret
-        self.role = role  # the credential this host proves: MEMBER (the swarm secret) or CLIENT
-        self._member_key = member_key
+        self.peer_id: str = str(libp2p_host.get_id())
+        self.role = credential.role  # what this host proves: MEMBER (the swarm secret) or CLIENT
         self.swarm_id = swarm_id
         self.revoked = revoked
-        self._banned: dict[str, float] = {}  # peer -> trio time until which it is refused
-        self._streams: dict[str, int] = {}  # peer -> inbound swarm streams (and fast channels) open now
         self.limits = limits
         self.io_timeout = io_timeout
         self.dial_timeout = dial_timeout
         self.admit_timeout = admit_timeout
-        self.peer_id: str = str(libp2p_host.get_id())
-        self._admitted: dict[str, HostEvent] = {}
-        self._admitting: set[str] = set()
-        self._dialing: set[str] = set()  # peers we are dialing (their connections are never evicted)
-        self._pending: dict[str, float] = {}  # inbound peers connected, not yet admitted -> since
-        self._admitted_changed = trio.Event()
-        self._client_protocols: set[str] = set(CLIENT_LIBP2P_PROTOCOLS)
         self._subscribers: list[trio.MemorySendChannel[HostEvent]] = []
-        self._closed = False
+        self.door = Door(
+            libp2p_host, nursery, credential=credential, swarm_id=swarm_id, local_peer=self.peer_id,
+            revoked=revoked, admit_timeout=admit_timeout, emit=self._emit,
+        )  # fmt: skip
+        self._streams: dict[str, int] = {}  # peer -> inbound swarm streams (and fast channels) open now
         self.relay: Any = None  # a RelayNode once attach_relay() ran: circuit dials, path labels
 
     def __repr__(self) -> str:
@@ -240,20 +195,19 @@ class SwarmHost:
             return "none"
 
     def is_admitted(self, peer: str) -> bool:
-        return peer in self._admitted
+        return peer in self.door.admitted
 
     def admitted_role(self, peer: str) -> str | None:
         """The credential ``peer`` proved: "member" (the swarm secret), "client" (the client
         credential: generations and status only), or None when it is not admitted."""
-        ev = self._admitted.get(peer)
-        return ev.role if ev is not None else None
+        return self.door.role_of(peer)
 
     def admitted_peers(self) -> list[str]:
-        return sorted(self._admitted)
+        return sorted(self.door.admitted)
 
     def admission_info(self, peer: str) -> HostEvent | None:
         """The "admitted" event of a peer (address, direction, role), or None if not admitted."""
-        return self._admitted.get(peer)
+        return self.door.admitted.get(peer)
 
     def has_other_connection(self, peer: str, stream: FramedStream) -> bool:
         """Whether ``peer`` has an open connection other than the one ``stream`` runs on (after
@@ -283,7 +237,7 @@ class SwarmHost:
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 self._subscribers.remove(ch)
 
-    # -- dialing and admission ---------------------------------------------------------------
+    # -- dialing -----------------------------------------------------------------------------
 
     async def dial(self, addr: str, *, timeout: float | None = None) -> str:
         """Connect to ``addr`` (a multiaddr ending in ``/p2p/<peer id>``) and run admission.
@@ -302,7 +256,7 @@ class SwarmHost:
             raise UsageError(f"dial address {addr!r} is this node itself")
         if peer in self.revoked:
             raise AdmissionError(f"peer {peer} is revoked by the swarm's invite: not dialing it")
-        if self._banned.get(peer, 0.0) > trio.current_time():
+        if self.door.is_banned(peer):
             raise AdmissionError(f"peer {peer} broke the wire protocol recently: not dialing it")
         limit = self.dial_timeout if timeout is None else timeout
         # our callers retry on purpose, with their own backoff: never wait out libp2p's 60 s
@@ -315,177 +269,26 @@ class SwarmHost:
         circuit = "/p2p-circuit" in addr and peer not in self.connected_peers()
         if circuit and self.relay is None:
             raise PeerError(f"cannot dial {addr}: relay circuits are off on this node (join --relay)")
-        self._dialing.add(peer)
-        try:
-            with trio.fail_after(limit):
-                if circuit:
-                    # py-libp2p's Swarm.dial_peer drops every /p2p-circuit address ("this node
-                    # has no relay transport": "All addresses ... are unusable (relay-only or
-                    # blocked by connection gate)") even when a CircuitV2Transport runs beside
-                    # it; the relay's transport dials it and registers the connection instead.
-                    await self.relay.dial_circuit(addr)
-                else:
-                    await self._h.connect(info)
-            await self._admit_outbound(peer, strip_p2p(addr))
-        except BaseException as exc:
-            if is_foreign_io_error(exc) or isinstance(exc, trio.TooSlowError):
-                raise map_exception(exc, peer, f"dialing {addr}") from None
-            raise
-        finally:
-            self._dialing.discard(peer)
+        with self.door.dialing(peer):
+            try:
+                with trio.fail_after(limit):
+                    if circuit:
+                        # py-libp2p's Swarm.dial_peer drops every /p2p-circuit address even when
+                        # a CircuitV2Transport runs beside it; the relay's transport dials it and
+                        # registers the connection instead.
+                        await self.relay.dial_circuit(addr)
+                    else:
+                        await self._h.connect(info)
+            except BaseException as exc:
+                if is_foreign_io_error(exc) or isinstance(exc, trio.TooSlowError):
+                    raise map_exception(exc, peer, f"dialing {addr}") from None
+                raise
+            await self.door.admit_outbound(
+                peer, strip_p2p(addr), lambda: self._new_raw_stream(peer, PROTO_ADMIT, self.admit_timeout)
+            )
         return peer
 
-    async def _admit_outbound(self, peer: str, addr: str) -> None:
-        if peer in self.revoked:
-            await self._refuse(peer, addr, "revoked by the swarm's invite")
-            raise AdmissionError(f"peer {peer} is revoked by the swarm's invite")
-        if peer in self._admitted:
-            return
-        if peer in self._admitting:  # the other side is admitting us right now: wait for it
-            with trio.move_on_after(self.admit_timeout):
-                while peer not in self._admitted:
-                    await self._admitted_changed.wait()
-            if peer in self._admitted:
-                return
-        self._admitting.add(peer)
-        try:
-            raw = await self._new_raw_stream(peer, PROTO_ADMIT, self.admit_timeout)
-            try:
-                side = Initiator(
-                    secret=self._secret, swarm_id=self.swarm_id, local_peer=self.peer_id, remote_peer=peer,
-                    role=self.role, member_key=self._member_key,
-                )  # fmt: skip
-                with trio.fail_after(self.admit_timeout):
-                    await _pump_handshake(raw, peer, side, side.start())
-            finally:
-                await _close_raw(raw)
-            self._mark_admitted(peer, addr, outbound=True, role=side.peer_role or MEMBER)
-        except trio.TooSlowError:
-            reason = f"admission handshake did not finish within {self.admit_timeout:g} s"
-            await self._refuse(peer, addr, reason)
-            raise AdmissionError(f"peer {peer}: {reason}") from None
-        except SwarmError as exc:
-            await self._refuse(peer, addr, str(exc))
-            if isinstance(exc, AdmissionError):
-                raise
-            raise AdmissionError(f"peer {peer}: admission failed: {exc}") from None
-        finally:
-            self._admitting.discard(peer)
-
-    async def _serve_admit(self, raw: INetStream) -> None:
-        peer = _peer_of(raw)
-        addr = conn_addr(raw.muxed_conn)
-        if self._banned.get(peer, 0.0) > trio.current_time():
-            await _close_raw(raw)
-            await self._refuse(peer, addr, "refused for a while after breaking the wire protocol")
-            return
-        self._admitting.add(peer)
-        try:
-            side = Responder(
-                secret=self._secret, swarm_id=self.swarm_id, local_peer=self.peer_id,
-                remote_peer=peer, revoked=self.revoked, role=self.role, member_key=self._member_key,
-            )  # fmt: skip
-
-            def admitted() -> None:
-                self._mark_admitted(peer, addr, outbound=False, role=side.peer_role or MEMBER)
-
-            with trio.fail_after(self.admit_timeout):
-                await _pump_handshake(raw, peer, side, b"", on_admitted=admitted)
-        except trio.TooSlowError:
-            await self._refuse(peer, addr, f"admission handshake did not finish within {self.admit_timeout:g} s")
-        except SwarmError as exc:
-            await self._refuse(peer, addr, str(exc))
-        except Exception as exc:  # never let a handler error escape into libp2p
-            await self._refuse(peer, addr, f"{type(exc).__name__}: {exc}")
-        finally:
-            self._admitting.discard(peer)
-            await _close_raw(raw)
-
-    def _mark_admitted(self, peer: str, addr: str, *, outbound: bool, role: str) -> None:
-        if peer in self._admitted:
-            return
-        ev = HostEvent("admitted", peer, addr, "", outbound, role)
-        self._admitted[peer] = ev
-        self._pending.pop(peer, None)
-        pid = ID.from_base58(peer)
-        for muxed in libp2p_patches.muxed_conns(self._h, pid):
-            muxed.pending_admission = False
-        self._admitted_changed.set()
-        self._admitted_changed = trio.Event()
-        log.info("admitted peer %s (%s, %s%s)", peer, addr or "?", "outbound" if outbound else "inbound",
-                 "" if role == MEMBER else f", {role}")  # fmt: skip
-        libp2p_patches.identify_now(self._h, pid)
-        self._emit(ev)
-
-    async def _refuse(self, peer: str, addr: str, reason: str) -> None:
-        # Never log the secret: reasons come from swarm.proto.admission, which names fields, not values.
-        log.warning("refused peer %s (%s): %s", peer, addr or "?", reason)
-        self._admitted.pop(peer, None)
-        self._pending.pop(peer, None)
-        self._emit(HostEvent("refused", peer, addr, reason))
-        await self.disconnect(peer)
-
-    def _on_connected(self, conn: Any) -> None:
-        peer = str(conn.muxed_conn.peer_id)
-        if self._closed:
-            return
-        if peer in self._admitted:
-            conn.muxed_conn.pending_admission = False
-            return
-        conn.muxed_conn.pending_admission = True
-        if peer not in self._dialing:
-            self._pending.setdefault(peer, trio.current_time())
-            if len(self._pending) > MAX_PENDING_ADMISSIONS:
-                oldest = min(self._pending, key=self._pending.__getitem__)
-                del self._pending[oldest]
-                reason = f"{MAX_PENDING_ADMISSIONS} connections were waiting for admission; this one the longest"
-                with contextlib.suppress(RuntimeError):
-                    self._nursery.start_soon(self._refuse, oldest, "", reason)
-        with contextlib.suppress(RuntimeError):
-            self._nursery.start_soon(self._admission_watchdog, peer, conn_addr(conn))
-
-    def _on_disconnected(self, conn: Any) -> None:
-        peer = str(conn.muxed_conn.peer_id)
-        with contextlib.suppress(Exception):
-            if self._h.get_network().connections.get(conn.muxed_conn.peer_id):
-                return  # another connection to the same peer is still up
-        self._pending.pop(peer, None)
-        ev = self._admitted.pop(peer, None)
-        if ev is not None:
-            log.info("peer %s disconnected", peer)
-            self._emit(HostEvent("disconnected", peer, ev.addr, "connection closed", ev.outbound, ev.role))
-
-    async def _admission_watchdog(self, peer: str, addr: str) -> None:
-        """An inbound (or outbound) connection that is not admitted in time is dropped."""
-        with trio.move_on_after(self.admit_timeout + 1.0):
-            while peer not in self._admitted:
-                await self._admitted_changed.wait()
-            return
-        if peer not in self._admitted and peer in self.connected_peers():
-            await self._refuse(peer, addr, f"did not complete admission within {self.admit_timeout:g} s")
-
-    async def _wait_admitted(self, peer: str) -> bool:
-        with trio.move_on_after(self.admit_timeout):
-            while peer not in self._admitted:
-                await self._admitted_changed.wait()
-        return peer in self._admitted
-
     # -- streams -----------------------------------------------------------------------------
-
-    async def _gate(self, protocol: str, raw: INetStream, handler: Callable[[INetStream], Awaitable[None]]) -> None:
-        """Every libp2p stream handler but admission's runs through here (libp2p_patches.govern_host):
-        a stream from a peer not yet admitted waits for its admission (bounded) or is reset; a
-        client gets only what is open to clients."""
-        peer = _peer_of(raw)
-        if peer not in self._admitted and not await self._wait_admitted(peer):
-            log.info("reset a %s stream from %s: it was not admitted within %g s", protocol, peer, self.admit_timeout)
-            await _reset(raw)
-            return
-        if self.admitted_role(peer) != MEMBER and protocol not in self._client_protocols:
-            log.warning("refused %s stream from %s: a client may not use it", protocol, peer)
-            await _reset(raw)
-            return
-        await handler(raw)
 
     def claim_stream(self, peer: str) -> Callable[[], None] | None:
         """Take one of ``peer``'s MAX_STREAMS_PER_PEER inbound stream slots (for a stream served
@@ -507,12 +310,6 @@ class SwarmHost:
 
         return release
 
-    def hold_stream_slot(self, peer: str, owner: Any) -> Callable[[], None] | None:
-        """:meth:`claim_stream` for the lifetime of ``owner``: the slot comes back when the
-        returned function is called or when ``owner`` is garbage-collected, whichever is first."""
-        release = self.claim_stream(peer)
-        return None if release is None else weakref.finalize(owner, release)
-
     def handle(self, protocol: str, handler: Handler, *, roles: Iterable[str] = (MEMBER,)) -> None:
         """Serve ``protocol``: ``handler(peer, stream)`` runs for each inbound stream from a peer
         admitted with one of ``roles`` (default: members only; a generation or status protocol
@@ -524,21 +321,21 @@ class SwarmHost:
         if not allowed or not allowed <= set(ROLES):
             raise UsageError(f"roles for {protocol} must be among {', '.join(ROLES)}, got {sorted(allowed)}")
         if CLIENT in allowed:
-            self._client_protocols.add(protocol)
+            self.door.client_protocols.add(protocol)
         else:
-            self._client_protocols.discard(protocol)
+            self.door.client_protocols.discard(protocol)
 
         async def wrapped(raw: INetStream) -> None:
-            peer = _peer_of(raw)
+            peer = peer_of(raw)
             role = self.admitted_role(peer)
             if role not in allowed:
                 log.warning("refused %s stream from %s peer %s", protocol, role or "unadmitted", peer)
-                await _reset(raw)
+                await reset_raw(raw)
                 return
             release = self.claim_stream(peer)
             if release is None:
                 log.warning("refused %s stream from %s: %d open (limit)", protocol, peer, MAX_STREAMS_PER_PEER)
-                await _reset(raw)
+                await reset_raw(raw)
                 return
             try:
                 async with open_framed(
@@ -550,8 +347,8 @@ class SwarmHost:
             except FrameError as exc:
                 # bytes no honest peer sends (oversized, truncated, malformed frames): drop the
                 # peer and refuse it for a while; the other connections never notice
-                self._banned[peer] = trio.current_time() + BAN_S
-                await self._refuse(peer, "", f"broke the wire protocol on {protocol}: {exc}; refused for {BAN_S:.0f} s")
+                self.door.banned[peer] = trio.current_time() + BAN_S
+                await self.door.refuse(peer, "", f"broke the wire protocol on {protocol}: {exc}; refused for {BAN_S:.0f} s")
             except SwarmError as exc:
                 log.warning("%s stream from %s failed: %s", protocol, peer, exc)
             except Exception as exc:
@@ -569,7 +366,7 @@ class SwarmHost:
         self, peer: str, protocol: str, *, timeout: float | None = None
     ) -> AsyncIterator[FramedStream]:
         """A framed stream to an admitted peer (AdmissionError for any other)."""
-        if peer not in self._admitted:
+        if peer not in self.door.admitted:
             raise AdmissionError(f"peer {peer} is not admitted: refusing to open {protocol}")
         async with self._open_raw(peer, protocol, self.io_timeout if timeout is None else timeout) as fs:
             yield fs
@@ -606,7 +403,7 @@ class SwarmHost:
                         got += chunk
                     rtt = trio.current_time() - t0
                 finally:
-                    await _close_raw(raw)
+                    await close_raw(raw)
         except BaseException as exc:
             if is_foreign_io_error(exc) or isinstance(exc, trio.TooSlowError):
                 raise map_exception(exc, peer, "pinging") from None
@@ -617,59 +414,7 @@ class SwarmHost:
 
     async def disconnect(self, peer: str) -> None:
         """Close every connection to ``peer`` (bounded, never raises)."""
-        self._admitted.pop(peer, None)
-        with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_TIMEOUT), contextlib.suppress(Exception):
-            await self._h.disconnect(ID.from_base58(peer))
-
-
-async def _pump_handshake(
-    raw: INetStream,
-    peer: str,
-    side: Initiator | Responder,
-    first: bytes,
-    on_admitted: Callable[[], None] | None = None,
-) -> None:
-    """Drive a sans-IO admission side over a raw stream until it is done (caller bounds time).
-
-    ``on_admitted`` runs the moment the side is admitted, *before* its last bytes (the responder's
-    RESULT) are sent, so the peer can never open a swarm stream that we would still refuse.
-    """
-    if first:
-        await _write_raw(raw, peer, first)
-    while not side.done:
-        try:
-            data = await raw.read(4096)
-        except BaseException as exc:
-            if is_foreign_io_error(exc):
-                if isinstance(exc, EOFError) or "EOF" in type(exc).__name__:
-                    data = b""
-                else:
-                    raise map_exception(exc, peer, "admission") from None
-            else:
-                raise
-        if not data:
-            side.eof()  # raises: the handshake was not finished
-            return
-        out = side.receive_data(data)
-        if side.admitted and on_admitted is not None:
-            on_admitted()
-        if out:
-            await _write_raw(raw, peer, out)
-    side.check()
-
-
-async def _write_raw(raw: INetStream, peer: str, data: bytes) -> None:
-    try:
-        await raw.write(data)
-    except BaseException as exc:
-        if is_foreign_io_error(exc):
-            raise map_exception(exc, peer, "admission") from None
-        raise
-
-
-async def _close_raw(raw: INetStream) -> None:
-    with trio.CancelScope(shield=True), trio.move_on_after(1.0), contextlib.suppress(Exception):
-        await raw.close()
+        await self.door.disconnect(peer)
 
 
 def build_libp2p_host(seed: bytes, listen: Sequence[multiaddr.Multiaddr]) -> Any:
@@ -737,20 +482,20 @@ async def open_host(
     if not addrs:
         raise UsageError("open_host needs at least one listen address")
     h = build_libp2p_host(seed, addrs)
+    credential = Credential(bytes(secret), role, bytes(member_key))
     async with trio.open_nursery() as nursery:
         host = SwarmHost(
-            h, nursery, secret=bytes(secret), swarm_id=swarm_id, revoked=revoked, limits=limits, io_timeout=io_timeout,
-            dial_timeout=dial_timeout, admit_timeout=admit_timeout, role=role, member_key=bytes(member_key),
+            h, nursery, credential=credential, swarm_id=swarm_id, revoked=revoked, limits=limits,
+            io_timeout=io_timeout, dial_timeout=dial_timeout, admit_timeout=admit_timeout,
         )  # fmt: skip
-        h.get_network().register_notifee(_Notifee(host))
-        libp2p_patches.govern_host(h, gate=host._gate, open_protocols=frozenset({PROTO_ADMIT}), is_admitted=host.is_admitted)
-        h.set_stream_handler(TProtocol(PROTO_ADMIT), host._serve_admit)
+        h.get_network().register_notifee(_Notifee(host.door))
+        host.door.govern()
         try:
             async with h.run(addrs):
                 try:
                     yield host
                 finally:
-                    host._closed = True
+                    host.door.closed = True
                     with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_TIMEOUT):
                         await h.close()
                     for ch in host._subscribers:
@@ -761,4 +506,4 @@ async def open_host(
             nursery.cancel_scope.cancel()
 
 
-__all__ = ["HostEvent", "SwarmHost", "build_libp2p_host", "dialable_addrs", "is_wildcard", "open_host"]
+__all__ = ["Credential", "HostEvent", "SwarmHost", "build_libp2p_host", "dialable_addrs", "is_wildcard", "open_host"]
