@@ -287,6 +287,8 @@ def join(
     if manifest_path is None and not path.exists():
         raise UsageError(f"no invite given and none at {path}: pass --manifest FILE (create one with `shard-swarm invite create`)")
     manifest = read_manifest(path)
+    if manifest.role != "member":
+        raise UsageError(f"{path} is a client invite: it runs `generate` and `status`, it cannot join (ask for a member invite)")
     if check_pin(manifest):
         ui.notice(f"pinned issuer {manifest.issuer_peer_id} for swarm {manifest.swarm_name!r} (trust on first use)")
     dev = _serving_device(device) if serve and not diagnose else None  # a missing device: exit 2 now

@@ -40,6 +40,7 @@ import trio
 from swarm.errors import AdmissionError, PeerError, PeerLost, ProtocolError, SwarmError, UsageError
 from swarm.net.host import HostEvent, is_wildcard
 from swarm.net.streams import FramedStream
+from swarm.node.control import role_of
 from swarm.node.failure import PeerState, Transition
 from swarm.node.heartbeat import DEFAULT_INTERVAL, Liveness, run_ctl_link, serve_ctl_inbound
 from swarm.node.hosting import Host
@@ -235,6 +236,9 @@ class MembershipService:
         await serve_ctl_inbound(fs, self.liveness, self._on_advert)
 
     async def _on_advert(self, from_peer: str, advert: Advert) -> None:
+        if role_of(self.host, advert.peer_id, True) == "client" or role_of(self.host, from_peer, True) == "client":
+            log.warning("ignored an advert of %s relayed by %s: a client may not advertise", advert.peer_id, from_peer)
+            return  # a client (generate and status only) is never a member, whoever relays its advert
         try:
             news = self.membership.offer(advert)
         except ProtocolError as exc:
