@@ -84,7 +84,14 @@ class WindowViolation(trio.TooSlowError):
 
 
 class GuardedYamuxStream(YamuxStream):
-    """A yamux stream whose receive window is enforced, not just logged."""
+    """A yamux stream whose receive window is enforced, not just logged, and does not grow
+    before admission: py-libp2p doubles a stream's window on every read within four RTTs, so
+    the few small reads of protocol negotiation alone gave an outsider 2-4 MiB per stream."""
+
+    def _apply_autotune_epoch(self, buffered: int) -> int:
+        if getattr(self.muxed_conn, "pending_admission", None):
+            return 0
+        return int(super()._apply_autotune_epoch(buffered))
 
     @property  # type: ignore[override]
     def recv_window(self) -> int:
