@@ -184,17 +184,16 @@ async def test_fast_channels_take_the_peers_stream_slots(monkeypatch: pytest.Mon
     import swarm.net.host as host_mod
 
     monkeypatch.setattr(host_mod, "MAX_STREAMS_PER_PEER", 2)
-    async with _member(1) as a, _member(2) as b, open_fastpath_service(a) as fa:
-        async with open_fastpath_service(b, direct=False) as fb:
-            await b.dial(a.addrs()[0])
-            held = [await fb.dial(a.peer_id, timeout=5) for _ in range(2)]
-            accepted = [await fa.incoming.receive() for _ in range(2)]
-            with pytest.raises(PeerError):
-                await fb.dial(a.peer_id, timeout=5)
-            await accepted[0].aclose()  # a closed channel gives its slot back
-            await held[0].aclose()
-            again = await fb.dial(a.peer_id, timeout=5)
-            await again.send(b"hello")
-            assert await (await fa.incoming.receive()).receive() == b"hello"
-            for ch in (*held, *accepted, again):
-                await ch.aclose()
+    async with _member(1) as a, _member(2) as b, open_fastpath_service(a) as fa, open_fastpath_service(b, direct=False) as fb:
+        await b.dial(a.addrs()[0])
+        held = [await fb.dial(a.peer_id, timeout=5) for _ in range(2)]
+        accepted = [await fa.incoming.receive() for _ in range(2)]
+        with pytest.raises(PeerError):
+            await fb.dial(a.peer_id, timeout=5)
+        await accepted[0].aclose()  # a closed channel gives its slot back
+        await held[0].aclose()
+        again = await fb.dial(a.peer_id, timeout=5)
+        await again.send(b"hello")
+        assert await (await fa.incoming.receive()).receive() == b"hello"
+        for ch in (*held, *accepted, again):
+            await ch.aclose()
