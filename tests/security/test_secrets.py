@@ -114,3 +114,26 @@ def test_invite_and_key_files_are_private_and_reprs_hide_the_secret(tmp_path: Pa
     key.chmod(0o644)
     with pytest.raises(IdentityError, match="chmod 600"):
         load_identity(key)
+
+
+def test_the_api_token_never_comes_from_the_command_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """argv is readable by every user in /proc/*/cmdline: `join --api-token` is refused with the
+    ways that are not (a file, the environment, the config file)."""
+    import subprocess
+    import sys
+
+    from swarm.cli.join import _api_token
+    from swarm.errors import UsageError
+
+    monkeypatch.setenv("SHARD_SWARM_CONFIG", str(tmp_path / "cfg"))
+    monkeypatch.delenv("SHARD_SWARM_API_TOKEN", raising=False)
+    with pytest.raises(UsageError, match=r"/proc/\*/cmdline.*--api-token-file"):
+        _api_token(None, "t0ken")
+    f = tmp_path / "token"
+    f.write_text("from-a-file\n")
+    assert _api_token(f, None) == "from-a-file"
+    monkeypatch.setenv("SHARD_SWARM_API_TOKEN", "from-the-env")
+    assert _api_token(None, None) == "from-the-env"
+    out = subprocess.run([sys.executable, "-m", "swarm.cli.main", "join", "--api-token", "t0ken", "--api", "127.0.0.1:0"],
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "SHARD_SWARM_CONFIG": str(tmp_path / "cfg")})  # fmt: skip
+    assert out.returncode == 2 and "/proc/*/cmdline" in out.stderr, out.stderr[-2000:]
