@@ -20,6 +20,7 @@ from swarm.errors import AdmissionError
 from swarm.manifest.identity import Identity, IdentityError, load_identity
 from swarm.manifest.manifest import new_manifest, sign_manifest, write_manifest
 from swarm.node import client
+from swarm.proto.admission import client_secret
 
 from .swarmkit import LiveSwarm, assert_still_serving, honest_client, outsider
 
@@ -58,10 +59,10 @@ async def test_no_secret_in_logs_receipts_status_or_errors(live: LiveSwarm) -> N
     for i in range(len(sw.procs)):  # status as every node reports it
         async with honest_client(live, i) as (h, peer):
             live.statuses.append(await client.status(h, peer))
-    async with outsider(swarm_id=sw.swarm_id) as h:  # an error about the secret, from both sides
+    outsider_secret = os.urandom(32)
+    async with outsider(secret=outsider_secret, swarm_id=sw.swarm_id) as h:  # an error about the secret, from both sides
         with pytest.raises(AdmissionError) as err:
             await h.dial(sw.addrs[0])
-        outsider_secret = h._secret
     texts = {
         "error": str(err.value) + repr(err.value),
         "receipts": json.dumps(live.receipts),
@@ -82,6 +83,7 @@ async def test_no_secret_in_logs_receipts_status_or_errors(live: LiveSwarm) -> N
     for name, text in texts.items():
         assert not leaks(text, sw.secret), f"the swarm secret appears in {name}"
         assert not leaks(text, outsider_secret), f"the outsider's secret appears in {name}"
+        assert not leaks(text, client_secret(sw.secret)), f"the client secret appears in {name}"
         for seed in seeds:
             assert not leaks(text, seed), f"an identity seed appears in {name}"
     raw = b"".join((sw.workdir / f"node{i}.log").read_bytes() for i in range(len(sw.procs)))
