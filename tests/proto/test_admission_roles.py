@@ -57,7 +57,7 @@ def test_a_client_is_admitted_as_a_client_and_sees_a_member() -> None:
     hello = decode_message(wire[0])
     assert isinstance(hello, AdmitHello) and hello.role == CLIENT
     challenge = decode_message(wire[1])
-    assert isinstance(challenge, AdmitChallenge) and len(challenge.sig) == 64 and challenge.proof == b""
+    assert isinstance(challenge, AdmitChallenge) and challenge.sig is not None and len(challenge.sig) == 64 and challenge.proof is None
 
 
 def test_a_member_is_admitted_as_a_member_with_unchanged_bytes() -> None:

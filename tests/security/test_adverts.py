@@ -82,7 +82,8 @@ async def test_made_up_adverts_never_lock_a_genuine_newcomer_out(live: LiveSwarm
     sends them to node 0, which passes them on. They never connect, so they stay unconfirmed: a
     genuine newcomer that then joins is in every node's view, and status still answers."""
     from swarm.net.host import open_host
-    from swarm.node.membership import Membership, MembershipService
+    from swarm.node.gossip import MembershipService
+    from swarm.node.membership import Membership
 
     sw = live.swarm
     fakes = [Identity(os.urandom(32)) for _ in range(300)]

@@ -30,12 +30,10 @@ from swarm.manifest.manifest import (
     write_manifest,
 )
 from swarm.node import client
-from swarm.node.epoch import PROTO_ACT
 from swarm.node.errors_util import first_leaf
-from swarm.node.runtime import PROTO_RING
+from swarm.proto import control as ctl
 from swarm.proto.admission import CLIENT, client_secret, member_key
-from swarm.proto.control import Control
-from swarm.proto.limits import PROTO_CTL
+from swarm.proto.limits import PROTO_ACT, PROTO_CTL, PROTO_RING
 from swarm.proto.messages import Advert
 from swarm.proto.signed import sign_advert
 
@@ -100,10 +98,10 @@ async def test_a_client_generates_and_reads_status_and_nothing_else(live: LiveSw
             assert peer == target and h.admitted_role(peer) == "member"
             status = await client.status(h, peer)
             assert status["epoch"] == before["epoch"]
-            for proto, msg in ((PROTO_RING, Control("fault", {"peer": before["coordinator"], "epoch": before["epoch"],
-                                                                "reason": "framed"})),  # fmt: skip
-                               (PROTO_RING, Control("ended", {"epoch": (1 << 62) - 1})),
-                               (PROTO_ACT, Control("hop", {})),
+            for proto, msg in ((PROTO_RING, ctl.Fault(before["coordinator"], before["epoch"], "framed")),
+                               (PROTO_RING, ctl.Ended((1 << 62) - 1)),
+                               (PROTO_RING, ctl.Current()),
+                               (PROTO_ACT, ctl.Hop(before["epoch"], 0)),
                                (PROTO_CTL, _advert(fake, sw.swarm_id))):  # fmt: skip
                 with pytest.raises(PeerError):  # reset at the door: no answer, nothing taken
                     async with h.open_stream(target, proto, timeout=10) as fs:
