@@ -23,7 +23,6 @@ an in-memory stream pair, which is how the tests run them on a MockClock without
 from __future__ import annotations
 
 import logging
-import statistics
 from collections import deque
 from collections.abc import Awaitable, Callable
 
@@ -38,7 +37,7 @@ from swarm.proto.messages import Advert, Heartbeat, parse_message
 log = logging.getLogger("swarm.node.heartbeat")
 
 DEFAULT_INTERVAL = 0.5  # seconds between heartbeats; with failure.py's defaults: lost within ~3 s
-RTT_SAMPLES = 8
+RTT_SAMPLES = 16  # the RTT is the least of the last this many round trips (8 s at the default interval)
 OUTSTANDING_BEATS = 16  # beats awaiting their echo that still count for an RTT
 STALL_S = 2.0  # a gap this long between our own ticks means we were stopped (SIGSTOP, a laptop asleep)
 
@@ -51,8 +50,11 @@ def _now_us() -> int:
 
 
 class Liveness:
-    """The failure detector on the trio clock, plus per-peer RTT estimates (median of the last
-    :data:`RTT_SAMPLES` heartbeat round trips)."""
+    """The failure detector on the trio clock, plus per-peer RTT estimates: the least of the last
+    :data:`RTT_SAMPLES` heartbeat round trips. A round trip can only be lengthened by what it met
+    on the way (a peer's loop busy loading a model or computing, a queue in front of the frame),
+    never shortened, so the least is the idle link's, which is what the planner orders the ring
+    by; a median would take a few seconds of load for a slower link."""
 
     def __init__(
         self, detector: FailureDetector | None = None, on_transition: OnTransition | None = None,
@@ -108,10 +110,10 @@ class Liveness:
 
     def rtt_ms(self, peer: str) -> float | None:
         samples = self._rtts.get(peer)
-        return statistics.median(samples) * 1000.0 if samples else None
+        return min(samples) * 1000.0 if samples else None
 
     def rtts_ms(self) -> dict[str, float]:
-        return {p: statistics.median(s) * 1000.0 for p, s in self._rtts.items() if s}
+        return {p: min(s) * 1000.0 for p, s in self._rtts.items() if s}
 
     async def watch(self, period: float = DEFAULT_INTERVAL / 2) -> None:
         """Tick the detector forever (run in a nursery). A gap of STALL_S or more between two

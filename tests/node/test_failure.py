@@ -9,7 +9,7 @@ import trio.testing
 from swarm.errors import UsageError
 from swarm.net.streams import TrioStreamRaw, open_framed
 from swarm.node.failure import MAX_PATIENCE, PATIENCE_DECAY_S, FailureDetector, PeerState
-from swarm.node.heartbeat import Liveness, run_ctl_link, serve_ctl_inbound
+from swarm.node.heartbeat import RTT_SAMPLES, Liveness, run_ctl_link, serve_ctl_inbound
 from swarm.proto.frame import Frame
 from swarm.proto.messages import Advert
 
@@ -209,3 +209,18 @@ async def test_our_own_stall_excuses_the_others_silence(mock_clock: trio.testing
         await trio.sleep(5.0)
         assert events[-1] is PeerState.LOST and len(stalls) == 1
         nursery.cancel_scope.cancel()
+
+
+def test_rtt_is_the_idle_links_round_trip() -> None:
+    """Round trips taken while a peer's loop was busy (loading, computing) are longer, never
+    shorter: the estimate is the least of the last RTT_SAMPLES, and a link that really got slower
+    shows within that many beats."""
+    liv = Liveness()
+    for s in (0.030, 0.0004, 0.025, 0.012, 0.0006):  # a loaded loop's round trips among idle ones
+        liv.rtt_sample(B, s)
+    assert liv.rtt_ms(B) == pytest.approx(0.4) and liv.rtts_ms() == {B: pytest.approx(0.4)}
+    for _ in range(RTT_SAMPLES):
+        liv.rtt_sample(B, 0.020)  # the route changed: 20 ms from now on
+    assert liv.rtt_ms(B) == pytest.approx(20.0)
+    liv.rtt_sample(B, -0.001)  # a clock step: ignored
+    assert liv.rtt_ms(B) == pytest.approx(20.0) and liv.rtt_ms(A) is None
