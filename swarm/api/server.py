@@ -14,7 +14,8 @@ session (see backend.py). Stop sequences end a generation the same way, from our
 
 Security: bound to 127.0.0.1 by default. Binding anything else needs a bearer token, which every
 ``/v1`` request must then present (compared in constant time); a token given for a loopback
-bind is enforced too. The token never appears in logs or errors.
+bind is enforced too. The token never appears in logs or errors. At most MAX_CONCURRENT_REQUESTS
+``/v1`` requests are in progress at once; the next is answered 429 with ``Retry-After`` at once.
 """
 
 from __future__ import annotations
@@ -53,6 +54,11 @@ INLINE_BODY = 16 << 10  # bodies up to this are parsed on the event loop; larger
 # so that big prompts never hold the loop that answers the swarm's heartbeats (issue 14:
 # 8 concurrent 1 MiB bodies parsed inline stalled it 3.1 s)
 _PARSE_LIMITER = trio.CapacityLimiter(2)
+# /v1 requests in progress at once (bodies being read, generations streaming); past it a request
+# is answered 429 at once instead of queueing: past 64 a generation once waited 120 s as if the
+# ring had failed. Below the node's own session capacity (capacity.py), which says 429 too.
+MAX_CONCURRENT_REQUESTS = 32
+RETRY_AFTER_S = 1
 CREATED = int(time.time())
 
 
@@ -94,6 +100,31 @@ class _Auth:
                 await error_response(err)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class _Limit:
+    """ASGI middleware: at most ``limit`` /v1 requests in progress; the next gets a 429."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        if limit < 1:
+            raise UsageError(f"the API's concurrent request limit must be at least 1, got {limit}")
+        self.app, self.limit, self.active = app, limit, 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1"):
+            await self.app(scope, receive, send)
+            return
+        if self.active >= self.limit:
+            err = ApiError(f"{self.limit} requests are in progress on this endpoint (its limit); retry shortly",
+                           status=429, type="requests", code="too_many_requests")  # fmt: skip
+            err.retry_after_s = RETRY_AFTER_S
+            await error_response(err)(scope, receive, send)
+            return
+        self.active += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.active -= 1
 
 
 async def _until_disconnect(receive: Receive, work: Callable[[], Awaitable[None]]) -> bool:
@@ -351,7 +382,7 @@ def _loads(raw: bytes) -> Any:
         raise ApiError(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
 
 
-def build_app(backend: Backend, *, token: str | None = None) -> ASGIApp:
+def build_app(backend: Backend, *, token: str | None = None, max_concurrent: int = MAX_CONCURRENT_REQUESTS) -> ASGIApp:
     api = Api(backend)
     app = Starlette(routes=[
         Route("/v1/models", api.models, methods=["GET"]),
@@ -359,20 +390,21 @@ def build_app(backend: Backend, *, token: str | None = None) -> ASGIApp:
         Route("/v1/chat/completions", api.chat, methods=["POST"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
     ])  # fmt: skip
-    return _Auth(app, token)
+    return _Auth(_Limit(app, max_concurrent), token)  # an unauthenticated request never takes a slot
 
 
 def check_bind(bind: str, token: str | None) -> tuple[str, int]:
     host, port = parse_bind(bind)
     if not is_loopback(host) and not token:
         raise UsageError(f"the API would listen on {host}, beyond this machine: give it a token "
-                         "(--api-token or api.token in the config file), or bind 127.0.0.1")  # fmt: skip
+                         "(SHARD_SWARM_API_TOKEN, --api-token-file or api.token in the config file), or bind 127.0.0.1")  # fmt: skip
     return host, port
 
 
 async def serve_api(
-    backend: Backend, bind: str = DEFAULT_BIND, *, token: str | None = None, task_status: Any = trio.TASK_STATUS_IGNORED
-) -> None:
+    backend: Backend, bind: str = DEFAULT_BIND, *, token: str | None = None,
+    max_concurrent: int = MAX_CONCURRENT_REQUESTS, task_status: Any = trio.TASK_STATUS_IGNORED,
+) -> None:  # fmt: skip
     """Serve the endpoint until cancelled; ``task_status.started(url)`` once it listens."""
     check_bind(bind, token)
     config = Config()
@@ -381,7 +413,7 @@ async def serve_api(
     config.errorlog = logging.getLogger("swarm.api.http")
     config.graceful_timeout = 1.0
     async with trio.open_nursery() as nursery:
-        app: Any = build_app(backend, token=token)  # starlette's ASGI types vs hypercorn's: the same protocol
+        app: Any = build_app(backend, token=token, max_concurrent=max_concurrent)  # starlette's ASGI types vs hypercorn's: the same protocol
         binds = await nursery.start(lambda task_status: serve(app, config, task_status=task_status))
         url = str(binds[0]) if binds else f"http://{bind}"
         log.info("OpenAI-compatible endpoint on %s/v1", url)

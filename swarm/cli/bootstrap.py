@@ -20,6 +20,7 @@ import typer
 
 from swarm.cli import ui
 from swarm.errors import PeerError, SwarmError, UsageError
+from swarm.proto.admission import CLIENT, MEMBER
 from swarm.proto.limits import PROTO_GEN  # swarm.node.client's: status and generations
 
 log = logging.getLogger("swarm.cli.bootstrap")
@@ -105,6 +106,8 @@ async def serve_bootstrap(
     from swarm.node.membership import Membership
 
     manifest = read_manifest(manifest_path)
+    if manifest.role != "member":
+        raise UsageError(f"{manifest_path} is a client invite: a bootstrap node needs the member invite")
     from swarm.manifest.pins import check_pin
 
     check_pin(manifest)  # trust on first use, as `join` does
@@ -115,7 +118,7 @@ async def serve_bootstrap(
     ) as host:
         membership = Membership(identity, manifest.swarm_id, memory_bytes=0, revoked=revoked)
         service = MembershipService(host, membership, publish=False)
-        host.handle(PROTO_GEN, lambda peer, fs: _forward_requests(service, peer, fs))
+        host.handle(PROTO_GEN, lambda peer, fs: _forward_requests(service, peer, fs), roles=(MEMBER, CLIENT))
         async with trio.open_nursery() as nursery:
             await nursery.start(service.run)
             await _serve_relay(host.libp2p, identity.peer_id, ready)

@@ -126,22 +126,24 @@ def generate(
     addr: list[str] = [peer] if peer else list(m.bootstrap)  # every bootstrap address in turn
     if not addr:
         raise UsageError("the invite names no bootstrap peer: give --peer MULTIADDR")
-    result = trio.run(
+    result = trio.run(functools.partial(
         _run_one, addr, m.secret.value, m.swarm_id, timeout,
         dict(text=prompt, prompt_ids=ids, chat=chat and ids is None, max_new_tokens=max_new_tokens,
              temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, draft=draft),
-        json_out,
-    )  # fmt: skip
+        json_out, role=m.role, member_key=m.member_key,
+    ))  # fmt: skip
     _finish(result, json_out, receipt)
 
 
-async def _run_one(addr: str | list[str], secret: bytes, swarm_id: str, timeout: float, req: dict[str, Any], quiet_stream: bool) -> dict[str, Any]:
+async def _run_one(addr: str | list[str], secret: bytes, swarm_id: str, timeout: float, req: dict[str, Any], quiet_stream: bool,
+                   *, role: str = "member", member_key: bytes = b"") -> dict[str, Any]:  # fmt: skip
     from swarm.node import client
 
     net_log = logging.getLogger("swarm.net")
     if net_log.getEffectiveLevel() > logging.DEBUG:
         net_log.setLevel(logging.WARNING)  # our client's connection chatter is not the user's news
-    async with client.open_client(addr, secret=secret, swarm_id=swarm_id, timeout=timeout) as (host, peer):
+    async with client.open_client(addr, secret=secret, swarm_id=swarm_id, timeout=timeout, role=role,
+                                  member_key=member_key) as (host, peer):  # fmt: skip
         await client.wait_ready(host, peer, timeout=timeout)
 
         pieces: list[str] = []

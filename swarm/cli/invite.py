@@ -24,6 +24,7 @@ from swarm.manifest.manifest import (
     QUANTS,
     Manifest,
     ManifestInvalid,
+    SwarmSecret,
     new_manifest,
     read_manifest,
     sign_manifest,
@@ -32,6 +33,7 @@ from swarm.manifest.manifest import (
 )
 from swarm.manifest.modelcheck import check_model, describe_model
 from swarm.manifest.pins import check_pin, pinned_issuer, pins_path
+from swarm.proto.admission import client_secret, member_key
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
@@ -91,6 +93,10 @@ def create(
     draft: Path | None = typer.Option(
         None, "--draft", help="A draft model checkpoint a coordinator may run (hashed into the invite; --from keeps it)."
     ),
+    client: bool = typer.Option(
+        False, "--client",
+        help="With --from: a client invite (generate and status only; it holds a key derived from the secret, never the secret).",
+    ),
 ) -> None:
     """Create a signed invite for a new swarm, or re-issue one with --from."""
     lifetime = parse_duration(expires)
@@ -102,17 +108,26 @@ def create(
         raise UsageError(
             "--rotate-secret needs --from FILE (a new swarm always gets a fresh secret)"
         )
+    if client and (from_file is None or rotate_secret):
+        raise UsageError("--client needs --from MEMBER_INVITE (and no --rotate-secret): the client key is derived from that swarm's secret")
     if quant is not None and quant not in QUANTS:
         raise UsageError(f"--quant {quant!r}: choose one of {', '.join(QUANTS)}")
     identity = load_or_create_identity()
     old = None
     if from_file is not None:
         old = read_manifest(from_file, expected_issuer=identity.public_key, allow_expired=True)
+        if old.role != "member":
+            raise UsageError(f"{from_file} is a client invite: re-issue from the member invite")
     spec = old.model if old is not None else None
     if model is not None:
         with ui.progress(f"hashing {model.name}") as report:
             spec = describe_model(model, model_name, report)
     revoked = tuple(dict.fromkeys([*(old.revoked if old else ()), *revoke]))
+    secret = old.secret if old and not rotate_secret else None
+    extra: dict[str, Any] = {}
+    if client and old is not None:
+        extra = {"role": "client", "member_key": member_key(old.secret.value)}
+        secret = SwarmSecret(client_secret(old.secret.value))
     m = new_manifest(
         swarm_name=swarm or (old.swarm_name if old else ""),
         issuer=identity.public_key,
@@ -121,15 +136,18 @@ def create(
         lifetime_s=lifetime,
         revoked=revoked,
         swarm_id=old.swarm_id if old else None,
-        secret=old.secret if old and not rotate_secret else None,
+        secret=secret,
         quant=quant or (old.quant if old else "none"),
         draft=describe_draft(draft) or (old.draft if old else None),
+        **extra,
     )
     m = sign_manifest(m, identity)
     write_manifest(m, output)
+    holds = ("a client key: its holder may generate and read status, nothing else" if client
+             else "the swarm secret: share it only with members")  # fmt: skip
     ui.notice(
         f"wrote {output} (mode 0600): swarm {m.swarm_name!r} id {m.swarm_id}, issuer {m.issuer_peer_id}, "
-        f"expires {_iso(m.expires)}. It holds the swarm secret: share it only with members."
+        f"expires {_iso(m.expires)}. It holds {holds}."
     )
 
 
@@ -174,6 +192,7 @@ def verify(
                 "swarm_id": m.swarm_id,
                 "issuer_peer_id": m.issuer_peer_id,
                 "expires": m.expires,
+                "role": m.role,
             }
         )
     else:
@@ -208,6 +227,7 @@ def show(
         ["created", _iso(m.created)],
         ["expires", _iso(m.expires)],
         ["status", status if not why else f"{status}: {why}"],
+        ["role", "member" if m.role == "member" else "client (generate and status only)"],
         ["secret", "(hidden)"],
     ]
     if m.model is not None:

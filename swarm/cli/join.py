@@ -273,7 +273,8 @@ def join(
     exit_after: float | None = typer.Option(None, "--exit-after", help="Leave after this many seconds."),
     serve: bool = typer.Option(True, "--serve/--no-serve", help="Hold layers (or coordinate) for the swarm; --no-serve only shows peers."),
     api: str | None = typer.Option(None, "--api", help="Serve the OpenAI-compatible endpoint here, e.g. 127.0.0.1:8000."),
-    api_token: str | None = typer.Option(None, "--api-token", envvar="SHARD_SWARM_API_TOKEN", help="Bearer token (required off localhost)."),
+    api_token_file: Path | None = typer.Option(None, "--api-token-file", help="File holding the API's bearer token (required off localhost; or SHARD_SWARM_API_TOKEN, or api.token in the config)."),
+    api_token_argv: str | None = typer.Option(None, "--api-token", hidden=True, help="Refused: argv is visible to every user."),
     dtype: str | None = typer.Option(None, "--dtype", help=flag_help("node.dtype")),
     device: str | None = typer.Option(None, "--device", help="auto (CUDA, then MPS, else CPU), cpu, cuda, cuda:N or mps (default: node.device, else auto)."),
     threads: int | None = typer.Option(None, "--threads", help=flag_help("node.threads")),
@@ -281,6 +282,7 @@ def join(
     draft: str = typer.Option("ngram", "--draft", help=JOIN_HELP),
 ) -> None:
     """Join a swarm: connect, be admitted, and show peers as they appear."""
+    api_token = _api_token(api_token_file, api_token_argv)
     cfg = node_settings({"node.listen": listen or None, "node.memory": memory, "node.dtype": dtype, "node.threads": threads})
     listen, memory = list(cfg.get("node.listen")), str(cfg.get("node.memory"))
     dtype, threads = str(cfg.get("node.dtype")), int(cfg.get("node.threads"))
@@ -290,6 +292,8 @@ def join(
     if manifest_path is None and not path.exists():
         raise UsageError(f"no invite given and none at {path}: pass --manifest FILE (create one with `shard-swarm invite create`)")
     manifest = read_manifest(path)
+    if manifest.role != "member":
+        raise UsageError(f"{path} is a client invite: it runs `generate` and `status`, it cannot join (ask for a member invite)")
     if check_pin(manifest):
         ui.notice(f"pinned issuer {manifest.issuer_peer_id} for swarm {manifest.swarm_name!r} (trust on first use)")
     dev = _serving_device(device) if serve and not diagnose else None  # a missing device: exit 2 now
@@ -332,6 +336,27 @@ def join(
     trio.run(lambda: _run_peer(settings, manifest, as_json=as_json, exit_after=exit_after, api=api, api_token=api_token))
     if _Left.by_signal:
         _exit_now(0)
+
+
+def _api_token(path: Path | None, argv_value: str | None) -> str | None:
+    """The API token from a file, SHARD_SWARM_API_TOKEN or api.token in the config file: never
+    from the command line, which every user of the machine can read in /proc/*/cmdline."""
+    if argv_value is not None:
+        raise UsageError("--api-token on the command line is visible to every user of this machine (/proc/*/cmdline): "
+                         "put the token in a file (--api-token-file, mode 0600), SHARD_SWARM_API_TOKEN or api.token")
+    if path is not None:
+        try:
+            token = path.read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UsageError(f"--api-token-file {path}: cannot read it ({exc})") from None
+        if not token:
+            raise UsageError(f"--api-token-file {path} is empty")
+        return token
+    env = os.environ.get("SHARD_SWARM_API_TOKEN", "").strip()
+    if env:
+        return env
+    configured = str(node_settings({}).get("api.token") or "")
+    return configured or None
 
 
 def register(app: typer.Typer) -> None:

@@ -150,11 +150,12 @@ async def _cancel_on_signal(scope: trio.CancelScope) -> None:
 
 
 async def _run(addrs: list[str], secret: bytes, swarm_id: str, *, as_json: bool, live: bool, interval: float,
-               timeout: float) -> None:  # fmt: skip
+               timeout: float, role: str = "member", member_key: bytes = b"") -> None:  # fmt: skip
     last: SwarmError | None = None
     for addr in addrs:
         try:
-            async with client.open_client(addr, secret=secret, swarm_id=swarm_id, timeout=timeout) as (host, peer):
+            async with client.open_client(addr, secret=secret, swarm_id=swarm_id, timeout=timeout, role=role,
+                                          member_key=member_key) as (host, peer):  # fmt: skip
                 view = build_view(await fetch_status(host, peer))
                 if as_json:
                     ui.print_json(view)
@@ -199,7 +200,7 @@ def status(
         raise UsageError(f"the invite {path} lists no bootstrap address: pass --peer MULTIADDR")
     live = not as_json and not once and ui.stdout_is_tty()
     trio.run(lambda: _run(addrs, manifest.secret.value, manifest.swarm_id, as_json=as_json, live=live,
-                          interval=interval, timeout=timeout))  # fmt: skip
+                          interval=interval, timeout=timeout, role=manifest.role, member_key=manifest.member_key))  # fmt: skip
 
 
 def register(app: typer.Typer) -> None:

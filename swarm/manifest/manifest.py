@@ -9,7 +9,13 @@ An invite is a JSON object (see ``manifests/schema.json`` and ``manifests/README
      "created": unix s, "expires": unix s, "revoked": [peer ID, ...] (optional),
      "quant": "int8" | "int4" (optional; absent means "none"),
      "draft": {"name", "config_sha256", "files"} (optional: a draft model the coordinator may run),
-     "signature": b64}
+     "role": "client", "member_key": b64(32 bytes) (both or neither), "signature": b64}
+
+A *client* invite (``role: "client"``) lets its holder run generations and read status only:
+its ``secret`` is the client secret derived one way from the swarm secret, so holding it never
+reveals the swarm secret, and ``member_key`` is the public key with which the client checks that
+a peer holds the swarm secret (see ``swarm.proto.admission``). A member invite has neither field,
+so invites made before clients existed keep their exact bytes and signature.
 
 The signature is Ed25519 by ``issuer`` over ``b"shard-swarm/manifest/1\\0" + canonical(body)``,
 where body is the object minus ``signature`` *exactly as parsed* and canonical means sorted keys,
@@ -65,9 +71,12 @@ _FIELDS = {
     "revoked",
     "quant",
     "draft",
+    "role",
+    "member_key",
     "signature",
 }
-_OPTIONAL = {"revoked", "quant", "draft", "signature"}
+_OPTIONAL = {"revoked", "quant", "draft", "role", "member_key", "signature"}
+ROLES = ("member", "client")  # "member" is never written (the field is absent)
 # how every peer holds its layers (swarm.model.quant.QUANTS; a test keeps the two equal). "none"
 # is never written, so invites made before the field existed keep their exact bytes and signature.
 QUANTS = ("none", "int8", "int4")
@@ -147,6 +156,8 @@ class Manifest:
     quant: str = "none"
     # a draft model a coordinator may run (hashed like the model); absent in older invites
     draft: ModelSpec | None = None
+    role: str = "member"  # "client": ``secret`` is the client secret, ``member_key`` is set
+    member_key: bytes = b""
     # the body exactly as parsed from a file (what the signature covers); None when built here
     raw_body: dict[str, Any] | None = field(default=None, repr=False, compare=False)
 
@@ -174,6 +185,9 @@ class Manifest:
             out["quant"] = self.quant
         if self.draft is not None:
             out["draft"] = self.draft.to_json()
+        if self.role != "member":
+            out["role"] = self.role
+            out["member_key"] = _b64e(self.member_key)
         return out
 
     def signed_bytes(self) -> bytes:
@@ -202,6 +216,7 @@ class Manifest:
             "revoked": list(self.revoked),
             "quant": self.quant,
             "draft": None if self.draft is None else self.draft.to_json(),
+            "role": self.role,
             "signed": self.signature is not None,
         }
 
@@ -244,6 +259,8 @@ def new_manifest(
     secret: SwarmSecret | None = None,
     quant: str = "none",
     draft: ModelSpec | None = None,
+    role: str = "member",
+    member_key: bytes = b"",
 ) -> Manifest:
     """A fresh, unsigned manifest with a random swarm ID and secret (unless given: re-issuing)."""
     now = int(time.time()) if now is None else now
@@ -263,6 +280,8 @@ def new_manifest(
         revoked=tuple(revoked),
         quant=quant,
         draft=draft,
+        role=role,
+        member_key=member_key,
     )
     # round-trip through the strict parser: we never write what we would refuse
     _parse_obj(json.loads(m.to_json_bytes()), "new manifest")
@@ -426,6 +445,12 @@ def _parse_obj(obj: Any, where: str) -> Manifest:
     quant = obj.get("quant", "none")
     if "quant" in obj and (quant not in QUANTS[1:] or not isinstance(quant, str)):
         raise r.bad("quant", f"{_show(quant)} is not one of {', '.join(QUANTS[1:])} (omit it for none)")
+    role = obj.get("role", "member")
+    if "role" in obj and role != "client":
+        raise r.bad("role", f"{_show(role)} is not 'client' (omit it for a member invite)")
+    if ("member_key" in obj) != ("role" in obj):
+        raise r.bad("member_key", "a client invite carries both 'role' and 'member_key'; a member invite neither")
+    member_key = r.get_b64(obj["member_key"], "member_key", 32) if "member_key" in obj else b""
     signature = None
     if obj.get("signature") is not None:
         signature = r.get_b64(obj["signature"], "signature", 64)
@@ -444,6 +469,8 @@ def _parse_obj(obj: Any, where: str) -> Manifest:
         version,
         quant=quant,
         draft=draft,
+        role=role,
+        member_key=member_key,
         raw_body=body,
     )
 

@@ -53,7 +53,7 @@ import hmac
 import logging
 import socket
 import struct
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -246,6 +246,7 @@ class FastChannel:
         self._send_lock = FastLock()
         self._recv_lock = FastLock()
         self.closed = False
+        self.on_close: Callable[[], object] | None = None  # e.g. gives the peer's stream slot back
 
     @property
     def path(self) -> Path:
@@ -333,6 +334,8 @@ class FastChannel:
         if self.closed:
             return
         self.closed = True
+        if self.on_close is not None:
+            self.on_close()
         if self.direct is not None:
             await self.direct.aclose()
         await self.control.aclose()

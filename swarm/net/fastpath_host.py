@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -104,6 +105,13 @@ class FastpathService:
             ):
                 await raw.reset()
             return
+        # a fast channel is one more inbound stream of its peer: the same per-peer cap
+        release = self.host.claim_stream(peer)
+        if release is None:
+            log.warning("refused a %s stream from %s: it holds every stream slot", PROTOCOL_ID, peer)
+            with trio.CancelScope(shield=True), trio.move_on_after(1.0), contextlib.suppress(Exception):
+                await raw.reset()
+            return
         control = libp2p_channel(
             raw, local_peer=self.host.peer_id, timeout=self.timeout, max_frame=self.max_frame
         )
@@ -116,8 +124,14 @@ class FastpathService:
                 max_frame=self.max_frame,
             )
         except SwarmError as exc:
+            release()
             log.warning("fast-path handshake with %s failed: %s", peer, exc)
             return
+        except BaseException:
+            release()
+            raise
+        # the slot comes back when the channel is closed, or dropped unclosed and collected
+        channel.on_close = weakref.finalize(channel, release)
         try:
             self._incoming_send.send_nowait(channel)
         except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):

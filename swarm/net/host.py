@@ -9,21 +9,20 @@ accept plaintext, secio and TLS, which would let a dialer claim another peer's I
 ``ConnectionConfig(max_connections_per_peer=1)`` avoids the fixed 250 ms wait in ``connect()``;
 the auto-connector's minimums are zeroed so the library never redials a peer we dropped.
 
-Frame writes are whole (:class:`WholeFrameYamux`). py-libp2p's Noise session encrypts a frame,
-spending a nonce, before it writes it; a task cancelled between the two (a reader whose read
-sends a window update, a sender whose caller gave up) used to leave the peer a nonce behind or a
-frame half-sent, so every later frame failed to decrypt and every stream to that peer died: a
-client hanging up on one generation could cut the ring. A frame write, once started, now
-finishes; one stuck on a peer that stopped reading is bounded, and closing the connection ends it.
+py-libp2p's internals that we adapt (whole yamux frame writes, enforced receive windows, the
+stream handler gate, the negative dial cache) live in ``libp2p_patches.py``; :func:`build_libp2p_host`
+applies them, after checking the installed py-libp2p is the pinned version.
 
-Admission gates everything of the swarm. A connection is only transport-authenticated (Noise
-proves the peer ID); before any swarm protocol is served to or requested from a peer, both sides
-prove the swarm secret on :data:`PROTO_ADMIT` (the sans-IO handshake of ``swarm.proto.admission``). The dialer runs the handshake
-right after connecting; an inbound peer that has not completed it within ``admit_timeout`` is
-disconnected. A peer that fails is logged (peer ID and reason, never the secret) and
-disconnected; the other connections never notice. Handlers registered with
-:meth:`SwarmHost.handle` refuse (reset) streams from peers that are not admitted, and
-:meth:`SwarmHost.open_stream` refuses to talk to them.
+Admission gates everything. A connection is only transport-authenticated (Noise proves the peer
+ID); before anything is served to or requested from a peer, both sides prove a credential on
+:data:`PROTO_ADMIT` (the sans-IO handshake of ``swarm.proto.admission``): the swarm secret (a
+*member*) or the client credential derived from it (a *client*, which may only run generations
+and read status). The dialer runs the handshake right after connecting; an inbound peer that has
+not completed it within ``admit_timeout`` is disconnected. A peer that fails is logged (peer ID
+and reason, never the secret) and disconnected; the other connections never notice.
+
+What an unadmitted peer can make the host do, roles, and the gate in front of every handler:
+``door.py`` (:class:`~swarm.net.door.Door`, ``host.door``).
 
 Lifetime: everything runs inside the ``async with open_host(...)`` block's nursery. Leaving it
 calls ``host.close()`` *before* leaving ``host.run()`` (py-libp2p leaks connections otherwise),
@@ -38,8 +37,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 import multiaddr
@@ -56,12 +54,13 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
-from libp2p.stream_muxer import muxer_multistream as _muxer_multistream
-from libp2p.stream_muxer.exceptions import MuxedConnUnavailable
-from libp2p.stream_muxer.yamux.yamux import GO_AWAY_NORMAL, Yamux
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 
 from swarm.errors import AdmissionError, FrameError, PeerError, SwarmError, UsageError
+from swarm.net import libp2p_patches
+from swarm.net.addrs import dialable_addrs, is_wildcard, parse_multiaddr, strip_p2p
+from swarm.net.door import Credential, Door, HostEvent, close_raw, peer_of, reset_raw
+from swarm.net.libp2p_patches import WholeFrameYamux
 from swarm.net.streams import (
     DEFAULT_IO_TIMEOUT,
     FramedStream,
@@ -69,7 +68,7 @@ from swarm.net.streams import (
     map_exception,
     open_framed,
 )
-from swarm.proto.admission import Initiator, Responder
+from swarm.proto.admission import CLIENT, MEMBER, ROLES
 from swarm.proto.limits import DEFAULT_LIMITS, PROTO_ADMIT, Limits
 
 log = logging.getLogger("swarm.net.host")
@@ -77,104 +76,15 @@ log = logging.getLogger("swarm.net.host")
 DEFAULT_DIAL_TIMEOUT = 10.0
 DEFAULT_ADMIT_TIMEOUT = 5.0
 CLOSE_TIMEOUT = 3.0
-BAN_S = 300.0
-MAX_STREAMS_PER_PEER = 256  # inbound swarm streams one peer may hold open at once  # a peer that sent malformed frames is refused this long
-
-FRAME_WRITE_TIMEOUT_S = 10.0  # one muxer frame's write, once begun; longer: the connection is closed
+BAN_S = 300.0  # a peer that sent malformed frames is refused this long
+MAX_STREAMS_PER_PEER = 256  # inbound swarm streams (fast-path channels included) one peer may hold open at once
 
 Handler = Callable[[str, FramedStream], Awaitable[None]]
 
 
-class WholeFrameYamux(Yamux):
-    """yamux whose frame writes a cancellation cannot tear (see the module docstring).
-
-    Waiting for the write lock stays cancellable: nothing has been encrypted yet. The write itself
-    is shielded and bounded by FRAME_WRITE_TIMEOUT_S; past that the connection is *torn* (a
-    partial frame may be out), closed, and every later write fails at once. ``close()`` while a
-    write is stuck closes the socket first, which ends the write, instead of queueing GO_AWAY
-    behind it.
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._torn = ""
-        self._writing = False
-
-    async def _write_frame(self, data: bytes) -> None:
-        if self._torn:
-            raise MuxedConnUnavailable(self._torn)
-        async with self._write_lock:
-            if self._torn:
-                raise MuxedConnUnavailable(self._torn)
-            with trio.CancelScope(shield=True):
-                with trio.move_on_after(FRAME_WRITE_TIMEOUT_S) as stuck:
-                    self._writing = True
-                    try:
-                        await self.secured_conn.write(data)
-                    except BaseException:
-                        self._torn = "a frame write failed"
-                        raise
-                    finally:
-                        self._writing = False
-                if stuck.cancelled_caught:
-                    self._torn = f"a frame write took over {FRAME_WRITE_TIMEOUT_S:g} s"
-                    with trio.move_on_after(CLOSE_TIMEOUT), contextlib.suppress(Exception):
-                        await self.secured_conn.close()
-            if self._torn:
-                raise MuxedConnUnavailable(self._torn)
-        await trio.lowlevel.checkpoint()
-
-    async def close(self, error_code: int = GO_AWAY_NORMAL) -> None:
-        if self._writing:
-            self._torn = self._torn or "closed during a write"
-            with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_TIMEOUT), contextlib.suppress(Exception):
-                await self.secured_conn.close()
-        await super().close(error_code)
-
-
-# py-libp2p 0.8.1 builds a yamux connection with the class its muxer_multistream module names,
-# whatever class the muxer options give: point that name at ours (this module's import does it,
-# and every host of the process is built through here).
-_muxer_multistream.Yamux = WholeFrameYamux  # type: ignore[misc]
-
-
-@dataclass(frozen=True)
-class HostEvent:
-    """Something happened to a peer. ``kind``: "admitted", "refused" or "disconnected"."""
-
-    kind: str
-    peer: str
-    addr: str = ""  # remote address of the connection ("/ip4/.../tcp/..."), when known
-    reason: str = ""
-    outbound: bool = False  # we dialed it
-
-
-def _parse_multiaddr(text: str, what: str) -> multiaddr.Multiaddr:
-    try:
-        return multiaddr.Multiaddr(text)
-    except Exception as exc:  # multiaddr raises several unrelated types
-        raise UsageError(f"{what}: {text!r} is not a valid multiaddr ({exc})") from None
-
-
-def _peer_of(raw: Any) -> str:
-    return str(raw.muxed_conn.peer_id)
-
-
-def _conn_addr(conn: Any) -> str:
-    """Remote transport address of a connection, best effort ("" when unknown)."""
-    with contextlib.suppress(Exception):
-        addrs = conn.get_transport_addresses()
-        if addrs:
-            return str(addrs[0])
-    with contextlib.suppress(Exception):
-        ip, port = conn.muxed_conn.secured_conn.get_remote_address()
-        return f"/ip4/{ip}/tcp/{port}"
-    return ""
-
-
 class _Notifee(INotifee):
-    def __init__(self, host: SwarmHost) -> None:
-        self._host = host
+    def __init__(self, door: Door) -> None:
+        self._door = door
 
     async def opened_stream(self, network: INetwork, stream: INetStream) -> None:
         return None
@@ -183,10 +93,10 @@ class _Notifee(INotifee):
         return None
 
     async def connected(self, network: INetwork, conn: INetConn) -> None:
-        self._host._on_connected(conn)
+        self._door.on_connected(conn)
 
     async def disconnected(self, network: INetwork, conn: INetConn) -> None:
-        self._host._on_disconnected(conn)
+        self._door.on_disconnected(conn)
 
     async def listen(self, network: INetwork, multiaddr: multiaddr.Multiaddr) -> None:
         return None
@@ -203,7 +113,7 @@ class SwarmHost:
         libp2p_host: Any,
         nursery: trio.Nursery,
         *,
-        secret: bytes,
+        credential: Credential,
         swarm_id: str,
         revoked: frozenset[str],
         limits: Limits,
@@ -212,22 +122,20 @@ class SwarmHost:
         admit_timeout: float,
     ) -> None:
         self._h = libp2p_host
-        self._nursery = nursery
-        self._secret = secret
+        self.peer_id: str = str(libp2p_host.get_id())
+        self.role = credential.role  # what this host proves: MEMBER (the swarm secret) or CLIENT
         self.swarm_id = swarm_id
         self.revoked = revoked
-        self._banned: dict[str, float] = {}
-        self._streams: dict[str, int] = {}  # peer -> inbound swarm streams open now  # peer -> trio time until which it is refused
         self.limits = limits
         self.io_timeout = io_timeout
         self.dial_timeout = dial_timeout
         self.admit_timeout = admit_timeout
-        self.peer_id: str = str(libp2p_host.get_id())
-        self._admitted: dict[str, HostEvent] = {}
-        self._admitting: set[str] = set()
-        self._admitted_changed = trio.Event()
         self._subscribers: list[trio.MemorySendChannel[HostEvent]] = []
-        self._closed = False
+        self.door = Door(
+            libp2p_host, nursery, credential=credential, swarm_id=swarm_id, local_peer=self.peer_id,
+            revoked=revoked, admit_timeout=admit_timeout, emit=self._emit,
+        )  # fmt: skip
+        self._streams: dict[str, int] = {}  # peer -> inbound swarm streams (and fast channels) open now
         self.relay: Any = None  # a RelayNode once attach_relay() ran: circuit dials, path labels
 
     def __repr__(self) -> str:
@@ -287,14 +195,19 @@ class SwarmHost:
             return "none"
 
     def is_admitted(self, peer: str) -> bool:
-        return peer in self._admitted
+        return peer in self.door.admitted
+
+    def admitted_role(self, peer: str) -> str | None:
+        """The credential ``peer`` proved: "member" (the swarm secret), "client" (the client
+        credential: generations and status only), or None when it is not admitted."""
+        return self.door.role_of(peer)
 
     def admitted_peers(self) -> list[str]:
-        return sorted(self._admitted)
+        return sorted(self.door.admitted)
 
     def admission_info(self, peer: str) -> HostEvent | None:
-        """The "admitted" event of a peer (address, direction), or None if not admitted."""
-        return self._admitted.get(peer)
+        """The "admitted" event of a peer (address, direction, role), or None if not admitted."""
+        return self.door.admitted.get(peer)
 
     def has_other_connection(self, peer: str, stream: FramedStream) -> bool:
         """Whether ``peer`` has an open connection other than the one ``stream`` runs on (after
@@ -324,7 +237,7 @@ class SwarmHost:
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 self._subscribers.remove(ch)
 
-    # -- dialing and admission ---------------------------------------------------------------
+    # -- dialing -----------------------------------------------------------------------------
 
     async def dial(self, addr: str, *, timeout: float | None = None) -> str:
         """Connect to ``addr`` (a multiaddr ending in ``/p2p/<peer id>``) and run admission.
@@ -333,7 +246,7 @@ class SwarmHost:
         PeerTimeout / PeerError when the peer cannot be reached, AdmissionError when it cannot
         prove the swarm secret (it is then disconnected).
         """
-        ma = _parse_multiaddr(addr, "dial address")
+        ma = parse_multiaddr(addr, "dial address")
         try:
             info = info_from_p2p_addr(ma)
         except Exception:
@@ -343,14 +256,11 @@ class SwarmHost:
             raise UsageError(f"dial address {addr!r} is this node itself")
         if peer in self.revoked:
             raise AdmissionError(f"peer {peer} is revoked by the swarm's invite: not dialing it")
-        if self._banned.get(peer, 0.0) > trio.current_time():
+        if self.door.is_banned(peer):
             raise AdmissionError(f"peer {peer} broke the wire protocol recently: not dialing it")
         limit = self.dial_timeout if timeout is None else timeout
-        # py-libp2p refuses every dial to a peer for 60 s after one failed ("negative cache"),
-        # even to a new address; our callers retry on purpose, with their own backoff.
-        cache = getattr(self._h.get_network(), "_negative_peer_cache", None)
-        with contextlib.suppress(Exception):
-            cache.evict(peer)  # type: ignore[union-attr]
+        # our callers retry on purpose, with their own backoff: never wait out libp2p's 60 s
+        libp2p_patches.forget_dial_failure(self._h, peer)
         # It also dials only the first known TCP address of a peer: forget stale ones (a
         # restarted peer listens elsewhere) unless we are connected already.
         if peer not in self.connected_peers():
@@ -359,150 +269,74 @@ class SwarmHost:
         circuit = "/p2p-circuit" in addr and peer not in self.connected_peers()
         if circuit and self.relay is None:
             raise PeerError(f"cannot dial {addr}: relay circuits are off on this node (join --relay)")
-        try:
-            with trio.fail_after(limit):
-                if circuit:
-                    # py-libp2p's Swarm.dial_peer drops every /p2p-circuit address ("this node
-                    # has no relay transport": "All addresses ... are unusable (relay-only or
-                    # blocked by connection gate)") even when a CircuitV2Transport runs beside
-                    # it; the relay's transport dials it and registers the connection instead.
-                    await self.relay.dial_circuit(addr)
-                else:
-                    await self._h.connect(info)
-        except BaseException as exc:
-            if is_foreign_io_error(exc) or isinstance(exc, trio.TooSlowError):
-                raise map_exception(exc, peer, f"dialing {addr}") from None
-            raise
-        await self._admit_outbound(peer, _strip_p2p(addr))
-        return peer
-
-    async def _admit_outbound(self, peer: str, addr: str) -> None:
-        if peer in self.revoked:
-            await self._refuse(peer, addr, "revoked by the swarm's invite")
-            raise AdmissionError(f"peer {peer} is revoked by the swarm's invite")
-        if peer in self._admitted:
-            return
-        if peer in self._admitting:  # the other side is admitting us right now: wait for it
-            with trio.move_on_after(self.admit_timeout):
-                while peer not in self._admitted:
-                    await self._admitted_changed.wait()
-            if peer in self._admitted:
-                return
-        self._admitting.add(peer)
-        try:
-            raw = await self._new_raw_stream(peer, PROTO_ADMIT, self.admit_timeout)
+        with self.door.dialing(peer):
             try:
-                side = Initiator(
-                    secret=self._secret, swarm_id=self.swarm_id, local_peer=self.peer_id, remote_peer=peer
-                )
-                with trio.fail_after(self.admit_timeout):
-                    await _pump_handshake(raw, peer, side, side.start())
-            finally:
-                await _close_raw(raw)
-            self._mark_admitted(peer, addr, outbound=True)
-        except trio.TooSlowError:
-            reason = f"admission handshake did not finish within {self.admit_timeout:g} s"
-            await self._refuse(peer, addr, reason)
-            raise AdmissionError(f"peer {peer}: {reason}") from None
-        except SwarmError as exc:
-            await self._refuse(peer, addr, str(exc))
-            if isinstance(exc, AdmissionError):
+                with trio.fail_after(limit):
+                    if circuit:
+                        # py-libp2p's Swarm.dial_peer drops every /p2p-circuit address even when
+                        # a CircuitV2Transport runs beside it; the relay's transport dials it and
+                        # registers the connection instead.
+                        await self.relay.dial_circuit(addr)
+                    else:
+                        await self._h.connect(info)
+            except BaseException as exc:
+                if is_foreign_io_error(exc) or isinstance(exc, trio.TooSlowError):
+                    raise map_exception(exc, peer, f"dialing {addr}") from None
                 raise
-            raise AdmissionError(f"peer {peer}: admission failed: {exc}") from None
-        finally:
-            self._admitting.discard(peer)
-
-    async def _serve_admit(self, raw: INetStream) -> None:
-        peer = _peer_of(raw)
-        addr = _conn_addr(raw.muxed_conn)
-        if self._banned.get(peer, 0.0) > trio.current_time():
-            await _close_raw(raw)
-            await self._refuse(peer, addr, "refused for a while after breaking the wire protocol")
-            return
-        self._admitting.add(peer)
-        try:
-            side = Responder(
-                secret=self._secret, swarm_id=self.swarm_id, local_peer=self.peer_id,
-                remote_peer=peer, revoked=self.revoked,
-            )  # fmt: skip
-            with trio.fail_after(self.admit_timeout):
-                await _pump_handshake(
-                    raw, peer, side, b"", on_admitted=lambda: self._mark_admitted(peer, addr, outbound=False)
-                )
-        except trio.TooSlowError:
-            await self._refuse(peer, addr, f"admission handshake did not finish within {self.admit_timeout:g} s")
-        except SwarmError as exc:
-            await self._refuse(peer, addr, str(exc))
-        except Exception as exc:  # never let a handler error escape into libp2p
-            await self._refuse(peer, addr, f"{type(exc).__name__}: {exc}")
-        finally:
-            self._admitting.discard(peer)
-            await _close_raw(raw)
-
-    def _mark_admitted(self, peer: str, addr: str, *, outbound: bool) -> None:
-        if peer in self._admitted:
-            return
-        ev = HostEvent("admitted", peer, addr, "", outbound)
-        self._admitted[peer] = ev
-        self._admitted_changed.set()
-        self._admitted_changed = trio.Event()
-        log.info("admitted peer %s (%s, %s)", peer, addr or "?", "outbound" if outbound else "inbound")
-        self._emit(ev)
-
-    async def _refuse(self, peer: str, addr: str, reason: str) -> None:
-        # Never log the secret: reasons come from swarm.proto.admission, which names fields, not values.
-        log.warning("refused peer %s (%s): %s", peer, addr or "?", reason)
-        self._admitted.pop(peer, None)
-        self._emit(HostEvent("refused", peer, addr, reason))
-        await self.disconnect(peer)
-
-    def _on_connected(self, conn: Any) -> None:
-        peer = str(conn.muxed_conn.peer_id)
-        if not self._closed:
-            with contextlib.suppress(RuntimeError):
-                self._nursery.start_soon(self._admission_watchdog, peer, _conn_addr(conn))
-
-    def _on_disconnected(self, conn: Any) -> None:
-        peer = str(conn.muxed_conn.peer_id)
-        with contextlib.suppress(Exception):
-            if self._h.get_network().connections.get(conn.muxed_conn.peer_id):
-                return  # another connection to the same peer is still up
-        ev = self._admitted.pop(peer, None)
-        if ev is not None:
-            log.info("peer %s disconnected", peer)
-            self._emit(HostEvent("disconnected", peer, ev.addr, "connection closed", ev.outbound))
-
-    async def _admission_watchdog(self, peer: str, addr: str) -> None:
-        """An inbound (or outbound) connection that is not admitted in time is dropped."""
-        with trio.move_on_after(self.admit_timeout + 1.0):
-            while peer not in self._admitted:
-                await self._admitted_changed.wait()
-            return
-        if peer not in self._admitted and peer in self.connected_peers():
-            await self._refuse(peer, addr, f"did not complete admission within {self.admit_timeout:g} s")
+            await self.door.admit_outbound(
+                peer, strip_p2p(addr), lambda: self._new_raw_stream(peer, PROTO_ADMIT, self.admit_timeout)
+            )
+        return peer
 
     # -- streams -----------------------------------------------------------------------------
 
-    def handle(self, protocol: str, handler: Handler) -> None:
-        """Serve ``protocol``: ``handler(peer, stream)`` runs for each inbound stream from an
-        admitted peer; streams from anyone else are reset and logged. Errors a handler raises
-        are logged, never propagated into libp2p."""
+    def claim_stream(self, peer: str) -> Callable[[], None] | None:
+        """Take one of ``peer``'s MAX_STREAMS_PER_PEER inbound stream slots (for a stream served
+        outside :meth:`handle`, e.g. a fast-path channel): a function that gives it back (call
+        it once), or None when the peer holds them all."""
+        if self._streams.get(peer, 0) >= MAX_STREAMS_PER_PEER:
+            return None
+        self._streams[peer] = self._streams.get(peer, 0) + 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if released:
+                return
+            released = True
+            self._streams[peer] -= 1
+            if not self._streams[peer]:
+                del self._streams[peer]
+
+        return release
+
+    def handle(self, protocol: str, handler: Handler, *, roles: Iterable[str] = (MEMBER,)) -> None:
+        """Serve ``protocol``: ``handler(peer, stream)`` runs for each inbound stream from a peer
+        admitted with one of ``roles`` (default: members only; a generation or status protocol
+        adds CLIENT); streams from anyone else are reset and logged. Errors a handler raises are
+        logged, never propagated into libp2p."""
         if protocol == PROTO_ADMIT:
             raise UsageError(f"{PROTO_ADMIT} is served by the host itself")
+        allowed = frozenset(roles)
+        if not allowed or not allowed <= set(ROLES):
+            raise UsageError(f"roles for {protocol} must be among {', '.join(ROLES)}, got {sorted(allowed)}")
+        if CLIENT in allowed:
+            self.door.client_protocols.add(protocol)
+        else:
+            self.door.client_protocols.discard(protocol)
 
         async def wrapped(raw: INetStream) -> None:
-            peer = _peer_of(raw)
-            if peer not in self._admitted:
-                log.warning("refused %s stream from unadmitted peer %s", protocol, peer)
-                with trio.CancelScope(shield=True), trio.move_on_after(1.0), contextlib.suppress(Exception):
-                    await raw.reset()
+            peer = peer_of(raw)
+            role = self.admitted_role(peer)
+            if role not in allowed:
+                log.warning("refused %s stream from %s peer %s", protocol, role or "unadmitted", peer)
+                await reset_raw(raw)
                 return
-            if self._streams.get(peer, 0) >= MAX_STREAMS_PER_PEER:
+            release = self.claim_stream(peer)
+            if release is None:
                 log.warning("refused %s stream from %s: %d open (limit)", protocol, peer, MAX_STREAMS_PER_PEER)
-                with trio.CancelScope(shield=True), trio.move_on_after(1.0), contextlib.suppress(Exception):
-                    await raw.reset()
+                await reset_raw(raw)
                 return
-            self._streams[peer] = self._streams.get(peer, 0) + 1
             try:
                 async with open_framed(
                     raw, peer=peer, protocol=protocol, limits=self.limits, io_timeout=self.io_timeout
@@ -513,8 +347,8 @@ class SwarmHost:
             except FrameError as exc:
                 # bytes no honest peer sends (oversized, truncated, malformed frames): drop the
                 # peer and refuse it for a while; the other connections never notice
-                self._banned[peer] = trio.current_time() + BAN_S
-                await self._refuse(peer, "", f"broke the wire protocol on {protocol}: {exc}; refused for {BAN_S:.0f} s")
+                self.door.banned[peer] = trio.current_time() + BAN_S
+                await self.door.refuse(peer, "", f"broke the wire protocol on {protocol}: {exc}; refused for {BAN_S:.0f} s")
             except SwarmError as exc:
                 log.warning("%s stream from %s failed: %s", protocol, peer, exc)
             except Exception as exc:
@@ -523,9 +357,7 @@ class SwarmHost:
                 else:
                     log.exception("handler for %s crashed on a stream from %s", protocol, peer)
             finally:
-                self._streams[peer] -= 1
-                if not self._streams[peer]:
-                    del self._streams[peer]
+                release()
 
         self._h.set_stream_handler(TProtocol(protocol), wrapped)
 
@@ -534,7 +366,7 @@ class SwarmHost:
         self, peer: str, protocol: str, *, timeout: float | None = None
     ) -> AsyncIterator[FramedStream]:
         """A framed stream to an admitted peer (AdmissionError for any other)."""
-        if peer not in self._admitted:
+        if peer not in self.door.admitted:
             raise AdmissionError(f"peer {peer} is not admitted: refusing to open {protocol}")
         async with self._open_raw(peer, protocol, self.io_timeout if timeout is None else timeout) as fs:
             yield fs
@@ -571,8 +403,7 @@ class SwarmHost:
                         got += chunk
                     rtt = trio.current_time() - t0
                 finally:
-                    with trio.CancelScope(shield=True), trio.move_on_after(1.0), contextlib.suppress(Exception):
-                        await raw.close()
+                    await close_raw(raw)
         except BaseException as exc:
             if is_foreign_io_error(exc) or isinstance(exc, trio.TooSlowError):
                 raise map_exception(exc, peer, "pinging") from None
@@ -583,90 +414,13 @@ class SwarmHost:
 
     async def disconnect(self, peer: str) -> None:
         """Close every connection to ``peer`` (bounded, never raises)."""
-        self._admitted.pop(peer, None)
-        with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_TIMEOUT), contextlib.suppress(Exception):
-            await self._h.disconnect(ID.from_base58(peer))
-
-
-async def _pump_handshake(
-    raw: INetStream,
-    peer: str,
-    side: Initiator | Responder,
-    first: bytes,
-    on_admitted: Callable[[], None] | None = None,
-) -> None:
-    """Drive a sans-IO admission side over a raw stream until it is done (caller bounds time).
-
-    ``on_admitted`` runs the moment the side is admitted, *before* its last bytes (the responder's
-    RESULT) are sent, so the peer can never open a swarm stream that we would still refuse.
-    """
-    if first:
-        await _write_raw(raw, peer, first)
-    while not side.done:
-        try:
-            data = await raw.read(4096)
-        except BaseException as exc:
-            if is_foreign_io_error(exc):
-                if isinstance(exc, EOFError) or "EOF" in type(exc).__name__:
-                    data = b""
-                else:
-                    raise map_exception(exc, peer, "admission") from None
-            else:
-                raise
-        if not data:
-            side.eof()  # raises: the handshake was not finished
-            return
-        out = side.receive_data(data)
-        if side.admitted and on_admitted is not None:
-            on_admitted()
-        if out:
-            await _write_raw(raw, peer, out)
-    side.check()
-
-
-async def _write_raw(raw: INetStream, peer: str, data: bytes) -> None:
-    try:
-        await raw.write(data)
-    except BaseException as exc:
-        if is_foreign_io_error(exc):
-            raise map_exception(exc, peer, "admission") from None
-        raise
-
-
-async def _close_raw(raw: INetStream) -> None:
-    with trio.CancelScope(shield=True), trio.move_on_after(1.0), contextlib.suppress(Exception):
-        await raw.close()
-
-
-def is_wildcard(addr: str) -> bool:
-    """A listen-everywhere address (0.0.0.0, ::): no peer can dial it."""
-    return addr.startswith(("/ip4/0.0.0.0/", "/ip6/::/"))
-
-
-def dialable_addrs(addrs: Sequence[str], table: dict[str, list[str]]) -> list[str]:
-    """``addrs`` as other machines can dial them: a wildcard IPv4 listen address becomes one
-    address per IPv4 interface address in ``table`` (interface -> IPs); loopback only when the
-    machine has nothing else (a peer elsewhere dialing 127.0.0.1 reaches itself). IPv6
-    wildcards are dropped (no IPv6 routing is assumed). Order kept, duplicates removed."""
-    ips = [ip for v in table.values() for ip in v if ":" not in ip]
-    public = [ip for ip in ips if not ip.startswith("127.")]
-    use = public or [ip for ip in ips if ip.startswith("127.")] or ["127.0.0.1"]
-    out: list[str] = []
-    for a in addrs:
-        if a.startswith("/ip4/0.0.0.0/"):
-            out += [a.replace("/ip4/0.0.0.0/", f"/ip4/{ip}/", 1) for ip in use]
-        elif not is_wildcard(a):
-            out.append(a)
-    return list(dict.fromkeys(out))
-
-
-def _strip_p2p(addr: str) -> str:
-    i = addr.find("/p2p/")
-    return addr[:i] if i >= 0 else addr
+        await self.door.disconnect(peer)
 
 
 def build_libp2p_host(seed: bytes, listen: Sequence[multiaddr.Multiaddr]) -> Any:
-    """A py-libp2p host with Noise-only security and yamux-only muxing (see module docstring)."""
+    """A py-libp2p host with Noise-only security and yamux-only muxing (see module docstring),
+    after the pinned-version check and the process-wide adaptations (libp2p_patches.apply)."""
+    libp2p_patches.apply()
     if not isinstance(seed, bytes | bytearray) or len(seed) != 32:
         raise UsageError("identity seed must be 32 bytes (an Ed25519 seed)")
     key_pair = create_new_key_pair(bytes(seed))
@@ -704,34 +458,44 @@ async def open_host(
     io_timeout: float = DEFAULT_IO_TIMEOUT,
     dial_timeout: float = DEFAULT_DIAL_TIMEOUT,
     admit_timeout: float = DEFAULT_ADMIT_TIMEOUT,
+    role: str = MEMBER,
+    member_key: bytes = b"",
 ) -> AsyncIterator[SwarmHost]:
-    """Run a host listening on ``listen`` for the swarm ``swarm_id`` whose secret is ``secret``.
+    """Run a host listening on ``listen`` for the swarm ``swarm_id``.
 
-    ``seed`` is the node's 32-byte Ed25519 identity seed. Leaving the block closes every
-    connection and stream and cancels every task the host started.
+    ``role`` MEMBER: ``secret`` is the swarm secret. ``role`` CLIENT: ``secret`` is the client
+    secret and ``member_key`` the swarm's member key (both from a client invite); such a host
+    admits nobody and is admitted by members as a client. ``seed`` is the node's 32-byte
+    Ed25519 identity seed. Leaving the block closes every connection and stream and cancels
+    every task the host started.
     """
     if not isinstance(secret, bytes | bytearray) or len(secret) < 16:
         raise UsageError("swarm secret must be at least 16 bytes")
+    if role not in ROLES:
+        raise UsageError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+    if role == CLIENT and len(member_key) != 32:
+        raise UsageError("a client host needs the swarm's 32-byte member key (from its client invite)")
     for name, v in (("io_timeout", io_timeout), ("dial_timeout", dial_timeout), ("admit_timeout", admit_timeout)):
         if not (v > 0 and math.isfinite(v)):
             raise UsageError(f"{name} must be a positive number of seconds, got {v!r}")
-    addrs = [_parse_multiaddr(a, "listen address") for a in listen]
+    addrs = [parse_multiaddr(a, "listen address") for a in listen]
     if not addrs:
         raise UsageError("open_host needs at least one listen address")
     h = build_libp2p_host(seed, addrs)
+    credential = Credential(bytes(secret), role, bytes(member_key))
     async with trio.open_nursery() as nursery:
         host = SwarmHost(
-            h, nursery, secret=bytes(secret), swarm_id=swarm_id, revoked=revoked, limits=limits, io_timeout=io_timeout,
-            dial_timeout=dial_timeout, admit_timeout=admit_timeout,
+            h, nursery, credential=credential, swarm_id=swarm_id, revoked=revoked, limits=limits,
+            io_timeout=io_timeout, dial_timeout=dial_timeout, admit_timeout=admit_timeout,
         )  # fmt: skip
-        h.get_network().register_notifee(_Notifee(host))
-        h.set_stream_handler(TProtocol(PROTO_ADMIT), host._serve_admit)
+        h.get_network().register_notifee(_Notifee(host.door))
+        host.door.govern()
         try:
             async with h.run(addrs):
                 try:
                     yield host
                 finally:
-                    host._closed = True
+                    host.door.closed = True
                     with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_TIMEOUT):
                         await h.close()
                     for ch in host._subscribers:
@@ -742,4 +506,4 @@ async def open_host(
             nursery.cancel_scope.cancel()
 
 
-__all__ = ["HostEvent", "SwarmHost", "build_libp2p_host", "dialable_addrs", "is_wildcard", "open_host"]
+__all__ = ["Credential", "HostEvent", "SwarmHost", "build_libp2p_host", "dialable_addrs", "is_wildcard", "open_host"]

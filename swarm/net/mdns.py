@@ -52,6 +52,10 @@ log = logging.getLogger("swarm.net.mdns")
 SERVICE_TYPE = "_shard-swarm._tcp.local."
 TXT_VERSION = "1"
 MAX_ADDRS = 16  # addresses taken from one record; more is malformed or hostile
+# Anyone on the LAN can announce records under our swarm's tag (it is a hash anyone nearby sees):
+# keep at most MAX_FOUND peers, forget one not announced for FOUND_TTL_S, drop the oldest for a newcomer.
+MAX_FOUND = 64
+FOUND_TTL_S = 600.0
 RESOLVE_TIMEOUT_MS = 3000
 
 
@@ -185,6 +189,23 @@ class Mdns:
     interface_ips: list[str]
     found: dict[str, Discovered] = field(default_factory=dict)
     _recv: trio.MemoryReceiveChannel[Discovered] | None = None
+    _seen: dict[str, float] = field(default_factory=dict)  # peer -> when its record was last resolved
+
+    def remember(self, item: Discovered, now: float) -> bool:
+        """Keep ``item`` (bounded and aged, see MAX_FOUND); True when it is news to pass on."""
+        for peer in [p for p, t in self._seen.items() if now - t >= FOUND_TTL_S]:
+            self.found.pop(peer, None)
+            del self._seen[peer]
+        known = self.found.get(item.peer_id)
+        self._seen[item.peer_id] = now
+        if known == item:
+            return False
+        if known is None and len(self.found) >= MAX_FOUND:
+            oldest = min((p for p in self.found if p != item.peer_id), key=lambda p: self._seen.get(p, 0.0))
+            del self.found[oldest]
+            self._seen.pop(oldest, None)
+        self.found[item.peer_id] = item
+        return True
 
     async def discoveries(self) -> AsyncIterator[Discovered]:
         """Each peer of our swarm as it is seen (again when its addresses change)."""
@@ -298,9 +319,8 @@ async def _resolver(
         found = parse_service(info, tag)
         if found is None or found.peer_id == own_peer:
             continue
-        if mdns.found.get(found.peer_id) == found:
+        if not mdns.remember(found, trio.current_time()):
             continue
-        mdns.found[found.peer_id] = found
         log.info("mDNS: found %s at %s", found.peer_id, ", ".join(found.addrs))
         with contextlib.suppress(trio.WouldBlock):
             out.send_nowait(found)

@@ -41,6 +41,7 @@ from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 
 from swarm.errors import PeerError, PeerTimeout, ProtocolError, UsageError
+from swarm.net import libp2p_patches
 from swarm.net.relay import Path, RelayNode, parse_peer_addr, path_to
 
 __all__ = [
@@ -119,24 +120,6 @@ def _tcp_ports(addrs: Sequence[Any]) -> list[int]:
             if port and port not in ports:
                 ports.append(port)
     return ports[:MAX_PORTS]
-
-
-def _local_port(conn: Any) -> int | None:
-    """The local TCP port of a libp2p connection (best effort: walks the wrapper chain)."""
-    todo: list[Any] = [conn]
-    seen: set[int] = set()
-    while todo:
-        obj = todo.pop()
-        if obj is None or id(obj) in seen or len(seen) > 40:
-            continue
-        seen.add(id(obj))
-        sock = getattr(obj, "socket", None)
-        if sock is not None and hasattr(sock, "getsockname"):
-            with contextlib.suppress(Exception):
-                return int(sock.getsockname()[1])
-        for name in ("muxed_conn", "secured_conn", "conn", "raw_conn", "stream", "_stream"):
-            todo.append(getattr(obj, name, None))
-    return None
 
 
 # -- the helper's side ------------------------------------------------------------------------
@@ -267,7 +250,7 @@ async def _dialback_exchange(
                 f"peer {helper_peer} does not serve {DIALBACK_PROTOCOL}: {exc}"
             ) from exc
         try:
-            local = _local_port(stream.muxed_conn)
+            local = libp2p_patches.local_port(stream.muxed_conn)
             await _write_line(stream, {"ports": ports[:MAX_PORTS]}, timeout=IO_TIMEOUT)
             reply = await _read_line(stream, timeout=timeout, peer=helper_peer)
         finally:
@@ -519,7 +502,7 @@ def _hole_punch_readiness(d: Diagnosis, relay: RelayNode | None) -> str:
     """Whether DCUtR can turn relayed connections to other NATed peers into direct ones."""
     if d.reachability is Reachability.PUBLIC:
         return "not needed (peers dial you directly)"
-    if relay is None or getattr(relay, "_dcutr", None) is None:
+    if relay is None or not relay.hole_punching:
         return "off (join --no-relay)"
     if not d.relay_addrs:
         return "not possible without a relay slot (DCUtR starts from a relayed connection)"

@@ -45,6 +45,7 @@ from libp2p.relay.circuit_v2.transport import CircuitV2Transport
 from libp2p.tools.anyio_service import background_trio_service
 
 from swarm.errors import PeerError, PeerTimeout, UsageError
+from swarm.net import libp2p_patches
 
 __all__ = [
     "DCUTR_PROTOCOL",
@@ -99,12 +100,13 @@ class RelayPolicy:
     """
 
     max_reservations: int = 64
+    max_reservations_per_ip: int = 8  # peers behind one home NAT share an IP; more is one party
     max_circuits_per_peer: int = 16
     circuit_seconds: int = 24 * 3600
     circuit_bytes: int = 16 << 30
 
     def limits(self) -> RelayLimits:
-        if min(self.max_reservations, self.max_circuits_per_peer, self.circuit_seconds) <= 0:
+        if min(self.max_reservations, self.max_reservations_per_ip, self.max_circuits_per_peer, self.circuit_seconds) <= 0:
             raise UsageError(f"relay policy values must be positive: {self}")
         return RelayLimits(
             duration=self.circuit_seconds,
@@ -174,16 +176,9 @@ def relay_of(host: IHost, peer: ID | str) -> str:
 
 
 def forget_dial_failure(host: IHost, peer: ID | str) -> None:
-    """Let the next dial to ``peer`` really happen.
-
-    py-libp2p 0.8.1 refuses to dial a peer for 60 s after all its addresses failed once (a
-    private "negative cache"); a deliberate retry (the relay was still starting, the network
-    came back) must not be refused by that, so callers that retry on purpose clear it first.
-    """
-    cache = getattr(host.get_network(), "_negative_peer_cache", None)
-    if cache is not None:
-        with contextlib.suppress(Exception):
-            cache.evict(str(_as_id(peer)))
+    """Let the next dial to ``peer`` really happen (py-libp2p blocks a peer for 60 s after one
+    failed dial; a deliberate retry must not wait that out)."""
+    libp2p_patches.forget_dial_failure(host, str(_as_id(peer)))
 
 
 def connection_addrs(host: IHost, peer: ID | str) -> list[str]:
@@ -209,6 +204,16 @@ class RelayNode:
         self._reservations: dict[str, str] = {}  # relay addr -> our circuit addr
         self.seen_relayed: set[str] = set()  # peers we have had a relayed connection to
         self.upgraded: set[str] = set()  # of those, peers now reached directly (DCUtR)
+
+    def reservations_held(self) -> dict[str, str]:
+        """On a relay (hop): peer ID -> IP of every reservation held now."""
+        manager = self._protocol.resource_manager
+        return manager.held() if isinstance(manager, libp2p_patches.PolicedReservations) else {}
+
+    @property
+    def hole_punching(self) -> bool:
+        """Whether this node answers and drives DCUtR upgrades."""
+        return self._dcutr is not None
 
     @property
     def circuit_addrs(self) -> list[str]:
@@ -239,8 +244,7 @@ class RelayNode:
                     f"{relay_addr} does not offer circuit relay v2 ({HOP_PROTOCOL}); "
                     "is it a shard-swarm bootstrap node?"
                 )
-            if info.peer_id not in discovery.get_relays():
-                await discovery._add_relay(info.peer_id)  # no auto-reserve: just registers it
+            await libp2p_patches.register_relay(discovery, info.peer_id)
             ok = await discovery.make_reservation(info.peer_id)
             if not ok:
                 raise PeerError(f"relay {relay_addr} refused a reservation (it may be full)")
@@ -275,6 +279,7 @@ class RelayNode:
         SwarmHost.dial, runs it and bounds the time). py-libp2p's host cannot dial these
         addresses itself: its Swarm drops them before dialing."""
         info = parse_peer_addr(addr, what="circuit address")
+        await self._admit_relay(addr)
         forget_dial_failure(self.host, info.peer_id)
         try:
             await self._transport.dial(multiaddr.Multiaddr(addr))
@@ -283,6 +288,13 @@ class RelayNode:
         except Exception as exc:
             raise PeerError(f"cannot reach {info.peer_id} through the relay at {addr}: {exc}") from exc
         self.seen_relayed.add(str(info.peer_id))
+
+    async def _admit_relay(self, circuit: str) -> None:
+        """Be admitted by the relay of a circuit address before asking it for a circuit: a
+        relay that runs admission serves its hop protocol to admitted peers only."""
+        relay_addr = circuit.split("/p2p-circuit", 1)[0]
+        if self._admit is not None and "/p2p/" in relay_addr:
+            await self._admit(relay_addr)
 
     async def dial(self, addr: str, *, timeout: float = 15.0) -> str:
         """Connect to a peer at a direct or ``/p2p-circuit`` address; return its peer ID.
@@ -294,6 +306,7 @@ class RelayNode:
         with trio.move_on_after(timeout) as scope:
             try:
                 if "/p2p-circuit" in addr:
+                    await self._admit_relay(addr)
                     await self._transport.dial(multiaddr.Multiaddr(addr))
                     self.seen_relayed.add(str(info.peer_id))
                 else:
@@ -380,11 +393,10 @@ class RelayNode:
                 key = str(peer)
                 if key > me or rounds.get(key, 0) >= PUNCH_ROUNDS or path_to(self.host, peer) is not Path.RELAYED:
                     continue
-                if peer in getattr(self._dcutr, "_in_progress", ()):
+                if libp2p_patches.dcutr_busy(self._dcutr, peer):
                     continue
                 rounds[key] = rounds.get(key, 0) + 1
-                with contextlib.suppress(Exception):
-                    self._dcutr._hole_punch_attempts.pop(peer, None)  # its own budget of 3
+                libp2p_patches.reset_punch_budget(self._dcutr, peer)  # its own budget of 3
                 ok = await self.punch(peer, timeout=PUNCH_RETRY_S * 2)
                 log.info("hole punch to %s, round %d: %s", key, rounds[key], "direct" if ok else "still relayed")
 
@@ -414,8 +426,7 @@ class RelayNode:
         else:
             with trio.move_on_after(timeout):
                 while path_to(self.host, pid) is Path.RELAYED:
-                    with contextlib.suppress(Exception):
-                        self._dcutr._hole_punch_attempts.pop(pid, None)
+                    libp2p_patches.reset_punch_budget(self._dcutr, pid)
                     if await self.punch(pid, timeout=timeout):
                         break
                     await trio.sleep(0.5)
@@ -451,10 +462,12 @@ async def open_relay(
     With a SwarmHost pass ``host=swarm_host.libp2p, admit=swarm_host.dial`` so the relay and
     every peer reached through it are admitted (a SwarmHost drops unadmitted connections).
     """
-    limits = (policy or RelayPolicy()).limits()
+    policy = policy or RelayPolicy()
+    limits = policy.limits()
     roles = RelayRole.STOP | RelayRole.CLIENT | (RelayRole.HOP if hop else RelayRole(0))
     config = RelayConfig(roles=roles, limits=limits)
     protocol = CircuitV2Protocol(host, limits=limits, allow_hop=hop)
+    libp2p_patches.police_reservations(protocol, per_ip=policy.max_reservations_per_ip)
     async with background_trio_service(protocol), trio.open_nursery() as nursery:
         transport = CircuitV2Transport(host, protocol, config)
         if not hole_punch:

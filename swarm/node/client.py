@@ -25,12 +25,16 @@ from swarm.proto.messages import parse_message
 
 @contextlib.asynccontextmanager
 async def open_client(
-    addr: str | Sequence[str], *, secret: bytes, swarm_id: str, timeout: float = 60.0
+    addr: str | Sequence[str], *, secret: bytes, swarm_id: str, timeout: float = 60.0,
+    role: str = "member", member_key: bytes = b"",
 ) -> AsyncIterator[tuple[SwarmHost, str]]:
     """A client host connected and admitted to the peer at ``addr`` (a multiaddr with /p2p/), or
     to the first of several that answers (an invite's bootstrap list: each gets an equal share
-    of ``timeout``, at least 10 s)."""
-    async with open_host(os.urandom(32), ("/ip4/127.0.0.1/tcp/0",), secret=secret, swarm_id=swarm_id) as host:
+    of ``timeout``, at least 10 s). ``role="client"`` with a client invite's secret and
+    ``member_key``: admitted as a client (generations and status only)."""
+    async with open_host(
+        os.urandom(32), ("/ip4/127.0.0.1/tcp/0",), secret=secret, swarm_id=swarm_id, role=role, member_key=member_key
+    ) as host:
         liveness = Liveness()
 
         async def ignore_advert(peer: str, advert: Any) -> None:

@@ -40,6 +40,7 @@ import trio
 from swarm.errors import AdmissionError, PeerError, PeerLost, ProtocolError, SwarmError, UsageError
 from swarm.net.host import HostEvent, is_wildcard
 from swarm.net.streams import FramedStream
+from swarm.node.control import role_of
 from swarm.node.failure import PeerState, Transition
 from swarm.node.heartbeat import DEFAULT_INTERVAL, Liveness, run_ctl_link, serve_ctl_inbound
 from swarm.node.hosting import Host
@@ -55,6 +56,8 @@ READVERT_POLL = 0.25  # a peer's first RTT (or its loss) is advertised within th
 DIAL_PERIOD = 0.5
 DIAL_GRACE = 2.0  # a higher peer ID waits this long for the lower one to dial it
 MAX_BACKOFF = 5.0
+MAX_CANDIDATES = 512  # dialable addresses kept (2,000 adverts of one member once made 32,000)
+CANDIDATE_TTL_S = 120.0  # a learned address whose peer is not admitted for this long is forgotten
 
 
 # ---------------------------------------------------------------------------- the service
@@ -126,6 +129,11 @@ class MembershipService:
         peer = addr[i + 5 :].split("/")[0]
         if peer == self.host.peer_id or addr in self._candidates or is_wildcard(addr):
             return  # never dial ourselves, nor a wildcard (it reaches our own listener)
+        if len(self._candidates) >= MAX_CANDIDATES:
+            learned = [c for c in self._candidates.values() if _learned(c)]
+            if not learned:
+                return
+            del self._candidates[min(learned, key=lambda c: c.first_seen).addr]  # the oldest learned goes
         self._candidates[addr] = _Candidate(addr, peer, source, trio.current_time())
 
     def members(self) -> list[str]:
@@ -164,6 +172,7 @@ class MembershipService:
                 self._emit(MemberEvent("refused", ev.peer, ev.addr, reason=ev.reason))
 
     def _admitted(self, ev: HostEvent) -> None:
+        self.membership.confirm(ev.peer)  # its advert, if gossip brought one, no longer expires
         if self._nursery is None or ev.peer in self._links or not self.publish:
             return  # a hub links to a peer once the peer links to it (see _serve_inbound)
         self.liveness.heard(ev.peer)
@@ -176,9 +185,14 @@ class MembershipService:
         self._outboxes[peer] = send
         if self.publish:
             send.send_nowait(self.membership.local.to_frame())
-        for other, advert in self.membership.view().items():
+        # adverts of peers that connected to us first; the outbox is bounded, and a member that
+        # made up a book full of adverts once crashed every node here (WouldBlock) on the next link
+        unconfirmed = set(self.membership.unconfirmed())
+        view = self.membership.view()
+        for other in sorted(view, key=lambda p: p in unconfirmed):
             if other not in (peer, self.host.peer_id):
-                send.send_nowait(advert.to_frame())
+                with contextlib.suppress(trio.WouldBlock):
+                    send.send_nowait(view[other].to_frame())
         scope = trio.CancelScope()
         self._links[peer] = scope
         self._nursery.start_soon(self._link, peer, scope, recv)
@@ -235,8 +249,11 @@ class MembershipService:
         await serve_ctl_inbound(fs, self.liveness, self._on_advert)
 
     async def _on_advert(self, from_peer: str, advert: Advert) -> None:
+        if role_of(self.host, advert.peer_id, True) == "client" or role_of(self.host, from_peer, True) == "client":
+            log.warning("ignored an advert of %s relayed by %s: a client may not advertise", advert.peer_id, from_peer)
+            return  # a client (generate and status only) is never a member, whoever relays its advert
         try:
-            news = self.membership.offer(advert)
+            news = self.membership.offer(advert, now=trio.current_time(), connected=self.host.is_admitted(advert.peer_id))
         except ProtocolError as exc:
             log.warning("ignored an advert relayed by %s: %s", from_peer, exc)
             return
@@ -312,9 +329,21 @@ class MembershipService:
 
     # -- background loops --------------------------------------------------------------------
 
+    def _age_candidates(self, now: float) -> None:
+        """Forget adverts whose peer never connected, and learned addresses (adverts, mDNS) not
+        useful for CANDIDATE_TTL_S; a bootstrap or --peer address is kept for good."""
+        for peer in self.membership.expire(now):
+            log.info("forgot the advert of %s: it never connected", peer)
+        for cand in list(self._candidates.values()):
+            if self.host.is_admitted(cand.peer):
+                cand.first_seen = now  # in use: the clock restarts
+            elif _learned(cand) and now - cand.first_seen > CANDIDATE_TTL_S:
+                del self._candidates[cand.addr]
+
     async def _dialer(self) -> None:
         while True:
             now = trio.current_time()
+            self._age_candidates(now)
             for cand in list(self._candidates.values()):
                 if self.host.is_admitted(cand.peer) or now < cand.next_try:
                     continue
@@ -366,3 +395,8 @@ def _rtts_changed(old: dict[str, float], new: dict[str, float]) -> bool:
     if set(old) != set(new):
         return True
     return any(abs(new[p] - old[p]) > max(0.2, 0.2 * old[p]) for p in new)
+
+
+def _learned(cand: _Candidate) -> bool:
+    """A candidate someone else told us of (an advert, mDNS), not one the user gave."""
+    return cand.source.startswith(("advert", "mdns"))

@@ -3,9 +3,12 @@
 Theory of operation
 -------------------
 Between two admitted peers each side opens its own outbound ``ctl`` stream. On it, the sender
-writes a HEARTBEAT every ``interval`` seconds carrying its clock (microseconds of
-``trio.current_time()``) and whatever else it has to say (adverts); the other side's inbound
-handler echoes each HEARTBEAT back unchanged. So every peer measures its own round trip to every
+writes a HEARTBEAT every ``interval`` seconds carrying a beat number and its clock (microseconds
+of ``trio.current_time()``) and whatever else it has to say (adverts); the other side's inbound
+handler echoes each HEARTBEAT back unchanged. The RTT is measured from the sender's own record
+of when it sent that beat, never from the echoed clock: an echo of a beat we did not send (or
+already heard) is ignored, so a peer can delay its echoes (a longer RTT) but cannot make the RTT
+others measure to it shorter, or anything it likes. So every peer measures its own round trip to every
 other peer with frames that already flow (our own ping: one frame each way on an open stream,
 ~10x cheaper than a libp2p ping, which opens a new stream and negotiates it each time), and every
 frame heard on either stream is evidence that the peer is alive.
@@ -36,6 +39,7 @@ log = logging.getLogger("swarm.node.heartbeat")
 
 DEFAULT_INTERVAL = 0.5  # seconds between heartbeats; with failure.py's defaults: lost within ~3 s
 RTT_SAMPLES = 8
+OUTSTANDING_BEATS = 16  # beats awaiting their echo that still count for an RTT
 STALL_S = 2.0  # a gap this long between our own ticks means we were stopped (SIGSTOP, a laptop asleep)
 
 OnTransition = Callable[[Transition], None]
@@ -130,6 +134,7 @@ async def run_ctl_link(
     ``outbox`` as they come, and RTT samples from the echoes. Returns never; raises PeerError
     when the stream dies (PeerLost) or a write stalls (PeerTimeout)."""
     peer = fs.peer
+    sent: dict[int, float] = {}  # beat -> when we sent it (the last OUTSTANDING_BEATS)
 
     async def sender() -> None:
         beat = 0
@@ -142,6 +147,8 @@ async def run_ctl_link(
                 await fs.send(frame, timeout=interval * 4)
                 continue
             beat += 1
+            sent[beat] = trio.current_time()
+            sent.pop(beat - OUTSTANDING_BEATS, None)
             await fs.send(Heartbeat(beat, _now_us()).to_frame(), timeout=interval * 4)
             next_beat = trio.current_time() + interval
 
@@ -153,7 +160,9 @@ async def run_ctl_link(
             if frame.msg_type is MsgType.HEARTBEAT:
                 echo = parse_message(frame, fs.limits)
                 assert isinstance(echo, Heartbeat)
-                liveness.rtt_sample(peer, (_now_us() - echo.time_us) / 1_000_000)
+                at = sent.pop(echo.seq, None)  # our own record: the echoed clock is not trusted
+                if at is not None:
+                    liveness.rtt_sample(peer, trio.current_time() - at)
             else:
                 raise ProtocolError(f"peer {peer} sent {frame.msg_type.name} on our ctl stream (echoes only)")
 

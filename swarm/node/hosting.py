@@ -12,7 +12,7 @@ A peer's *role* (member or client, issue 14) comes from the host when it can tel
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
@@ -46,8 +46,9 @@ class Host(Protocol):
         """Our dialable addresses, each ending in ``/p2p/<peer id>``."""
         ...
 
-    def handle(self, protocol: str, handler: Handler) -> None:
-        """Serve ``protocol``: ``handler(peer, stream)`` for each inbound stream of an admitted peer."""
+    def handle(self, protocol: str, handler: Handler, *, roles: Iterable[str] = ("member",)) -> None:
+        """Serve ``protocol``: ``handler(peer, stream)`` for each inbound stream of a peer admitted
+        with one of ``roles`` (default members only; the generation protocol adds "client")."""
         ...
 
     def open_stream(

@@ -20,7 +20,7 @@ import dataclasses
 import platform
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -128,11 +128,22 @@ class Membership:
         self._local = sign_advert(dataclasses.replace(new, seq=self._local.seq + 1), self.signer)
         return True
 
-    def offer(self, advert: Advert) -> bool:
-        """True if ``advert`` is news (kept); False if stale or our own; ProtocolError if forged."""
+    def offer(self, advert: Advert, *, now: float = 0.0, connected: bool = True) -> bool:
+        """True if ``advert`` is news (kept); False if stale or our own; ProtocolError if forged.
+        An advert of a peer not ``connected`` to us expires unless it connects (AdvertBook)."""
         if advert.peer_id == self.peer_id:
             return False
-        return self._book.offer(advert)
+        return self._book.offer(advert, now=now, connected=connected)
+
+    def confirm(self, peer: str) -> None:
+        self._book.confirm(peer)
+
+    def expire(self, now: float) -> list[str]:
+        return self._book.expire(now)
+
+    def unconfirmed(self) -> list[str]:
+        """Peers whose advert we hold but who never connected to us."""
+        return self._book.unconfirmed()
 
     def forget(self, peer: str) -> None:
         self._book.forget(peer)
@@ -146,18 +157,28 @@ class Membership:
         out[self.peer_id] = self._local
         return dict(sorted(out.items()))
 
-    def peers_file(self) -> dict[str, object]:
+    def peers_file(self, *, members: Collection[str] | None = None, others: int = 0) -> dict[str, object]:
         """The planner's peers-file (``{"peers": [...], "rtt_ms": {...}}``) of the current view.
-        RTTs are as each peer measured them, limited to peers in the view."""
+        RTTs are as each peer measured them, limited to peers in the view.
+
+        ``members`` (for a status reply, which must stay small however many adverts a member made
+        up): list those peers with their RTTs among them, then at most ``others`` more of the
+        view without RTTs."""
         view = self.view()
+        if members is not None:
+            keep = [p for p in view if p in members]
+            keep += [p for p in view if p not in members][:others]
+            view = {p: view[p] for p in keep}
+        rtt_peers = view if members is None else {p for p in view if p in members}
         peers = [
             Peer(p, a.memory_bytes, a.layer_us / 1000.0, True, tuple(a.addrs),
                  None if a.draft_us is None else a.draft_us / 1000.0, a.draft_bytes or 0)  # fmt: skip
             for p, a in view.items()
         ]
         rtt = {
-            p: {q: us / 1000.0 for q, us in a.rtt_us.items() if q in view and q != p} for p, a in view.items()
-        }
+            p: {q: us / 1000.0 for q, us in a.rtt_us.items() if q in rtt_peers and q != p}
+            for p, a in view.items() if p in rtt_peers
+        }  # fmt: skip
         return dump_peers_file(peers, {p: row for p, row in rtt.items() if row})
 
 

@@ -27,6 +27,8 @@ from swarm.node.view import MemberView
 from swarm.node.wiring import Wiring
 from swarm.planner import Plan
 
+STATUS_OTHER_ADVERTS = 32  # adverts of non-members a status reply lists (without RTTs)
+
 
 class Reporter:
     def __init__(
@@ -106,7 +108,8 @@ class Reporter:
             "plan": {"coordinator": plan.coordinator, "ring": list(plan.ring),
                      "blocks": {p: list(b) for p, b in plan.blocks.items()}, "standbys": list(plan.standbys)}
             if plan else None,
-            "peers_file": self.service.membership.peers_file(),
+            # members with RTTs, plus a few other adverts: made-up ones must not make the reply too big
+            "peers_file": self.service.membership.peers_file(members=set(self.view.members()), others=STATUS_OTHER_ADVERTS),
             "ms_per_layer": self.models.ms_per_layer,
             "hop_paths": {str(k): v for k, v in self.wiring.hop_paths.items()},
             "hops": hop_report(ep) if ep is not None else [],

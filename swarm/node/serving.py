@@ -16,7 +16,7 @@ import trio
 
 from swarm.manifest.identity import Identity
 from swarm.node.capacity import Admission
-from swarm.node.control import Dispatcher, RingClient
+from swarm.node.control import CLIENT, MEMBER, Dispatcher, RingClient
 from swarm.node.epochs import Epochs
 from swarm.node.gossip import MembershipService
 from swarm.node.hosting import Host
@@ -89,7 +89,7 @@ class Serving:
         ring_table.__post_init__()  # every handled type has a role
         host.handle(PROTO_RING, self.ring.serve)
         host.handle(PROTO_ACT, self.wiring.serve_act)
-        host.handle(PROTO_GEN, self.gen.serve)
+        host.handle(PROTO_GEN, self.gen.serve, roles=(MEMBER, CLIENT))  # ring, act: members only (the door)
         self._fastpath = fastpath
 
     async def _on_connect(self, peer: str, msg: ctl.Connect) -> ctl.Linked:

@@ -41,6 +41,8 @@ from swarm.proto.limits import DEFAULT_LIMITS, Limits
 
 NONCE_BYTES = 32
 PROOF_BYTES = 32
+SIG_BYTES = 64  # the Ed25519 signature a member answers a client's admission with
+CLIENT_ROLE = "client"  # the one role an ADMIT_HELLO may name (absent: a member)
 MAX_ID = 128  # peer IDs, swarm IDs
 MAX_REASON = 256
 I63 = (1 << 63) - 1
@@ -127,6 +129,9 @@ class AdmitHello(Message):
     swarm_id: str = meta("swarm", Str(MAX_ID))
     peer_id: str = meta("peer", Str(MAX_ID))
     nonce: bytes = meta("nonce", B64(NONCE_BYTES))
+    # "client": the initiator proves the client credential; absent (None) for a member, so a
+    # member's HELLO is byte for byte what it was before roles existed
+    role: str | None = meta("role", Str(16, choices=(CLIENT_ROLE,)), optional=True, default=None)
 
 
 @register
@@ -135,10 +140,15 @@ class AdmitChallenge(Message):
     TYPE: ClassVar[MsgType] = MsgType.ADMIT_CHALLENGE
     peer_id: str = meta("peer", Str(MAX_ID))
     nonce: bytes = meta("nonce", B64(NONCE_BYTES))
-    proof: bytes = meta("proof", B64(PROOF_BYTES))
+    proof: bytes | None = meta("proof", B64(PROOF_BYTES), optional=True, default=None)  # a MAC, to a member
+    sig: bytes | None = meta("sig", B64(SIG_BYTES), optional=True, default=None)  # a signature, to a client
 
     def __repr__(self) -> str:
         return f"AdmitChallenge(peer_id={self.peer_id!r})"
+
+    def check(self, limits: Limits, fail: Any) -> None:
+        if (self.proof is None) == (self.sig is None):
+            raise fail("proof", "expected exactly one of 'proof' (to a member) and 'sig' (to a client)")
 
 
 @register

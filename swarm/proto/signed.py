@@ -43,37 +43,82 @@ def verify_advert(advert: Advert, swarm_id: str) -> None:
         raise ProtocolError(f"advert from {advert.peer_id[:64]}: forged or corrupted signature")
 
 
+UNCONFIRMED_TTL_S = 60.0  # an advert whose peer never connects to us is forgotten after this
+
+
 class AdvertBook:
-    """The newest verified advert per peer. ``offer`` returns True when the advert is news."""
+    """The newest verified advert per peer. ``offer`` returns True when the advert is news.
+
+    Any member can sign adverts for identities it makes up, so the book is bounded (``max_peers``)
+    and an entry is *unconfirmed* until its peer connects to us (``connected=True`` on offer, or
+    :meth:`confirm`). Unconfirmed entries expire after ``unconfirmed_ttl`` (:meth:`expire`), and
+    when the book is full a newcomer's advert evicts the oldest unconfirmed one: made-up peers
+    never connect, so they can neither stay nor lock a genuine newcomer out (a genuine peer's
+    advert arrives on its own link, confirmed). Times are the caller's clock (``now``).
+    """
 
     def __init__(
-        self, swarm_id: str, revoked: frozenset[str] = frozenset(), *, max_peers: int = DEFAULT_LIMITS.max_peers
-    ) -> None:
+        self, swarm_id: str, revoked: frozenset[str] = frozenset(), *, max_peers: int = DEFAULT_LIMITS.max_peers,
+        unconfirmed_ttl: float = UNCONFIRMED_TTL_S,
+    ) -> None:  # fmt: skip
         self.swarm_id = swarm_id
         self.revoked = revoked
         self.max_peers = max_peers
+        self.unconfirmed_ttl = unconfirmed_ttl
         self._latest: dict[str, Advert] = {}
+        self._unconfirmed: dict[str, float] = {}  # peer -> when its first advert was taken
 
-    def offer(self, advert: Advert) -> bool:
+    def offer(self, advert: Advert, *, now: float = 0.0, connected: bool = True) -> bool:
         """Verify and keep ``advert``; False for a stale or repeated sequence number (ignored);
-        ProtocolError for a forged one or a revoked peer."""
+        ProtocolError for a forged one, a revoked peer, or a full book of confirmed peers.
+        ``connected``: its peer is connected to us (else the entry is unconfirmed)."""
         verify_advert(advert, self.swarm_id)
-        if advert.peer_id in self.revoked:
-            raise ProtocolError(f"advert from revoked peer {advert.peer_id}")
-        old = self._latest.get(advert.peer_id)
+        peer = advert.peer_id
+        if peer in self.revoked:
+            raise ProtocolError(f"advert from revoked peer {peer}")
+        old = self._latest.get(peer)
         if old is not None and advert.seq <= old.seq:
+            if connected:
+                self._unconfirmed.pop(peer, None)
             return False
         if old is None and len(self._latest) >= self.max_peers:
-            # a member could gossip adverts of made-up identities: the book is bounded
-            raise ProtocolError(f"advert from {advert.peer_id}: {self.max_peers} peers known (limit max_peers)")
-        self._latest[advert.peer_id] = advert
+            self.expire(now)
+            if len(self._latest) >= self.max_peers and not self._evict_oldest_unconfirmed():
+                raise ProtocolError(f"advert from {peer}: {self.max_peers} connected peers known (limit max_peers)")
+        self._latest[peer] = advert
+        if connected:
+            self._unconfirmed.pop(peer, None)
+        elif old is None:
+            self._unconfirmed[peer] = now
         return True
+
+    def _evict_oldest_unconfirmed(self) -> bool:
+        if not self._unconfirmed:
+            return False
+        oldest = min(self._unconfirmed, key=self._unconfirmed.__getitem__)
+        self.forget(oldest)
+        return True
+
+    def confirm(self, peer_id: str) -> None:
+        """``peer_id`` connected to us: its entry no longer expires."""
+        self._unconfirmed.pop(peer_id, None)
+
+    def expire(self, now: float) -> list[str]:
+        """Forget unconfirmed entries older than ``unconfirmed_ttl``; the peers forgotten."""
+        gone = [p for p, t in self._unconfirmed.items() if now - t >= self.unconfirmed_ttl]
+        for p in gone:
+            self.forget(p)
+        return gone
+
+    def unconfirmed(self) -> list[str]:
+        return sorted(self._unconfirmed)
 
     def get(self, peer_id: str) -> Advert | None:
         return self._latest.get(peer_id)
 
     def forget(self, peer_id: str) -> None:
         self._latest.pop(peer_id, None)
+        self._unconfirmed.pop(peer_id, None)
 
     def peers(self) -> dict[str, Advert]:
         return dict(self._latest)

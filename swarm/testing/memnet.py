@@ -186,6 +186,7 @@ class MemHost:
         self.nursery = nursery
         self.limits: Limits = net.limits
         self._handlers: dict[str, Callable[[str, Any], Any]] = {}
+        self._roles: dict[str, frozenset[str]] = {}  # protocol -> who may open it (as the real host's door)
         self._subscribers: list[trio.MemorySendChannel[HostEvent]] = []
         self._admitted: dict[str, HostEvent] = {}
         self._pending: list[HostEvent] = []  # events for a frozen host, delivered when it thaws
@@ -196,8 +197,9 @@ class MemHost:
     def addrs(self) -> list[str]:
         return [f"/memory/{self.peer_id}/p2p/{self.peer_id}"]
 
-    def handle(self, protocol: str, handler: Callable[[str, Any], Any]) -> None:
+    def handle(self, protocol: str, handler: Callable[[str, Any], Any], *, roles: Iterable[str] = ("member",)) -> None:
         self._handlers[protocol] = handler
+        self._roles[protocol] = frozenset(roles)
 
     def subscribe(self, max_buffer: int = 256) -> trio.MemoryReceiveChannel[HostEvent]:
         send, recv = trio.open_memory_channel[HostEvent](max_buffer)
@@ -269,6 +271,11 @@ class MemHost:
             yield fs
 
     async def _serve(self, protocol: str, peer: str, raw: _Raw) -> None:
+        if self.admitted_role(peer) not in self._roles.get(protocol, frozenset({"member"})):
+            log.warning("%s: refused %s stream from %s peer %s", self, protocol, self.admitted_role(peer), peer)
+            with contextlib.suppress(Exception):
+                await raw.reset()
+            return
         try:
             async with open_framed(raw, peer=peer, protocol=protocol, limits=self.limits) as fs:
                 await self._handlers[protocol](peer, fs)

@@ -224,3 +224,34 @@ async def test_big_bodies_never_hold_the_event_loop(served: tuple[str, Peer]) ->
     assert statuses == [400] * 16, statuses
     assert lag[0] < 1.0, f"the event loop was held {lag[0]:.2f} s"
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+
+async def test_past_the_concurrency_cap_requests_get_429_at_once(node_api: str) -> None:
+    """80 requests at once (more than the 64 that once made a generation wait 120 s as if the
+    ring had failed): the endpoint takes MAX_CONCURRENT_REQUESTS, answers the rest 429 with
+    Retry-After at once, and the ones it took complete."""
+    from swarm.api.server import MAX_CONCURRENT_REQUESTS
+
+    n = 80
+    results: list[tuple[int, float, dict[str, Any], str | None]] = []
+    t0 = trio.current_time()
+    limits = httpx.Limits(max_connections=n + 10, max_keepalive_connections=0)
+    async with httpx.AsyncClient(base_url=node_api, timeout=120, limits=limits) as http:
+
+        async def one(i: int) -> None:
+            r = await http.post("/v1/chat/completions", json={
+                "model": MODEL, "messages": [{"role": "user", "content": f"count to {i}"}], "max_tokens": 24,
+                "temperature": 0})  # fmt: skip
+            results.append((r.status_code, trio.current_time() - t0, r.json(), r.headers.get("retry-after")))
+
+        async with trio.open_nursery() as nursery:
+            for i in range(n):
+                nursery.start_soon(one, i)
+    statuses = sorted({s for s, *_ in results})
+    capped = [(t, h) for s, t, body, h in results if s == 429 and body["error"]["code"] == "too_many_requests"]
+    done = [t for s, t, *_ in results if s == 200]
+    assert set(statuses) <= {200, 429}, statuses
+    assert len(capped) >= n - MAX_CONCURRENT_REQUESTS, (len(capped), statuses)
+    assert all(h == "1" for _, h in capped)
+    assert max(t for t, _ in capped) < 10.0, "a refused request waited instead of being answered at once"
+    assert done, "no request got through"

@@ -42,6 +42,8 @@ def test_the_readme_session_runs_as_typed(tmp_path: Path) -> None:
             home.mkdir(exist_ok=True)
             if who != "alice":
                 shutil.copy(tmp_path / "alice" / "invite.json", home / "invite.json")  # Alice sent it
+                for sent in (tmp_path / "alice").glob("*.invite"):  # and the client invite she made
+                    shutil.copy(sent, home / sent.name)
             cmd = cmd.replace("./model", str(model)).replace("/ip4/0.0.0.0/tcp/4001", f"/ip4/127.0.0.1/tcp/{port}")
             cmd = cmd.replace("/ip4/192.168.1.5/tcp/4001", f"/ip4/127.0.0.1/tcp/{port}").replace("12D3KooWAlice...", alice_id)
             bg = cmd.endswith("&")

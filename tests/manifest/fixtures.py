@@ -15,6 +15,7 @@ from typing import Any
 
 from swarm.manifest.identity import Identity
 from swarm.manifest.manifest import Manifest, ModelSpec, SwarmSecret, new_manifest, sign_manifest
+from swarm.proto.admission import client_secret, member_key
 
 ROOT = Path(__file__).resolve().parents[2] / "manifests"
 ISSUER = Identity(hashlib.sha256(b"shard-swarm example issuer").digest())
@@ -61,7 +62,13 @@ def examples() -> dict[str, bytes]:
         ).to_json_bytes(),
         "with-revocation.json": make(revoked=(OTHER.peer_id,)).to_json_bytes(),
         "with-quant.json": make(model=MODEL, quant="int4").to_json_bytes(),
+        "client.json": make_client().to_json_bytes(),
     }
+
+
+def make_client(**kw: Any) -> Manifest:
+    """The client invite of the example swarm: the client secret and member key derived from SECRET."""
+    return make(secret=SwarmSecret(client_secret(SECRET.value)), role="client", member_key=member_key(SECRET.value), **kw)
 
 
 def broken() -> dict[str, tuple[bytes, str, str | None]]:
@@ -149,6 +156,19 @@ def broken() -> dict[str, tuple[bytes, str, str | None]]:
     variant("none-quant.json", "malformed", "quant", lambda o: o.update(quant="none"))
     variant("tampered-quant.json", "bad-signature", "signature", lambda o: o.update(quant="int8"))
     variant("bad-swarm-id.json", "malformed", "swarm.id", lambda o: o["swarm"].update(id="xyz"))
+    client = _obj(make_client())
+
+    def client_variant(name: str, reason: str, fld: str | None, change: Any) -> None:
+        obj = json.loads(json.dumps(client))
+        change(obj)
+        out[name] = (_dump(obj), reason, fld)
+
+    client_variant("bad-role.json", "malformed", "role", lambda o: o.update(role="admin"))
+    client_variant("client-without-member-key.json", "malformed", "member_key", lambda o: o.pop("member_key"))
+    client_variant("member-key-without-role.json", "malformed", "member_key", lambda o: o.pop("role"))
+    client_variant("short-member-key.json", "malformed", "member_key", lambda o: o.update(member_key=_b64(b"k" * 16)))
+    client_variant("tampered-member-key.json", "bad-signature", "signature",
+                   lambda o: o.update(member_key=_b64(OTHER.public_key)))  # fmt: skip
     out["not-json.json"] = (b'{"version": 1, "swarm": ', "malformed", None)
     out["not-an-object.json"] = (b"[1, 2, 3]\n", "malformed", None)
     out["float-time.json"] = (

@@ -103,6 +103,22 @@ def test_parse_service_accepts_ours_and_rejects_the_rest() -> None:
     assert many is not None and len(many.addrs) == mdns.MAX_ADDRS
 
 
+def test_records_from_the_lan_are_capped_and_aged() -> None:
+    """Anyone on the LAN can announce records under our swarm's tag: a flood of 200 is kept to
+    MAX_FOUND (the oldest go first), a repeat is no news, and a record not seen again expires."""
+    from swarm.manifest.identity import Identity
+
+    m = mdns.Mdns(PEER, [], [])
+    ids = [Identity(bytes([i % 256, i // 256]) * 16).peer_id for i in range(200)]
+    news = [m.remember(Discovered(p, (f"/ip4/10.0.0.1/tcp/1/p2p/{p}",)), float(i)) for i, p in enumerate(ids)]
+    assert all(news) and len(m.found) == mdns.MAX_FOUND
+    assert set(m.found) == set(ids[-mdns.MAX_FOUND:])
+    last = ids[-1]
+    assert not m.remember(m.found[last], 300.0)  # the same record again: no news, seen again
+    assert m.remember(Discovered(PEER + "x", ()), 199.0 + mdns.FOUND_TTL_S)  # later: the rest expired
+    assert set(m.found) == {last, PEER + "x"}
+
+
 class _Refuse(Exception):
     pass
 

@@ -152,3 +152,31 @@ def test_an_advert_names_the_draft_model_its_peer_runs() -> None:
     frame.meta["draft"] = {"name": "int4", "bytes": -1, "us": 5}
     with pytest.raises(ProtocolError, match="draft"):
         Advert.from_frame(frame, DEFAULT_LIMITS)
+
+
+def test_made_up_identities_expire_and_never_lock_a_newcomer_out() -> None:
+    """A member gossips adverts of identities it made up: they stay unconfirmed (they never
+    connect), a newcomer that connects evicts the oldest of them from a full book, and the rest
+    expire after the TTL while connected peers stay."""
+    book = AdvertBook(SWARM, max_peers=4, unconfirmed_ttl=60.0)
+    assert book.offer(_advert(ALICE), now=0.0, connected=True)
+    fakes = [Identity(hashlib.sha256(b"fake %d" % i).digest()) for i in range(5)]
+    for i, f in enumerate(fakes):
+        assert book.offer(_advert(f), now=1.0 + i, connected=False)  # a full book evicts the oldest fake
+    assert len(book.peers()) == 4 and fakes[0].peer_id not in book.peers() and fakes[1].peer_id not in book.peers()
+    newcomer = Identity(hashlib.sha256(b"newcomer").digest())
+    assert book.offer(_advert(newcomer), now=10.0, connected=True)
+    assert newcomer.peer_id in book.peers() and ALICE.peer_id in book.peers()
+    assert book.expire(30.0) == []  # not yet
+    assert sorted(book.expire(70.0)) == sorted([fakes[3].peer_id, fakes[4].peer_id])  # fake 2 made room for the newcomer
+    assert sorted(book.peers()) == sorted([ALICE.peer_id, newcomer.peer_id])
+    # a gossiped advert whose peer then connects is confirmed and stays
+    late = Identity(hashlib.sha256(b"late").digest())
+    assert book.offer(_advert(late), now=71.0, connected=False)
+    book.confirm(late.peer_id)
+    assert book.expire(1000.0) == [] and late.peer_id in book.peers()
+    # a book full of connected peers still refuses a stranger
+    full = AdvertBook(SWARM, max_peers=1)
+    assert full.offer(_advert(ALICE), connected=True)
+    with pytest.raises(ProtocolError, match="limit max_peers"):
+        full.offer(_advert(newcomer), connected=False)

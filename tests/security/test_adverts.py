@@ -75,3 +75,43 @@ async def test_forged_and_replayed_adverts_are_ignored(live: LiveSwarm) -> None:
     assert "forged or corrupted signature" in log
     assert "is for another swarm" in log
     await assert_still_serving(live)
+
+
+async def test_made_up_adverts_never_lock_a_genuine_newcomer_out(live: LiveSwarm) -> None:
+    """A member signs 300 adverts for identities it made up (more than the 256 a book holds) and
+    sends them to node 0, which passes them on. They never connect, so they stay unconfirmed: a
+    genuine newcomer that then joins is in every node's view, and status still answers."""
+    from swarm.net.host import open_host
+    from swarm.node.gossip import MembershipService
+    from swarm.node.membership import Membership
+
+    sw = live.swarm
+    fakes = [Identity(os.urandom(32)) for _ in range(300)]
+    async with admitted_attacker(live, 0) as (h, node0):
+        async with h.open_stream(node0, PROTO_CTL, timeout=10) as fs:
+            for f in fakes:
+                await fs.send(_advert(f, sw.swarm_id, 1, 1 * GB).to_frame())
+            await trio.sleep(2.0)
+        full = _view(await client.status(h, node0))
+    # node 0 took them (its status lists its members and then 32 others, so a made-up crowd
+    # cannot make the reply too big to send: with the whole book it was over 64 KiB)
+    assert len(full) == len(sw.peer_ids) + 32 and sum(f.peer_id in full for f in fakes) == 32, len(full)
+    seed = os.urandom(32)
+    newcomer = Identity(seed)
+    async with open_host(seed, secret=sw.secret, swarm_id=sw.swarm_id) as host:
+        service = MembershipService(host, Membership(newcomer, sw.swarm_id, memory_bytes=2 * GB))
+        async with trio.open_nursery() as nursery:
+            await nursery.start(service.run)
+            service.add_candidate(sw.addrs[0], source="bootstrap")
+            seen: list[str] = []
+            with trio.move_on_after(30):
+                while len(seen) < len(sw.peer_ids):
+                    seen = []
+                    for i, peer in enumerate(sw.peer_ids):
+                        async with client.open_client(sw.addrs[i], secret=sw.secret, swarm_id=sw.swarm_id) as (c, p):
+                            if newcomer.peer_id in _view(await client.status(c, p)):
+                                seen.append(peer)
+                    await trio.sleep(0.5)
+            nursery.cancel_scope.cancel()
+    assert sorted(seen) == sorted(sw.peer_ids), f"the newcomer is missing from {set(sw.peer_ids) - set(seen)}"
+    await assert_still_serving(live)

@@ -20,6 +20,7 @@ from swarm.errors import AdmissionError
 from swarm.manifest.identity import Identity, IdentityError, load_identity
 from swarm.manifest.manifest import new_manifest, sign_manifest, write_manifest
 from swarm.node import client
+from swarm.proto.admission import client_secret
 
 from .swarmkit import LiveSwarm, assert_still_serving, honest_client, outsider
 
@@ -58,10 +59,10 @@ async def test_no_secret_in_logs_receipts_status_or_errors(live: LiveSwarm) -> N
     for i in range(len(sw.procs)):  # status as every node reports it
         async with honest_client(live, i) as (h, peer):
             live.statuses.append(await client.status(h, peer))
-    async with outsider(swarm_id=sw.swarm_id) as h:  # an error about the secret, from both sides
+    outsider_secret = os.urandom(32)
+    async with outsider(secret=outsider_secret, swarm_id=sw.swarm_id) as h:  # an error about the secret, from both sides
         with pytest.raises(AdmissionError) as err:
             await h.dial(sw.addrs[0])
-        outsider_secret = h._secret
     texts = {
         "error": str(err.value) + repr(err.value),
         "receipts": json.dumps(live.receipts),
@@ -82,6 +83,7 @@ async def test_no_secret_in_logs_receipts_status_or_errors(live: LiveSwarm) -> N
     for name, text in texts.items():
         assert not leaks(text, sw.secret), f"the swarm secret appears in {name}"
         assert not leaks(text, outsider_secret), f"the outsider's secret appears in {name}"
+        assert not leaks(text, client_secret(sw.secret)), f"the client secret appears in {name}"
         for seed in seeds:
             assert not leaks(text, seed), f"an identity seed appears in {name}"
     raw = b"".join((sw.workdir / f"node{i}.log").read_bytes() for i in range(len(sw.procs)))
@@ -114,3 +116,26 @@ def test_invite_and_key_files_are_private_and_reprs_hide_the_secret(tmp_path: Pa
     key.chmod(0o644)
     with pytest.raises(IdentityError, match="chmod 600"):
         load_identity(key)
+
+
+def test_the_api_token_never_comes_from_the_command_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """argv is readable by every user in /proc/*/cmdline: `join --api-token` is refused with the
+    ways that are not (a file, the environment, the config file)."""
+    import subprocess
+    import sys
+
+    from swarm.cli.join import _api_token
+    from swarm.errors import UsageError
+
+    monkeypatch.setenv("SHARD_SWARM_CONFIG", str(tmp_path / "cfg"))
+    monkeypatch.delenv("SHARD_SWARM_API_TOKEN", raising=False)
+    with pytest.raises(UsageError, match=r"/proc/\*/cmdline.*--api-token-file"):
+        _api_token(None, "t0ken")
+    f = tmp_path / "token"
+    f.write_text("from-a-file\n")
+    assert _api_token(f, None) == "from-a-file"
+    monkeypatch.setenv("SHARD_SWARM_API_TOKEN", "from-the-env")
+    assert _api_token(None, None) == "from-the-env"
+    out = subprocess.run([sys.executable, "-m", "swarm.cli.main", "join", "--api-token", "t0ken", "--api", "127.0.0.1:0"],
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "SHARD_SWARM_CONFIG": str(tmp_path / "cfg")})  # fmt: skip
+    assert out.returncode == 2 and "/proc/*/cmdline" in out.stderr, out.stderr[-2000:]
