@@ -1,6 +1,7 @@
-"""The ring end to end on the bundled model, side by side: LAN ring vs one process, WAN speculation.
+"""The ring end to end on the bundled model, side by side: LAN ring vs one process, WAN drafting.
 
-    .venv/bin/python benchmarks/bench_ring.py [--quick] [--runs N] [--only lan|wan] [--keep]
+    .venv/bin/python benchmarks/bench_ring.py [--quick] [--runs N] [--wan-runs N]
+        [--only lan|lan-auto|wan] [--drafts int4,int8,self] [--keep]
 
 Real node processes (swarm/node/launch.py) on loopback, a real client (swarm/node/client.py),
 greedy decoding, bf16, ``--threads`` (default 1) torch threads in EVERY process.
@@ -12,21 +13,27 @@ LAN  3 peers on loopback, ``draft="none"`` (one token per traversal), decode tok
      never uses more than one core for compute; giving the single process 1 thread too compares
      the same compute resource, and keeps 3 processes from oversubscribing 2 cores (REFERENCE.md:
      2 threads while another process held a core went 16 ms -> 468 ms per token). Target >= 0.85.
+LAN-AUTO  3 peers on loopback that hold ``auto``'s draft model (an int4 copy of the model):
+     chat requests with ``draft="auto"`` against ``draft="none"``, interleaved; the coordinator
+     decides per request by measured cost (swarm/node/drafting.py) and says so in the receipt.
+     Target: auto >= 0.98 of none (drafting never makes a LAN slower).
 WAN  4 peers behind a delaying proxy (``delay_ms`` one way per hop, default 25). One peer offers
-     only the coordinator's memory (embedding + head) and three offer 10 layers each, so the only
-     plan is a layer-less coordinator and 3 stages: 4 hops, ~100 ms per traversal (checked in the
-     receipt: the coordinator is not in the ring). Ratio 1: decode tok/s with ``draft="ngram"``
-     (prompt lookup, adaptive K, up to ``max_depth`` chunks in flight) over decode tok/s with
-     ``draft="none"`` on the same ring and prompt: target >= 3.0. Ratio 2: decode tok/s over the
-     bound ``accepted_per_traversal * depth / traversal`` where depth is the ring policy's
-     max_depth (chunks allowed in flight) and traversal the receipt's median send->result time:
-     target >= 0.8. Two workloads, reported separately: ``copy`` asks the model to repeat a
-     passage given in the prompt (prompt lookup's home ground: honest to claim for
-     copy/edit/quote workloads) and ``chat`` is a plain question (what most users send).
+     only the coordinator's memory (embedding + head + the draft model) and three offer 10 layers
+     each, so the only plan is a layer-less coordinator and 3 stages: 4 hops, ~100 ms of latency per
+     traversal. One swarm per draft model of ``--drafts`` (a node holds one): the chat workload
+     (what most users send; the primary row) and the copy workload (repeat a passage given in the
+     prompt: prompt lookup's home ground, a second row), each with ``draft="model"`` against
+     ``draft="none"`` (one token per traversal) on the same ring, interleaved; the first swarm also
+     runs ``draft="ngram"``. Ratios: drafted decode tok/s / none's (target >= 2.5 on chat with the
+     best draft), and decode tok/s / the bound ``accepted_per_traversal x chunks in flight /
+     traversal`` where chunks in flight is the mean the policy issued (receipt
+     ``draft.mean_in_flight``) and traversal the receipt's median send->result time (target >= 0.8).
+     Each receipt is replayed in one process with its drafter and policy (``run --receipt``):
+     greedy output must be identical.
 
 Every ratio is a median over ``--runs`` runs whose two sides are interleaved (ABAB, BABA...), so
 background load on this shared 2-core machine hits both alike; one warm-up run per side is
-discarded. Writes benchmarks/results/ring.json.
+discarded. Writes benchmarks/results/ring.json (with ``--only``, only that part of it).
 """
 
 from __future__ import annotations
@@ -53,12 +60,14 @@ sys.path.insert(0, str(ROOT))
 
 from swarm.model.bundled import default_model_dir  # noqa: E402
 from swarm.model.config import ModelArgs  # noqa: E402
+from swarm.model.drafters import NgramDrafter  # noqa: E402
+from swarm.model.draftload import load_draft_model, parse_draft  # noqa: E402
 from swarm.model.generate import DTYPES, LocalModel, generate  # noqa: E402
-from swarm.model.speculative import DEFAULT_PREFILL_CHUNK  # noqa: E402
+from swarm.model.speculative import DEFAULT_PREFILL_CHUNK, KPolicy  # noqa: E402
 from swarm.model.tokenizer import Tokenizer  # noqa: E402
 from swarm.node import client  # noqa: E402
+from swarm.node.drafting import draft_bytes  # noqa: E402
 from swarm.node.launch import LocalSwarm, start_local_swarm  # noqa: E402
-from swarm.node.service import make_drafter  # noqa: E402
 from swarm.node.settings import model_spec  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "ring.json"
@@ -73,8 +82,12 @@ NOTES = [
     "greedy_identical_spec_vs_none can be false in bf16: numerics depend on chunk shapes; "
     "ring_greedy_identical_to_local_spec compares with one process running the same drafter "
     "and policy (same chunk schedule), which must be true",
-    "spec_vs_bound uses policy_max_depth chunks in flight; spec_in_flight_measured is what the "
-    "adaptive depth reached (it ramps up over the first rounds of each generation)",
+    "wan rows: spec_vs_bound uses the chunks in flight the policy issued (receipt draft.mean_in_flight), "
+    "spec_vs_bound_at_max_depth the ring's maximum depth; spec_in_flight_measured is the time average "
+    "(Little's law): where it is below the issued depth, the coordinator was drafting (or the box's "
+    "cores were busy) while fewer chunks were in flight",
+    "every WAN and LAN process shares this machine's 2 cores (and other engineers' jobs): a draft "
+    "model's forwards compete with the stages' for them, which a ring of separate machines would not",
 ]
 
 CHAT_PROMPT = "What are three good habits for a beginner learning to cook at home?"
@@ -430,158 +443,204 @@ def in_flight(rc: dict[str, Any], prompt_tokens: int) -> float:
     return decode_chunks * rc["traversal_ms"] / 1000 / decode_s
 
 
-def wan_memory(model_dir: Path, dtype: str, n_stages: int) -> list[int]:
-    """One peer fits only the coordinator part; ``n_stages`` peers fit their layer share and no head."""
+def wan_memory(model_dir: Path, dtype: str, n_stages: int, draft: str = "none") -> list[int]:
+    """One peer fits only the coordinator part (and ``draft``'s model); ``n_stages`` peers fit
+    their layer share and no head."""
     args = ModelArgs.from_dir(model_dir)
     spec = model_spec(args, DTYPES[dtype], 1024)  # launch.py's default context_tokens
     per_stage = -(-args.n_layers // n_stages) * spec.bytes_per_layer
     stage_mem = int(per_stage + 0.5 * min(spec.bytes_per_layer, spec.coordinator_bytes))
-    return [int(spec.coordinator_bytes * 1.02)] + [stage_mem] * n_stages
+    coord = spec.coordinator_bytes + draft_bytes(draft, args, DTYPES[dtype], 1024)
+    return [int(coord * 1.02)] + [stage_mem] * n_stages
 
 
-def bench_wan(model_dir: Path, tok: Tokenizer, a: argparse.Namespace) -> dict[str, Any]:
-    workloads = {
-        "copy": tok.encode(
-            tok.apply_chat_template(
-                [{"role": "user", "content": COPY_PROMPT}], add_generation_prompt=True
-            )
-        ),
-        "chat": tok.encode(
-            tok.apply_chat_template(
-                [{"role": "user", "content": CHAT_PROMPT}], add_generation_prompt=True
-            )
-        ),
+def _workloads(tok: Tokenizer) -> dict[str, list[int]]:
+    def chat(text: str) -> list[int]:
+        return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True))
+
+    return {"chat": chat(CHAT_PROMPT), "copy": chat(COPY_PROMPT)}
+
+
+def _row(rc: dict[str, Any], prompt_tokens: int) -> dict[str, Any]:
+    dr = rc.get("draft") or {}
+    return _slim(rc) | {
+        "in_flight": in_flight(rc, prompt_tokens),
+        "max_depth": ring_depth(rc),
+        "mean_in_flight": dr.get("mean_in_flight") or 1.0,
+        "ran": dr.get("ran"),
+        "policy": dr.get("policy"),
     }
-    runs: dict[str, dict[str, list[dict[str, Any]]]] = {
-        w: {"none": [], "ngram": []} for w in workloads
+
+
+def _compare(none: list[dict[str, Any]], spec: list[dict[str, Any]]) -> dict[str, Any]:
+    """Drafted vs one token per traversal, run by run (the two interleaved), and vs the bound."""
+    speedups = [s["decode_tokens_per_s"] / n["decode_tokens_per_s"] for s, n in zip(spec, none, strict=True)]
+    # bound = tokens committed per traversal x chunks in flight (as the policy issued them) / traversal
+    bounds = [s["accepted_per_traversal"] * s["mean_in_flight"] / (s["traversal_ms"] / 1000) for s in spec]
+    bounds_max = [s["accepted_per_traversal"] * s["max_depth"] / (s["traversal_ms"] / 1000) for s in spec]
+    return {
+        "none_decode_tok_s": round(med([n["decode_tokens_per_s"] for n in none]), 2),
+        "none_traversal_ms": round(med([n["traversal_ms"] for n in none]), 1),
+        "one_token_per_traversal_tok_s": round(1000 / med([n["traversal_ms"] for n in none]), 2),
+        "spec_decode_tok_s": round(med([s["decode_tokens_per_s"] for s in spec]), 2),
+        "spec_traversal_ms": round(med([s["traversal_ms"] for s in spec]), 1),
+        "accepted_per_traversal": round(med([s["accepted_per_traversal"] for s in spec]), 2),
+        "accepted_per_round": round(med([s["accepted_per_round"] or 0.0 for s in spec]), 2),
+        "spec_vs_one_per_traversal": round(med(speedups), 3),
+        "spec_vs_one_per_traversal_runs": [round(x, 3) for x in speedups],
+        "chunks_in_flight_issued": round(med([s["mean_in_flight"] for s in spec]), 2),
+        "policy_max_depth": max(s["max_depth"] for s in spec),
+        "bound_tok_s": round(med(bounds), 2),
+        "spec_vs_bound": round(med([s["decode_tokens_per_s"] / b for s, b in zip(spec, bounds, strict=True)]), 3),
+        "spec_vs_bound_at_max_depth": round(
+            med([s["decode_tokens_per_s"] / b for s, b in zip(spec, bounds_max, strict=True)]), 3
+        ),
+        "spec_in_flight_measured": round(med([s["in_flight"] for s in spec]), 2),
     }
+
+
+def wan_swarm(model_dir: Path, tok: Tokenizer, a: argparse.Namespace, draft: str, sides: tuple[str, ...]) -> dict[str, Any]:
+    """One WAN swarm whose nodes hold ``draft``: each workload run with each of ``sides`` (request
+    drafters), interleaved, ``a.wan_runs`` times."""
+    workloads = _workloads(tok)
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {w: {s: [] for s in sides} for w in workloads}
     outputs: dict[str, dict[str, list[int]]] = {w: {} for w in workloads}
+    receipts: dict[str, dict[str, dict[str, Any]]] = {w: {} for w in workloads}
 
     async def body(host: Any, peer: str, st: dict[str, Any]) -> dict[str, Any]:
         receipt = await _ring_gen(host, peer, workloads["chat"], 8, "none")  # warm-up, and the plan
-        await _ring_gen(host, peer, workloads["copy"], 8, "ngram")
+        for w in workloads:
+            await _ring_gen(host, peer, workloads[w], 8, sides[-1])
         for r in range(a.wan_runs):
             for w, ids in workloads.items():
-                for draft in ("none", "ngram") if r % 2 == 0 else ("ngram", "none"):
-                    rc = await _ring_gen(host, peer, ids, a.new_tokens, draft)
-                    outputs[w][draft] = rc["output_token_ids"]
-                    runs[w][draft].append(
-                        _slim(rc)
-                        | {"in_flight": in_flight(rc, len(ids)), "max_depth": ring_depth(rc)}
-                    )
-        return {
-            "coordinator": receipt["coordinator"],
-            "ring": receipt["ring"],
-            "rtt_ms": receipt["rtt_ms"],
-            "peers": receipt["peers"],
-            "hop_paths": st.get("hop_paths"),
-        }
+                for side in sides if r % 2 == 0 else tuple(reversed(sides)):
+                    rc = await _ring_gen(host, peer, ids, a.new_tokens, side)
+                    outputs[w][side] = rc["output_token_ids"]
+                    receipts[w][side] = rc
+                    runs[w][side].append(_row(rc, len(ids)))
+        return {"coordinator": receipt["coordinator"], "ring": receipt["ring"], "hop_paths": st.get("hop_paths"),
+                "loop": st.get("loop")}  # fmt: skip
 
     with start_local_swarm(
-        4,
-        model_dir,
-        dtype=a.dtype,
-        threads=a.threads,
-        draft="ngram",
-        delay_ms=a.delay_ms,
-        memory_bytes=wan_memory(model_dir, a.dtype, 3),
-        workdir=workdir(a, "wan"),
-    ) as swarm:
+        4, model_dir, dtype=a.dtype, threads=a.threads, draft=draft, delay_ms=a.delay_ms,
+        memory_bytes=wan_memory(model_dir, a.dtype, 3, draft), workdir=workdir(a, f"wan-{draft}"),
+    ) as swarm:  # fmt: skip
         t0 = time.perf_counter()
         info = trio.run(_with_client, swarm, body)
         wall = time.perf_counter() - t0
-    hops = len(info["ring"]) + 1 if info["coordinator"] not in info["ring"] else len(info["ring"])
     out: dict[str, Any] = {
-        "peers": 4,
-        "delay_ms_one_way": a.delay_ms,
+        "node_draft": draft,
         "coordinator": info["coordinator"],
         "ring": info["ring"],
         "layerless_coordinator": info["coordinator"] not in info["ring"],
-        "hops": hops,
+        "hops": len(info["ring"]) + (info["coordinator"] not in info["ring"]),
         "hop_paths": info["hop_paths"],
         "workloads": {},
         "wall_s": round(wall, 1),
     }
     for w in workloads:
-        none, spec = runs[w]["none"], runs[w]["ngram"]
-        speedups = [
-            s["decode_tokens_per_s"] / n["decode_tokens_per_s"]
-            for s, n in zip(spec, none, strict=True)
-        ]
-        # bound = tokens accepted per traversal * chunks in flight / traversal time
-        bounds = [
-            s["accepted_per_traversal"] * s["max_depth"] / (s["traversal_ms"] / 1000) for s in spec
-        ]
-        vs_bound = [s["decode_tokens_per_s"] / b for s, b in zip(spec, bounds, strict=True)]
-        out["workloads"][w] = {
-            "prompt": COPY_PROMPT if w == "copy" else CHAT_PROMPT,
-            "prompt_tokens": len(workloads[w]),
-            "none_decode_tok_s": round(med([n["decode_tokens_per_s"] for n in none]), 2),
-            "none_traversal_ms": round(med([n["traversal_ms"] for n in none]), 1),
-            "one_token_per_traversal_tok_s": round(
-                1000 / med([n["traversal_ms"] for n in none]), 2
-            ),
-            "spec_decode_tok_s": round(med([s["decode_tokens_per_s"] for s in spec]), 2),
-            "spec_traversal_ms": round(med([s["traversal_ms"] for s in spec]), 1),
-            "accepted_per_traversal": round(med([s["accepted_per_traversal"] for s in spec]), 2),
-            "accepted_per_round": round(med([s["accepted_per_round"] or 0.0 for s in spec]), 2),
-            "spec_vs_one_per_traversal": round(med(speedups), 3),
-            "spec_vs_one_per_traversal_runs": [round(x, 3) for x in speedups],
-            "target": 3.0,
-            "bound_tok_s": round(med(bounds), 2),
-            "spec_vs_bound": round(med(vs_bound), 3),
-            "spec_vs_bound_target": 0.8,
-            "policy_max_depth": max(s["max_depth"] for s in spec),
-            "spec_in_flight_measured": round(med([s["in_flight"] for s in spec]), 2),
-            # the same bound with the depth actually reached (Little's law): near 1 by
-            # construction; the gap to spec_vs_bound is chunks the policy did not put in flight
-            "spec_vs_bound_at_measured_depth": round(
-                med(
-                    [
-                        s["decode_tokens_per_s"]
-                        * s["traversal_ms"]
-                        / 1000
-                        / (s["accepted_per_traversal"] * s["in_flight"])
-                        for s in spec
-                    ]
-                ),
-                3,
-            ),
-            "greedy_identical_spec_vs_none": outputs[w].get("none") == outputs[w].get("ngram"),
-            "local_spec_reference": local_spec_reference(
-                model_dir,
-                workloads[w],
-                a,
-                outputs[w].get("ngram"),
-                max(s["max_depth"] for s in spec),
-            ),
-            "output_text": tok.decode(outputs[w].get("ngram", []))[:300],
-            "runs": {"none": none, "ngram": spec},
-        }
+        rows: dict[str, Any] = {"prompt_tokens": len(workloads[w])}
+        for side in sides[1:]:
+            rc = receipts[w][side]
+            rows[side] = _compare(runs[w]["none"], runs[w][side]) | {
+                "ran": rc["draft"].get("ran"),
+                "why": rc["draft"].get("why"),
+                "greedy_identical_to_none": outputs[w][side] == outputs[w]["none"],
+                "one_box_reference": one_box_reference(model_dir, workloads[w], a, rc),
+                "output_text": tok.decode(outputs[w][side])[:200],
+            }
+        rows["runs"] = runs[w]
+        out["workloads"][w] = rows
     return out
 
 
-def local_spec_reference(
-    model_dir: Path, ids: list[int], a: argparse.Namespace, ring_ids: list[int] | None, depth: int
-) -> dict[str, Any]:
-    """The same drafting in one process (no network): the acceptance the drafter alone gets, and
-    whether the ring's greedy output is token-identical to it (same drafter, same K/depth policy,
-    hence the same chunk schedule and the same bf16 numbers)."""
+def bench_wan(model_dir: Path, tok: Tokenizer, a: argparse.Namespace) -> dict[str, Any]:
+    """Every draft of ``--drafts`` on its own WAN swarm (a node holds one draft model), each
+    against one token per traversal on that same swarm; prompt lookup on the first."""
+    out: dict[str, Any] = {"peers": 4, "delay_ms_one_way": a.delay_ms, "drafts": {}}
+    for i, draft in enumerate(a.drafts):
+        sides = ("none", "ngram", "model") if i == 0 else ("none", "model")
+        out["drafts"][draft] = wan_swarm(model_dir, tok, a, draft, sides)
+        print(json.dumps(summary_wan(out), indent=1), file=sys.stderr)
+    chat = {d: r["workloads"]["chat"]["model"]["spec_vs_one_per_traversal"] for d, r in out["drafts"].items()}
+    best = max(chat, key=lambda d: chat[d])
+    out["best_draft_on_chat"] = best
+    out["chat"] = out["drafts"][best]["workloads"]["chat"]["model"] | {"draft": best}
+    out["copy"] = out["drafts"][best]["workloads"]["copy"]["model"] | {"draft": best}
+    out["targets"] = {"chat_spec_vs_one_per_traversal": 2.5, "spec_vs_bound": 0.8}
+    return out
+
+
+def summary_wan(wan: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for d, r in wan.get("drafts", {}).items():
+        for w, rows in r["workloads"].items():
+            for side, row in rows.items():
+                if isinstance(row, dict) and "spec_vs_one_per_traversal" in row:
+                    out[f"{d}/{w}/{side}"] = {k: row[k] for k in (
+                        "spec_vs_one_per_traversal", "spec_vs_bound", "accepted_per_round", "accepted_per_traversal",
+                        "chunks_in_flight_issued", "spec_decode_tok_s", "none_decode_tok_s")}  # fmt: skip
+    return out
+
+
+def one_box_reference(model_dir: Path, ids: list[int], a: argparse.Namespace, rc: dict[str, Any]) -> dict[str, Any]:
+    """The receipt's drafter and policy in one process (``shard-swarm run --receipt``): the
+    acceptance the drafter alone gets, and whether the ring's greedy output is token-identical
+    to it (same chunk schedule, hence the same bf16 numbers)."""
     local = LocalModel.load(model_dir, stages=1, dtype=DTYPES[a.dtype])
-    drafter, policy = make_drafter("ngram", depth=depth, draft_k=None)  # what the ring builds
-    res = generate(
-        local,
-        ids,
-        max_new_tokens=a.new_tokens,
-        drafter=drafter,
-        policy=policy,
-    )
+    dr = rc.get("draft") or {}
+    ran = dr.get("ran", "ngram")
+    if ran == "ngram":
+        drafter: Any = NgramDrafter()
+    else:
+        drafter = load_draft_model(parse_draft(ran), head=local.head, target=local.ckpt, dtype=DTYPES[a.dtype],
+                                   device="cpu").drafter(len(ids) + a.new_tokens + 16)  # fmt: skip
+    policy = KPolicy(**dr["policy"]) if dr.get("policy") else KPolicy(max_depth=ring_depth(rc), draft_cost=0.0)
+    res = generate(local, ids, max_new_tokens=len(rc["output_token_ids"]), drafter=drafter, policy=policy)
     return {
         "accepted_per_round": res.accepted_per_round,
         "acceptance_rate": res.acceptance_rate,
         "rounds": res.rounds,
         "decode_tokens_per_s": round(res.decode_tokens_per_s, 2),
-        "ring_greedy_identical_to_local_spec": ring_ids == res.output_token_ids,
+        "ring_greedy_identical_to_one_box": rc["output_token_ids"] == res.output_token_ids,
+    }
+
+
+# -- LAN with auto -----------------------------------------------------------------------------
+
+
+def bench_lan_auto(model_dir: Path, tok: Tokenizer, a: argparse.Namespace) -> dict[str, Any]:
+    """3 peers on loopback holding ``auto``'s draft: requests with ``auto`` vs ``none``, interleaved."""
+    ids = _workloads(tok)["chat"]
+    runs: dict[str, list[dict[str, Any]]] = {"none": [], "auto": []}
+    last: dict[str, dict[str, Any]] = {}
+
+    async def body(host: Any, peer: str, st: dict[str, Any]) -> dict[str, Any]:
+        for side in ("none", "auto"):
+            await _ring_gen(host, peer, ids, 8, side)  # warm-up
+        for r in range(a.runs):
+            for side in ("none", "auto") if r % 2 == 0 else ("auto", "none"):
+                rc = await _ring_gen(host, peer, ids, a.lan_new_tokens, side)
+                last[side] = rc
+                runs[side].append(_row(rc, len(ids)))
+        return {"plan": st["plan"]}
+
+    with start_local_swarm(3, model_dir, dtype=a.dtype, threads=a.threads, draft="auto",
+                           workdir=workdir(a, "lan-auto")) as swarm:  # fmt: skip
+        info = trio.run(_with_client, swarm, body)
+    ratios = [x["decode_tokens_per_s"] / n["decode_tokens_per_s"] for x, n in zip(runs["auto"], runs["none"], strict=True)]
+    return {
+        "peers": 3,
+        "plan": info["plan"],
+        "auto_vs_none": round(med(ratios), 3),
+        "auto_vs_none_runs": [round(x, 3) for x in ratios],
+        "target": 0.98,
+        "auto_ran": [r["ran"] for r in runs["auto"]],
+        "auto_why_last": last["auto"]["draft"].get("why"),
+        "none_decode_tok_s": round(med([n["decode_tokens_per_s"] for n in runs["none"]]), 2),
+        "auto_decode_tok_s": round(med([x["decode_tokens_per_s"] for x in runs["auto"]]), 2),
+        "none_traversal_ms": round(med([n["traversal_ms"] for n in runs["none"]]), 1),
+        "runs": runs,
     }
 
 
@@ -596,7 +655,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     p.add_argument("--delay-ms", type=float, default=25.0)
-    p.add_argument("--only", choices=("lan", "wan"), default=None)
+    p.add_argument("--only", choices=("lan", "lan-auto", "wan"), default=None)
+    p.add_argument("--drafts", default="int4,int8,self", help="draft models for the WAN rows (comma-separated)")
     p.add_argument(
         "--quick", action="store_true", help="2 runs per side, 24 new tokens (a smoke run)"
     )
@@ -608,6 +668,7 @@ def main() -> None:
         help="node configs and logs (default: $TMPDIR/ring-bench/{lan,wan})",
     )
     a = p.parse_args()
+    a.drafts = [d for d in a.drafts.split(",") if d]
     if a.quick:
         a.runs, a.wan_runs, a.new_tokens, a.lan_new_tokens = 2, 1, 24, 24
     torch.set_num_threads(a.threads)
@@ -638,15 +699,21 @@ def main() -> None:
             ),
             file=sys.stderr,
         )
+    if a.only in (None, "lan-auto"):
+        result["lan_auto"] = bench_lan_auto(model_dir, tok, a)
     if a.only in (None, "wan"):
         result["wan"] = bench_wan(model_dir, tok, a)
     result["wall_s"] = round(time.perf_counter() - t0, 1)
     a.out.parent.mkdir(parents=True, exist_ok=True)
+    if a.only and a.out.exists():  # one part re-run: the file keeps the other parts' last figures
+        old = json.loads(a.out.read_text())
+        parts = {"lan": "lan", "lan-auto": "lan_auto", "wan": "wan"}
+        result = {**old, parts[a.only]: result[parts[a.only]], "notes": NOTES,
+                  "runs_by_part": {**old.get("runs_by_part", {}), parts[a.only]: {k: result[k] for k in ("git", "when")}}}  # fmt: skip
     a.out.write_text(json.dumps(result, indent=2) + "\n")
-    summary = {"lan_ring_vs_local": result.get("lan", {}).get("ring_vs_local")}
-    for w, d in result.get("wan", {}).get("workloads", {}).items():
-        summary[f"wan_{w}_spec_vs_one"] = d["spec_vs_one_per_traversal"]
-        summary[f"wan_{w}_spec_vs_bound"] = d["spec_vs_bound"]
+    summary: dict[str, Any] = {"lan_ring_vs_local": result.get("lan", {}).get("ring_vs_local"),
+                               "lan_auto_vs_none": result.get("lan_auto", {}).get("auto_vs_none")}
+    summary |= summary_wan(result.get("wan", {}))
     print(json.dumps(summary, indent=2))
 
 

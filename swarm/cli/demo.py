@@ -20,6 +20,7 @@ import trio
 import typer
 
 from swarm.cli import ui
+from swarm.cli.draftflag import REQUEST_HELP
 from swarm.errors import UsageError
 from swarm.manifest.manifest import QUANTS, read_manifest
 
@@ -39,7 +40,7 @@ def demo(
     dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 where the hardware has it, else fp32), bf16, fp16 or fp32."),
     device: str | None = typer.Option(None, "--device", help="auto (CUDA, then MPS, else CPU), cpu, cuda, cuda:N or mps, for every node (default: node.device, else auto)."),
     quant: str = typer.Option("none", "--quant", help="How every node holds its layers: none, int8 or int4 (written into the invite)."),
-    draft: str = typer.Option("ngram", "--draft", help="ngram or none."),
+    draft: str = typer.Option("ngram", "--draft", help="What the nodes draft with (as join --draft): ngram, none, self, int8, int4, a checkpoint PATH or auto."),
     chat: bool = typer.Option(True, "--chat/--no-chat", help="Wrap the prompt in the model's chat template."),
     temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy (the default); at most 2, as the API."),
     top_p: float = typer.Option(1.0, "--top-p"),
@@ -64,6 +65,10 @@ def demo(
 
     with ui.progress("preparing the model (first run only)") as report:
         model_dir = resolve_model(model, progress=report)
+    from swarm.model.draftload import parse_draft
+
+    spec = parse_draft(draft)  # a bad --draft: exit 2 before anything starts
+    asked = "auto" if spec.auto else ("model" if spec.model else spec.kind)  # what the request names
     held = dtype_name(torch_dtype) + ("" if quant == "none" else f", {quant} weights")
     ui.notice(f"starting {nodes} node processes on loopback ({model_dir.name}, {held} on {dev})")
     with start_local_swarm(nodes, model_dir, dtype=dtype, device=dev, draft=draft, delay_ms=delay_ms,
@@ -72,7 +77,7 @@ def demo(
             result = trio.run(
                 _run_one, swarm.addrs[-1], swarm.secret, swarm.swarm_id, timeout,
                 dict(text=prompt, chat=chat, max_new_tokens=max_new_tokens, temperature=temperature,
-                     top_p=top_p, seed=seed, draft=draft),
+                     top_p=top_p, seed=seed, draft=asked),
                 json_out,
             )  # fmt: skip
             if api is not None:
@@ -98,7 +103,7 @@ def generate(
     top_k: int = typer.Option(0, "--top-k"),
     top_p: float = typer.Option(1.0, "--top-p"),
     seed: int | None = typer.Option(None, "--seed"),
-    draft: str | None = typer.Option(None, "--draft", help="ngram or none (default: the node's)."),
+    draft: str | None = typer.Option(None, "--draft", help=REQUEST_HELP),
     json_out: bool = typer.Option(False, "--json"),
     receipt: Path | None = typer.Option(None, "--receipt"),
     timeout: float = typer.Option(

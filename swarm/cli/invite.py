@@ -17,6 +17,7 @@ from typing import Any
 import typer
 
 from swarm.cli import ui
+from swarm.cli.draftflag import describe_draft
 from swarm.errors import UsageError
 from swarm.manifest.identity import load_or_create_identity, public_key_from_peer_id
 from swarm.manifest.manifest import (
@@ -89,6 +90,9 @@ def create(
     quant: str | None = typer.Option(
         None, "--quant", help="How every peer holds its layers: none, int8 or int4 (default none; --from keeps it)."
     ),
+    draft: Path | None = typer.Option(
+        None, "--draft", help="A draft model checkpoint a coordinator may run (hashed into the invite; --from keeps it)."
+    ),
     client: bool = typer.Option(
         False, "--client",
         help="With --from: a client invite (generate and status only; it holds a key derived from the secret, never the secret).",
@@ -134,6 +138,7 @@ def create(
         swarm_id=old.swarm_id if old else None,
         secret=secret,
         quant=quant or (old.quant if old else "none"),
+        draft=describe_draft(draft) or (old.draft if old else None),
         **extra,
     )
     m = sign_manifest(m, identity)
@@ -235,6 +240,7 @@ def show(
     else:
         rows.append(["model", "(any)"])
     rows.append(["quant", m.quant if m.quant != "none" else "none (layers in the serving dtype)"])
+    rows.append(["draft", f"{m.draft.name} ({len(m.draft.files)} files)" if m.draft else "none named (peers choose: join --draft)"])
     if not m.bootstrap:
         rows.append(["bootstrap", "(none: LAN discovery only)"])
     rows += [["revoked", p] for p in m.revoked]

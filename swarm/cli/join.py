@@ -37,6 +37,7 @@ import trio
 import typer
 
 from swarm.cli import ui
+from swarm.cli.draftflag import JOIN_HELP, check_join_draft
 from swarm.cli.settings import flag_help, node_settings
 from swarm.errors import UsageError
 from swarm.manifest.identity import config_dir, load_identity, load_or_create_identity
@@ -184,7 +185,8 @@ async def _run_peer(settings: NodeSettings, manifest: Manifest, *, as_json: bool
 
 
 def node_settings_of(manifest: Manifest, seed: bytes, listen: list[str], memory: int, model_dir: Path | None, *,
-                     dtype: str, device: str, threads: int, mdns: bool, relay: bool) -> NodeSettings:  # fmt: skip
+                     dtype: str, device: str, threads: int, mdns: bool, relay: bool,
+                     draft: str = "ngram") -> NodeSettings:  # fmt: skip
     """The node's settings, built once from the invite, the config file and the flags."""
     fastpath_host = ""
     torch_dtype = None
@@ -201,7 +203,7 @@ def node_settings_of(manifest: Manifest, seed: bytes, listen: list[str], memory:
         seed=seed, swarm_id=manifest.swarm_id, secret=manifest.secret.value, model_dir=model_dir,
         listen=tuple(listen), bootstrap=tuple(manifest.bootstrap), memory_bytes=memory, dtype=torch_dtype,
         device=device, quant=manifest.quant, threads=threads or max(1, (os.cpu_count() or 2)),
-        revoked=frozenset(manifest.revoked), fastpath_host=fastpath_host, relay=relay, mdns=mdns,
+        revoked=frozenset(manifest.revoked), fastpath_host=fastpath_host, relay=relay, mdns=mdns, draft=draft,
     )  # fmt: skip
 
 
@@ -277,6 +279,7 @@ def join(
     device: str | None = typer.Option(None, "--device", help="auto (CUDA, then MPS, else CPU), cpu, cuda, cuda:N or mps (default: node.device, else auto)."),
     threads: int | None = typer.Option(None, "--threads", help=flag_help("node.threads")),
     peers: list[str] = typer.Option([], "--peer", help="Also dial this peer first, like a bootstrap (a multiaddr ending in /p2p/ID; repeatable; see `shard-swarm id`)."),
+    draft: str = typer.Option("ngram", "--draft", help=JOIN_HELP),
 ) -> None:
     """Join a swarm: connect, be admitted, and show peers as they appear."""
     api_token = _api_token(api_token_file, api_token_argv)
@@ -307,6 +310,7 @@ def join(
 
         with ui.progress(f"checking {model.name}") as report:
             check_model(manifest.model, model, report)
+    draft = check_join_draft(draft, manifest) if serve and not diagnose else draft
     identity = load_identity(key) if key is not None and key.exists() else load_or_create_identity(key)
     if diagnose:
         ui.notice(f"checking how {identity.peer_id} is reachable for swarm {manifest.swarm_name!r}...")
@@ -328,7 +332,7 @@ def join(
 
         check_bind(api, api_token)
     settings = node_settings_of(manifest, identity.seed, listen, mem, model_dir, dtype=dtype, device=dev or "cpu",
-                                threads=threads, mdns=mdns, relay=relay)  # fmt: skip
+                                threads=threads, mdns=mdns, relay=relay, draft=draft)  # fmt: skip
     trio.run(lambda: _run_peer(settings, manifest, as_json=as_json, exit_after=exit_after, api=api, api_token=api_token))
     if _Left.by_signal:
         _exit_now(0)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import typer
 
 from swarm.cli import ui
-from swarm.errors import ConfigError, TokenizerError, UsageError
+from swarm.errors import TokenizerError, UsageError
 from swarm.manifest.manifest import QUANTS
 
 if TYPE_CHECKING:  # torch and the model load in the command, so other commands start fast
@@ -52,27 +52,35 @@ def _load_tokenizer(model_dir: Path) -> Tokenizer | None:
     return None
 
 
-def _make_drafter(spec: str, model: LocalModel, dtype: torch.dtype, device: str, max_len: int) -> tuple[
-        DraftSource | None, str | None]:
-    from swarm.model.drafters import ModelDrafter, NgramDrafter, self_draft_layers, self_drafter
+def _make_drafter(spec: str, model: LocalModel, dtype: torch.dtype, device: str, max_len: int,
+                  tok: Tokenizer | None) -> tuple[DraftSource | None, str | None]:
+    from swarm.model.drafters import NgramDrafter
+    from swarm.model.draftload import load_draft_model, parse_draft
 
-    if spec == "none":
-        return None, None
-    if spec == "ngram":
-        return NgramDrafter(), "ngram"
-    if spec == "self":
-        blocks = self_draft_layers(model.args.n_layers)
-        return self_drafter(model.head, model.ckpt, dtype=dtype, max_len=max_len), f"self{blocks}"
-    path = Path(spec)
-    if not path.exists():
-        raise UsageError(f"--draft {spec!r}: not 'none', 'ngram', 'self' or an existing checkpoint path")
-    drafter = ModelDrafter.load(path, dtype=dtype, device=device, max_len=max_len)
-    if drafter.head.args.vocab_size != model.args.vocab_size:
-        raise ConfigError(
-            f"draft {path} has a vocabulary of {drafter.head.args.vocab_size} tokens but the target "
-            f"has {model.args.vocab_size}: a draft must share the target's tokenizer"
+    parsed = parse_draft(spec)
+    if parsed.auto:
+        raise UsageError(
+            f"--draft {spec}: auto chooses per request on a ring; here name the drafter "
+            "(a ring's receipt says which one ran: --receipt replays it)"
         )
-    return drafter, str(path)
+    if parsed.kind == "none":
+        return None, None
+    if parsed.kind == "ngram":
+        return NgramDrafter(), "ngram"
+    dm = load_draft_model(parsed, head=model.head, target=model.ckpt, dtype=dtype, device=device, target_tokenizer=tok)
+    return dm.drafter(min(max_len, dm.args.max_seq_len)), dm.name
+
+
+def _replay_draft(dr: dict[str, Any], given: str | None) -> tuple[str, dict[str, Any] | None]:
+    """The drafter and policy constants a ring's receipt ran with (``draft.ran``; older receipts:
+    ``draft.name``). A checkpoint draft is named by its directory: give ``--draft PATH``."""
+    ran = str(dr.get("ran", dr.get("name", "ngram")))
+    policy = dr.get("policy") if isinstance(dr.get("policy"), dict) else None
+    if given is not None:
+        return given, policy
+    if ran not in ("none", "ngram", "self", "int8", "int4"):
+        raise UsageError(f"the receipt's draft model {ran!r} is a checkpoint: give --draft PATH to replay it")
+    return ran, policy
 
 
 class _Streamer:
@@ -104,7 +112,7 @@ def run_command(
     top_k: int = typer.Option(0, "--top-k", help="0 = off."),
     top_p: float = typer.Option(1.0, "--top-p", help="1.0 = off."),
     seed: int = typer.Option(0, "--seed", help="Seed of the sampling generators."),
-    draft: str = typer.Option("ngram", "--draft", help="Drafter: ngram (a ring's default), none, self (layer-skipped target) or a checkpoint PATH."),
+    draft: str | None = typer.Option(None, "--draft", help="Drafter: ngram (the default, as a ring's), none, self (layer-skipped target), int8 or int4 (a compact copy of the target) or a draft checkpoint PATH."),
     draft_k: int | None = typer.Option(None, "--draft-k", help="Fixed draft length (default: adaptive)."),
     depth: int = typer.Option(2, "--depth", min=1, max=8, help="Verify chunks in flight. A ring picks its own (1-4, from its predicted traversal) and records it in the receipt as draft.max_depth: --receipt replays it."),
     receipt: Path | None = typer.Option(None, "--receipt", help="Replay a ring's run receipt (generate --json / demo --json): its prompt ids, length, sampling, drafter and depth; then say whether the output matches."),
@@ -128,6 +136,7 @@ def run_command(
     from swarm.model.speculative import KPolicy
 
     replay: dict[str, Any] | None = None
+    ring_policy: dict[str, Any] | None = None
     if receipt is not None:
         replay = _read_receipt(receipt)
         prompt, prompt_ids = None, ",".join(map(str, replay["prompt_token_ids"]))
@@ -135,8 +144,8 @@ def run_command(
         samp, dr = replay.get("sampling") or {}, replay.get("draft") or {}
         temperature, top_k = float(samp.get("temperature", 0.0)), int(samp.get("top_k", 0))
         top_p, seed = float(samp.get("top_p", 1.0)), int(samp.get("seed", 0))
-        draft, depth = str(dr.get("name", "ngram")), int(dr.get("max_depth", 1))
-        draft_k = dr.get("draft_k")
+        draft, ring_policy = _replay_draft(dr, draft)
+        depth, draft_k = int(dr.get("max_depth", 1)), dr.get("draft_k")
         quant = str(replay.get("quant", "none"))  # how the ring held its layers
     if (prompt is None) == (prompt_ids is None):
         raise UsageError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
@@ -182,10 +191,12 @@ def run_command(
     eos = tok.eos_token_ids if tok is not None and tok.eos_token_ids else None
 
     max_len = len(ids) + max_new_tokens
-    drafter, draft_name = _make_drafter(draft, lm, torch_dtype, device_label(dev), max_len + 16)
-    # Drafting cost steers the adaptive K: a model draft costs what its weights cost to read.
-    cost = drafter.relative_cost(lm.args) if isinstance(drafter, ModelDrafter) else 0.0
-    policy = KPolicy(fixed_k=draft_k, draft_cost=cost, max_depth=depth)
+    drafter, draft_name = _make_drafter(draft or "ngram", lm, torch_dtype, device_label(dev), max_len + 16, tok)
+    if ring_policy is not None:  # the ring's measured constants: the same K/depth schedule
+        policy = _policy_from(ring_policy)
+    else:  # drafting cost steers the adaptive K: a model draft costs what its weights cost to read
+        cost = drafter.relative_cost(lm.args) if isinstance(drafter, ModelDrafter) else 0.0
+        policy = KPolicy(fixed_k=draft_k, draft_cost=cost, max_depth=depth)
     streamer = _Streamer(tok) if (tok is not None and not as_json) else None
     result = generate(lm, ids, params=params, max_new_tokens=max_new_tokens, drafter=drafter,
                       policy=policy, eos_token_ids=eos, on_tokens=streamer)
@@ -236,6 +247,18 @@ def run_command(
     if matches is not None:
         obj["matches_receipt"] = matches
     ui.print_json(obj)
+
+
+def _policy_from(settings: dict[str, Any]) -> Any:
+    import dataclasses
+
+    from swarm.model.speculative import KPolicy
+
+    known = {f.name for f in dataclasses.fields(KPolicy)}
+    try:
+        return KPolicy(**{k: v for k, v in settings.items() if k in known})
+    except TypeError as exc:
+        raise UsageError(f"the receipt's draft.policy is malformed: {exc}") from None
 
 
 def _read_receipt(path: Path) -> dict[str, Any]:

@@ -8,6 +8,7 @@ An invite is a JSON object (see ``manifests/schema.json`` and ``manifests/README
      "bootstrap": [multiaddr, ...], "secret": b64(32 bytes), "issuer": b64(Ed25519 public key),
      "created": unix s, "expires": unix s, "revoked": [peer ID, ...] (optional),
      "quant": "int8" | "int4" (optional; absent means "none"),
+     "draft": {"name", "config_sha256", "files"} (optional: a draft model the coordinator may run),
      "role": "client", "member_key": b64(32 bytes) (both or neither), "signature": b64}
 
 A *client* invite (``role: "client"``) lets its holder run generations and read status only:
@@ -69,11 +70,12 @@ _FIELDS = {
     "expires",
     "revoked",
     "quant",
+    "draft",
     "role",
     "member_key",
     "signature",
 }
-_OPTIONAL = {"revoked", "quant", "role", "member_key", "signature"}
+_OPTIONAL = {"revoked", "quant", "draft", "role", "member_key", "signature"}
 ROLES = ("member", "client")  # "member" is never written (the field is absent)
 # how every peer holds its layers (swarm.model.quant.QUANTS; a test keeps the two equal). "none"
 # is never written, so invites made before the field existed keep their exact bytes and signature.
@@ -152,6 +154,8 @@ class Manifest:
     signature: bytes | None = None
     version: int = FORMAT_VERSION
     quant: str = "none"
+    # a draft model a coordinator may run (hashed like the model); absent in older invites
+    draft: ModelSpec | None = None
     role: str = "member"  # "client": ``secret`` is the client secret, ``member_key`` is set
     member_key: bytes = b""
     # the body exactly as parsed from a file (what the signature covers); None when built here
@@ -179,6 +183,8 @@ class Manifest:
             out["revoked"] = list(self.revoked)
         if self.quant != "none":
             out["quant"] = self.quant
+        if self.draft is not None:
+            out["draft"] = self.draft.to_json()
         if self.role != "member":
             out["role"] = self.role
             out["member_key"] = _b64e(self.member_key)
@@ -209,6 +215,7 @@ class Manifest:
             "expires": self.expires,
             "revoked": list(self.revoked),
             "quant": self.quant,
+            "draft": None if self.draft is None else self.draft.to_json(),
             "role": self.role,
             "signed": self.signature is not None,
         }
@@ -251,6 +258,7 @@ def new_manifest(
     swarm_id: str | None = None,
     secret: SwarmSecret | None = None,
     quant: str = "none",
+    draft: ModelSpec | None = None,
     role: str = "member",
     member_key: bytes = b"",
 ) -> Manifest:
@@ -271,6 +279,7 @@ def new_manifest(
         expires=now + lifetime_s,
         revoked=tuple(revoked),
         quant=quant,
+        draft=draft,
         role=role,
         member_key=member_key,
     )
@@ -406,20 +415,12 @@ def _parse_obj(obj: Any, where: str) -> Manifest:
     swarm = r.get_obj(obj["swarm"], "swarm", {"name", "id"})
     name = r.get_str(swarm["name"], "swarm.name", 64, _NAME)
     swarm_id = r.get_str(swarm["id"], "swarm.id", 32, _HEX32)
-    model = None
-    if obj["model"] is not None:
-        mo = r.get_obj(obj["model"], "model", {"name", "config_sha256", "files"})
-        config_sha = None
-        if mo["config_sha256"] is not None:
-            config_sha = r.get_str(mo["config_sha256"], "model.config_sha256", 64, _HEX64)
-        files = mo["files"]
-        if not isinstance(files, dict) or not 0 < len(files) <= MAX_FILES:
-            raise r.bad("model.files", f"expected an object of 1..{MAX_FILES} files")
-        for fname, digest in files.items():
-            if not _safe_relpath(fname):
-                raise r.bad("model.files", f"{_show(fname)} is not a safe relative path")
-            r.get_str(digest, f"model.files['{fname}']", 64, _HEX64)
-        model = ModelSpec(r.get_str(mo["name"], "model.name", 128), config_sha, dict(files))
+    model = None if obj["model"] is None else _model_spec(r, obj["model"], "model")
+    draft = None
+    if "draft" in obj:
+        if obj["draft"] is None:
+            raise r.bad("draft", "null: omit the field when the swarm names no draft model")
+        draft = _model_spec(r, obj["draft"], "draft")
     boots = tuple(r.get_list(obj["bootstrap"], "bootstrap", MAX_BOOTSTRAP))
     for i, a in enumerate(boots):
         if (
@@ -467,10 +468,27 @@ def _parse_obj(obj: Any, where: str) -> Manifest:
         signature,
         version,
         quant=quant,
+        draft=draft,
         role=role,
         member_key=member_key,
         raw_body=body,
     )
+
+
+def _model_spec(r: _Reader, v: Any, fld: str) -> ModelSpec:
+    """The invite's ``model`` (or ``draft``): a name, config.json's hash, every file's hash."""
+    mo = r.get_obj(v, fld, {"name", "config_sha256", "files"})
+    config_sha = None
+    if mo["config_sha256"] is not None:
+        config_sha = r.get_str(mo["config_sha256"], f"{fld}.config_sha256", 64, _HEX64)
+    files = mo["files"]
+    if not isinstance(files, dict) or not 0 < len(files) <= MAX_FILES:
+        raise r.bad(f"{fld}.files", f"expected an object of 1..{MAX_FILES} files")
+    for fname, digest in files.items():
+        if not _safe_relpath(fname):
+            raise r.bad(f"{fld}.files", f"{_show(fname)} is not a safe relative path")
+        r.get_str(digest, f"{fld}.files['{fname}']", 64, _HEX64)
+    return ModelSpec(r.get_str(mo["name"], f"{fld}.name", 128), config_sha, dict(files))
 
 
 def _safe_relpath(name: Any) -> bool:

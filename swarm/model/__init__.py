@@ -22,7 +22,14 @@ Files (filled in as the runtime grows; keep this list current):
 - ``batched.py``  ``forward_many``: several sessions' chunks through one stage in one call
 - ``tokenizer.py`` tokenizer.json or a GGUF's own tokenizer (transformers' converter), chat template
 - ``sampling.py`` greedy, temperature/top-k/top-p with a seeded generator
-- ``speculative.py`` drafters and lossless verification (greedy and rejection sampling)
+- ``speculative.py`` the sans-IO speculative decoder: chunks, lossless verification (greedy and
+                  rejection sampling), drafting chunk by chunk (``poll_iter``)
+- ``kpolicy.py``  K and the depth in flight: the one-box cost model and the ring's time model
+- ``drafters.py`` prompt lookup; ``DraftModel`` weights and each generation's ``ModelDrafter``
+                  (its own KV cache, reused by common prefix); the layer-skipped ``self`` draft;
+                  ``CompactHead`` (a draft's int8 LM head)
+- ``draftload.py`` ``--draft`` specs (self, int8, int4, PATH, auto), their memory, loading, and
+                  the vocabulary check against the target's tokenizer
 - ``devices.py``  ``--device`` (auto: CUDA, then MPS, else CPU), device names, memory offered there
 - ``dtypes.py``   ``--dtype auto``: bf16 on GPUs and native-bf16 CPUs, else fp32
 - ``generate.py`` in-process generation over N stages (the reference a ring is checked against)

@@ -36,28 +36,28 @@ shorter); then each decode chunk is ``[pending?] + K drafts`` with K from ``KPol
 whose draft came back empty carries only the pending token (plain decoding); when nothing is
 pending and the drafter proposes nothing, no further chunk is issued until results arrive.
 
-Adaptive K and depth (``KPolicy``): an exponential moving average ``alpha`` of the per-token
-acceptance (start 0.6, weight 0.3 for each new round). K maximises expected tokens per unit
-cost, ``(1 - alpha^(K+1)) / (1 - alpha) * sum_{j<max_depth} alpha^(K*j) / (1 + verify_cost*K +
-draft_cost*K)``, over ``k_min..k_max`` (the sum counts the chunks behind the first, each useful
-only if all before it survive, so a deep pipeline on a long ring prefers shorter chunks; with
-``max_depth`` 1 it is 1). The depth in flight is ``1 + j`` where ``j`` counts the levels
-``1..max_depth-1`` whose survival chance ``alpha^(K*level)`` is at least ``depth_threshold``.
-Both are pure functions of the acceptance history, so two runs fed the same results produce the
-same schedule.
+Adaptive K and depth: ``KPolicy`` (kpolicy.py), a pure function of the acceptance history and
+constants fixed when a generation starts, so two runs fed the same results issue the same chunks.
+
+Drafting ahead (``poll_iter``): chunks are produced one at a time, so a ring can send each as soon as
+its drafts exist and run the drafter off its event loop; ``poll()`` is the same sequence as a list.
+A drafter may have ``prepare(prompt)``: it is called once before the first proposal (a model
+drafter runs the prompt into its cache there; a coordinator may call it earlier, while the ring
+prefills, and the sequence of computations stays the same).
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
 from swarm.errors import UsageError
+from swarm.model.kpolicy import KPolicy
 from swarm.model.sampling import (
     STREAM_ACCEPT,
     STREAM_SAMPLE,
@@ -117,56 +117,6 @@ Event = VerifyChunk | Rollback | Committed
 
 
 @dataclass
-class KPolicy:
-    """Adaptive draft length and depth in flight; see the module docstring."""
-
-    k_min: int = 1
-    k_max: int = 8
-    max_depth: int = 1
-    verify_cost: float = 0.07  # extra cost of each drafted token in a verify pass / one-token pass
-    draft_cost: float = 0.05  # cost of drafting one token / one target token
-    depth_threshold: float = 0.25
-    alpha: float = 0.6
-    ema_weight: float = 0.3
-    fixed_k: int | None = None
-
-    def __post_init__(self) -> None:
-        if not (1 <= self.k_min <= self.k_max):
-            raise UsageError(f"need 1 <= k_min <= k_max, got {self.k_min}, {self.k_max}")
-        if self.max_depth < 1:
-            raise UsageError(f"max_depth must be >= 1, got {self.max_depth}")
-        if self.fixed_k is not None and self.fixed_k < 1:
-            raise UsageError(f"fixed_k must be >= 1, got {self.fixed_k}")
-
-    def update(self, proposed: int, accepted: int) -> None:
-        if proposed > 0:
-            rate = accepted / proposed
-            self.alpha = (1 - self.ema_weight) * self.alpha + self.ema_weight * rate
-
-    def next_k(self) -> int:
-        if self.fixed_k is not None:
-            return self.fixed_k
-        a = min(self.alpha, 0.999)
-        best_k, best = self.k_min, -1.0
-        for k in range(self.k_min, self.k_max + 1):
-            gain = (1 - a ** (k + 1)) / (1 - a)
-            # with several chunks in flight, chunk j only counts if the j-1 before it were
-            # accepted whole (alpha^K each): deep pipelines favour shorter chunks
-            gain *= sum(a ** (k * j) for j in range(self.max_depth))
-            value = gain / (1 + (self.verify_cost + self.draft_cost) * k)
-            if value > best + 1e-12:
-                best_k, best = k, value
-        return best_k
-
-    def depth(self, k: int) -> int:
-        d = 1
-        for level in range(1, self.max_depth):
-            if self.alpha ** (k * level) >= self.depth_threshold:
-                d += 1
-        return d
-
-
-@dataclass
 class DecodeStats:
     rounds: int = 0  # verify chunks that carried at least one draft and were not discarded
     proposed: int = 0
@@ -174,10 +124,17 @@ class DecodeStats:
     accepted_per_round_hist: list[int] = field(default_factory=list)
     chunks: int = 0
     discarded_chunks: int = 0
+    decode_chunks: int = 0  # decode chunks issued
+    in_flight_sum: int = 0  # ... summed over them: chunks in flight once each was issued
 
     @property
     def accepted_per_round(self) -> float | None:
         return self.accepted / self.rounds if self.rounds else None
+
+    @property
+    def mean_in_flight(self) -> float | None:
+        """The pipeline's depth as issued: chunks in flight right after each decode chunk."""
+        return self.in_flight_sum / self.decode_chunks if self.decode_chunks else None
 
 
 class SpeculativeDecoder:
@@ -221,6 +178,7 @@ class SpeculativeDecoder:
         self.stats = DecodeStats()
         self._next_id = 0
         self._prefill_chunk = prefill_chunk
+        self._prepared = False  # the drafter's prepare(prompt) was called
 
     # -- state ---------------------------------------------------------------------------
 
@@ -248,20 +206,26 @@ class SpeculativeDecoder:
 
     def poll(self) -> list[VerifyChunk]:
         """Chunks to send now (possibly none). Prefill chunks are all issued at once."""
-        out: list[VerifyChunk] = []
+        return list(self.poll_iter())
+
+    def poll_iter(self) -> Iterator[VerifyChunk]:
+        """``poll()`` one chunk at a time: each is issued (and its drafts proposed) when the next
+        one is asked for. Exhaust it before ``feed``: the chunks it would yield depend on the
+        decoder's state, and a half-used iterator left behind yields nothing more."""
         if self.done:
-            return out
+            return
         # Prefill: every prompt piece, so a ring can pipeline them; only the last row matters.
+        prefilled = False
         while self.run_end < self.prompt_len:
             end = min(self.run_end + self._prefill_chunk, self.prompt_len)
             toks = self.committed[self.run_end:end]
             last = end == self.prompt_len
-            out.append(self._issue(self.run_end, toks, len(toks) - 1 if last else len(toks), True))
-        if out:
-            return out
-        k = self.policy.next_k()
-        depth = self.policy.depth(k)
-        while len(self.inflight) < depth:
+            prefilled = True
+            yield self._issue(self.run_end, toks, len(toks) - 1 if last else len(toks), True)
+        if prefilled:
+            return
+        k, depth = self.policy.choose()
+        while len(self.inflight) < depth and not self.done:
             spec_len = len(self.committed) + len(self.drafts)
             if spec_len >= self.max_total:
                 break
@@ -270,6 +234,7 @@ class SpeculativeDecoder:
             kk = min(k, self.max_total - spec_len - 1)
             new: list[int] = []
             if self.drafter is not None and kk > 0:
+                self.prepare_drafter()
                 draft = self.drafter.propose(self.speculated, kk, self.params)
                 new = list(draft.tokens[:kk])
                 for i in range(len(new)):
@@ -278,10 +243,24 @@ class SpeculativeDecoder:
             tokens = unsent + new
             if not tokens:
                 break
-            out.append(self._issue(self.run_end, tokens, 0, False))
+            chunk = self._issue(self.run_end, tokens, 0, False)
+            self.stats.decode_chunks += 1
+            self.stats.in_flight_sum += len(self.inflight)
+            yield chunk
             if not new:
                 break  # plain decoding: nothing more to speculate on
-        return out
+
+    @property
+    def drafter_prepared(self) -> bool:
+        return self._prepared
+
+    def prepare_drafter(self) -> None:
+        """Let the drafter run the prompt now (once; the first proposal does it otherwise)."""
+        if not self._prepared and self.drafter is not None:
+            self._prepared = True
+            prepare = getattr(self.drafter, "prepare", None)
+            if prepare is not None:
+                prepare(self.committed[: self.prompt_len])
 
     def is_live(self, chunk_id: int) -> bool:
         """False once a chunk was discarded (or consumed): an executor may skip it."""

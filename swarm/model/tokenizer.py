@@ -265,6 +265,10 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return int(self._tok.get_vocab_size(with_added_tokens=True))
 
+    def vocab(self) -> dict[str, int]:
+        """Every token (added tokens included) and its id (a draft's tokenizer is compared with it)."""
+        return dict(self._tok.get_vocab(with_added_tokens=True))
+
     def token_to_id(self, token: str) -> int | None:
         i = self._tok.token_to_id(token)
         return None if i is None else int(i)

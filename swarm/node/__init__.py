@@ -24,6 +24,8 @@ Where things live:
                    sessions waiting for it batched into one forward, compute off the trio loop
     coordinator.py the coordinator's side of a ring: drives the speculative decoder, replays a
                    run on a new ring after a failure
+    drafting.py    the coordinator's draft model (load, advert, auto's choice by measured cost) and
+                   drafting off the trio loop, ahead of the chunks in flight
     capacity.py    how many sessions a ring holds, and the queue in front of it
     client.py      talking to a swarm as a client (status, wait until ready, one generation)
     launch.py      a local swarm of node processes on loopback (demo, tests, benchmarks);

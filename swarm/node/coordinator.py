@@ -2,7 +2,8 @@
 
 Theory of operation
 -------------------
-The coordinator holds the embedding, the final norm and LM head, and (optionally) a drafter. For
+The coordinator holds the embedding, the final norm and LM head, and (optionally) a drafter
+(drafting.py: a draft model runs off this loop, and each chunk is sent as soon as it is drafted). For
 each generation it runs a ``SpeculativeDecoder`` (swarm/model/speculative.py), the same sans-IO
 state machine the in-process reference uses, and pumps it over two links: ``first`` (to ring[0])
 and the result link from the tail, read by one reader task that dispatches RESULT/ERROR frames to
@@ -63,6 +64,7 @@ from swarm.model.generate import output_sha256
 from swarm.model.sampling import SamplingParams
 from swarm.model.speculative import Committed, DraftSource, KPolicy, SpeculativeDecoder, VerifyChunk
 from swarm.model.stage import Head
+from swarm.node import drafting
 from swarm.node.activation import hidden_chunk, read_hidden
 from swarm.node.links import Link
 from swarm.proto.activation import Error, Result, SessionEnd
@@ -143,6 +145,7 @@ class RingRun:
     gen: RingGeneration
     on_tokens: Callable[[Sequence[int]], None] | None = None
     fed_log: list[VerifyChunk] = field(default_factory=list)  # live chunks fed, in order
+    draft_limiter: trio.CapacityLimiter | None = None  # a model drafter's forwards (drafting.py)
     t0: float | None = None
     t_first: float | None = None
     t_last: float | None = None
@@ -270,13 +273,18 @@ class Coordinator:
         try:
             if run.fed_log:
                 await self._replay(run.fed_log, session, sent)
-            await self._send(list(dec.inflight) or dec.poll(), session, sent, gen, dec)
+            if dec.inflight:  # the chunks in flight when the last ring failed: sent again
+                await self._send(list(dec.inflight), session, sent, gen, dec)
+            else:
+                await self._issue(run, session, sent)
             if gen._prefill_chunks == 0:
                 gen._prefill_chunks = len(gen.chunks)
             while not dec.done:
                 if not sent:
                     raise AssertionError("speculative decoder idle with nothing in flight")
-                chunk_id, h = await self._next_result(recv_chan, session)
+                chunk_id, h = await drafting.drafting_ahead(  # the draft model works while we wait
+                    dec, self._draft_limiter(run), lambda: self._next_result(recv_chan, session)
+                )
                 entry = sent.pop(chunk_id, None)
                 if entry is None:
                     raise ProtocolError(f"tail {self._tail_peer}: result for unknown chunk {chunk_id}")
@@ -300,7 +308,7 @@ class Coordinator:
                             if run.on_tokens is not None:
                                 run.on_tokens(ev.tokens)
                 if not dec.done:
-                    await self._send(dec.poll(), session, sent, gen, dec)
+                    await self._issue(run, session, sent)
         finally:
             del self._sessions[session]
             with trio.move_on_after(SEND_TIMEOUT_S) as scope:
@@ -318,6 +326,16 @@ class Coordinator:
         gen.prefill_s, gen.decode_s = t_first - run.t0, t_end - t_first
         gen.rounds, gen.proposed, gen.accepted = st.rounds, st.proposed, st.accepted
         return gen
+
+    def _draft_limiter(self, run: RingRun) -> trio.CapacityLimiter | None:
+        """Where a drafter's work runs: a worker thread behind this limiter; None: inline."""
+        return None if self.inline else (run.draft_limiter or self.limiter)
+
+    async def _issue(self, run: RingRun, session: int, sent: dict[int, tuple[VerifyChunk | None, float]]) -> None:
+        """The decoder's next chunks, each sent as soon as it exists (a model drafter drafts off
+        this loop, drafting.py); the same chunks a plain poll() gives, in the same order."""
+        send = lambda c: self._send([c], session, sent, run.gen, run.decoder)  # noqa: E731
+        await drafting.issue(run.decoder, send, self._draft_limiter(run))
 
     def _head_logits(self, rows: torch.Tensor) -> tuple[torch.Tensor, float]:
         t0 = time.perf_counter()

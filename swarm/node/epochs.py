@@ -105,6 +105,7 @@ def plan_body(plan: Plan, cause: str = "") -> dict[str, Any]:
         "predicted_latency_us": int(round(plan.predicted_latency_ms * 1000)),
         "predicted_compute_us": int(round(plan.predicted_compute_ms * 1000)),
         "layers_moved": plan.layers_moved,
+        **({"draft": 1} if plan.draft else {}),  # the coordinator runs its draft model (budgeted)
     }
 
 
@@ -120,6 +121,7 @@ def plan_from_body(epoch: int, body: dict[str, Any]) -> Plan:
             "predicted_latency_ms": body.get("predicted_latency_us", 0) / 1000,
             "predicted_compute_ms": body.get("predicted_compute_us", 0) / 1000,
             "layers_moved": body.get("layers_moved", 0),
+            "draft": body.get("draft", 0) == 1,
         }
     )
 
@@ -247,6 +249,9 @@ class Epochs:
             # how many generations the ring's KV memory holds (capacity.py)
             self.admission.set_capacity(max(s.sessions, ring_capacity(self.models.spec, plan, self.memory())))
             await self.models.load_tokenizer()
+            await self.models.drafts.use(plan.draft, head=head, ckpt=self.models.ckpt, dtype=self.models.dtype,
+                                         device=s.device, tokenizer=self.models.tokenizer,
+                                         notice=self.notices.event)  # its draft model (drafting.py)  # fmt: skip
         return ep
 
     def end(self, reason: str, *, only: Epoch | None = None) -> None:

@@ -30,6 +30,7 @@ from swarm.manifest.manifest import new_manifest, sign_manifest, write_manifest
 from swarm.model.devices import resolve_device
 from swarm.model.dtypes import resolve_dtype
 from swarm.model.weights import open_checkpoint
+from swarm.node.drafting import draft_bytes
 from swarm.node.settings import model_spec
 
 
@@ -182,6 +183,7 @@ def start_local_swarm(
         args = open_checkpoint(model_dir).args  # a directory or a .gguf
         spec = model_spec(args, resolve_dtype(dtype, resolve_device(device)), context_tokens, quant)
         per = math.ceil(args.n_layers / n) * spec.bytes_per_layer + spec.coordinator_bytes
+        per += draft_bytes(draft, args, resolve_dtype(dtype, resolve_device(device)), context_tokens)
         memory_bytes = [int(per * 1.02)] * n
     swarm = LocalSwarm(workdir, swarm_id, secret, peer_ids, addrs, _tmp=tmp)
     try:

@@ -58,7 +58,7 @@ from swarm.node.notices import Notices
 from swarm.node.settings import NodeSettings
 from swarm.node.view import MemberView
 from swarm.node.wiring import LINK_TIMEOUT_S
-from swarm.planner import ModelSpec, Peer, Plan, parse_peers_file
+from swarm.planner import ModelSpec, Plan, parse_peers_file
 from swarm.planner import plan as make_plan
 from swarm.proto import control as ctl
 from swarm.proto.messages import Message
@@ -206,8 +206,7 @@ class Leader:
     def plan_for(self, members: list[str], previous: Plan | None, epoch: int) -> Plan:
         pf = parse_peers_file(self.peers_file(), where="membership view")
         peers = [
-            Peer(p.id, p.memory_bytes, p.ms_per_layer,
-                 self.settings.coordinator_ok if p.id == self.peer_id else p.coordinator_ok, p.addresses)
+            dataclasses.replace(p, coordinator_ok=self.settings.coordinator_ok if p.id == self.peer_id else p.coordinator_ok)
             for p in pf.peers if p.id in members
         ]  # fmt: skip
         if previous is not None and previous.coordinator in members:

@@ -22,6 +22,7 @@ import sys
 import time
 from collections.abc import Collection, Sequence
 from pathlib import Path
+from typing import Any
 
 from swarm.errors import UsageError
 from swarm.planner.peersfile import dump_peers_file
@@ -78,6 +79,7 @@ class Membership:
         ms_per_layer: float = 0.0,
         revoked: frozenset[str] = frozenset(),
         first_seq: int | None = None,
+        draft: tuple[str, int, float] | None = None,  # (name, bytes, ms per token) it runs as coordinator
     ) -> None:
         if memory_bytes < 0:
             raise UsageError(f"memory offered must be >= 0 bytes, got {memory_bytes}")
@@ -91,7 +93,7 @@ class Membership:
             Advert(
                 peer_id=self.peer_id, public_key=signer.public_key, swarm_id=swarm_id, seq=seq,
                 addrs=tuple(addrs)[: DEFAULT_LIMITS.max_addresses], device_kind=kind, device_name=name,
-                memory_bytes=int(memory_bytes), layer_us=_us(ms_per_layer / 1000.0),
+                memory_bytes=int(memory_bytes), layer_us=_us(ms_per_layer / 1000.0), **_draft_fields(draft),
             ),
             signer,
         )  # fmt: skip
@@ -169,13 +171,22 @@ class Membership:
             view = {p: view[p] for p in keep}
         rtt_peers = view if members is None else {p for p in view if p in members}
         peers = [
-            Peer(p, a.memory_bytes, a.layer_us / 1000.0, True, tuple(a.addrs)) for p, a in view.items()
+            Peer(p, a.memory_bytes, a.layer_us / 1000.0, True, tuple(a.addrs),
+                 None if a.draft_us is None else a.draft_us / 1000.0, a.draft_bytes or 0)  # fmt: skip
+            for p, a in view.items()
         ]
         rtt = {
             p: {q: us / 1000.0 for q, us in a.rtt_us.items() if q in rtt_peers and q != p}
             for p, a in view.items() if p in rtt_peers
         }  # fmt: skip
         return dump_peers_file(peers, {p: row for p, row in rtt.items() if row})
+
+
+def _draft_fields(draft: tuple[str, int, float] | None) -> dict[str, Any]:
+    if draft is None:
+        return {}
+    name, nbytes, ms = draft
+    return {"draft_name": name[:128], "draft_bytes": int(nbytes), "draft_us": _us(ms / 1000.0)}
 
 
 def _us(seconds: float) -> int:

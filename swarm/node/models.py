@@ -25,6 +25,7 @@ from swarm.model.quant import quantize_block
 from swarm.model.stage import Head, Stage
 from swarm.model.tokenizer import Tokenizer
 from swarm.model.weights import Checkpoint, open_checkpoint
+from swarm.node.drafting import DraftHolder
 from swarm.node.notices import Notices
 from swarm.node.settings import NodeSettings, model_spec
 
@@ -89,6 +90,7 @@ class Models:
         self.ms_per_layer = 0.0
         self._stages: dict[tuple[int, int], Stage] = {}
         self._head: Head | None = None
+        self.drafts = DraftHolder(settings.draft, threads=compute.threads)  # its draft model (drafting.py)
 
     async def measure(self) -> float:
         s = self.settings

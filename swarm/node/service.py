@@ -26,12 +26,11 @@ from typing import Any, Protocol
 import trio
 
 from swarm.errors import PeerError, PeerLost, PlanningError, ProtocolError, SwarmError, UsageError
-from swarm.model.drafters import NgramDrafter
 from swarm.model.sampling import SamplingParams
-from swarm.model.speculative import DraftSource, KPolicy
 from swarm.node.capacity import Admission
 from swarm.node.control import Dispatcher
 from swarm.node.coordinator import output_sha256
+from swarm.node.drafting import RingTimes
 from swarm.node.epochs import Epoch, Epochs
 from swarm.node.errors_util import unwrap
 from swarm.node.hosting import Host
@@ -76,16 +75,6 @@ class _StreamSink:
 
 def sampling_of(req: Gen) -> SamplingParams:
     return SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=req.seed or 0)
-
-
-def make_drafter(name: str, *, depth: int, draft_k: int | None) -> tuple[DraftSource | None, KPolicy | None]:
-    """The drafter and K/depth policy for a request; ``shard-swarm run`` builds the same ones
-    from the same flags (prompt lookup costs nothing next to a target pass: draft_cost 0)."""
-    if name == "none":
-        return None, None
-    if name == "ngram":
-        return NgramDrafter(), KPolicy(max_depth=depth, fixed_k=draft_k, draft_cost=0.0)
-    raise UsageError(f"unknown draft {name!r}: choose ngram or none")
 
 
 class GenService:
@@ -192,11 +181,18 @@ class GenService:
         predictions (measured RTTs and ms per layer), fixed for the epoch so a generation's chunk
         schedule, hence its output, does not depend on timing; the receipt records the depth, and
         ``shard-swarm run --depth`` reproduces it on one box."""
+        slowest = max([*self._stage_ms(plan), 0.05])
+        return max(1, min(MAX_DEPTH, math.ceil(plan.predicted_traversal_ms / slowest)))
+
+    def _stage_ms(self, plan: Plan) -> list[float]:
+        """Each stage's predicted ms for a one-token chunk (its layers x its advertised ms per layer)."""
         view = self.view.service.membership.view()
         ms = self.models.ms_per_layer
-        stage_ms = [(b - a) * (view[p].layer_us / 1000 if p in view else ms) for p, (a, b) in plan.blocks.items()]
-        slowest = max([*stage_ms, 0.05])
-        return max(1, min(MAX_DEPTH, math.ceil(plan.predicted_traversal_ms / slowest)))
+        return [(b - a) * (view[p].layer_us / 1000 if p in view else ms) for p, (a, b) in plan.blocks.items()]
+
+    def ring_times(self, plan: Plan) -> RingTimes:
+        """The ring's costs the drafting policy weighs (drafting.py), from the plan's predictions."""
+        return RingTimes.of(plan.predicted_traversal_ms, plan.predicted_compute_ms, self._stage_ms(plan))
 
     async def _prompt(self, req: Gen) -> list[int]:
         """The prompt's token ids: ``req.ids``, or its text tokenized here (then ``ids`` are the
@@ -223,9 +219,10 @@ class GenService:
         tok = self.models.tokenizer
         prompt = await self._prompt(req)
         params = sampling_of(req)
-        draft_name = req.draft or self.settings.draft
         depth = req.depth if req.depth is not None else self.ring_depth(ep.plan)
-        drafter, policy = make_drafter(draft_name, depth=depth, draft_k=req.draft_k)
+        drafts = self.models.drafts  # what this coordinator drafts with (drafting.py)
+        choice = drafts.choose(req.draft or "", times=self.ring_times(ep.plan), depth=depth, draft_k=req.draft_k,
+                               max_len=len(prompt) + req.max_new_tokens + 16, epoch=ep.plan.epoch)  # fmt: skip
         send, recv = trio.open_memory_channel[list[int] | str](math.inf)  # token ids, or a notice
         all_ids: list[int] = []
 
@@ -259,8 +256,13 @@ class GenService:
             last_token[0] = now
             send.send_nowait(list(ids))
 
-        run = coord.new_run(prompt, params=params, max_new_tokens=req.max_new_tokens, drafter=drafter, policy=policy,
-                            on_tokens=on_tokens)  # fmt: skip
+        try:
+            run = coord.new_run(prompt, params=params, max_new_tokens=req.max_new_tokens, drafter=choice.drafter,
+                                policy=choice.policy, on_tokens=on_tokens)  # fmt: skip
+        except BaseException:
+            choice.close()
+            raise
+        run.draft_limiter = drafts.limiter
         moved: CoordinatorMoved | None = None
         handed_over: dict[str, Any] = {}
         try:
@@ -280,13 +282,16 @@ class GenService:
                     send.close()
         except BaseExceptionGroup as eg:
             raise unwrap(eg) from None
+        finally:
+            choice.close()  # the draft's KV cache for this generation
         if moved is not None:
             return _handed_over_receipt(handed_over, prompt, moved, replans, t0)
         gen = run.gen
         receipt = self.reporter.receipt(ep, gen, params, started=t0)
         self.reporter.recent.append((gen.tokens_per_s, gen.tokens_per_traversal))
         receipt["replans"] = replans
-        receipt["draft"] = {"name": draft_name, "max_depth": depth if drafter is not None else 1, "draft_k": req.draft_k}
+        drafts.learn(choice, run.decoder, gen.traversal_ms if not replans else None, ep.plan.epoch)
+        receipt["draft"] = choice.receipt(run.decoder)
         return receipt
 
 

@@ -53,7 +53,7 @@ class Ctx:
 
     def fits(self, i: int, start: int, end: int, coordinator: bool) -> bool:
         """Whether peer ``i`` holds layers [start, end) at their own sizes (and the coordinator part)."""
-        extra = self.spec.coordinator_bytes if coordinator else 0
+        extra = self.peers[i].coordinator_part(self.spec) if coordinator else 0
         return self.spec.block_bytes(start, end) + extra <= self.peers[i].memory_bytes
 
 
@@ -154,7 +154,7 @@ def allocate_exact(ctx: Ctx, nodes: Sequence[int], coord: int) -> tuple[float, l
     rest[m][L] = (0.0, 0, 0)
     for k in range(m - 1, -1, -1):
         i = nodes[k]
-        room = ctx.peers[i].memory_bytes - (spec.coordinator_bytes if i == coord else 0)
+        room = ctx.peers[i].memory_bytes - (ctx.peers[i].coordinator_part(spec) if i == coord else 0)
         if room < 0:
             return None
         lo, speed = (0 if i == coord else 1), ctx.speed(i)

@@ -1,7 +1,7 @@
 """The peers-file format: what a running swarm exports and ``shard-swarm plan --peers`` reads.
 
     {"peers": [{"id": "alice", "memory_gb": 24, "ms_per_layer": 0.7, "coordinator_ok": true,
-                "addresses": ["/ip4/..."]}],
+                "addresses": ["/ip4/..."], "draft_ms": 4.5, "draft_gb": 1.2}],  # draft: optional
      "rtt_ms": {"alice": {"bob": 12.5}},          # a missing pair means unreachable
      "one_way_ms": {"alice": {"bob": 5.9}}}       # optional measured one-way latencies
 
@@ -85,7 +85,9 @@ def parse_peers_file(obj: Any, *, where: str = "peers file") -> PeersFile:
         addrs = entry.get("addresses", [])
         if not isinstance(addrs, list) or not all(isinstance(a, str) for a in addrs):
             raise UsageError(f"{at}: addresses must be a list of strings")
-        peers.append(Peer(pid, int(round(mem * GB)), speed, ok, tuple(addrs)))
+        draft_ms = None if entry.get("draft_ms") is None else _number(entry["draft_ms"], f"{at}: draft_ms")
+        draft_gb = _number(entry.get("draft_gb", 0), f"{at}: draft_gb")
+        peers.append(Peer(pid, int(round(mem * GB)), speed, ok, tuple(addrs), draft_ms, int(round(draft_gb * GB))))
         ids.add(pid)
     rtt = _matrix(obj.get("rtt_ms"), ids, f"{where}: rtt_ms")
     one = _matrix(obj.get("one_way_ms"), ids, f"{where}: one_way_ms")
@@ -104,6 +106,7 @@ def dump_peers_file(
                 "ms_per_layer": p.ms_per_layer,
                 "coordinator_ok": p.coordinator_ok,
                 **({"addresses": list(p.addresses)} if p.addresses else {}),
+                **({"draft_ms": p.draft_ms, "draft_gb": p.draft_bytes / GB} if p.draft_ms is not None else {}),
             }
             for p in sorted(peers, key=lambda p: p.id)
         ],

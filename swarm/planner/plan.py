@@ -32,6 +32,7 @@ class Plan:
     layers_moved: int = 0
     note: str | None = None
     hops_ms: tuple[float, ...] = field(default=())
+    draft: bool = False  # the coordinator runs its draft model, whose bytes this plan budgets
 
     @property
     def predicted_traversal_ms(self) -> float:
@@ -64,6 +65,7 @@ class Plan:
             "hops_ms": list(self.hops_ms),
             "layers_moved": self.layers_moved,
             "note": self.note,
+            "draft": self.draft,
         }
 
     @classmethod
@@ -94,6 +96,7 @@ class Plan:
                 layers_moved=int(data.get("layers_moved", 0)),
                 note=data.get("note"),
                 hops_ms=tuple(float(h) for h in data.get("hops_ms", ())),
+                draft=bool(data.get("draft", False)),
             )
         except KeyError as exc:
             raise PlanningError(f"plan JSON: missing field {exc.args[0]!r}") from None

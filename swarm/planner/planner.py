@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 
@@ -11,6 +12,11 @@ from swarm.planner.plan import Plan, check_blocks
 from swarm.planner.search import EXACT_LIMIT, Candidate, better, solve_exact, solve_heuristic
 from swarm.planner.spec import GB, Latency, ModelSpec, Peer
 from swarm.planner.sticky import Layout, layers_moved, sticky_layout, traversal
+
+# Tokens a drafting coordinator is expected to commit per traversal when the planner compares a
+# ring with a draft to one without (Shard's figure, REFERENCE.md; the coordinator's own policy
+# then adapts to what it measures): only the planner's choice of where the coordinator sits uses it.
+DRAFT_TOKENS_PER_TRAVERSAL = 3.0
 
 
 def plan(
@@ -31,7 +37,65 @@ def plan(
     spares, unless a fresh plan is faster by more than ``sticky_tolerance`` (0.25 = 25 %).
     ``epoch`` defaults to ``previous.epoch + 1`` (or 0). Raises PlanningError when no placement
     exists, saying how many GB are missing or which peers cannot reach each other.
+
+    Drafts: a peer that holds a draft model (``Peer.draft_ms``) budgets its bytes when it
+    coordinates. When some peers hold one, the best ring whose coordinator is one of them is
+    compared with the best ring overall by predicted ms per token: ``max(traversal /
+    DRAFT_TOKENS_PER_TRAVERSAL, draft_ms)`` with a draft, the traversal without; the faster wins
+    (on a slow WAN ring the draft's coordinator, on a fast LAN the centroid) and the note says so.
     """
+    kw = dict(one_way_ms=one_way_ms, previous=previous, epoch=epoch, sticky_tolerance=sticky_tolerance,
+              exact_limit=exact_limit)  # fmt: skip
+    drafted = {p.id: p.draft_ms for p in peers if p.draft_ms is not None and p.coordinator_ok}
+    if not drafted:
+        return _plan(spec, peers, rtt_ms, **kw)  # type: ignore[arg-type]
+    try:
+        best = _plan(spec, peers, rtt_ms, **kw)  # type: ignore[arg-type]
+    except PlanningError:
+        if _fits(spec, peers):
+            raise  # not for want of memory (an RTT not measured yet): the caller tries again later
+        # no room for a draft where a coordinator must be: coordinate without one
+        bare = [dataclasses.replace(p, draft_ms=None, draft_bytes=0) for p in peers]
+        plain = _plan(spec, bare, rtt_ms, **kw)  # type: ignore[arg-type]
+        why = "no coordinator has memory for its draft model next to its share of the layers"
+        return dataclasses.replace(plain, note=f"{plain.note}; {why}" if plain.note else why)
+    if best.coordinator in drafted:
+        return dataclasses.replace(best, draft=True)
+    only = [p if p.id in drafted else dataclasses.replace(p, coordinator_ok=False) for p in peers]
+    try:
+        alt = _plan(spec, only, rtt_ms, **kw)  # type: ignore[arg-type]
+    except PlanningError:
+        return best
+    with_draft = max(alt.predicted_traversal_ms / DRAFT_TOKENS_PER_TRAVERSAL, drafted[alt.coordinator])
+    if with_draft >= best.predicted_traversal_ms:
+        return best
+    why = (
+        f"coordinator {alt.coordinator} holds a draft model: predicted {with_draft:.1f} ms per token "
+        f"against {best.predicted_traversal_ms:.1f} ms without a draft at {best.coordinator}"
+    )
+    return dataclasses.replace(alt, draft=True, note=f"{alt.note}; {why}" if alt.note else why)
+
+
+def _fits(spec: ModelSpec, peers: Sequence[Peer]) -> bool:
+    """Whether the peers' memory holds the model (coordinators with their drafts), reachability aside."""
+    try:
+        _check_memory(Ctx.build(spec, peers, Latency({})))
+    except PlanningError:
+        return False
+    return True
+
+
+def _plan(
+    spec: ModelSpec,
+    peers: Sequence[Peer],
+    rtt_ms: Mapping[str, Mapping[str, float]] | Latency,
+    *,
+    one_way_ms: Mapping[str, Mapping[str, float]] | None,
+    previous: Plan | None,
+    epoch: int | None,
+    sticky_tolerance: float,
+    exact_limit: int,
+) -> Plan:
     seen: set[str] = set()
     for p in peers:
         if p.id in seen:

@@ -95,6 +95,10 @@ class Peer:
     ms_per_layer: float
     coordinator_ok: bool = True
     addresses: tuple[str, ...] = field(default=())
+    # a draft model this peer would run as coordinator: ms per drafted token (None: it holds
+    # none) and the bytes it takes there (weights and a context's KV cache)
+    draft_ms: float | None = None
+    draft_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not self.id:
@@ -103,11 +107,20 @@ class Peer:
             raise UsageError(f"peer {self.id}: memory must not be negative")
         if not (math.isfinite(self.ms_per_layer) and self.ms_per_layer >= 0):
             raise UsageError(f"peer {self.id}: ms_per_layer must be a finite number >= 0")
+        if self.draft_ms is not None and not (math.isfinite(self.draft_ms) and self.draft_ms >= 0):
+            raise UsageError(f"peer {self.id}: draft_ms must be a finite number >= 0")
+        if self.draft_bytes < 0:
+            raise UsageError(f"peer {self.id}: draft bytes must not be negative")
+
+    def coordinator_part(self, spec: ModelSpec) -> int:
+        """Bytes it holds as coordinator besides layers: embedding, head and its draft model."""
+        return spec.coordinator_bytes + self.draft_bytes
 
     def layer_capacity(self, spec: ModelSpec, *, coordinator: bool = False, per_layer: int | None = None) -> int:
         """How many layers fit (with their KV cache), each counted at ``per_layer`` bytes (default:
-        the largest layer's); -1 if it cannot even hold the coordinator part."""
-        free = self.memory_bytes - (spec.coordinator_bytes if coordinator else 0)
+        the largest layer's); -1 if it cannot even hold the coordinator part (with its draft
+        model, if it holds one)."""
+        free = self.memory_bytes - (self.coordinator_part(spec) if coordinator else 0)
         if free < 0:
             return -1
         return min(spec.n_layers, free // (per_layer or spec.bytes_per_layer))

@@ -67,7 +67,9 @@ MAX_TOP_K = 1 << 20
 MAX_DEPTH = 4  # verify chunks in flight at most
 MAX_DRAFT_K = 32
 MAX_WAIT_S = 600.0
-DRAFTS = ("ngram", "none")
+# what a request may ask for (swarm.node.drafting): prompt lookup, nothing, the coordinator's draft
+# model (by "model" or its name when it is derived from the model), or a choice by measured cost
+DRAFTS = ("ngram", "none", "model", "auto", "self", "int8", "int4")
 
 
 class Control(Message):

@@ -195,6 +195,15 @@ class Advert(Message):
         "rtt_us", IntMap(lambda lim: lim.max_peers, MAX_ID, 0, 10**9, unit="microseconds"), default_factory=dict
     )
     signature: bytes = meta("sig", B64(64), default=b"")
+    # the draft model this peer runs when it coordinates (all three, or none: absent from the
+    # signed body then): its name, the bytes it takes there, its time per drafted token
+    draft_name: str | None = meta("draft", Str(128, min_len=1), optional=True, default=None)
+    draft_bytes: int | None = meta("draft_bytes", Int(0, 1 << 56), optional=True, default=None)
+    draft_us: int | None = meta("draft_us", Int(0, 10**9), optional=True, default=None)
+
+    def check(self, limits: Limits, fail: Any) -> None:
+        if len({self.draft_name is None, self.draft_bytes is None, self.draft_us is None}) > 1:
+            raise fail("draft", "draft, draft_bytes and draft_us come together or not at all")
 
     def body(self) -> dict[str, Any]:
         """Everything that is signed (all but the signature)."""

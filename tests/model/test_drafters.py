@@ -74,3 +74,51 @@ def test_model_drafter_sampling_returns_its_distributions(tiny: Path) -> None:
     assert all(float(draft.probs[i, t]) > 0 for i, t in enumerate(draft.tokens))
     assert d.propose([1, 2, 3], 3, params).tokens == draft.tokens  # seeded by position
     assert d.propose([1, 2, 3], 0, params).tokens == []
+
+
+def test_prepare_early_or_late_gives_the_same_drafts_in_bf16(tiny: Path) -> None:
+    """A ring's coordinator runs the prompt into the draft cache while the ring prefills; the
+    one-box reference lets the decoder do it before the first proposal: the same forwards, so the
+    same bf16 drafts."""
+    from swarm.model.drafters import DraftModel
+    from swarm.model.speculative import KPolicy, SpeculativeDecoder
+
+    proto = ModelDrafter.load(tiny, dtype=torch.bfloat16, max_len=64)
+    model = DraftModel(proto.head, proto.stages, name="tiny")
+    prompt = [3, 17, 42, 9, 11, 5]
+    drafts = []
+    for early in (True, False):
+        d = model.drafter(64)
+        dec = SpeculativeDecoder(prompt, params=GREEDY, max_new_tokens=12, drafter=d, policy=KPolicy(fixed_k=3, max_depth=3,
+                                 depth_threshold=0.0), prefill_chunk=4)  # fmt: skip
+        chunks = dec.poll()  # the prefill pieces
+        if early:
+            dec.prepare_drafter()
+            assert d.tokens_run == len(prompt) - 1 and d.forwards == 0  # the prompt's forward is not a proposal's
+        logits = torch.zeros(1, 128)
+        logits[0, 7] = 1.0
+        dec.feed(chunks[0].chunk_id, torch.zeros(0, 128))
+        dec.feed(chunks[1].chunk_id, logits)
+        drafts.append([c.tokens for c in dec.poll()])
+        # the prompt, the pending 7, and every draft of the 3 chunks but the last one (drafts ahead)
+        assert d.tokens_run == len(prompt) + 1 + 3 * 3 - 1
+        d.close()
+        assert all(d.session not in st.sessions() for st in model.stages)  # its KV cache is freed
+    assert drafts[0] == drafts[1] and len(drafts[0]) == 3
+
+
+def test_drafters_of_one_model_keep_their_own_caches(tiny: Path) -> None:
+    from swarm.model.drafters import DraftModel
+
+    proto = ModelDrafter.load(tiny, dtype=torch.float32, max_len=64)
+    model = DraftModel(proto.head, proto.stages, name="tiny")
+    a, b = model.drafter(64), model.drafter(64)
+    ctx_a, ctx_b = [3, 17, 42, 9], [100, 2, 77]
+    alone_a = model.drafter(64).propose(ctx_a, 4, GREEDY).tokens
+    alone_b = model.drafter(64).propose(ctx_b, 4, GREEDY).tokens
+    assert a.propose(ctx_a, 2, GREEDY).tokens == alone_a[:2]
+    assert b.propose(ctx_b, 4, GREEDY).tokens == alone_b
+    assert a.propose(ctx_a + alone_a[:2], 2, GREEDY).tokens == alone_a[2:]  # drafts on from its own cache
+    assert a.forwards == 4 and a.tokens_run == len(ctx_a) + 3  # the second call ran only the new tokens
+    a.close()
+    assert a.propose(ctx_a, 2, GREEDY).tokens == []  # a closed drafter proposes nothing

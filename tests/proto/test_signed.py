@@ -9,6 +9,7 @@ import pytest
 
 from swarm.errors import ProtocolError
 from swarm.manifest.identity import Identity, peer_id_from_public_key
+from swarm.proto.limits import DEFAULT_LIMITS
 from swarm.proto.messages import Advert, Plan, decode_message
 from swarm.proto.signed import AdvertBook, sign_advert, sign_plan, verify_advert, verify_plan
 from swarm.proto.signing import canonical_json, peer_id_of
@@ -136,6 +137,21 @@ def test_book_is_bounded_against_made_up_identities() -> None:
         book.offer(_advert(stranger))
     assert book.offer(_advert(ALICE, seq=2))  # news about a known peer is still taken
     assert sorted(book.peers()) == sorted([ALICE.peer_id, MALLORY.peer_id])
+
+
+def test_an_advert_names_the_draft_model_its_peer_runs() -> None:
+    adv = _advert(draft_name="int4", draft_bytes=95_000_000, draft_us=19_250)
+    got = decode_message(adv.encode())
+    assert isinstance(got, Advert) and got == adv and got.draft_name == "int4"
+    verify_advert(got, SWARM)
+    assert "draft" not in _advert().body()  # none: the body (and the signature) is as before
+    forged = dataclasses.replace(adv, draft_us=1)  # a peer claiming a faster draft
+    with pytest.raises(ProtocolError, match="forged or corrupted signature"):
+        verify_advert(decode_message(forged.encode()), SWARM)  # type: ignore[arg-type]
+    frame = adv.to_frame()
+    frame.meta["draft"] = {"name": "int4", "bytes": -1, "us": 5}
+    with pytest.raises(ProtocolError, match="draft"):
+        Advert.from_frame(frame, DEFAULT_LIMITS)
 
 
 def test_made_up_identities_expire_and_never_lock_a_newcomer_out() -> None:
