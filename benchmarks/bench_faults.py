@@ -70,6 +70,7 @@ N_NEW = 96
 # different chunk schedule can flip a near-tie token, so a run that starts on a re-planned ring
 # would not be comparable with the reference from the first ring (the receipt records the depth)
 DEPTH = 2
+READY_WAIT_S = 10.0  # how long a request waits for a ring being set up, as through the API (swarm/api/backend.py)
 
 
 def memory_for(ckpt: Path, layers_each: int) -> int:
@@ -171,6 +172,7 @@ class Bench:
                         max_new_tokens=max_new,
                         draft="ngram",
                         depth=DEPTH,
+                        wait_s=READY_WAIT_S,  # as the API does: a ring being set up is waited for
                         timeout=self.bound_s - 10,
                         on_tokens=on_tokens,
                     )
