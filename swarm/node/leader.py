@@ -71,6 +71,7 @@ log = logging.getLogger("swarm.node")
 LOAD_TIMEOUT_S = 600.0
 INFORM_TIMEOUT_S = 20.0
 REPLAN_SETTLE_S = 0.15  # after a loss: re-plan as soon as membership stops changing
+VERDICT_WAIT_S = 5.0  # after an epoch ended: how long a re-plan waits for a suspect peer's verdict
 CATCH_UP_TIMEOUT_S = 2.0  # a peer back from being cut off asks the others what they serve
 CATCH_UP_WAIT_S = 3.0  # ... and waits at most this long for its view to settle / that ring to reappear
 CUT_OFF_SETTLE_S = 1.0  # ... the view it catches up from has been unchanged this long
@@ -151,6 +152,13 @@ class Leader:
                 ready_at = max(self.epochs.ended_at + REPLAN_SETTLE_S, stable_since + settle)
                 if now < ready_at:
                     wait = ready_at - now
+                    continue
+                # A run that timed out can end its epoch before the failure detector has judged
+                # the peer that went quiet (a frozen peer is suspect first, lost a second later):
+                # a plan made now would keep that peer and fail again at set-up. Wait, bounded,
+                # for the verdict: lost (planned around) or heard again (planned with).
+                if not first and self.view.suspects() and now < self.epochs.ended_at + VERDICT_WAIT_S:
+                    wait = 0.1
                     continue
             previous = None
             if self.cut_off_since is not None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import trio
 
 from swarm.node.control import role_of
+from swarm.node.failure import PeerState
 from swarm.node.gossip import MembershipService
 from swarm.node.hosting import Host
 
@@ -30,6 +31,11 @@ class MemberView:
         this node included, sorted."""
         view = self.service.membership.view()
         return sorted({self.peer_id, *(p for p in self.service.members() if p in view)})
+
+    def suspects(self) -> list[str]:
+        """Members not heard from for a while, not (yet) declared lost (failure.py)."""
+        detector = self.service.liveness.detector
+        return [p for p in self.members() if p != self.peer_id and detector.state(p) is PeerState.SUSPECT]
 
     def plannable(self) -> list[str]:
         """Members a plan may use: not the ones leaving, nor those recently caught misbehaving."""

@@ -468,3 +468,24 @@ async def test_a_joiner_learns_the_serving_plan_after_the_leader_that_made_it_le
         got = await swarm.generate(3, PROMPT, N_NEW, draft="none")
         assert got["output_token_ids"] == reference and got["coordinator"] == before.coordinator
         nursery.cancel_scope.cancel()
+
+
+async def test_a_run_that_times_out_before_the_detector_judges_waits_for_the_verdict(
+    ckpt: Path, reference: list[int], autojump_clock  # type: ignore[no-untyped-def]
+) -> None:
+    """The coordinator's chunk deadline (1.5 s here) passes before the failure detector declares
+    a frozen stage lost (2.5 s): the run ends its epoch at once, and the leader, seeing the stage
+    suspect, waits for the verdict and plans once, around it (not a plan that keeps the frozen
+    stage and fails again at set-up)."""
+    async with trio.open_nursery() as nursery:
+        swarm = MemSwarm(MemNet(), ckpt, nursery, layers=[4, 4, 4, 4], chunk_timeout=1.5)
+        await swarm.start_all()
+        coord, stages = _roles(swarm, await swarm.ready())
+        victim = next(s for s in stages if s != 0)
+        got = await swarm.generate(coord, PROMPT, N_NEW, draft="ngram",
+                                   on_tokens=_killer(swarm, {20: lambda: swarm.freeze(victim)}))  # fmt: skip
+        assert got["output_token_ids"] == reference
+        (rp,) = got["replans"]
+        assert swarm.ids[victim] in rp["lost"] and "no result from the ring" in rp["reason"], rp
+        assert rp["to_epoch"] == rp["from_epoch"] + 1, rp  # one plan, made after the verdict
+        nursery.cancel_scope.cancel()
