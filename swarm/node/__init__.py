@@ -33,6 +33,7 @@ Where things live:
     discovery.py   relays and mDNS: finding and reaching peers beyond the bootstrap list
     links.py       the Link interface of a hop, and the in-process LocalLink
     fastlink.py    a hop over a fast-path channel
+    probe.py       RTTs on the path hops take: a short echoed probe of the fast path to each member
     activation.py  the activation codec: tensors <-> CHUNK/RESULT messages, with every check
     failure.py     FailureDetector: alive -> suspect -> lost (and rejoin as a new incarnation);
                    pure, every call takes ``now``

@@ -65,6 +65,7 @@ class Liveness:
         self._on_transition = on_transition
         self.on_stall: Callable[[float], None] | None = None  # called with the gap after we were stopped
         self._rtts: dict[str, deque[float]] = {}
+        self._path_rtts: dict[str, float] = {}  # probed on the path hops take (swarm.node.probe)
         self._ran_at: float | None = None  # our clock when this node last ran its liveness code
         self._stall_s = max(STALL_S, 2 * DEFAULT_INTERVAL)  # a gap this long: we were stopped (watch sets it)
 
@@ -72,6 +73,7 @@ class Liveness:
         for t in transitions:
             if t.new is PeerState.LOST:
                 self._rtts.pop(t.peer, None)
+                self._path_rtts.pop(t.peer, None)
             if self._on_transition is not None:
                 self._on_transition(t)
 
@@ -108,12 +110,25 @@ class Liveness:
         if seconds >= 0:
             self._rtts.setdefault(peer, deque(maxlen=RTT_SAMPLES)).append(seconds)
 
+    def path_rtt(self, peer: str, seconds: float) -> None:
+        """The least round trip of a probe on the path hops to ``peer`` take (the fast path's
+        direct socket when it opens, else its libp2p stream): from now on the RTT of ``peer``."""
+        if seconds >= 0 and self.detector.state(peer) not in (None, PeerState.LOST):
+            self._path_rtts[peer] = seconds
+
     def rtt_ms(self, peer: str) -> float | None:
+        """The probed path's RTT once a probe ran, else the heartbeats' (the control stream's)."""
+        if peer in self._path_rtts:
+            return self._path_rtts[peer] * 1000.0
         samples = self._rtts.get(peer)
         return min(samples) * 1000.0 if samples else None
 
+    def rtt_source(self, peer: str) -> str | None:
+        """Where :meth:`rtt_ms` comes from: "probe", "heartbeats", or None (not measured yet)."""
+        return "probe" if peer in self._path_rtts else ("heartbeats" if self._rtts.get(peer) else None)
+
     def rtts_ms(self) -> dict[str, float]:
-        return {p: min(s) * 1000.0 for p, s in self._rtts.items() if s}
+        return {p: v for p in self._rtts.keys() | self._path_rtts.keys() if (v := self.rtt_ms(p)) is not None}
 
     async def watch(self, period: float = DEFAULT_INTERVAL / 2) -> None:
         """Tick the detector forever (run in a nursery). A gap of STALL_S or more between two

@@ -149,6 +149,9 @@ class Reporter:
                 "memory_used_bytes": used,
                 "heartbeat_age_s": None if peer == self.peer_id or heard is None else round(now - heard, 2),
                 "path": "self" if peer == self.peer_id else self.host.path_label(peer),  # direct, hole-punched, relayed
+                "rtt_ms": None if peer == self.peer_id else self.service.liveness.rtt_ms(peer),
+                # "probe": measured on the path hops take (probe.py); "heartbeats": on the control stream
+                "rtt_from": None if peer == self.peer_id else self.service.liveness.rtt_source(peer),
             }
         return out
 

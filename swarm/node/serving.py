@@ -24,6 +24,7 @@ from swarm.node.leader import Leader
 from swarm.node.loopwatch import LoopWatch
 from swarm.node.models import Models
 from swarm.node.notices import Notices
+from swarm.node.probe import Prober
 from swarm.node.recovery import Recovery
 from swarm.node.report import Reporter
 from swarm.node.resume import Resumer
@@ -91,6 +92,7 @@ class Serving:
         host.handle(PROTO_ACT, self.wiring.serve_act)
         host.handle(PROTO_GEN, self.gen.serve, roles=(MEMBER, CLIENT))  # ring, act: members only (the door)
         self._fastpath = fastpath
+        self._service = service
 
     async def _on_connect(self, peer: str, msg: ctl.Connect) -> ctl.Linked:
         labels = await self.wiring.connect(msg.epoch)
@@ -104,4 +106,5 @@ class Serving:
         """Start the serving tasks: the fast path's inbound channels and the leader loop."""
         if self._fastpath is not None:
             nursery.start_soon(self.wiring.accept_fast)
+            nursery.start_soon(Prober(self._service, self._fastpath).run)  # RTTs on the hops' path
         nursery.start_soon(self.leader.run)

@@ -30,6 +30,7 @@ from swarm.node.hosting import Host
 from swarm.node.links import Link, LocalLink
 from swarm.node.models import Models
 from swarm.node.notices import Notices
+from swarm.node.probe import echo_probe
 from swarm.node.stage_worker import StageWorker
 from swarm.proto import control as ctl
 from swarm.proto.limits import PROTO_ACT
@@ -189,8 +190,12 @@ class Wiring:
 
     async def serve_act(self, peer: str, fs: Link) -> None:
         """``/shard-swarm/act/1`` (or a fast-path channel): one hop into this node, opened by its
-        upstream peer with a ``hop`` hello; held until the epoch ends."""
+        upstream peer with a ``hop`` hello and held until the epoch ends; or a probe of the path
+        (a ``probe`` hello), echoed and closed."""
         hello = parse_message(await fs.receive(timeout=HELLO_TIMEOUT_S))
+        if isinstance(hello, ctl.Probe):
+            await echo_probe(fs, peer, hello)  # a short channel that measures the path (probe.py)
+            return
         if not isinstance(hello, ctl.Hop):
             raise ProtocolError(f"peer {peer}: activation stream must start with a hop hello")
         ep = self.epochs.get(hello.epoch)

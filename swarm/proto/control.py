@@ -12,7 +12,8 @@ Ops, by protocol (who may send each request is ``swarm.node.control``'s dispatch
   :class:`Linked`; :class:`Serve` -> :class:`Serving`; :class:`Current` -> the serving PLAN or
   :class:`NoPlan`; :class:`Ended`, :class:`Leaving`, :class:`Leave`, :class:`Fault` ->
   :class:`Serving` (an acknowledgement).
-- activation streams (``/shard-swarm/act/1``): :class:`Hop` opens one.
+- activation streams (``/shard-swarm/act/1``): :class:`Hop` opens one; :class:`Probe` opens a
+  short one whose pings the other end echoes.
 - generation (``/shard-swarm/gen/1``): :class:`Gen` (the one generation request type) ->
   :class:`Tokens`* and :class:`Notice`* -> :class:`Done` (the receipt); :class:`Status` ->
   :class:`StatusReply`.
@@ -246,6 +247,16 @@ class Hop(Control):
     OP: ClassVar[str] = "hop"
     epoch: int = meta("epoch", Int(0, EPOCH_MAX))
     hop: int = meta("hop", Int(0, 1 << 16))
+
+
+@op
+@dataclass(frozen=True, slots=True)
+class Probe(Control):
+    """The first frame of a probe on an activation channel, and each ping on it: the other end
+    echoes every one back unchanged (``swarm.node.probe``: the RTT of the path hops take)."""
+
+    OP: ClassVar[str] = "probe"
+    seq: int = meta("seq", Int(0, 1 << 16))
 
 
 # ---------------------------------------------------------------- generation and status

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import trio
 
 from swarm.model.drafters import NgramDrafter
 from swarm.model.generate import LocalModel, generate
@@ -53,10 +54,24 @@ async def test_three_node_ring_matches_one_box(ckpt: Path) -> None:
             blocks = sorted(tuple(p["block"]) for p in got["peers"] if p["block"])
             assert blocks[0][0] == 0 and blocks[-1][1] == 6
             assert all(a[1] == b[0] for a, b in zip(blocks, blocks[1:], strict=False))
+            # every member's RTT comes from a probe of the path hops take, sub-millisecond on loopback
+            info = await _until_probed(h, peer, set(plan["ring"]) | {plan["coordinator"]})
+            assert all(v["rtt_ms"] < 50 for v in info.values()), info
             sampled = await client.generate(h, peer, prompt_ids=PROMPT, max_new_tokens=24, temperature=0.8,
                                             top_p=0.9, seed=7, draft="none", timeout=60)
             assert sampled["output_token_ids"] == want_sampled[: len(sampled["output_token_ids"])]
         assert all(swarm.alive()), [swarm.log(i)[-2000:] for i in range(3)]
+
+
+async def _until_probed(h, peer: str, members: set[str], timeout: float = 15.0) -> dict:  # type: ignore[no-untyped-def]
+    """The asked peer's view of the others once each RTT comes from a probe (swarm/node/probe.py)."""
+    with trio.fail_after(timeout):
+        while True:
+            st = await client.status(h, peer)
+            info = {p: v for p, v in st["peer_info"].items() if p in members and p != st["peer_id"]}
+            if info and all(v["rtt_from"] == "probe" for v in info.values()):
+                return info
+            await trio.sleep(0.5)
 
 
 async def test_ring_receipt_and_run_json_agree_in_bf16(ckpt: Path) -> None:
