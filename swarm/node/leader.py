@@ -54,6 +54,7 @@ from swarm.errors import PlanningError, ProtocolError, SwarmError
 from swarm.node.authority import check_epoch_step
 from swarm.node.control import RingClient
 from swarm.node.epochs import Epochs, plan_body, plan_from_body
+from swarm.node.failure import DEFAULT_LOST_AFTER, MAX_PATIENCE
 from swarm.node.notices import Notices
 from swarm.node.settings import NodeSettings
 from swarm.node.view import MemberView
@@ -71,7 +72,9 @@ log = logging.getLogger("swarm.node")
 LOAD_TIMEOUT_S = 600.0
 INFORM_TIMEOUT_S = 20.0
 REPLAN_SETTLE_S = 0.15  # after a loss: re-plan as soon as membership stops changing
-VERDICT_WAIT_S = 5.0  # after an epoch ended: how long a re-plan waits for a suspect peer's verdict
+# after an epoch ended, a re-plan waits for a suspect peer's verdict at most as long as the
+# detector may take to give it (a peer that flapped before is allowed more silence: failure.py)
+VERDICT_WAIT_S = DEFAULT_LOST_AFTER * MAX_PATIENCE
 CATCH_UP_TIMEOUT_S = 2.0  # a peer back from being cut off asks the others what they serve
 CATCH_UP_WAIT_S = 3.0  # ... and waits at most this long for its view to settle / that ring to reappear
 CUT_OFF_SETTLE_S = 1.0  # ... the view it catches up from has been unchanged this long
