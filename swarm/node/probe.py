@@ -18,6 +18,7 @@ Every wait is bounded (``TIMEOUT_S``); a probe never runs while a previous one t
 from __future__ import annotations
 
 import logging
+import secrets
 from typing import Any
 
 import trio
@@ -39,12 +40,13 @@ TIMEOUT_S = 3.0  # opening the channel, and each echo
 async def probe_once(link: Any, pings: int = PINGS, timeout: float = TIMEOUT_S) -> float:
     """Round trips of Probe frames on an open link (the hello first): the least, in seconds."""
     best = float("inf")
-    for seq in range(pings + 1):
+    for _ in range(pings + 1):
+        nonce = secrets.randbits(32)  # unguessable: a peer cannot echo a ping it has not received
         sent = trio.current_time()
-        await link.send(ctl.Probe(seq).to_frame(), timeout=timeout)
+        await link.send(ctl.Probe(nonce).to_frame(), timeout=timeout)
         got = parse_message(await link.receive(timeout=timeout))
-        if not isinstance(got, ctl.Probe) or got.seq != seq:
-            raise SwarmError(f"peer {link.peer}: a probe echo was {got!r}, not probe {seq}")
+        if not isinstance(got, ctl.Probe) or got.nonce != nonce:
+            raise SwarmError(f"peer {link.peer}: a probe echo was {got!r}, not the ping just sent")
         best = min(best, trio.current_time() - sent)
     return best
 

@@ -253,10 +253,11 @@ class Hop(Control):
 @dataclass(frozen=True, slots=True)
 class Probe(Control):
     """The first frame of a probe on an activation channel, and each ping on it: the other end
-    echoes every one back unchanged (``swarm.node.probe``: the RTT of the path hops take)."""
+    echoes every one back unchanged (``swarm.node.probe``: the RTT of the path hops take). The
+    nonce is random, so an echo cannot be sent before its ping arrived (a shorter RTT)."""
 
     OP: ClassVar[str] = "probe"
-    seq: int = meta("seq", Int(0, 1 << 16))
+    nonce: int = meta("nonce", Int(0, (1 << 32) - 1))
 
 
 # ---------------------------------------------------------------- generation and status

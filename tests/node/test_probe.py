@@ -60,13 +60,23 @@ async def test_a_wrong_echo_fails_the_probe(autojump_clock: trio.testing.MockClo
         for _ in range(2):
             got = parse_message(await echoer.receive())
             assert isinstance(got, ctl.Probe)
-            await echoer.send(ctl.Probe(got.seq + 1).to_frame())
+            await echoer.send(ctl.Probe(got.nonce ^ 1).to_frame())
 
     async with trio.open_nursery() as n:
         n.start_soon(liar)
-        with pytest.raises(SwarmError, match="not probe 0"):
+        with pytest.raises(SwarmError, match="not the ping just sent"):
             await probe_once(prober)
         n.cancel_scope.cancel()
+
+
+async def test_echoes_sent_ahead_of_their_pings_fail_the_probe(autojump_clock: trio.testing.MockClock) -> None:
+    """A member that wants a short RTT (to be planned as a neighbour, or as the coordinator)
+    cannot echo pings before they arrive: the nonces are random."""
+    prober, echoer = _pair([])
+    for guess in range(PINGS + 1):
+        await echoer.send(ctl.Probe(guess).to_frame())
+    with pytest.raises(SwarmError, match="not the ping just sent"):
+        await probe_once(prober)
 
 
 async def test_the_echo_refuses_anything_but_probes_and_stops_after_pings(autojump_clock: trio.testing.MockClock) -> None:
