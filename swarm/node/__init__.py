@@ -26,6 +26,7 @@ Where things live:
                    run on a new ring after a failure
     drafting.py    the coordinator's draft model (load, advert, auto's choice by measured cost) and
                    drafting off the trio loop, ahead of the chunks in flight
+    headbatch.py   the coordinator's LM head, shared by the sessions whose results arrive together
     capacity.py    how many sessions a ring holds, and the queue in front of it
     client.py      talking to a swarm as a client (status, wait until ready, one generation)
     launch.py      a local swarm of node processes on loopback (demo, tests, benchmarks);

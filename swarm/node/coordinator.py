@@ -25,16 +25,9 @@ keeps delivering results, to any session, within that deadline is busy, not brok
 goes on (a session queued behind seven others on a loaded ring may wait longer than one chunk's
 deadline), up to SLOW_WAIT_FACTOR deadlines. Only a ring silent for a whole deadline times out.
 
-The LM head is batched across sessions: a session that needs logits queues its rows; whoever
-finds the head idle runs every queued request as one call (rows concatenated) and hands each
-session its rows, until the queue is empty, so sessions whose results arrive together share one
-pass over the head's weights (the biggest matrix a small model has). Batched rows can differ from
-rows computed alone in the last bits (a GEMM's blocking depends on its row count): in fp32 greedy
-tokens stay the same in practice (the tests check), in bf16 a near-tie can flip; the receipt
-counts ``shared_head_calls``. The head runs in a worker thread behind the process's compute
-limiter, except a call predicted to take under INLINE_MAX_S (as in stage_worker.py: the
-prediction rises at once and decays slowly, and the loop checkpoints after it), so the trio loop
-answering heartbeats is never held long by compute.
+The LM head is batched across sessions whose results arrive together (headbatch.py), and runs
+off the trio loop unless predicted quick, so the loop answering heartbeats is never held long by
+compute; the receipt counts ``shared_head_calls``.
 """
 
 from __future__ import annotations
@@ -66,6 +59,7 @@ from swarm.model.speculative import Committed, DraftSource, KPolicy, Speculative
 from swarm.model.stage import Head
 from swarm.node import drafting
 from swarm.node.activation import hidden_chunk, read_hidden
+from swarm.node.headbatch import SharedHead
 from swarm.node.links import Link
 from swarm.proto.activation import Error, Result, SessionEnd
 from swarm.proto.frame import Frame
@@ -77,7 +71,6 @@ log = logging.getLogger("swarm.node.coordinator")
 DEFAULT_CHUNK_TIMEOUT_S = 30.0
 SEND_TIMEOUT_S = 10.0
 SLOW_WAIT_FACTOR = 10  # a busy ring (results flowing to other sessions) is waited for this many deadlines
-INLINE_MAX_S = 0.005  # an LM head call predicted to take less runs on the trio thread
 
 
 @dataclass
@@ -119,19 +112,6 @@ class RingGeneration:
     @property
     def output_sha256(self) -> str:
         return output_sha256(self.output_token_ids)
-
-
-MAX_HEAD_BATCH = 32  # sessions' rows in one LM head call
-HEAD_GATHER_PASSES = 4  # scheduler passes an idle head waits for more sessions' rows (while they come)
-
-
-@dataclass(eq=False)
-class _HeadRequest:
-    rows: torch.Tensor  # (T, D)
-    out: torch.Tensor | None = None  # (T, V) once computed
-    shared: bool = False
-    error: BaseException | None = None
-    wake: trio.Event = field(default_factory=trio.Event)
 
 
 REPLAY_ID_BASE = 1 << 48  # chunk ids of replayed chunks (the decoder's own ids stay far below)
@@ -181,12 +161,11 @@ class Coordinator:
         self._first: Link | None = None
         self._tail_peer = "?"
         self._broken: SwarmError | None = None
-        self._head_s = math.inf  # a small LM head call's time: rises at once, decays slowly
-        self._head_queue: list[_HeadRequest] = []  # sessions waiting for logits (see the module doc)
-        self._head_busy = False
         self._last_result = -math.inf  # trio time the tail last delivered anything
-        self.compute_delay_s = compute_delay_s  # fault injection for load tests (see stage_worker)
-        self.inline = inline  # every head call on the trio thread (in-memory tests on a mock clock)
+        self.inline = inline  # head calls and drafting on the trio thread (in-memory tests on a mock clock)
+        self.shared_head = SharedHead(
+            head, limiter=self.limiter, live=self._sessions.keys, compute_delay_s=compute_delay_s, inline=inline
+        )  # the LM head, batched across sessions (headbatch.py)
 
     # -- the result reader -----------------------------------------------------------------
 
@@ -200,6 +179,7 @@ class Coordinator:
                 except PeerTimeout:
                     continue
                 self._last_result = trio.current_time()
+                self.shared_head.note_result(frame.session)
                 chan = self._sessions.get(frame.session)
                 if chan is not None:  # else a session that already ended (its discarded chunks drain here)
                     with contextlib.suppress(trio.WouldBlock):  # unbounded buffer: never blocks
@@ -295,7 +275,7 @@ class Coordinator:
                     gen.traversal_ms.append(1000 * (time.perf_counter() - t_sent))
                     rows = h[chunk.logits_from:]
                     if rows.shape[0]:
-                        logits, shared = await self._batched_logits(rows)
+                        logits, shared = await self.shared_head.logits(rows, session)
                         gen.shared_head_calls += shared
                     else:
                         logits = torch.empty(0, self.args.vocab_size)
@@ -311,6 +291,7 @@ class Coordinator:
                     await self._issue(run, session, sent)
         finally:
             del self._sessions[session]
+            self.shared_head.forget(session)
             with trio.move_on_after(SEND_TIMEOUT_S) as scope:
                 scope.shield = True
                 try:
@@ -336,72 +317,6 @@ class Coordinator:
         this loop, drafting.py); the same chunks a plain poll() gives, in the same order."""
         send = lambda c: self._send([c], session, sent, run.gen, run.decoder)  # noqa: E731
         await drafting.issue(run.decoder, send, self._draft_limiter(run))
-
-    def _head_logits(self, rows: torch.Tensor) -> tuple[torch.Tensor, float]:
-        t0 = time.perf_counter()
-        if self.compute_delay_s > 0:
-            time.sleep(self.compute_delay_s)  # fault injection: compute that blocks
-        out = self.head.logits(rows).cpu()  # on a GPU: wait here (timed, off the loop); CPU: no copy
-        return out, time.perf_counter() - t0
-
-    async def _batched_logits(self, rows: torch.Tensor) -> tuple[torch.Tensor, bool]:
-        """Logits of ``rows`` (T, D), computed with whatever other sessions queued meanwhile;
-        also whether the call was shared."""
-        req = _HeadRequest(rows)
-        self._head_queue.append(req)
-        while req.out is None:
-            if req.error is not None:
-                raise req.error
-            if not self._head_busy:
-                await self._run_head_queue()
-            else:
-                req.wake = trio.Event()
-                await req.wake.wait()
-        return req.out, req.shared
-
-    async def _run_head_queue(self) -> None:
-        self._head_busy = True
-        try:
-            for _ in range(HEAD_GATHER_PASSES):  # sessions woken by the same burst of results queue too
-                n = len(self._head_queue)
-                await trio.lowlevel.checkpoint()
-                if len(self._head_queue) == n:
-                    break
-            while self._head_queue:
-                batch, self._head_queue = self._head_queue[:MAX_HEAD_BATCH], self._head_queue[MAX_HEAD_BATCH:]
-                try:
-                    out = await self._logits(torch.cat([r.rows for r in batch]) if len(batch) > 1 else batch[0].rows)
-                except Exception as exc:
-                    for r in batch:
-                        r.error = exc
-                        r.wake.set()
-                    continue
-                except BaseException:  # cancelled (our own session ended): another waiter runs them
-                    self._head_queue[:0] = batch
-                    raise
-                i = 0
-                for r in batch:
-                    n = r.rows.shape[0]
-                    r.out, r.shared = out[i : i + n], len(batch) > 1
-                    i += n
-                    r.wake.set()
-        finally:
-            self._head_busy = False
-            for r in self._head_queue:
-                r.wake.set()  # each waiter looks again: one of them runs the rest
-
-    async def _logits(self, rows: torch.Tensor) -> torch.Tensor:
-        """LM head on the trio thread when it is predicted quick, else in a worker thread."""
-        small = rows.shape[0] <= 16
-        if self.inline or (small and self._head_s < INLINE_MAX_S):
-            out, took = self._head_logits(rows)
-            await trio.lowlevel.checkpoint()
-        else:
-            out, took = await trio.to_thread.run_sync(self._head_logits, rows, limiter=self.limiter)
-        if small or took > self._head_s:
-            p = self._head_s
-            self._head_s = took if (p == math.inf or took > p) else 0.9 * p + 0.1 * took
-        return out
 
     async def _replay(self, chunks: list[VerifyChunk], session: int, sent: dict[int, tuple[VerifyChunk | None, float]]) -> None:
         assert self._first is not None

@@ -22,6 +22,25 @@ forwards, and a long prompt (prefilled in ``prefill_chunk`` pieces by the coordi
 piece per round, so it never stalls the others' decoding by more than one piece's compute.
 Results go downstream in batch order; per session that is arrival order.
 
+Gathering (what keeps sessions in one batch). Sessions' chunks reach a stage one frame at a time
+(the coordinator sends them one after another), so a loop that computes whatever is queued the
+moment the first frame lands runs a batch of one, then the rest: the split goes round the ring,
+and each stage reads its weights once per fragment (measured: mostly batches of one). So before a
+forward the worker waits for sessions on their way:
+
+- *due*: up to one small forward's typical time (a running mean), for the sessions expected about
+  now (each one cycle, its last inter-arrival time here, after its last chunk) and for those that
+  shared the queued ones' last forward (a forward's sessions come back together). Waiting W costs
+  the queued ones W; running a straggler separately costs the stage one more forward, about W;
+- *merge*: otherwise, if the queued group is the smaller part of the active sessions (a tie: the
+  group without the lowest session id), it waits for the others until the last of them is
+  expected (at most GATHER_MERGE_MAX_S), so split groups merge once and then stay merged;
+
+and each wait ends as soon as every session waited for is queued. A lone session, one just
+joining (no cycle yet) and one overdue by a whole window are never waited for. The wait is an
+await on the queue with a deadline: liveness is not touched, and a long prompt still takes one
+piece per forward.
+
 Per chunk (session, chunk id, base position ``pos``, T hidden states): the session's cache is
 first truncated to ``pos`` (this drops tokens the coordinator rejected after the previous chunk
 was sent), then the block runs, and the result goes downstream with the same header. A stage
@@ -53,7 +72,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import trio
@@ -72,6 +91,8 @@ from swarm.proto.messages import parse_message
 log = logging.getLogger("swarm.node.stage")
 
 INLINE_MAX_S = 0.005  # a batch predicted to compute in less runs on the trio thread (see above)
+GATHER_MAX_S = 0.1  # the longest a forward waits for sessions due (module doc: gathering)
+GATHER_MERGE_MAX_S = 0.25  # the longest a smaller group waits to merge with the others
 MAX_BATCH = 16  # sessions in one forward
 MAX_BATCH_TOKENS = 512  # tokens in one forward (a prefill piece is 64 by default)
 IDLE_POLL_S = 5.0  # an idle inbound link is fine; we only wake to notice cancellation
@@ -87,6 +108,10 @@ class StageStats:
     batches: int = 0
     max_batch: int = 0  # the most sessions computed in one forward
     batched_chunks: int = 0  # chunks that shared a forward with another session's
+    sizes: list[int] = field(default_factory=list)  # sizes[k]: forwards of k + 1 sessions
+    gathers: int = 0  # forwards that waited for sessions due (module doc: gathering)
+    merges: int = 0  # ... of them, a smaller group waiting for the others
+    gather_s: float = 0.0  # time spent waiting
 
 
 class StageWorker:
@@ -122,6 +147,7 @@ class StageWorker:
         self.stats = StageStats()
         self.max_batch = max(1, max_batch)
         self._predict_s = math.inf  # a small batch's forward time: rises at once, decays slowly
+        self._typical_s = math.inf  # ... and its running mean: the gathering window (module doc)
         self.corrupt_after: int | None = None  # fault injection for chaos tests: NaN after N chunks
         self.swallow = False  # fault injection: drop every frame read (a hop that silently stopped)
         # fault injection for load tests: every forward blocks this much longer (a blocking sleep
@@ -129,6 +155,10 @@ class StageWorker:
         self.compute_delay_s = compute_delay_s
         self.inline = inline  # every forward on the trio thread (in-memory tests on a mock clock)
         self._pending: deque[Frame] = deque()  # read, not yet handled (sessions busy in a batch)
+        self.gather = True  # wait for sessions due before a forward (module doc: gathering)
+        self._arrived: dict[int, float] = {}  # session -> trio time its last chunk was read
+        self._cycle: dict[int, float] = {}  # session -> its last inter-arrival time here
+        self._mates: dict[int, frozenset[int]] = {}  # session -> the sessions of its last forward
         self.trace: list[list[tuple[int, int, int]]] | None = None  # tests: (session, pos, tokens) per batch
 
     def __repr__(self) -> str:
@@ -162,6 +192,8 @@ class StageWorker:
                     except PeerTimeout:
                         continue
                     if not self.swallow:
+                        if frame.msg_type == MsgType.CHUNK:
+                            self._note_arrival(frame.session)
                         send.send_nowait(frame)  # unbounded: what is in flight is bounded upstream
                     await trio.lowlevel.checkpoint()  # the fast path's hot receive never yields
             except PeerLost:
@@ -174,15 +206,82 @@ class StageWorker:
                     self._pending.append(await recv.receive())
                 except trio.EndOfChannel:
                     return
-            while True:
-                try:
-                    self._pending.append(recv.receive_nowait())
-                except (trio.WouldBlock, trio.EndOfChannel):
-                    break
+            self._drain(recv)
+            await self._gather(recv)
             batch = await self._take_batch(outbound)
             if batch:
                 await self._run_batch(batch, outbound)
             await trio.lowlevel.checkpoint()
+
+    def _drain(self, recv: trio.MemoryReceiveChannel[Frame]) -> None:
+        while True:
+            try:
+                self._pending.append(recv.receive_nowait())
+            except (trio.WouldBlock, trio.EndOfChannel):
+                return
+
+    def _note_arrival(self, session: int) -> None:
+        now = trio.current_time()
+        last = self._arrived.get(session)
+        if last is not None:
+            self._cycle[session] = now - last
+        self._arrived[session] = now
+
+    def _due(self, window: float) -> set[int]:
+        """Sessions whose next chunk is expected within ``window`` and not queued (module doc)."""
+        now = trio.current_time()
+        queued = {f.session for f in self._pending}
+        due = set()
+        for session, cycle in self._cycle.items():
+            expect = self._arrived[session] + cycle
+            if now - window <= expect <= now + window:
+                due.add(session)
+        for session in queued:  # a forward's sessions come back together
+            due.update(self._mates.get(session, ()))
+        return (due - queued) & set(self.stage.sessions())
+
+    def _minority_waits(self, queued: set[int]) -> tuple[set[int], float]:
+        """The active sessions this forward should wait for to merge with, and how long: the
+        queued group waits for the others if it is the smaller one (a tie: the group without the
+        lowest session id), until the last of them is expected (module doc)."""
+        now = trio.current_time()
+        open_here = set(self.stage.sessions())
+        active = {s for s, c in self._cycle.items() if s in open_here and now - self._arrived[s] < 2 * c}
+        others = active - queued
+        if not others or not queued:
+            return set(), 0.0
+        if len(queued) > len(others) or (len(queued) == len(others) and min(queued) < min(others)):
+            return set(), 0.0
+        until = max(self._arrived[s] + self._cycle[s] for s in others)  # when the last is expected
+        return others, min(max(until - now, self._typical_s), GATHER_MERGE_MAX_S)
+
+    async def _gather(self, recv: trio.MemoryReceiveChannel[Frame]) -> None:
+        """Wait (bounded) for the sessions due about now, so they share this forward."""
+        window = min(self._typical_s, GATHER_MAX_S)
+        if not self.gather or window == math.inf or not self._pending:
+            return
+        queued = {f.session for f in self._pending if f.msg_type == MsgType.CHUNK}
+        if not queued or len(queued) >= self.max_batch:
+            return
+        due = self._due(window)
+        if not due:
+            due, window = self._minority_waits(queued)
+            if not due or window == math.inf:
+                return
+            self.stats.merges += 1
+        t0 = trio.current_time()
+        with trio.move_on_after(window):
+            while due and len(queued) < self.max_batch:
+                try:
+                    frame = await recv.receive()
+                except trio.EndOfChannel:
+                    break
+                self._pending.append(frame)
+                self._drain(recv)
+                queued.update(f.session for f in self._pending if f.msg_type == MsgType.CHUNK)
+                due -= {f.session for f in self._pending}
+        self.stats.gathers += 1
+        self.stats.gather_s += trio.current_time() - t0
 
     async def _take_batch(self, outbound: Link) -> list[tuple[Chunk, torch.Tensor]]:
         """Scan the queue in order: each session's first frame is handled (a control frame) or
@@ -224,6 +323,8 @@ class StageWorker:
         if isinstance(msg, SessionEnd):
             if msg.session in self.stage.sessions():
                 self.stage.close_session(msg.session)
+            for state in (self._arrived, self._cycle, self._mates):
+                state.pop(msg.session, None)
             if not self.is_tail:
                 await outbound.send(frame, timeout=SEND_TIMEOUT_S)
         elif isinstance(msg, Rollback):
@@ -287,10 +388,18 @@ class StageWorker:
         if sum(m.tokens for m, _ in batch) <= 16 or took > self._predict_s:
             p = self._predict_s
             self._predict_s = took if (p == math.inf or took > p) else 0.9 * p + 0.1 * took
+        if sum(m.tokens for m, _ in batch) <= 16:
+            t = self._typical_s
+            self._typical_s = took if t == math.inf else 0.8 * t + 0.2 * took
+        mates = frozenset(m.session for m, _ in batch)
+        for session in mates:
+            self._mates[session] = mates
         st = self.stats
         st.compute_s += took
         st.batches += 1
         st.max_batch = max(st.max_batch, len(batch))
+        st.sizes.extend([0] * (len(batch) - len(st.sizes)))
+        st.sizes[len(batch) - 1] += 1
         if len(batch) > 1:
             st.batched_chunks += len(batch)
         for (msg, _), enc in zip(batch, outs, strict=True):

@@ -35,10 +35,12 @@ async def run_memory_ring(
     during: Callable[[MemoryRing], Awaitable[None]] | None = None,
     compute_delay_s: float = 0.0,
     trace: bool = False,
+    gather: bool = True,
 ) -> tuple[list[RingGeneration | BaseException], MemoryRing]:
     """Run ``jobs`` (each gets the coordinator) concurrently on a ring made of ``model``'s stages.
     ``compute_delay_s``: every forward blocks this much longer (load tests); ``trace``: each
-    worker records its batches (``worker.trace``)."""
+    worker records its batches (``worker.trace``); ``gather``: workers wait for sessions due
+    before a forward (stage_worker.py)."""
     n = len(model.stages)
     names = ["coord"] + [f"stage{i}" for i in range(n)] + ["coord"]
     links = [MemLink(f"{names[i]}->{names[i + 1]}", delay=delay) for i in range(n + 1)]
@@ -52,6 +54,7 @@ async def run_memory_ring(
     ]
     for w in workers:
         w.trace = [] if trace else None
+        w.gather = gather
     ring = MemoryRing(coord, workers, links)
     results: list[RingGeneration | BaseException] = [RuntimeError("not run")] * len(jobs)
 

@@ -222,3 +222,40 @@ async def test_batched_sessions_of_different_lengths_join_and_leave_each_equal_t
     assert len(pieces) == 4 and len(set(pieces)) == 4  # one prefill piece per forward...
     # ...each shared with other sessions' decode steps, which therefore never waited for the whole prompt
     assert any(any(s != long_session and t <= 3 for s, _, t in first[i]) for i in pieces[1:])
+
+
+@pytest.mark.parametrize("gather", [True, False])
+async def test_sessions_started_apart_come_to_share_every_forward(ckpt: Path, gather: bool) -> None:
+    """Four sessions started a few ms apart: without gathering, each stage computes whatever is
+    queued when the first chunk lands and the split goes round the ring; with it, they end up
+    in one forward at every stage (measured on the later half of each stage's batches, before the
+    last ones), and each session's tokens still equal its run alone (fp32)."""
+    blocks = [(0, 2), (2, 4), (4, 6)]
+    ref_model = _model(ckpt, blocks)
+    prompts = [[5, 17, 99, 3], [1, 2, 3, 4, 5], [200, 100, 50], [9, 9, 8, 7, 6, 5]]
+    refs = [generate(ref_model, p, max_new_tokens=24, eos_token_ids=()).output_token_ids for p in prompts]
+
+    def job_for(prompt: list[int], after: float):  # type: ignore[no-untyped-def]
+        async def job(c: Coordinator):  # type: ignore[no-untyped-def]
+            await trio.sleep(after)
+            return await c.generate(prompt, max_new_tokens=24, eos_token_ids=())
+
+        return job
+
+    jobs = [job_for(p, 0.004 * i) for i, p in enumerate(prompts)]
+    results, ring = await run_memory_ring(
+        _model(ckpt, blocks), jobs, delay=0.001, compute_delay_s=0.01, trace=True, gather=gather
+    )
+    for res, want in zip(results, refs, strict=True):
+        assert not isinstance(res, BaseException), res
+        assert res.output_token_ids == want
+    for w in ring.workers:
+        assert w.trace
+        steady = w.trace[len(w.trace) // 2 : -2]  # all four are decoding
+        mean = sum(len(b) for b in steady) / len(steady)
+        print(w, "gather" if gather else "no gather", [len(b) for b in w.trace], w.stats)
+        if gather:
+            assert mean >= 3.5, [len(b) for b in w.trace]
+            assert w.stats.gathers > 0 and w.stats.sizes[3] > 0
+        else:  # the control: what the split does without gathering
+            assert w.stats.gathers == 0 and mean < 3.5, [len(b) for b in w.trace]

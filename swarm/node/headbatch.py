@@ -1,0 +1,180 @@
+"""The coordinator's LM head, shared by the sessions whose results arrive together.
+
+Theory of operation
+-------------------
+A session that needs logits queues its rows; whoever finds the head idle runs every queued
+request as one call (rows concatenated) and hands each session its rows, until the queue is
+empty, so sessions whose results arrive together share one pass over the head's weights (the
+biggest matrix a small model has). Batched rows can differ from rows computed alone in the last
+bits (a GEMM's blocking depends on its row count): in fp32 greedy tokens stay the same in
+practice (the tests check), in bf16 a near-tie can flip; the receipt counts
+``shared_head_calls``.
+
+Gathering. A cohort's results leave the tail one after another; a head run for the first ones
+alone sends the rest round the ring a head call later, and the split goes on round the ring
+(stage_worker.py: gathering). So an idle head first lets the sessions woken by the same burst
+queue (a few scheduler passes), then waits, up to one typical head call, for the sessions whose
+results are due about now (one cycle after their last) and those that shared the queued ones'
+last head call, while they are still generating.
+
+The head runs in a worker thread behind the process's compute limiter, except a call predicted
+to take under INLINE_MAX_S (as in stage_worker.py: the prediction rises at once and decays
+slowly, and the loop checkpoints after it), so the trio loop answering heartbeats is never held
+long by compute.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+
+import torch
+import trio
+
+from swarm.model.stage import Head
+
+INLINE_MAX_S = 0.005  # an LM head call predicted to take less runs on the trio thread
+MAX_HEAD_BATCH = 32  # sessions' rows in one LM head call
+HEAD_GATHER_PASSES = 4  # scheduler passes an idle head waits for more sessions' rows (while they come)
+HEAD_GATHER_MAX_S = 0.05  # the longest an idle head waits for sessions due (module doc)
+
+
+@dataclass(eq=False)
+class _HeadRequest:
+    rows: torch.Tensor  # (T, D)
+    session: int = 0
+    out: torch.Tensor | None = None  # (T, V) once computed
+    shared: bool = False
+    error: BaseException | None = None
+    wake: trio.Event = field(default_factory=trio.Event)
+
+
+class SharedHead:
+    """``await logits(rows, session)``: the head's logits, computed with other sessions' rows."""
+
+    def __init__(
+        self,
+        head: Head,
+        *,
+        limiter: trio.CapacityLimiter,
+        live: Callable[[], Collection[int]],
+        compute_delay_s: float = 0.0,
+        inline: bool = False,
+    ) -> None:
+        self.head = head
+        self.limiter = limiter
+        self.live = live  # the sessions still generating
+        self.compute_delay_s = compute_delay_s  # fault injection for load tests (see stage_worker)
+        self.inline = inline  # every head call on the trio thread (in-memory tests on a mock clock)
+        self._predict_s = math.inf  # a small call's time: rises at once, decays slowly
+        self._typical_s = math.inf  # ... and its running mean: the gathering window
+        self._queue: list[_HeadRequest] = []
+        self._busy = False
+        self._queued = trio.Event()  # set when a request joins the queue
+        self._mates: dict[int, frozenset[int]] = {}  # session -> the sessions of its last head call
+        self._result_at: dict[int, float] = {}  # session -> trio time of its last result
+        self._cycle: dict[int, float] = {}  # session -> the time between its last two results
+
+    def note_result(self, session: int) -> None:
+        """A result for ``session`` came in from the tail (its cycle: when the next is due)."""
+        now = trio.current_time()
+        last = self._result_at.get(session)
+        if last is not None:
+            self._cycle[session] = now - last
+        self._result_at[session] = now
+
+    def forget(self, session: int) -> None:
+        for state in (self._mates, self._result_at, self._cycle):
+            state.pop(session, None)
+
+    async def logits(self, rows: torch.Tensor, session: int = 0) -> tuple[torch.Tensor, bool]:
+        """Logits of ``rows`` (T, D), computed with whatever other sessions queued meanwhile;
+        also whether the call was shared."""
+        req = _HeadRequest(rows, session)
+        self._queue.append(req)
+        self._queued.set()
+        while req.out is None:
+            if req.error is not None:
+                raise req.error
+            if not self._busy:
+                await self._run_queue()
+            else:
+                req.wake = trio.Event()
+                await req.wake.wait()
+        return req.out, req.shared
+
+    async def _run_queue(self) -> None:
+        self._busy = True
+        try:
+            for _ in range(HEAD_GATHER_PASSES):  # sessions woken by the same burst of results queue too
+                n = len(self._queue)
+                await trio.lowlevel.checkpoint()
+                if len(self._queue) == n:
+                    break
+            await self._gather()
+            while self._queue:
+                batch, self._queue = self._queue[:MAX_HEAD_BATCH], self._queue[MAX_HEAD_BATCH:]
+                try:
+                    out = await self._call(torch.cat([r.rows for r in batch]) if len(batch) > 1 else batch[0].rows)
+                except Exception as exc:
+                    for r in batch:
+                        r.error = exc
+                        r.wake.set()
+                    continue
+                except BaseException:  # cancelled (our own session ended): another waiter runs them
+                    self._queue[:0] = batch
+                    raise
+                mates = frozenset(r.session for r in batch)
+                i = 0
+                for r in batch:
+                    self._mates[r.session] = mates
+                    n = r.rows.shape[0]
+                    r.out, r.shared = out[i : i + n], len(batch) > 1
+                    i += n
+                    r.wake.set()
+        finally:
+            self._busy = False
+            for r in self._queue:
+                r.wake.set()  # each waiter looks again: one of them runs the rest
+
+    async def _gather(self) -> None:
+        """Wait (bounded) for the sessions whose results are due about now (module doc)."""
+        window = min(self._typical_s, HEAD_GATHER_MAX_S)
+        if self.inline or window == math.inf:
+            return
+        with trio.move_on_after(window):
+            while True:
+                queued = {r.session for r in self._queue}
+                now = trio.current_time()
+                due = {m for s in queued for m in self._mates.get(s, ())}
+                due.update(s for s, c in self._cycle.items() if abs(self._result_at[s] + c - now) <= window)
+                due = (due - queued) & set(self.live())
+                if not due or len(queued) >= MAX_HEAD_BATCH:
+                    return
+                self._queued = trio.Event()
+                await self._queued.wait()
+
+    def _compute(self, rows: torch.Tensor) -> tuple[torch.Tensor, float]:
+        t0 = time.perf_counter()
+        if self.compute_delay_s > 0:
+            time.sleep(self.compute_delay_s)  # fault injection: compute that blocks
+        out = self.head.logits(rows).cpu()  # on a GPU: wait here (timed, off the loop); CPU: no copy
+        return out, time.perf_counter() - t0
+
+    async def _call(self, rows: torch.Tensor) -> torch.Tensor:
+        """LM head on the trio thread when it is predicted quick, else in a worker thread."""
+        small = rows.shape[0] <= 16
+        if self.inline or (small and self._predict_s < INLINE_MAX_S):
+            out, took = self._compute(rows)
+            await trio.lowlevel.checkpoint()
+        else:
+            out, took = await trio.to_thread.run_sync(self._compute, rows, limiter=self.limiter)
+        if small or took > self._predict_s:
+            p = self._predict_s
+            self._predict_s = took if (p == math.inf or took > p) else 0.9 * p + 0.1 * took
+        if small:
+            t = self._typical_s
+            self._typical_s = took if t == math.inf else 0.8 * t + 0.2 * took
+        return out
