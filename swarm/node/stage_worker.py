@@ -30,11 +30,13 @@ forward the worker waits for sessions on their way:
 
 - *due*: up to one small forward's typical time (a running mean), for the sessions expected about
   now (each one cycle, its last inter-arrival time here, after its last chunk) and for those that
-  shared the queued ones' last forward (a forward's sessions come back together). Waiting W costs
+  shared the queued ones' last forward (a forward's sessions come back together; not for a chunk
+  that arrived before that forward ended: a second chunk in flight). Waiting W costs
   the queued ones W; running a straggler separately costs the stage one more forward, about W;
 - *merge*: otherwise, if the queued group is the smaller part of the active sessions (a tie: the
   group without the lowest session id), it waits for the others until the last of them is
-  expected (at most GATHER_MERGE_MAX_S), so split groups merge once and then stay merged;
+  expected (at most GATHER_MERGE_MAX_S), so split groups merge once and then stay merged (not
+  for a second chunk in flight: drafting keeps several of a session's chunks on the ring);
 
 and each wait ends as soon as every session waited for is queued. A lone session, one just
 joining (no cycle yet) and one overdue by a whole window are never waited for. The wait is an
@@ -112,6 +114,7 @@ class StageStats:
     gathers: int = 0  # forwards that waited for sessions due (module doc: gathering)
     merges: int = 0  # ... of them, a smaller group waiting for the others
     gather_s: float = 0.0  # time spent waiting
+    gather_timeouts: int = 0  # waits that ended at their deadline, someone waited for still missing
 
 
 class StageWorker:
@@ -158,7 +161,7 @@ class StageWorker:
         self.gather = True  # wait for sessions due before a forward (module doc: gathering)
         self._arrived: dict[int, float] = {}  # session -> trio time its last chunk was read
         self._cycle: dict[int, float] = {}  # session -> its last inter-arrival time here
-        self._mates: dict[int, frozenset[int]] = {}  # session -> the sessions of its last forward
+        self._mates: dict[int, tuple[frozenset[int], float]] = {}  # session -> its last forward's sessions, end
         self.trace: list[list[tuple[int, int, int]]] | None = None  # tests: (session, pos, tokens) per batch
 
     def __repr__(self) -> str:
@@ -236,8 +239,10 @@ class StageWorker:
             expect = self._arrived[session] + cycle
             if now - window <= expect <= now + window:
                 due.add(session)
-        for session in queued:  # a forward's sessions come back together
-            due.update(self._mates.get(session, ()))
+        for session in queued:  # a forward's sessions come back together...
+            mates, ended = self._mates.get(session, (frozenset(), math.inf))
+            if self._arrived.get(session, -math.inf) > ended:  # ...(not a chunk sent before it ended)
+                due.update(mates)
         return (due - queued) & set(self.stage.sessions())
 
     def _minority_waits(self, queued: set[int]) -> tuple[set[int], float]:
@@ -250,6 +255,8 @@ class StageWorker:
         others = active - queued
         if not others or not queued:
             return set(), 0.0
+        if any(self._arrived.get(s, -math.inf) <= self._mates.get(s, ((), -math.inf))[1] for s in queued):
+            return set(), 0.0  # a second chunk in flight, sent before its session's last forward ended
         if len(queued) > len(others) or (len(queued) == len(others) and min(queued) < min(others)):
             return set(), 0.0
         until = max(self._arrived[s] + self._cycle[s] for s in others)  # when the last is expected
@@ -270,7 +277,7 @@ class StageWorker:
                 return
             self.stats.merges += 1
         t0 = trio.current_time()
-        with trio.move_on_after(window):
+        with trio.move_on_after(window) as scope:
             while due and len(queued) < self.max_batch:
                 try:
                     frame = await recv.receive()
@@ -281,6 +288,7 @@ class StageWorker:
                 queued.update(f.session for f in self._pending if f.msg_type == MsgType.CHUNK)
                 due -= {f.session for f in self._pending}
         self.stats.gathers += 1
+        self.stats.gather_timeouts += scope.cancelled_caught
         self.stats.gather_s += trio.current_time() - t0
 
     async def _take_batch(self, outbound: Link) -> list[tuple[Chunk, torch.Tensor]]:
@@ -391,9 +399,9 @@ class StageWorker:
         if sum(m.tokens for m, _ in batch) <= 16:
             t = self._typical_s
             self._typical_s = took if t == math.inf else 0.8 * t + 0.2 * took
-        mates = frozenset(m.session for m, _ in batch)
+        mates, ended = frozenset(m.session for m, _ in batch), trio.current_time()
         for session in mates:
-            self._mates[session] = mates
+            self._mates[session] = (mates, ended)
         st = self.stats
         st.compute_s += took
         st.batches += 1
