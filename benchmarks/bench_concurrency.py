@@ -19,6 +19,12 @@ at 4 and >= 4 at 8 on the LAN ring, >= 3 at 4 on the WAN ring); ``per_session_vs
 median session tok/s at N / alone (target >= 0.6 at 4). Also recorded: p95 TTFT, every node's
 batching counters and its longest trio-loop hold (status ``stage`` and ``loop``), and whether the
 swarm re-planned (it must not). Writes benchmarks/results/concurrency.json (or _wan.json).
+
+``forward_ms`` bounds what batching can give here, measured in this process before the swarm
+starts: one decode step of 1, 4 and 8 sessions through each stage of the ring's split (the plan's
+blocks, else 13/17 layers) and the LM head, 1 thread, medians. ``compute_ceiling[n]`` = n x the
+one-session cycle's compute / the n-session cycle's: the aggregate ÷ one session a perfectly
+batched ring would reach if nothing but compute took time.
 """
 
 from __future__ import annotations
@@ -110,6 +116,38 @@ async def node_status(swarm: Any, i: int, window_s: int) -> dict[str, Any]:
             "loop": st["loop"], "capacity": st.get("capacity")}  # fmt: skip
 
 
+def forward_ms(model_dir: Path, dtype: str, cuts: list[int], repeats: int = 15) -> dict[str, Any]:
+    """Median ms of one decode step of n sessions per stage block and the head (module doc)."""
+    import torch
+
+    from swarm.model.batched import forward_many
+    from swarm.model.dtypes import resolve_dtype
+    from swarm.model.generate import LocalModel
+
+    torch.set_num_threads(1)
+    model = LocalModel.load(model_dir, stages=list(zip(cuts, cuts[1:], strict=False)), dtype=resolve_dtype(dtype))
+    dim, sizes, ctx = model.head.args.dim, (1, 4, 8), 60
+    for st in model.stages:
+        for s in range(max(sizes)):
+            st.open_session(s, 4 * ctx)
+            forward_many(st, [(s, torch.randn(ctx, dim))])  # a context like a chat prompt's
+    times: dict[str, list[float]] = {}
+    for _ in range(repeats):
+        for n in sizes:
+            for st in model.stages:
+                t0 = time.perf_counter()
+                forward_many(st, [(s, torch.randn(1, dim)) for s in range(n)])
+                times.setdefault(f"layers_{st.start}_{st.end}:{n}", []).append(time.perf_counter() - t0)
+                for s in range(n):
+                    st.rollback(s, ctx)
+            t0 = time.perf_counter()
+            model.head.logits(torch.randn(n, dim))
+            times.setdefault(f"head:{n}", []).append(time.perf_counter() - t0)
+    ms = {k: round(1000 * statistics.median(v[2:]), 2) for k, v in times.items()}
+    cycle = {n: sum(v for k, v in ms.items() if k.endswith(f":{n}")) for n in sizes}
+    return {"ms": ms, "cycle_ms": cycle, "compute_ceiling": {n: round(n * cycle[1] / cycle[n], 2) for n in sizes}}
+
+
 async def run(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     levels = [int(x) for x in args.levels.split(",")]
     kw: dict[str, Any] = {"delay_ms": args.delay_ms} if args.wan else {}
@@ -134,6 +172,9 @@ async def run(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
                 nursery.cancel_scope.cancel()
         window = min(300, int(time.monotonic() - t_start) + 5)
         nodes = [await node_status(swarm, i, window) for i in range(3)]
+    blocks = sorted((st.get("plan") or {}).get("blocks", {}).values())
+    cuts = [b[0] for b in blocks] + [blocks[-1][1]] if blocks else [0, 13, 30]
+    ceiling = forward_ms(model_dir, args.dtype, cuts)  # after the swarm: its processes are gone
 
     def med(n: int, key: str) -> float:
         return float(statistics.median(x[key] for x in per_level[n]))
@@ -157,7 +198,7 @@ async def run(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
         "new_tokens": args.new_tokens, "rounds": args.rounds, "plan": st.get("plan"),
         "targets": {"aggregate_vs_one": {"4": 3.0 if args.wan else 2.5, "8": None if args.wan else 4.0},
                     "per_session_vs_alone": {"4": 0.6}},
-        "summary": summary, "levels": {str(n): per_level[n] for n in levels}, "nodes": nodes,
+        "summary": summary, "forward_ms": ceiling, "levels": {str(n): per_level[n] for n in levels}, "nodes": nodes,
         "replanned": any(nd.get("replans") for nd in nodes),
         "machine": {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform()},
         "git": git, "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
