@@ -154,7 +154,11 @@ class SSEComment(str):
 
 
 class _SSE(Response):
-    """Server-sent events produced by ``produce(emit)``, cancelled when the client hangs up."""
+    """Server-sent events produced by ``produce(emit)``, cancelled when the client hangs up.
+
+    The 200 and its headers go out with the first event, not before: a request refused before
+    anything was emitted (``produce`` raises ApiError, e.g. a 429 with Retry-After when every
+    slot and the queue are taken) is answered with its own status, as a non-streamed one is."""
 
     media_type = "text/event-stream"
 
@@ -166,9 +170,17 @@ class _SSE(Response):
         self.produce = produce
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        started = False
+        refused: list[ApiError] = []
+
+        async def start() -> None:
+            nonlocal started
+            if not started:
+                started = True
+                await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
 
         async def emit(obj: Any) -> None:
+            await start()
             if isinstance(obj, SSEComment):
                 line = " ".join(str(obj).split())
                 await send({"type": "http.response.body", "body": f": {line}\n\n".encode(), "more_body": True})
@@ -177,11 +189,20 @@ class _SSE(Response):
             await send({"type": "http.response.body", "body": f"data: {data}\n\n".encode(), "more_body": True})
 
         async def work() -> None:
-            await self.produce(emit)
+            try:
+                await self.produce(emit)
+            except ApiError as err:
+                if started:
+                    raise
+                refused.append(err)
 
         if await _until_disconnect(receive, work):
             log.info("client hung up mid-stream; generation cancelled")
             return
+        if refused:
+            await error_response(refused[0])(scope, receive, send)
+            return
+        await start()
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
@@ -328,21 +349,32 @@ class Api:
                 out["usage"] = None
             return out
 
-        if chat:
-            await emit(chunk(None, None, role=True))
+        opened = False
+
+        async def open_stream() -> None:  # with the first news: a refusal before it gets its status
+            nonlocal opened
+            if not opened:
+                opened = True
+                if chat:
+                    await emit(chunk(None, None, role=True))
 
         async def piece(p: str) -> None:
+            await open_stream()
             await emit(chunk(p, None))
 
         async def notice(text: str) -> None:
+            await open_stream()
             await emit(SSEComment(text))  # an SSE comment: clients that do not look skip it
 
         try:
             text, finish = await self._run(spec, piece, notice)
         except ApiError as err:
+            if not opened:
+                raise  # nothing sent yet: _SSE answers with the error's status (429 + Retry-After...)
             await emit(err.body())  # headers are gone: the error travels as an event
             await emit("[DONE]")
             return
+        await open_stream()
         await emit(chunk(None, finish))
         if spec.include_usage:
             await emit({**head, "id": rid, "choices": [], "usage": self._usage(spec, text)})

@@ -255,3 +255,35 @@ async def test_past_the_concurrency_cap_requests_get_429_at_once(node_api: str) 
     assert all(h == "1" for _, h in capped)
     assert max(t for t, _ in capped) < 10.0, "a refused request waited instead of being answered at once"
     assert done, "no request got through"
+
+
+async def test_a_stream_refused_for_capacity_gets_429_with_retry_after_before_any_header(tiny_chat_dir: Path) -> None:
+    """Every slot of the ring taken and no room in the queue: a streamed request is answered
+    429 with Retry-After and an OpenAI error body, not a 200 whose stream carries the error;
+    with a slot free again, the same request streams as before (the 200 comes with its first
+    event)."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+            "temperature": 0, "stream": True}  # fmt: skip
+    async with trio.open_nursery() as nursery:
+        url, node = await _api(nursery, tiny_chat_dir)
+        assert node.serving is not None
+        adm = node.serving.admission
+        adm.max_queued = 0
+        held = adm.capacity
+        for _ in range(held):
+            await adm.enter()  # every slot taken, as by running generations
+        async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+            async with http.stream("POST", "/v1/chat/completions", json=body) as resp:
+                raw = await resp.aread()
+            assert resp.status_code == 429, raw
+            assert int(resp.headers["retry-after"]) > 0
+            assert resp.headers["content-type"].startswith("application/json")
+            err = httpx.Response(429, content=raw).json()["error"]
+            assert err["code"] == "swarm_busy" and "busy" in err["message"], err
+            for _ in range(held):
+                adm.leave()
+            async with http.stream("POST", "/v1/chat/completions", json=body) as resp:
+                lines = [ln async for ln in resp.aiter_lines() if ln.startswith("data: ")]
+            assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
+            assert lines[-1] == "data: [DONE]" and '"role":"assistant"' in lines[0], lines
+        nursery.cancel_scope.cancel()
