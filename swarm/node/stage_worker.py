@@ -256,7 +256,9 @@ class StageWorker:
         if len(queued) > len(others) or (len(queued) == len(others) and min(queued) < min(others)):
             return set(), 0.0
         until = max(self._arrived[s] + self._cycle[s] for s in others)  # when the last is expected
-        return others, min(max(until - now, self._typical_s), GATHER_MERGE_MAX_S)
+        # wherever they are in the ring, they are back here within one of their cycles: a wait
+        # bounded only by the estimate timed out when they ran late, and the groups stayed split
+        return others, min(max(until - now, max(self._cycle[s] for s in others)), GATHER_MERGE_MAX_S)
 
     async def _gather(self, recv: trio.MemoryReceiveChannel[Frame]) -> None:
         """Wait (bounded) for the sessions due about now, so they share this forward."""

