@@ -17,20 +17,12 @@ from swarm.proto.admission import (
     member_key,
 )
 from swarm.proto.messages import AdmitChallenge, AdmitHello, decode_message
+from tests.proto.test_admission import _run
 
 SECRET = hashlib.sha256(b"the swarm secret").digest()
 SWARM = "00112233445566778899aabbccddeeff"
 A, B = "peerA", "peerB"
 CSECRET, MKEY = client_secret(SECRET), member_key(SECRET)
-
-
-def _run(i: Initiator, r: Responder) -> list[bytes]:
-    wire = [i.start()]
-    to_r = True
-    while wire[-1]:
-        wire.append((r if to_r else i).receive_data(wire[-1]))
-        to_r = not to_r
-    return wire
 
 
 def _client(secret: bytes = CSECRET, key: bytes = MKEY, **kw: object) -> Initiator:
