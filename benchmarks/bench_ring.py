@@ -149,15 +149,27 @@ if _dir:
                 return fn
             setattr(_st.Head, _name, _wrap(getattr(_st.Head, _name), _name))
 
-        _chunk = _sw.StageWorker._chunk
-        async def _chunk_traced(self, msg, outbound):
-            t_in = time.perf_counter()
+        # a chunk's arrival is when the reader took it off the link (the worker notes it there);
+        # its batch's forward and the results' sends follow in _run_batch
+        _note = _sw.StageWorker._note_arrival
+        def _note_traced(self, session):
+            self.__dict__.setdefault("_ring_bench_in", {})[session] = time.perf_counter()
+            _note(self, session)
+        _sw.StageWorker._note_arrival = _note_traced
+
+        _run = _sw.StageWorker._run_batch
+        async def _run_traced(self, batch, outbound):
+            t_run = time.perf_counter()
             self.stage._ring_bench_fwd = (0.0, 0.0)
-            await _chunk(self, msg, outbound)
+            await _run(self, batch, outbound)
             f0, f1 = self.stage._ring_bench_fwd
-            _rec(k="stage", a=self.stage.start, b=self.stage.end, s=msg.session, c=msg.chunk_id,
-                 n=msg.tokens, t_in=t_in, f0=f0, f1=f1, t_out=time.perf_counter())
-        _sw.StageWorker._chunk = _chunk_traced
+            t_out = time.perf_counter()
+            arrived = self.__dict__.get("_ring_bench_in", {})
+            for msg, _h in batch:
+                _rec(k="stage", a=self.stage.start, b=self.stage.end, s=msg.session, c=msg.chunk_id,
+                     n=msg.tokens, batch=len(batch), t_in=arrived.get(msg.session, t_run), t_run=t_run,
+                     f0=f0, f1=f1, t_out=t_out)
+        _sw.StageWorker._run_batch = _run_traced
 
         _send = _co.Coordinator._send
         async def _send_traced(self, chunks, session, *a, **k):
@@ -231,10 +243,12 @@ def analyse_trace(trace_dir: Path, plan: dict[str, Any]) -> dict[str, Any]:
         for i, r in enumerate(recs):
             put(f"hop{i} transport", r["t_in"] - t_prev)
             put(f"stage{i} [{r['a']},{r['b']}) compute", r["f1"] - r["f0"])
-            put(
-                f"stage{i} [{r['a']},{r['b']}) overhead",
-                (r["t_out"] - r["t_in"]) - (r["f1"] - r["f0"]),
-            )
+            name = f"stage{i} [{r['a']},{r['b']})"
+            put(f"{name} overhead", (r["t_out"] - r["t_in"]) - (r["f1"] - r["f0"]))
+            # of which: read -> forward starts (queue, gather, parse, checks, thread hand-off)
+            # and forward ends -> sent (encode, hand-off back, send)
+            put(f"{name}   in (read -> forward)", r["f0"] - r["t_in"])
+            put(f"{name}   out (forward -> sent)", r["t_out"] - r["f1"])
             t_prev = r["t_out"]
         t_res = results[(sess, cid)]
         put(f"hop{n_stages} transport (tail -> coordinator)", t_res - t_prev)
