@@ -10,5 +10,6 @@ Where things live:
     mdns.py       LAN discovery over python-zeroconf (net-discovery)
     relay.py      circuit-relay v2 and DCUtR hole punching (net-discovery)
     nat.py        dial-back reachability check, NAT kind, ``join --diagnose`` (net-discovery)
-    channel.py, fastpath.py, ...   the authenticated direct data path (fastpath)
+    channel.py, sealing.py, fastpath.py (handshake), direct.py (sealed frames, FastChannel),
+                  fastpath_host.py   the authenticated direct data path (fastpath)
 """

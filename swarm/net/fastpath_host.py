@@ -28,11 +28,11 @@ from libp2p.peer.id import ID
 
 from swarm.errors import AdmissionError, PeerTimeout, SwarmError
 from swarm.net.channel import DEFAULT_MAX_FRAME, DEFAULT_TIMEOUT, libp2p_channel
+from swarm.net.direct import FastChannel
 from swarm.net.fastpath import (
     DEFAULT_CIPHERS,
     DEFAULT_DIAL_TIMEOUT,
     DirectListener,
-    FastChannel,
     accept_fastpath,
     open_direct_listener,
     open_fastpath,

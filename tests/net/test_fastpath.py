@@ -21,9 +21,9 @@ from hypothesis import strategies as st
 
 from swarm.errors import FrameError, PeerLost, PeerTimeout, ProtocolError
 from swarm.net.channel import BufferedReader, FramedChannel
+from swarm.net.direct import FastChannel
 from swarm.net.fastpath import (
     DirectListener,
-    FastChannel,
     accept_fastpath,
     open_direct_listener,
     open_fastpath,
