@@ -161,7 +161,7 @@ def register(app: typer.Typer) -> None:
         from swarm.manifest.identity import default_key_path, load_or_create_identity
         from swarm.net.host import dialable_addrs
         from swarm.net.mdns import interface_table
-        from swarm.net.relay import parse_peer_addr
+        from swarm.net.paths import parse_peer_addr
 
         identity = load_or_create_identity(key or default_key_path())
         for a in listen:

@@ -298,7 +298,7 @@ def join(
         ui.notice(f"pinned issuer {manifest.issuer_peer_id} for swarm {manifest.swarm_name!r} (trust on first use)")
     dev = _serving_device(device) if serve and not diagnose else None  # a missing device: exit 2 now
     if peers:
-        from swarm.net.relay import parse_peer_addr
+        from swarm.net.paths import parse_peer_addr
 
         for p in peers:
             parse_peer_addr(p, what="--peer")

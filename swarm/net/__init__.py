@@ -9,6 +9,7 @@ Where things live:
                   stream, a deadline on every read and write, libp2p exceptions mapped to swarm.errors
     mdns.py       LAN discovery over python-zeroconf (net-discovery)
     relay.py      circuit-relay v2 and DCUtR hole punching (net-discovery)
+    paths.py      how a peer is reached now (direct / relayed / none); peer-address helpers
     nat.py        dial-back reachability check, NAT kind, ``join --diagnose`` (net-discovery)
     channel.py, sealing.py, fastpath.py (handshake), direct.py (sealed frames, FastChannel),
                   fastpath_host.py   the authenticated direct data path (fastpath)

@@ -184,7 +184,7 @@ class SwarmHost:
 
     def path_label(self, peer: str) -> str:
         """How ``peer`` is reached now: "direct", "hole-punched", "relayed via <relay>", "none"."""
-        from swarm.net.relay import path_to
+        from swarm.net.paths import path_to
 
         if self.relay is not None:
             with contextlib.suppress(Exception):

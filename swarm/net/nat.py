@@ -42,7 +42,8 @@ from libp2p.peer.id import ID
 
 from swarm.errors import PeerError, PeerTimeout, ProtocolError, UsageError
 from swarm.net import libp2p_patches
-from swarm.net.relay import Path, RelayNode, parse_peer_addr, path_to
+from swarm.net.paths import Path, parse_peer_addr, path_to
+from swarm.net.relay import RelayNode
 
 __all__ = [
     "DIALBACK_PROTOCOL",

@@ -26,14 +26,12 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import Any
 
 import multiaddr
 import trio
 from libp2p.abc import IHost
 from libp2p.peer.id import ID
-from libp2p.peer.peerinfo import info_from_p2p_addr
 from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole
 from libp2p.relay.circuit_v2.dcutr import PROTOCOL_ID as DCUTR_PROTOCOL
 from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol
@@ -46,23 +44,25 @@ from libp2p.tools.anyio_service import background_trio_service
 
 from swarm.errors import PeerError, PeerTimeout, UsageError
 from swarm.net import libp2p_patches
+from swarm.net.paths import (
+    HOLE_PUNCHED,
+    Path,
+    as_peer_id,
+    circuit_addr,
+    forget_dial_failure,
+    parse_peer_addr,
+    path_to,
+    relay_of,
+)
 
 __all__ = [
     "DCUTR_PROTOCOL",
-    "HOLE_PUNCHED",
     "HOP_PROTOCOL",
     "STOP_PROTOCOL",
-    "Path",
     "RelayNode",
     "RelayPolicy",
-    "circuit_addr",
-    "connection_addrs",
-    "forget_dial_failure",
     "open_relay",
     "open_relay_host",
-    "parse_peer_addr",
-    "path_to",
-    "relay_of",
 ]
 
 log = logging.getLogger("swarm.net.relay")
@@ -75,14 +75,6 @@ PUNCH_ROUNDS = 8  # ... at most this many (then the hop stays relayed)
 # Called with a peer's address right after a connection to it exists (SwarmHost.dial: it runs
 # admission on the existing connection, which a SwarmHost requires of every peer, relays too).
 Admit = Callable[[str], Awaitable[Any]]
-
-
-class Path(StrEnum):
-    """How we are connected to a peer right now."""
-
-    DIRECT = "direct"  # at least one non-relayed connection (dialed, or hole-punched)
-    RELAYED = "relayed"  # only connections through a relay
-    NONE = "none"  # not connected
 
 
 @dataclass(frozen=True)
@@ -114,78 +106,6 @@ class RelayPolicy:
             max_circuit_conns=self.max_circuits_per_peer,
             max_reservations=self.max_reservations,
         )
-
-
-def parse_peer_addr(addr: str | multiaddr.Multiaddr, *, what: str = "address") -> Any:
-    """A ``.../p2p/<peer>`` multiaddr as libp2p PeerInfo; UsageError naming ``what`` if not."""
-    try:
-        ma = addr if isinstance(addr, multiaddr.Multiaddr) else multiaddr.Multiaddr(addr)
-        return info_from_p2p_addr(ma)
-    except Exception as exc:
-        raise UsageError(
-            f"{what} {str(addr)!r} is not a multiaddr ending in /p2p/<peer-id> "
-            f"(e.g. /ip4/198.51.100.2/tcp/4001/p2p/12D3Koo...): {exc}"
-        ) from exc
-
-
-def circuit_addr(relay_addr: str, peer_id: str) -> str:
-    """The address at which ``peer_id`` is reachable through the relay at ``relay_addr``."""
-    parse_peer_addr(relay_addr, what="relay address")
-    return f"{relay_addr}/p2p-circuit/p2p/{peer_id}"
-
-
-def _as_id(peer: ID | str) -> ID:
-    if isinstance(peer, ID):
-        return peer
-    try:
-        return ID.from_base58(peer)
-    except Exception as exc:
-        raise UsageError(f"{peer!r} is not a libp2p peer ID: {exc}") from exc
-
-
-def _conn_addrs(conn: Any) -> list[str]:
-    try:
-        return [str(a) for a in conn.get_transport_addresses()]
-    except Exception:
-        return []
-
-
-def path_to(host: IHost, peer: ID | str) -> Path:
-    """Whether ``host`` reaches ``peer`` directly, only through a relay, or not at all."""
-    conns = host.get_network().get_connections(_as_id(peer))
-    if not conns:
-        return Path.NONE
-    for conn in conns:
-        addrs = _conn_addrs(conn)
-        if addrs and all("/p2p-circuit" not in a for a in addrs):
-            return Path.DIRECT
-    return Path.RELAYED
-
-
-HOLE_PUNCHED = "hole-punched"
-
-
-def relay_of(host: IHost, peer: ID | str) -> str:
-    """Peer ID of the relay our relayed connection to ``peer`` goes through ("" if none)."""
-    for a in connection_addrs(host, peer):
-        if "/p2p-circuit" in a:
-            before = a.split("/p2p-circuit", 1)[0]
-            if "/p2p/" in before:
-                return before.rsplit("/p2p/", 1)[1].split("/")[0]
-    return ""
-
-
-def forget_dial_failure(host: IHost, peer: ID | str) -> None:
-    """Let the next dial to ``peer`` really happen (py-libp2p blocks a peer for 60 s after one
-    failed dial; a deliberate retry must not wait that out)."""
-    libp2p_patches.forget_dial_failure(host, str(_as_id(peer)))
-
-
-def connection_addrs(host: IHost, peer: ID | str) -> list[str]:
-    """Transport addresses of every connection to ``peer`` (circuit ones contain /p2p-circuit)."""
-    return [
-        a for conn in host.get_network().get_connections(_as_id(peer)) for a in _conn_addrs(conn)
-    ]
 
 
 class RelayNode:
@@ -327,7 +247,7 @@ class RelayNode:
         True if a direct connection exists afterwards. False (never an exception) when the
         NATs do not allow it, hole punching is off, or ``timeout`` passes: relayed still works.
         """
-        pid = _as_id(peer)
+        pid = as_peer_id(peer)
         if path_to(self.host, pid) is Path.DIRECT:
             return True
         if self._dcutr is None:
@@ -418,7 +338,7 @@ class RelayNode:
         hole punching may still work, give DCUtR up to ``timeout`` to make the direct connection
         first (the higher peer ID of the pair drives, as in _retry_punches; the other waits).
         Streams on a relayed connection die when a direct one replaces it. Returns the label."""
-        pid = _as_id(peer)
+        pid = as_peer_id(peer)
         if self._dcutr is None or path_to(self.host, pid) is not Path.RELAYED:
             return self.path_label(pid)
         if str(pid) > str(self.host.get_id()):
@@ -436,7 +356,7 @@ class RelayNode:
 
     async def wait_direct(self, peer: ID | str, *, timeout: float) -> bool:
         """Wait until ``peer`` is reachable directly (e.g. the other side punched); True if so."""
-        pid = _as_id(peer)
+        pid = as_peer_id(peer)
         with trio.move_on_after(timeout):
             while self._observe(pid) is not Path.DIRECT:
                 await trio.sleep(0.1)

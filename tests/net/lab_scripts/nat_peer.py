@@ -19,7 +19,8 @@ import trio
 from swarm.errors import SwarmError
 from swarm.net.host import open_host
 from swarm.net.nat import diagnose, serve_dialback
-from swarm.net.relay import connection_addrs, open_relay, path_to
+from swarm.net.paths import connection_addrs, path_to
+from swarm.net.relay import open_relay
 
 T = TypeVar("T")
 
