@@ -125,8 +125,8 @@ async def serve_bootstrap(
 
 
 async def _serve_relay(host: Any, peer_id: str, ready: trio.Event | None) -> None:
+    from swarm.net.dialback import serve_dialback
     from swarm.net.mdns import interface_table
-    from swarm.net.nat import serve_dialback
     from swarm.net.relay import open_relay
 
     serve_dialback(host)

@@ -10,7 +10,8 @@ Where things live:
     mdns.py       LAN discovery over python-zeroconf (net-discovery)
     relay.py      circuit-relay v2 and DCUtR hole punching (net-discovery)
     paths.py      how a peer is reached now (direct / relayed / none); peer-address helpers
-    nat.py        dial-back reachability check, NAT kind, ``join --diagnose`` (net-discovery)
+    dialback.py   dial-back reachability check and NAT kind (net-discovery)
+    nat.py        ``join --diagnose``'s report (net-discovery)
     channel.py, sealing.py, fastpath.py (handshake), direct.py (sealed frames, FastChannel),
                   fastpath_host.py   the authenticated direct data path (fastpath)
 """

@@ -23,15 +23,8 @@ import pytest
 
 from swarm.manifest.identity import Identity, save_identity
 from swarm.manifest.manifest import new_manifest, sign_manifest, write_manifest
-from swarm.net.nat import (
-    Diagnosis,
-    DialbackResult,
-    NatKind,
-    Reachability,
-    _advice,
-    classify,
-    nat_kind,
-)
+from swarm.net.dialback import DialbackResult, NatKind, Reachability, classify, nat_kind
+from swarm.net.nat import Diagnosis, _advice
 from swarm.testing.netlab import Lab, LabProcess, lab_unavailable_reason, nat_lab
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -18,8 +18,9 @@ import typer
 
 from swarm.cli.bootstrap import dialable
 from swarm.errors import PeerError, PeerTimeout, UsageError
+from swarm.net.dialback import Reachability, dialback_check, serve_dialback
 from swarm.net.host import SwarmHost, open_host
-from swarm.net.nat import Reachability, diagnose, dialback_check, serve_dialback
+from swarm.net.nat import diagnose
 from swarm.net.paths import Path as ConnPath
 from swarm.net.paths import circuit_addr, connection_addrs, parse_peer_addr, path_to
 from swarm.net.relay import RelayNode, RelayPolicy, open_relay, open_relay_host

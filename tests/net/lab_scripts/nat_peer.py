@@ -17,8 +17,9 @@ from typing import TypeVar
 import trio
 
 from swarm.errors import SwarmError
+from swarm.net.dialback import serve_dialback
 from swarm.net.host import open_host
-from swarm.net.nat import diagnose, serve_dialback
+from swarm.net.nat import diagnose
 from swarm.net.paths import connection_addrs, path_to
 from swarm.net.relay import open_relay
 
