@@ -2,16 +2,10 @@
 
 Theory of operation
 -------------------
-:func:`open_host` builds a py-libp2p 0.8.1 host from the node's 32-byte Ed25519 seed (the same
-seed as ``swarm.manifest.identity``, so the peer ID and the advert signatures share one key), with
-an explicit Noise-only security table and a yamux-only muxer table: the library's defaults also
-accept plaintext, secio and TLS, which would let a dialer claim another peer's ID.
-``ConnectionConfig(max_connections_per_peer=1)`` avoids the fixed 250 ms wait in ``connect()``;
-the auto-connector's minimums are zeroed so the library never redials a peer we dropped.
-
-py-libp2p's internals that we adapt (whole yamux frame writes, enforced receive windows, the
-stream handler gate, the negative dial cache) live in ``libp2p_patches.py``; :func:`build_libp2p_host`
-applies them, after checking the installed py-libp2p is the pinned version.
+:func:`open_host` runs a py-libp2p 0.8.1 host built by ``libp2p_host.build_libp2p_host`` from the
+node's 32-byte Ed25519 seed (the same seed as ``swarm.manifest.identity``, so the peer ID and the
+advert signatures share one key): Noise-only security, yamux-only muxing, after the
+pinned-version check and py-libp2p's adaptations (``libp2p_patches.py``).
 
 Admission gates everything. A connection is only transport-authenticated (Noise proves the peer
 ID); before anything is served to or requested from a peer, both sides prove a credential on
@@ -40,27 +34,19 @@ import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
-import multiaddr
 import trio
-from libp2p import new_host
-from libp2p.abc import INetConn, INetStream, INetwork, INotifee
-from libp2p.crypto.ed25519 import create_new_key_pair
-from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
+from libp2p.abc import INetStream
 from libp2p.custom_types import TProtocol
 from libp2p.host.ping import ID as PING_PROTOCOL
 from libp2p.host.ping import PING_LENGTH
-from libp2p.network.config import ConnectionConfig
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
-from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
-from libp2p.security.noise.transport import Transport as NoiseTransport
-from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 
 from swarm.errors import AdmissionError, FrameError, PeerError, SwarmError, UsageError
 from swarm.net import libp2p_patches
 from swarm.net.addrs import dialable_addrs, is_wildcard, parse_multiaddr, strip_p2p
 from swarm.net.door import Credential, Door, HostEvent, close_raw, peer_of, reset_raw
-from swarm.net.libp2p_patches import WholeFrameYamux
+from swarm.net.libp2p_host import DEFAULT_DIAL_TIMEOUT, ConnectionNotifee, build_libp2p_host
 from swarm.net.streams import (
     DEFAULT_IO_TIMEOUT,
     FramedStream,
@@ -73,36 +59,12 @@ from swarm.proto.limits import DEFAULT_LIMITS, PROTO_ADMIT, Limits
 
 log = logging.getLogger("swarm.net.host")
 
-DEFAULT_DIAL_TIMEOUT = 10.0
 DEFAULT_ADMIT_TIMEOUT = 5.0
 CLOSE_TIMEOUT = 3.0
 BAN_S = 300.0  # a peer that sent malformed frames is refused this long
 MAX_STREAMS_PER_PEER = 256  # inbound swarm streams (fast-path channels included) one peer may hold open at once
 
 Handler = Callable[[str, FramedStream], Awaitable[None]]
-
-
-class _Notifee(INotifee):
-    def __init__(self, door: Door) -> None:
-        self._door = door
-
-    async def opened_stream(self, network: INetwork, stream: INetStream) -> None:
-        return None
-
-    async def closed_stream(self, network: INetwork, stream: INetStream) -> None:
-        return None
-
-    async def connected(self, network: INetwork, conn: INetConn) -> None:
-        self._door.on_connected(conn)
-
-    async def disconnected(self, network: INetwork, conn: INetConn) -> None:
-        self._door.on_disconnected(conn)
-
-    async def listen(self, network: INetwork, multiaddr: multiaddr.Multiaddr) -> None:
-        return None
-
-    async def listen_close(self, network: INetwork, multiaddr: multiaddr.Multiaddr) -> None:
-        return None
 
 
 class SwarmHost:
@@ -417,35 +379,6 @@ class SwarmHost:
         await self.door.disconnect(peer)
 
 
-def build_libp2p_host(seed: bytes, listen: Sequence[multiaddr.Multiaddr]) -> Any:
-    """A py-libp2p host with Noise-only security and yamux-only muxing (see module docstring),
-    after the pinned-version check and the process-wide adaptations (libp2p_patches.apply)."""
-    libp2p_patches.apply()
-    if not isinstance(seed, bytes | bytearray) or len(seed) != 32:
-        raise UsageError("identity seed must be 32 bytes (an Ed25519 seed)")
-    key_pair = create_new_key_pair(bytes(seed))
-    sec_opt = {
-        TProtocol(NOISE_PROTOCOL_ID): NoiseTransport(
-            key_pair, noise_privkey=create_x25519_key_pair().private_key
-        )
-    }
-    muxer_opt = {TProtocol(YAMUX_PROTOCOL_ID): WholeFrameYamux}
-    config = ConnectionConfig(
-        max_connections_per_peer=1,  # connect() waits 250 ms otherwise
-        min_connections=0,  # never auto-redial peers we dropped
-        low_watermark=0,
-        dial_timeout=DEFAULT_DIAL_TIMEOUT,
-    )
-    return new_host(
-        key_pair=key_pair,
-        sec_opt=sec_opt,  # type: ignore[arg-type]
-        muxer_opt=muxer_opt,  # type: ignore[arg-type]
-        listen_addrs=list(listen),
-        connection_config=config,
-        enable_mDNS=False,
-    )
-
-
 @contextlib.asynccontextmanager
 async def open_host(
     seed: bytes,
@@ -488,7 +421,7 @@ async def open_host(
             h, nursery, credential=credential, swarm_id=swarm_id, revoked=revoked, limits=limits,
             io_timeout=io_timeout, dial_timeout=dial_timeout, admit_timeout=admit_timeout,
         )  # fmt: skip
-        h.get_network().register_notifee(_Notifee(host.door))
+        h.get_network().register_notifee(ConnectionNotifee(host.door.on_connected, host.door.on_disconnected))
         host.door.govern()
         try:
             async with h.run(addrs):
@@ -506,4 +439,4 @@ async def open_host(
             nursery.cancel_scope.cancel()
 
 
-__all__ = ["Credential", "HostEvent", "SwarmHost", "build_libp2p_host", "dialable_addrs", "is_wildcard", "open_host"]
+__all__ = ["Credential", "HostEvent", "SwarmHost", "dialable_addrs", "is_wildcard", "open_host"]

@@ -420,7 +420,8 @@ async def open_relay_host(
     of every peer); without one a bare host with the same Noise/yamux-only security and no
     admission (an open relay).
     """
-    from swarm.net.host import build_libp2p_host, open_host
+    from swarm.net.host import open_host
+    from swarm.net.libp2p_host import build_libp2p_host
 
     if secret is not None:
         async with open_host(

@@ -28,7 +28,8 @@ from swarm.errors import AdmissionError, PeerError
 from swarm.net import door as door_mod
 from swarm.net import libp2p_patches
 from swarm.net.fastpath_host import open_fastpath_service
-from swarm.net.host import SwarmHost, build_libp2p_host, open_host
+from swarm.net.host import SwarmHost, open_host
+from swarm.net.libp2p_host import build_libp2p_host
 from swarm.proto.admission import CLIENT, MEMBER, client_secret, member_key
 from swarm.proto.frame import Frame, MsgType
 

@@ -19,7 +19,8 @@ from libp2p.stream_muxer.yamux.yamux import Yamux
 
 from swarm.errors import AdmissionError, PeerError, UsageError
 from swarm.manifest.identity import Identity
-from swarm.net.host import SwarmHost, build_libp2p_host, open_host
+from swarm.net.host import SwarmHost, open_host
+from swarm.net.libp2p_host import build_libp2p_host
 from swarm.proto.frame import DType, Frame, MsgType
 from swarm.proto.limits import PROTO_CTL
 

@@ -21,7 +21,8 @@ import trio
 from libp2p.peer.id import ID
 
 from swarm.errors import PeerError
-from swarm.net.host import build_libp2p_host, open_host
+from swarm.net.host import open_host
+from swarm.net.libp2p_host import build_libp2p_host
 from swarm.net.relay import RelayNode, open_relay
 
 SECRET = os.urandom(32)

@@ -25,7 +25,7 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
 from libp2p.stream_muxer.yamux.yamux import DEFAULT_WINDOW_SIZE, TYPE_DATA, YAMUX_HEADER_FORMAT
 
-from swarm.net.host import build_libp2p_host
+from swarm.net.libp2p_host import build_libp2p_host
 from swarm.net.libp2p_patches import PRE_ADMISSION_STREAMS
 
 from .swarmkit import LiveSwarm, assert_still_serving
