@@ -22,7 +22,8 @@ import typer
 from swarm.cli import ui
 from swarm.cli.draftflag import REQUEST_HELP
 from swarm.errors import UsageError
-from swarm.manifest.manifest import QUANTS, read_manifest
+from swarm.manifest.manifest import read_manifest
+from swarm.manifest.schema import QUANTS
 
 DEFAULT_PROMPT = "Explain in two sentences why the sky is blue."
 

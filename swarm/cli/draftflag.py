@@ -7,7 +7,7 @@ from pathlib import Path
 
 from swarm.cli import ui
 from swarm.errors import UsageError
-from swarm.manifest.manifest import Manifest, ModelSpec
+from swarm.manifest.schema import Manifest, ModelSpec
 
 JOIN_HELP = (
     "What this peer drafts with when it coordinates: ngram (prompt lookup, the default), none, self "

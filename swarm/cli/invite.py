@@ -21,10 +21,6 @@ from swarm.cli.draftflag import describe_draft
 from swarm.errors import UsageError
 from swarm.manifest.identity import load_or_create_identity, public_key_from_peer_id
 from swarm.manifest.manifest import (
-    QUANTS,
-    Manifest,
-    ManifestInvalid,
-    SwarmSecret,
     new_manifest,
     read_manifest,
     sign_manifest,
@@ -33,6 +29,7 @@ from swarm.manifest.manifest import (
 )
 from swarm.manifest.modelcheck import check_model, describe_model
 from swarm.manifest.pins import check_pin, pinned_issuer, pins_path
+from swarm.manifest.schema import QUANTS, Manifest, ManifestInvalid, SwarmSecret
 from swarm.proto.admission import client_secret, member_key
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}

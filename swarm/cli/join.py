@@ -41,8 +41,9 @@ from swarm.cli.draftflag import JOIN_HELP, check_join_draft
 from swarm.cli.settings import flag_help, node_settings
 from swarm.errors import UsageError
 from swarm.manifest.identity import config_dir, load_identity, load_or_create_identity
-from swarm.manifest.manifest import Manifest, read_manifest
+from swarm.manifest.manifest import read_manifest
 from swarm.manifest.pins import check_pin
+from swarm.manifest.schema import Manifest
 from swarm.net.host import SwarmHost, open_host
 from swarm.node.gossip import MemberEvent, MembershipService
 from swarm.node.settings import NodeSettings

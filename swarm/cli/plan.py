@@ -23,7 +23,7 @@ import typer
 
 from swarm.cli import ui
 from swarm.errors import PlanningError, UsageError
-from swarm.manifest.manifest import QUANTS
+from swarm.manifest.schema import QUANTS
 from swarm.planner import GB, ModelSpec, Plan, parse_peers_file, plan
 
 SPECULATION_G = (1, 2, 4)  # accepted tokens per traversal shown in the output

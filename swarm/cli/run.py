@@ -16,7 +16,7 @@ import typer
 
 from swarm.cli import ui
 from swarm.errors import TokenizerError, UsageError
-from swarm.manifest.manifest import QUANTS
+from swarm.manifest.schema import QUANTS
 
 if TYPE_CHECKING:  # torch and the model load in the command, so other commands start fast
     import torch

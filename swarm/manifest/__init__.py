@@ -4,9 +4,10 @@ Files:
 
 - ``identity.py``   the node's Ed25519 key (32-byte seed, 0600 file in the config dir), peer IDs
                     (``peer_id_from_public_key``), ``verify_signature``, ``write_private_file``
-- ``manifest.py``   ``Manifest``/``ModelSpec``/``SwarmSecret``, canonical bytes, ``new_manifest``,
-                    ``sign_manifest``, ``parse_manifest``, ``verify_manifest``, ``read_manifest``,
-                    ``write_manifest``; failures are ``ManifestInvalid`` with a ``Reason``
+- ``schema.py``     the types: ``Manifest``/``ModelSpec``/``SwarmSecret``, field bounds, ``Reason``,
+                    ``ManifestInvalid``, canonical bytes
+- ``manifest.py``   ``new_manifest``, ``sign_manifest``, ``parse_manifest`` (strict), ``verify_manifest``,
+                    ``read_manifest``, ``write_manifest``; failures are ``ManifestInvalid`` with a ``Reason``
 - ``modelcheck.py`` ``describe_model`` (hash a model for an invite), ``check_model`` (local copy vs invite)
 
 The admission handshake that proves the swarm secret lives in ``swarm/proto/admission.py`` (its
@@ -26,11 +27,6 @@ from swarm.manifest.identity import (
     verify_signature,
 )
 from swarm.manifest.manifest import (
-    Manifest,
-    ManifestInvalid,
-    ModelSpec,
-    Reason,
-    SwarmSecret,
     new_manifest,
     parse_manifest,
     read_manifest,
@@ -38,6 +34,7 @@ from swarm.manifest.manifest import (
     verify_manifest,
     write_manifest,
 )
+from swarm.manifest.schema import Manifest, ManifestInvalid, ModelSpec, Reason, SwarmSecret
 
 __all__ = [
     "Identity", "IdentityError", "Manifest", "ManifestInvalid", "ModelSpec", "Reason", "SwarmSecret",

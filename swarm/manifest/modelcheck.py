@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from swarm.errors import ConfigError, WeightsError
-from swarm.manifest.manifest import MAX_FILES, ModelSpec
+from swarm.manifest.schema import MAX_FILES, ModelSpec
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
 _CHUNK = 1 << 20

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from swarm.manifest.identity import config_dir, write_private_file
-from swarm.manifest.manifest import Manifest, ManifestInvalid, Reason
+from swarm.manifest.schema import Manifest, ManifestInvalid, Reason
 
 PINS_FILE = "pins.json"
 MAX_PINS = 1024

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from swarm.manifest.identity import Identity
-from swarm.manifest.manifest import Manifest, ModelSpec, SwarmSecret, new_manifest, sign_manifest
+from swarm.manifest.manifest import new_manifest, sign_manifest
+from swarm.manifest.schema import Manifest, ModelSpec, SwarmSecret
 from swarm.proto.admission import client_secret, member_key
 
 ROOT = Path(__file__).resolve().parents[2] / "manifests"

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from swarm.manifest.manifest import ManifestInvalid, ModelSpec, parse_manifest, verify_manifest
+from swarm.manifest.manifest import parse_manifest, verify_manifest
+from swarm.manifest.schema import ManifestInvalid, ModelSpec
 
 from .fixtures import ISSUER, MODEL, NOW, make
 

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from swarm.manifest.manifest import _FIELDS, ManifestInvalid, parse_manifest, verify_manifest
+from swarm.manifest.manifest import parse_manifest, verify_manifest
+from swarm.manifest.schema import FIELDS, ManifestInvalid
 
 from .fixtures import NOW, ROOT, broken, examples
 
@@ -45,7 +46,7 @@ def test_fixtures_on_disk_are_current() -> None:
 
 
 def test_quant_names_agree_with_the_runtime() -> None:
-    from swarm.manifest.manifest import QUANTS
+    from swarm.manifest.schema import QUANTS
     from swarm.model import quant
 
     assert QUANTS == quant.QUANTS
@@ -54,6 +55,6 @@ def test_quant_names_agree_with_the_runtime() -> None:
 
 def test_schema_names_the_same_fields() -> None:
     schema = json.loads((ROOT / "schema.json").read_text())
-    assert set(schema["properties"]) == _FIELDS
-    assert set(schema["required"]) == _FIELDS - {"revoked", "quant", "draft", "role", "member_key", "signature"}
+    assert set(schema["properties"]) == FIELDS
+    assert set(schema["required"]) == FIELDS - {"revoked", "quant", "draft", "role", "member_key", "signature"}
     assert schema["additionalProperties"] is False

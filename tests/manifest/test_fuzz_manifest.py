@@ -10,7 +10,8 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from swarm.manifest.manifest import ManifestInvalid, parse_manifest, verify_manifest
+from swarm.manifest.manifest import parse_manifest, verify_manifest
+from swarm.manifest.schema import ManifestInvalid
 
 from .fixtures import MODEL, NOW, make
 

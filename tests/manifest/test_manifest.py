@@ -12,17 +12,19 @@ import pytest
 from swarm.errors import ManifestError
 from swarm.manifest.identity import Identity
 from swarm.manifest.manifest import (
-    MAX_MANIFEST_BYTES,
-    ManifestInvalid,
-    Reason,
-    SwarmSecret,
-    canonical_bytes,
     new_manifest,
     parse_manifest,
     read_manifest,
     sign_manifest,
     verify_manifest,
     write_manifest,
+)
+from swarm.manifest.schema import (
+    MAX_MANIFEST_BYTES,
+    ManifestInvalid,
+    Reason,
+    SwarmSecret,
+    canonical_bytes,
 )
 
 from .fixtures import CREATED, ISSUER, MODEL, NOW, OTHER, SECRET, make

@@ -10,14 +10,9 @@ import pytest
 
 from swarm.cli.main import main
 from swarm.manifest.identity import Identity
-from swarm.manifest.manifest import (
-    ManifestInvalid,
-    Reason,
-    new_manifest,
-    sign_manifest,
-    write_manifest,
-)
+from swarm.manifest.manifest import new_manifest, sign_manifest, write_manifest
 from swarm.manifest.pins import check_pin, pinned_issuer, pins_path
+from swarm.manifest.schema import ManifestInvalid, Reason
 
 
 @pytest.fixture(autouse=True)
