@@ -160,10 +160,14 @@ async def test_resume_after_lost_stage_is_token_identical(ckpt: Path, dtype: tor
     before = list(seen)
     assert 25 <= len(before) < 60
     # a new epoch: new links and workers over the same blocks (caches start empty)
-    (res2,), _ = await run_memory_ring(model, [lambda c: c.drive(state["run"])], epoch=2)
+    replayed = len(state["run"].fed_log)
+    (res2,), ring = await run_memory_ring(model, [lambda c: c.drive(state["run"])], epoch=2)
     assert not isinstance(res2, BaseException), res2
     assert res2.output_token_ids == ref.output_token_ids
     assert seen == ref.output_token_ids  # streamed: nothing lost, nothing repeated
+    for w in ring.workers:  # every stage rebuilt its cache from every fed chunk, several per call
+        assert w.stats.replayed == replayed > 10 and w.stats.replay_groups >= 1, w.stats
+        assert w.stats.chunks - w.stats.replayed < w.stats.batches  # ... in fewer calls than chunks
 
 
 async def test_ring_and_one_box_agree_in_bf16_with_chunks_in_flight(ckpt: Path) -> None:
