@@ -165,7 +165,6 @@ class Epochs:
         self.newest: tuple[int, bytes | None] = (0, None)  # (epoch, signature) of the newest plan taken
         self.ended_at = -1e9  # trio time the last epoch ended
         self.end_reason = ""  # ... and why (the next plan carries it as its cause)
-        self.ended_by_loss: str | None = None  # ... the member whose loss ended it, if that was why
         self.replans: collections.deque[dict[str, Any]] = collections.deque(maxlen=100)  # epoch ends, for status
 
     @property
@@ -255,18 +254,17 @@ class Epochs:
                                          notice=self.notices.event)  # its draft model (drafting.py)  # fmt: skip
         return ep
 
-    def end(self, reason: str, *, only: Epoch | None = None, lost: str | None = None) -> None:
+    def end(self, reason: str, *, only: Epoch | None = None) -> None:
         """End the current epoch. ``only``: a task of that epoch is reporting its own failure;
         if a newer epoch has replaced it meanwhile, the report is stale and changes nothing
-        (an old link torn down must never end the epoch that replaced it). ``lost``: the member
-        whose loss (membership's verdict) ends it."""
+        (an old link torn down must never end the epoch that replaced it)."""
         ep = self.current
         if only is not None and ep is not only:
             return
         if ep is None or ep.done.is_set():
             return
         log.info("epoch %d ends: %s", ep.plan.epoch, reason)
-        self.end_reason, self.ended_by_loss = reason, lost
+        self.end_reason = reason
         self.replans.append({"epoch": ep.plan.epoch, "ended": time.time(), "reason": reason})
         if ep.coordinator is not None:
             ep.coordinator._fail_all(PeerError(f"epoch {ep.plan.epoch} ended: {reason}"))

@@ -69,7 +69,7 @@ class Recovery:
             self.leader.cut_off_since = trio.current_time()  # everyone else went: they may go on without us
         ep = self.epochs.current
         if ep is not None and ev.peer in ep.members:
-            self.epochs.end(f"ring member {ev.peer} {ev.kind}" + (f" ({ev.reason})" if ev.reason else ""), lost=ev.peer)
+            self.epochs.end(f"ring member {ev.peer} {ev.kind}" + (f" ({ev.reason})" if ev.reason else ""))
 
     def stalled(self, gap: float) -> None:
         """This node was stopped for ``gap`` seconds (its own silence is excused: heartbeat.py)."""

@@ -26,9 +26,11 @@ Gathering (what keeps sessions in one batch): before a forward the worker may wa
 for sessions on their way (gathering.py).
 
 Replay (after a re-plan the coordinator replays a run's fed chunks, coordinator.py): a session's
-consecutive queued replay chunks (ids from REPLAY_ID_BASE) are taken together, up to
-REPLAY_GROUP chunks, and computed in one call (``Stage.forward_seq``: bit for bit the chunks one
-by one, layer by layer), with no gathering wait; their results go on in order.
+consecutive queued replay chunks (ids from REPLAY_ID_BASE) are taken together and computed in one
+call (``Stage.forward_seq``: bit for bit the chunks one by one, layer by layer), with no gathering
+wait; their results go on in order. A group is at most as long as the session's replay so far
+here (1, 1, 2, 4, ... up to REPLAY_GROUP chunks), so the next stage gets its first chunk after
+one chunk's compute, not a whole group's, and the stages work in step (a pipeline).
 
 Per chunk (session, chunk id, base position ``pos``, T hidden states): the session's cache is
 first truncated to ``pos`` (this drops tokens the coordinator rejected after the previous chunk
@@ -90,7 +92,7 @@ log = logging.getLogger("swarm.node.stage")
 INLINE_MAX_S = 0.005  # a batch predicted to compute in less runs on the trio thread (see above)
 MAX_BATCH = 16  # sessions in one forward
 MAX_BATCH_TOKENS = 512  # tokens in one forward (a prefill piece is 64 by default)
-REPLAY_GROUP = 16  # a session's replay chunks computed in one call (module doc: replay)
+REPLAY_GROUP = 16  # the most replay chunks of a session computed in one call (module doc: replay)
 IDLE_POLL_S = 5.0  # an idle inbound link is fine; we only wake to notice cancellation
 SEND_TIMEOUT_S = 10.0
 
@@ -158,6 +160,7 @@ class StageWorker(Gathering):
         self._arrived: dict[int, float] = {}  # session -> trio time its last chunk was read
         self._cycle: dict[int, float] = {}  # session -> its last inter-arrival time here
         self._mates: dict[int, tuple[frozenset[int], float]] = {}  # session -> its last forward's sessions, end
+        self._replayed: dict[int, int] = {}  # session -> replay chunks computed (module doc: replay)
         self.trace: list[list[tuple[int, int, int]]] | None = None  # tests: (session, pos, tokens) per batch
 
     def __repr__(self) -> str:
@@ -255,7 +258,9 @@ class StageWorker(Gathering):
         each is sound and starts within what the ones before hold (up to REPLAY_GROUP chunks and
         ``room`` tokens); one that is not stays queued and is handled (reported) on its own."""
         group, end, tokens = [(first, h)], first.pos + first.tokens, first.tokens
-        while len(group) < REPLAY_GROUP:
+        done = self._replayed.get(first.session, 0)
+        self._replayed[first.session] = done + 1
+        while len(group) < min(REPLAY_GROUP, max(1, done)):
             i = next((i for i, f in enumerate(self._pending) if f.session == first.session), None)
             if i is None or self._pending[i].msg_type != MsgType.CHUNK or not is_replay(self._pending[i].seq):
                 break
@@ -270,13 +275,14 @@ class StageWorker(Gathering):
                 break
             del self._pending[i]
             end, tokens = msg.pos + msg.tokens, tokens + msg.tokens
+            self._replayed[first.session] += 1
         return group
 
     async def _control(self, msg: object, frame: Frame, outbound: Link) -> None:
         if isinstance(msg, SessionEnd):
             if msg.session in self.stage.sessions():
                 self.stage.close_session(msg.session)
-            for state in (self._arrived, self._cycle, self._mates):
+            for state in (self._arrived, self._cycle, self._mates, self._replayed):
                 state.pop(msg.session, None)
             if not self.is_tail:
                 await outbound.send(frame, timeout=SEND_TIMEOUT_S)
