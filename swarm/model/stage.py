@@ -272,13 +272,15 @@ class Stage(nn.Module):
                 cache.rollback(pos)
                 outs.append(self.forward(session, h))
             return outs
-        cos_all, sin_all = self._rope_tables(max(pos + h.shape[0] for pos, h in chunks))
+        rope = []  # each chunk's rotary tables, taken in turn as forward() takes them
+        for pos, h in chunks:
+            cos, sin = self._rope_tables(pos + h.shape[0])
+            rope.append((cos[pos : pos + h.shape[0]], sin[pos : pos + h.shape[0]]))  # (T, hd) x2
         xs = [h.to(device=self.device, dtype=self.dtype).unsqueeze(0) for _, h in chunks]  # (1, T, D) each
         for layer in self.layers:
             for k, (pos, h) in enumerate(chunks):
-                T = h.shape[0]
-                cache._pos, cache._end = pos, pos + T  # what begin() sets for this chunk
-                xs[k] = layer(xs[k], cos_all[pos : pos + T], sin_all[pos : pos + T], cache, pos)  # (1, T, D)
+                cache._pos, cache._end = pos, pos + h.shape[0]  # what begin() sets for this chunk
+                xs[k] = layer(xs[k], *rope[k], cache, pos)  # (1, T, D)
         cache.length = held
         return [x[0] for x in xs]  # [(T, D)]
 
