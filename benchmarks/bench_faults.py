@@ -243,6 +243,7 @@ async def chaos(bench: Bench, n: int, seed: int) -> dict[str, Any]:
                 replan_s=round(rp["ring_ready_unix"] - rp["detected_unix"], 3),  # detection -> new ring serving
                 resume_s=rp.get("resume_s"),  # new ring serving -> first token (the replay, mostly)
                 resumed_at_token=rp["resumed_at_token"],
+                replayed_chunks=rp.get("replayed_chunks"),
                 layers_moved=rp["layers_moved"],
                 moved_per_lost_layer=(rp["layers_moved"] / ev["victim_layers"]) if ev["victim_layers"] else None,
             )  # fmt: skip

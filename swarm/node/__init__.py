@@ -21,7 +21,9 @@ Where things live:
     resume.py      a generation outliving its ring: wait for the next epoch, resume by replay
     report.py      receipts and status
     stage_worker.py  a layer block serving verify chunks from upstream to downstream, the
-                   sessions waiting for it batched into one forward, compute off the trio loop
+                   sessions waiting for it batched into one forward, compute off the trio loop;
+                   a resumed run's replay chunks computed several at a time
+    gathering.py   which sessions a stage's next forward waits for, so that they share it
     coordinator.py the coordinator's side of a ring: drives the speculative decoder, replays a
                    run on a new ring after a failure
     drafting.py    the coordinator's draft model (load, advert, auto's choice by measured cost) and

@@ -28,6 +28,14 @@ from swarm.proto.frame import DType
 
 Encoded = tuple[DType, tuple[int, ...], bytes]
 
+# chunk ids of chunks a coordinator replays after a re-plan (coordinator.py; a stage computes a
+# session's queued ones together, stage_worker.py); the decoder's own ids stay far below
+REPLAY_ID_BASE = 1 << 48
+
+
+def is_replay(chunk_id: int) -> bool:
+    return chunk_id >= REPLAY_ID_BASE
+
 _TO_WIRE = {torch.bfloat16: DType.BF16, torch.float16: DType.FP16, torch.float32: DType.FP32}
 _FROM_WIRE = {DType.BF16: torch.bfloat16, DType.FP16: torch.float16, DType.FP32: torch.float32}
 _NP = {DType.BF16: np.int16, DType.FP16: np.float16, DType.FP32: np.float32}

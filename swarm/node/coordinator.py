@@ -58,7 +58,7 @@ from swarm.model.sampling import SamplingParams
 from swarm.model.speculative import Committed, DraftSource, KPolicy, SpeculativeDecoder, VerifyChunk
 from swarm.model.stage import Head
 from swarm.node import drafting
-from swarm.node.activation import hidden_chunk, read_hidden
+from swarm.node.activation import REPLAY_ID_BASE, hidden_chunk, read_hidden
 from swarm.node.headbatch import SharedHead
 from swarm.node.links import Link
 from swarm.proto.activation import Error, Result, SessionEnd
@@ -113,8 +113,6 @@ class RingGeneration:
     def output_sha256(self) -> str:
         return output_sha256(self.output_token_ids)
 
-
-REPLAY_ID_BASE = 1 << 48  # chunk ids of replayed chunks (the decoder's own ids stay far below)
 
 
 @dataclass

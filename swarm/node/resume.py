@@ -140,5 +140,8 @@ class Resumer:
                         problem_since = now
                     elif now - problem_since > PROBLEM_GRACE_S:
                         raise PlanningError(f"the swarm cannot serve: {problem}; it keeps waiting for peers")
-                await trio.sleep(POLL_S)
+                cur = self.epochs.serving
+                setting_up = cur is not None and cur.plan.epoch > after and not cur.serving.is_set()
+                with trio.move_on_after(POLL_S):  # a ring being set up here: resume the moment it serves
+                    await (cur.serving.wait() if cur is not None and setting_up else trio.sleep(POLL_S))
         raise PeerError(f"the swarm did not recover within {timeout:.0f} s (no new plan); see the nodes' logs")

@@ -22,27 +22,15 @@ forwards, and a long prompt (prefilled in ``prefill_chunk`` pieces by the coordi
 piece per round, so it never stalls the others' decoding by more than one piece's compute.
 Results go downstream in batch order; per session that is arrival order.
 
-Gathering (what keeps sessions in one batch). Sessions' chunks reach a stage one frame at a time
-(the coordinator sends them one after another), so a loop that computes whatever is queued the
-moment the first frame lands runs a batch of one, then the rest: the split goes round the ring,
-and each stage reads its weights once per fragment (measured: mostly batches of one). So before a
-forward the worker waits for sessions on their way:
+Gathering (what keeps sessions in one batch): before a forward the worker may wait, bounded,
+for sessions on their way (gathering.py).
 
-- *due*: up to one small forward's typical time (a running mean), for the sessions that shared
-  the queued ones' last forward (a forward's sessions come back together; not for a chunk that
-  arrived before that forward ended: a second chunk in flight). Waiting W costs the queued ones
-  W; running a straggler separately costs the stage one more forward, about W. (Predicting each
-  session's arrival from its last inter-arrival time as well was measured: it waited more, in
-  vain half the time, and gave less);
-- *merge*: otherwise, if the queued group is the smaller part of the active sessions (a tie: the
-  group without the lowest session id), it waits for the others until the last of them is
-  expected (at most GATHER_MERGE_MAX_S), so split groups merge once and then stay merged (not
-  for a second chunk in flight: drafting keeps several of a session's chunks on the ring);
-
-and each wait ends as soon as every session waited for is queued. A lone session never waits;
-one just joining (no cycle yet) or quiet for two of its cycles is never waited for to merge. The wait is an
-await on the queue with a deadline: liveness is not touched, and a long prompt still takes one
-piece per forward.
+Replay (after a re-plan the coordinator replays a run's fed chunks, coordinator.py): a session's
+consecutive queued replay chunks (ids from REPLAY_ID_BASE) are taken together and computed in one
+call (``Stage.forward_seq``: bit for bit the chunks one by one, layer by layer), with no gathering
+wait; their results go on in order. A group is at most as long as the session's replay so far
+here (1, 1, 2, 4, ... up to REPLAY_GROUP chunks), so the next stage gets its first chunk after
+one chunk's compute, not a whole group's, and the stages work in step (a pipeline).
 
 Per chunk (session, chunk id, base position ``pos``, T hidden states): the session's cache is
 first truncated to ``pos`` (this drops tokens the coordinator rejected after the previous chunk
@@ -83,8 +71,16 @@ import trio
 from swarm.errors import PeerLost, PeerTimeout, ProtocolError, SwarmError
 from swarm.model.batched import forward_many
 from swarm.model.stage import Stage
-from swarm.node.activation import Encoded, encode_hidden, hidden_chunk, hidden_result, read_hidden
+from swarm.node.activation import (
+    Encoded,
+    encode_hidden,
+    hidden_chunk,
+    hidden_result,
+    is_replay,
+    read_hidden,
+)
 from swarm.node.errors_util import unwrap
+from swarm.node.gathering import Gathering
 from swarm.node.links import Link
 from swarm.proto.activation import Chunk, Error, Result, Rollback, SessionEnd
 from swarm.proto.frame import Frame, MsgType
@@ -94,10 +90,9 @@ from swarm.proto.messages import parse_message
 log = logging.getLogger("swarm.node.stage")
 
 INLINE_MAX_S = 0.005  # a batch predicted to compute in less runs on the trio thread (see above)
-GATHER_MAX_S = 0.1  # the longest a forward waits for sessions due (module doc: gathering)
-GATHER_MERGE_MAX_S = 0.25  # the longest a smaller group waits to merge with the others
 MAX_BATCH = 16  # sessions in one forward
 MAX_BATCH_TOKENS = 512  # tokens in one forward (a prefill piece is 64 by default)
+REPLAY_GROUP = 16  # the most replay chunks of a session computed in one call (module doc: replay)
 IDLE_POLL_S = 5.0  # an idle inbound link is fine; we only wake to notice cancellation
 SEND_TIMEOUT_S = 10.0
 
@@ -116,9 +111,11 @@ class StageStats:
     merges: int = 0  # ... of them, a smaller group waiting for the others
     gather_s: float = 0.0  # time spent waiting
     gather_timeouts: int = 0  # waits that ended at their deadline, someone waited for still missing
+    replayed: int = 0  # replay chunks computed (module doc: replay)
+    replay_groups: int = 0  # ... in this many calls
 
 
-class StageWorker:
+class StageWorker(Gathering):
     def __init__(
         self,
         stage: Stage,
@@ -163,6 +160,7 @@ class StageWorker:
         self._arrived: dict[int, float] = {}  # session -> trio time its last chunk was read
         self._cycle: dict[int, float] = {}  # session -> its last inter-arrival time here
         self._mates: dict[int, tuple[frozenset[int], float]] = {}  # session -> its last forward's sessions, end
+        self._replayed: dict[int, int] = {}  # session -> replay chunks computed (module doc: replay)
         self.trace: list[list[tuple[int, int, int]]] | None = None  # tests: (session, pos, tokens) per batch
 
     def __repr__(self) -> str:
@@ -217,82 +215,11 @@ class StageWorker:
                 await self._run_batch(batch, outbound)
             await trio.lowlevel.checkpoint()
 
-    def _drain(self, recv: trio.MemoryReceiveChannel[Frame]) -> None:
-        while True:
-            try:
-                self._pending.append(recv.receive_nowait())
-            except (trio.WouldBlock, trio.EndOfChannel):
-                return
-
-    def _note_arrival(self, session: int) -> None:
-        now = trio.current_time()
-        last = self._arrived.get(session)
-        if last is not None:
-            self._cycle[session] = now - last
-        self._arrived[session] = now
-
-    def _due(self) -> set[int]:
-        """Sessions that shared the queued ones' last forward, not queued yet (module doc)."""
-        queued = {f.session for f in self._pending}
-        due: set[int] = set()
-        for session in queued:  # a forward's sessions come back together...
-            mates, ended = self._mates.get(session, (frozenset(), math.inf))
-            if self._arrived.get(session, -math.inf) > ended:  # ...(not a chunk sent before it ended)
-                due.update(mates)
-        return (due - queued) & set(self.stage.sessions())
-
-    def _minority_waits(self, queued: set[int]) -> tuple[set[int], float]:
-        """The active sessions this forward should wait for to merge with, and how long: the
-        queued group waits for the others if it is the smaller one (a tie: the group without the
-        lowest session id), until the last of them is expected (module doc)."""
-        now = trio.current_time()
-        open_here = set(self.stage.sessions())
-        active = {s for s, c in self._cycle.items() if s in open_here and now - self._arrived[s] < 2 * c}
-        others = active - queued
-        if not others or not queued:
-            return set(), 0.0
-        if any(self._arrived.get(s, -math.inf) <= self._mates.get(s, ((), -math.inf))[1] for s in queued):
-            return set(), 0.0  # a second chunk in flight, sent before its session's last forward ended
-        if len(queued) > len(others) or (len(queued) == len(others) and min(queued) < min(others)):
-            return set(), 0.0
-        until = max(self._arrived[s] + self._cycle[s] for s in others)  # when the last is expected
-        # wherever they are in the ring, they are back here within one of their cycles: a wait
-        # bounded only by the estimate timed out when they ran late, and the groups stayed split
-        return others, min(max(until - now, max(self._cycle[s] for s in others)), GATHER_MERGE_MAX_S)
-
-    async def _gather(self, recv: trio.MemoryReceiveChannel[Frame]) -> None:
-        """Wait (bounded) for the sessions due about now, so they share this forward."""
-        window = min(self._typical_s, GATHER_MAX_S)
-        if not self.gather or window == math.inf or not self._pending:
-            return
-        queued = {f.session for f in self._pending if f.msg_type == MsgType.CHUNK}
-        if not queued or len(queued) >= self.max_batch:
-            return
-        due = self._due()
-        if not due:
-            due, window = self._minority_waits(queued)
-            if not due or window == math.inf:
-                return
-            self.stats.merges += 1
-        t0 = trio.current_time()
-        with trio.move_on_after(window) as scope:
-            while due and len(queued) < self.max_batch:
-                try:
-                    frame = await recv.receive()
-                except trio.EndOfChannel:
-                    break
-                self._pending.append(frame)
-                self._drain(recv)
-                queued.update(f.session for f in self._pending if f.msg_type == MsgType.CHUNK)
-                due -= {f.session for f in self._pending}
-        self.stats.gathers += 1
-        self.stats.gather_timeouts += scope.cancelled_caught
-        self.stats.gather_s += trio.current_time() - t0
-
-    async def _take_batch(self, outbound: Link) -> list[tuple[Chunk, torch.Tensor]]:
+    async def _take_batch(self, outbound: Link) -> list[list[tuple[Chunk, torch.Tensor]]]:
         """Scan the queue in order: each session's first frame is handled (a control frame) or
-        joins the batch (a chunk); later frames of a session in the batch wait (module doc)."""
-        batch: list[tuple[Chunk, torch.Tensor]] = []
+        joins the batch (a chunk, with the replay chunks queued behind it if it is one); later
+        frames of a session in the batch wait (module doc)."""
+        batch: list[list[tuple[Chunk, torch.Tensor]]] = []
         busy: set[int] = set()
         keep: deque[Frame] = deque()
         tokens = 0
@@ -318,18 +245,44 @@ class StageWorker:
                 continue
             h = await self._admit(msg, outbound)
             if h is not None:
-                batch.append((msg, h))
+                group = self._replay_group(msg, h, MAX_BATCH_TOKENS - tokens) if is_replay(msg.chunk_id) else [(msg, h)]
+                batch.append(group)
                 busy.add(msg.session)
-                tokens += msg.tokens
+                tokens += sum(m.tokens for m, _ in group)
             await trio.lowlevel.checkpoint()  # one frame per step: heartbeats run in between
         self._pending = keep
         return batch
+
+    def _replay_group(self, first: Chunk, h: torch.Tensor, room: int) -> list[tuple[Chunk, torch.Tensor]]:
+        """``first``, an admitted replay chunk, and its session's next queued replay chunks while
+        each is sound and starts within what the ones before hold (up to REPLAY_GROUP chunks and
+        ``room`` tokens); one that is not stays queued and is handled (reported) on its own."""
+        group, end, tokens = [(first, h)], first.pos + first.tokens, first.tokens
+        done = self._replayed.get(first.session, 0)
+        self._replayed[first.session] = done + 1
+        while len(group) < min(REPLAY_GROUP, max(1, done)):
+            i = next((i for i, f in enumerate(self._pending) if f.session == first.session), None)
+            if i is None or self._pending[i].msg_type != MsgType.CHUNK or not is_replay(self._pending[i].seq):
+                break
+            try:
+                msg = parse_message(self._pending[i], self.limits)
+                if not isinstance(msg, Chunk) or msg.epoch != self.epoch or msg.pos > end:
+                    break
+                if msg.pos + msg.tokens > self.max_len or tokens + msg.tokens > room:
+                    break
+                group.append((msg, read_hidden(msg, dim=self.stage.args.dim, expect=self.dtype, peer=self.upstream)))
+            except SwarmError:
+                break
+            del self._pending[i]
+            end, tokens = msg.pos + msg.tokens, tokens + msg.tokens
+            self._replayed[first.session] += 1
+        return group
 
     async def _control(self, msg: object, frame: Frame, outbound: Link) -> None:
         if isinstance(msg, SessionEnd):
             if msg.session in self.stage.sessions():
                 self.stage.close_session(msg.session)
-            for state in (self._arrived, self._cycle, self._mates):
+            for state in (self._arrived, self._cycle, self._mates, self._replayed):
                 state.pop(msg.session, None)
             if not self.is_tail:
                 await outbound.send(frame, timeout=SEND_TIMEOUT_S)
@@ -369,45 +322,58 @@ class StageWorker:
             return None
         return h
 
-    def _forward(self, items: list[tuple[int, torch.Tensor]]) -> tuple[list[Encoded], float]:
+    def _forward(self, batch: list[list[tuple[Chunk, torch.Tensor]]]) -> tuple[list[Encoded], float]:
         """The batch's forward and its outputs' encoding, in one go (in the worker thread, so the
-        trio loop makes no torch call per result: each would wait for the GIL behind the compute)."""
+        trio loop makes no torch call per result: each would wait for the GIL behind the compute);
+        the outputs in batch order, a replay group's chunk by chunk."""
         t0 = time.perf_counter()
         if self.compute_delay_s > 0:
             time.sleep(self.compute_delay_s)  # fault injection: compute that blocks (module doc)
         # encoding copies to the CPU: on a GPU that waits for the kernels here, so the time is the
         # work's and the trio loop never blocks on the device
-        outs = forward_many(self.stage, items)
+        items = [(g[0][0].session, g[0][1]) for g in batch if len(g) == 1]
+        singles = forward_many(self.stage, items) if items else []
+        outs: list[torch.Tensor] = []
+        for group in batch:
+            if len(group) == 1:
+                outs.append(singles.pop(0))
+            else:  # a replay group: bit for bit its chunks one by one (Stage.forward_seq)
+                outs.extend(self.stage.forward_seq(group[0][0].session, [(m.pos, h) for m, h in group]))
         if self.corrupt_after is not None and self.stats.chunks >= self.corrupt_after:
             outs = [torch.full_like(o, float("nan")) for o in outs]  # fault injection (chaos tests): a broken peer
         return [encode_hidden(o) for o in outs], time.perf_counter() - t0
 
-    async def _run_batch(self, batch: list[tuple[Chunk, torch.Tensor]], outbound: Link) -> None:
-        items = [(msg.session, h) for msg, h in batch]
+    async def _run_batch(self, groups: list[list[tuple[Chunk, torch.Tensor]]], outbound: Link) -> None:
+        batch = [c for g in groups for c in g]  # every chunk, in batch order
         if self.trace is not None:
             self.trace.append([(m.session, m.pos, m.tokens) for m, _ in batch])
-        if self.inline or self._predict_s < INLINE_MAX_S:
-            outs, took = self._forward(items)
+        calls = max(len(g) for g in groups)  # a replay group costs a forward per chunk
+        if self.inline or self._predict_s * calls < INLINE_MAX_S:
+            outs, took = self._forward(groups)
         else:
-            outs, took = await trio.to_thread.run_sync(self._forward, items, limiter=self.limiter)
+            outs, took = await trio.to_thread.run_sync(self._forward, groups, limiter=self.limiter)
         # the prediction is per forward of a small batch; a big one says nothing about small ones
-        if sum(m.tokens for m, _ in batch) <= 16 or took > self._predict_s:
+        small = calls == 1 and sum(m.tokens for m, _ in batch) <= 16
+        if small or (calls == 1 and took > self._predict_s):
             p = self._predict_s
             self._predict_s = took if (p == math.inf or took > p) else 0.9 * p + 0.1 * took
-        if sum(m.tokens for m, _ in batch) <= 16:
+        if small:
             t = self._typical_s
             self._typical_s = took if t == math.inf else 0.8 * t + 0.2 * took
+        if calls > 1:
+            self.stats.replay_groups += sum(len(g) > 1 for g in groups)
+        self.stats.replayed += sum(is_replay(m.chunk_id) for m, _ in batch)
         mates, ended = frozenset(m.session for m, _ in batch), trio.current_time()
         for session in mates:
             self._mates[session] = (mates, ended)
         st = self.stats
         st.compute_s += took
         st.batches += 1
-        st.max_batch = max(st.max_batch, len(batch))
-        st.sizes.extend([0] * (len(batch) - len(st.sizes)))
-        st.sizes[len(batch) - 1] += 1
-        if len(batch) > 1:
-            st.batched_chunks += len(batch)
+        st.max_batch = max(st.max_batch, len(groups))
+        st.sizes.extend([0] * (len(groups) - len(st.sizes)))
+        st.sizes[len(groups) - 1] += 1
+        if len(groups) > 1:
+            st.batched_chunks += len(groups)
         for (msg, _), enc in zip(batch, outs, strict=True):
             st.chunks += 1
             st.tokens += msg.tokens

@@ -216,3 +216,29 @@ def test_rope_matches_transformers_llama3() -> None:
     assert scale == 1.0
     got = llama_layers.rope_inv_freq(llama_layers.ModelArgs.from_config(cfg))
     assert torch.equal(got, want.float())
+
+
+@pytest.mark.parametrize("runtime", ["handwritten", "transformers"])
+def test_forward_seq_is_chunk_by_chunk_bit_for_bit(ck: Checkpoint, runtime: str) -> None:
+    """A replay group (Stage.forward_seq, layer by layer) computes exactly what its chunks one by
+    one compute, in bf16, cache included: a prefill, one-token steps, and a verify chunk whose
+    tail was rejected (the next chunk starts inside it)."""
+    stage = Stage.load(ck.args, ck.source, 0, 4, dtype=torch.bfloat16, runtime=runtime)
+    gen = torch.Generator().manual_seed(5)
+    chunks = [(0, 7), (7, 1), (8, 1), (9, 4), (11, 1), (12, 3), (13, 1), (14, 1)]  # (pos, T)
+    hs = [(p, torch.randn(t, ck.args.dim, generator=gen).to(torch.bfloat16)) for p, t in chunks]
+    stage.open_session("one", 64)
+    stage.open_session("seq", 64)
+    one = []
+    for p, h in hs:
+        stage.rollback("one", p)
+        one.append(stage.forward("one", h))
+    seq = stage.forward_seq("seq", hs[:3]) + stage.forward_seq("seq", hs[3:])  # two groups, as a stage takes them
+    assert all(torch.equal(a, b) for a, b in zip(one, seq, strict=True))
+    a, b = stage._cache("one"), stage._cache("seq")
+    assert a.length == b.length == 15
+    for i in a._k:
+        assert torch.equal(a._k[i][:, :, :15], b._k[i][:, :, :15]) and torch.equal(a._v[i][:, :, :15], b._v[i][:, :, :15])
+    with pytest.raises(ModelError, match="positions held"):
+        stage.forward_seq("seq", [(15, hs[1][1]), (17, hs[2][1])])  # a gap: 17 > 16
+    assert stage.session_len("seq") == 15  # refused before anything ran

@@ -160,10 +160,49 @@ async def test_resume_after_lost_stage_is_token_identical(ckpt: Path, dtype: tor
     before = list(seen)
     assert 25 <= len(before) < 60
     # a new epoch: new links and workers over the same blocks (caches start empty)
-    (res2,), _ = await run_memory_ring(model, [lambda c: c.drive(state["run"])], epoch=2)
+    replayed = len(state["run"].fed_log)
+    (res2,), ring = await run_memory_ring(model, [lambda c: c.drive(state["run"])], epoch=2)
     assert not isinstance(res2, BaseException), res2
     assert res2.output_token_ids == ref.output_token_ids
     assert seen == ref.output_token_ids  # streamed: nothing lost, nothing repeated
+    for w in ring.workers:  # every stage rebuilt its cache from every fed chunk, several per call
+        assert w.stats.replayed == replayed > 10 and w.stats.replay_groups >= 1, w.stats
+        assert w.stats.chunks - w.stats.replayed < w.stats.batches  # ... in fewer calls than chunks
+
+
+async def test_a_replay_with_bad_chunks_computes_the_good_ones_and_names_the_sender(ckpt: Path) -> None:
+    """Replay groups take only sound chunks: when the first stage starts sending NaN during a
+    replay, the next stage computes the replay chunks before them (groups of 1, 1, 2, 4), refuses
+    the rest, one by one, naming its upstream, and the run fails with that error."""
+    blocks = [(0, 3), (3, 6)]
+    model = _model(ckpt, blocks, torch.bfloat16)
+    run_kw = dict(max_new_tokens=40, eos_token_ids=(), drafter=NgramDrafter(), policy=KPolicy(fixed_k=3, max_depth=2))
+    state: dict = {}  # type: ignore[type-arg]
+
+    seen: list[int] = []
+
+    async def first(c: Coordinator):  # type: ignore[no-untyped-def]
+        state["run"] = c.new_run(PROMPT, on_tokens=seen.extend, **run_kw)  # type: ignore[arg-type]
+        return await c.drive(state["run"])
+
+    async def kill_late(ring):  # type: ignore[no-untyped-def]
+        while len(seen) < 30:
+            await trio.sleep(0.001)
+        ring.links[1].cut("kill")
+
+    (res,), _ = await run_memory_ring(model, [first], during=kill_late, chunk_timeout=2.0, delay=0.001)
+    assert isinstance(res, PeerError), res
+    run = state["run"]
+    n = len(run.fed_log)
+
+    async def corrupt(ring):  # type: ignore[no-untyped-def]
+        ring.workers[0].corrupt_after = 8  # the batch that starts with 8 chunks computed: all NaN
+
+    (res,), ring = await run_memory_ring(model, [lambda c: c.drive(run)], epoch=2, during=corrupt)
+    assert isinstance(res, PeerError) and "bad_input" in str(res), res
+    up, down = ring.workers[0].stats, ring.workers[1].stats
+    assert n > 16 and up.replayed >= 16, up  # the first stage replayed on (groups 1, 1, 2, 4, 8, ...)
+    assert down.replayed == 8 and down.errors >= 1, down  # the 8 good ones, then refusals
 
 
 async def test_ring_and_one_box_agree_in_bf16_with_chunks_in_flight(ckpt: Path) -> None:

@@ -99,6 +99,32 @@ async def test_a_stage_lost_mid_generation_is_replanned_around_and_the_run_resum
         nursery.cancel_scope.cancel()
 
 
+async def test_a_member_lost_is_replanned_after_the_short_settle_and_every_stage_replays(
+    ckpt: Path, reference: list[int], autojump_clock  # type: ignore[no-untyped-def]
+) -> None:
+    """Membership lost a member of the ring: the leader plans the next epoch LOSS_SETTLE_S after
+    the end, not REPLAN_SETTLE_S (its view is already what the plan is made from); the run
+    resumes on it, identical, every stage of the new ring having replayed its fed chunks."""
+    from swarm.node.leader import LOSS_SETTLE_S, REPLAN_SETTLE_S
+
+    async with trio.open_nursery() as nursery:
+        swarm = MemSwarm(MemNet(), ckpt, nursery, layers=[4, 4, 4, 4])
+        await swarm.start_all()
+        coord, stages = _roles(swarm, await swarm.ready())
+        victim = next(s for s in stages if s != 0)  # not the leader (node 0)
+        got = await swarm.generate(coord, PROMPT, N_NEW, draft="ngram", on_tokens=_killer(swarm, {30: lambda: swarm.kill(victim)}))
+        assert got["output_token_ids"] == reference
+        (rp,) = got["replans"]
+        plans = [ev for ev in swarm.events[0] if ev.startswith("life {'event': 'plan'") and f"'epoch': {rp['to_epoch']}," in ev]
+        (plan,) = plans
+        pause = float(plan.split("'pause_s': ")[1].split("}")[0])  # the leader's: its epoch's end -> this plan
+        assert LOSS_SETTLE_S <= pause < REPLAN_SETTLE_S, plan
+        workers = [p.epoch.worker for p in swarm.peers.values() if p.epoch.worker is not None]  # the new ring's
+        assert len(workers) >= 2 and rp["replayed_chunks"] > 10, rp
+        assert all(w.stats.replayed == rp["replayed_chunks"] for w in workers), [w.stats for w in workers]
+        nursery.cancel_scope.cancel()
+
+
 async def test_two_peers_lost_one_after_the_other(ckpt: Path, reference: list[int], autojump_clock) -> None:  # type: ignore[no-untyped-def]
     async with trio.open_nursery() as nursery:
         swarm = MemSwarm(MemNet(), ckpt, nursery, layers=[3, 3, 3, 3, 3])
