@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from swarm.errors import ModelError, WeightsError
-from swarm.model import families, llama_layers
+from swarm.model import families, llama_layers, rows
 from swarm.model.config import ModelArgs
 from swarm.model.kvcache import KVCache
 from swarm.model.quant import check_quant, linear_paths, quantize_block
@@ -83,6 +83,7 @@ class Stage(nn.Module):
         if self.runtime not in ("handwritten", "transformers") or (self.runtime == "handwritten" and not handwritten_ok):
             raise ModelError(f"runtime {self.runtime!r} cannot run a {args.architecture} stage")
         self._model: list[Any] = []
+        self.rows_exact_memo: dict[int, bool] = {}  # row count -> one-token steps as one pass exact here (rows.py)
         if self.runtime == "handwritten":
             largs = llama_layers.ModelArgs.from_config(args.config)
             with torch.device("meta"):
@@ -256,7 +257,9 @@ class Stage(nn.Module):
         chunk at layer l attends to what the chunks before it wrote at layer l, written first in
         either order), so the numbers are the same, and one layer's weights stay hot for the
         whole group (a replay after a re-plan: about 25% less time for one-token chunks through
-        19 layers of the bundled model). Each chunk must start within what the ones before hold.
+        19 layers of the bundled model). Runs of one-token chunks at consecutive positions go
+        through each layer as one pass where that is proven bit for bit on this machine
+        (rows.py). Each chunk must start within what the ones before hold.
         """
         cache = self._cache(session)
         held = cache.length
@@ -277,8 +280,19 @@ class Stage(nn.Module):
             cos, sin = self._rope_tables(pos + h.shape[0])
             rope.append((cos[pos : pos + h.shape[0]], sin[pos : pos + h.shape[0]]))  # (T, hd) x2
         xs = [h.to(device=self.device, dtype=self.dtype).unsqueeze(0) for _, h in chunks]  # (1, T, D) each
+        units = rows.row_units(self, chunks)  # one-token steps in one pass where proven exact (rows.py)
         for layer in self.layers:
-            for k, (pos, h) in enumerate(chunks):
+            for unit in units:
+                if len(unit) > 1:
+                    y = rows.layer_rows(
+                        cast(Any, layer), torch.cat([xs[k] for k in unit], dim=1),
+                        [rope[k] for k in unit], cache, [chunks[k][0] for k in unit],
+                    )  # (1, R, D)
+                    for i, k in enumerate(unit):
+                        xs[k] = y[:, i : i + 1]
+                    continue
+                k = unit[0]
+                pos, h = chunks[k]
                 cache._pos, cache._end = pos, pos + h.shape[0]  # what begin() sets for this chunk
                 xs[k] = layer(xs[k], *rope[k], cache, pos)  # (1, T, D)
         cache.length = held
