@@ -35,7 +35,7 @@ committed tokens per chunk measured on the bundled model), and alone that is fre
 would idle otherwise. On a ring shared by other generations it is not: the stages batch every
 session's chunk into one forward (stage_worker.py), so a session's drafted rows and the chunks it
 keeps in flight behind them (discarded at a rejection) are compute taken from the others'
-forwards (8 chat sessions on the bundled 3-peer LAN ring: 59 tok/s in all with it, 75 without,
+forwards (8 chat sessions on the bundled 3-peer LAN ring, one run each: 59 tok/s in all with it, 75 without,
 where plain decoding met the ring's compute: a traversal of 77 ms, one 8-session forward per
 stage). So a generation that got prompt lookup *by default* (the request named no drafter)
 decodes plainly when other generations share its ring as its decoding begins
