@@ -39,7 +39,7 @@ forwards (8 chat sessions on the bundled 3-peer LAN ring, one run each: 59 tok/s
 where plain decoding met the ring's compute: a traversal of 77 ms, one 8-session forward per
 stage). So a generation that got prompt lookup *by default* (the request named no drafter)
 decodes plainly when other generations share its ring as its decoding begins
-(``Choice.shared``; the coordinator asks once, after the prompt's prefill is sent, before any
+(``Choice.shared``; the coordinator asks once, when the prefill's first result is in, before any
 decode chunk: a schedule a decoder without a drafter issues, so the receipt's ``ran: none``
 replays it). One named by the request keeps it; one that began alone keeps drafting when others
 join.
