@@ -250,6 +250,14 @@ class SpeculativeDecoder:
             if not new:
                 break  # plain decoding: nothing more to speculate on
 
+    def stop_drafting(self) -> None:
+        """Plain decoding from here on (one token per chunk, one chunk in flight): allowed only
+        before the first decode chunk, so the schedule is the one a decoder built without a
+        drafter issues, and a replay without one reproduces it."""
+        if self.stats.decode_chunks or self.drafts:
+            raise UsageError("stop_drafting: decode chunks were already issued")
+        self.drafter, self.policy = None, KPolicy()
+
     @property
     def drafter_prepared(self) -> bool:
         return self._prepared

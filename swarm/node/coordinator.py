@@ -25,6 +25,10 @@ keeps delivering results, to any session, within that deadline is busy, not brok
 goes on (a session queued behind seven others on a loaded ring may wait longer than one chunk's
 deadline), up to SLOW_WAIT_FACTOR deadlines. Only a ring silent for a whole deadline times out.
 
+Before its first decode chunk is polled (the prompt's prefill is out, the first result is in),
+a run's ``before_decode`` hears how many other generations share the ring: a default prompt
+lookup stands down then (drafting.py: sharing the ring).
+
 The LM head is batched across sessions whose results arrive together (headbatch.py), and runs
 off the trio loop unless predicted quick, so the loop answering heartbeats is never held long by
 compute; the receipt counts ``shared_head_calls``.
@@ -124,6 +128,9 @@ class RingRun:
     on_tokens: Callable[[Sequence[int]], None] | None = None
     fed_log: list[VerifyChunk] = field(default_factory=list)  # live chunks fed, in order
     draft_limiter: trio.CapacityLimiter | None = None  # a model drafter's forwards (drafting.py)
+    # called once, with the number of other generations on the ring, when the prompt's prefill is
+    # out and before any decode chunk is polled (it may change the drafter: drafting.py, sharing)
+    before_decode: Callable[[int], None] | None = None
     t0: float | None = None
     t_first: float | None = None
     t_last: float | None = None
@@ -313,6 +320,10 @@ class Coordinator:
     async def _issue(self, run: RingRun, session: int, sent: dict[int, tuple[VerifyChunk | None, float]]) -> None:
         """The decoder's next chunks, each sent as soon as it exists (a model drafter drafts off
         this loop, drafting.py); the same chunks a plain poll() gives, in the same order."""
+        dec = run.decoder
+        if run.before_decode is not None and dec.stats.chunks and not dec.stats.decode_chunks:
+            hook, run.before_decode = run.before_decode, None  # once: the prefill is out, no decode chunk yet
+            hook(len(self._sessions) - 1)
         send = lambda c: self._send([c], session, sent, run.gen, run.decoder)  # noqa: E731
         await drafting.issue(run.decoder, send, self._draft_limiter(run))
 

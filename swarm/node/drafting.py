@@ -30,6 +30,20 @@ Prompt lookup is not auto's to pick: what it gains depends on whether the text r
 copied passage, 1.0x on chat, benchmarks/results/ring.json), not on the ring, so it stays the
 request's own choice (``ngram``, the default without a draft model).
 
+Sharing the ring. Prompt lookup pays on text that repeats and about nothing on chat (0.9
+committed tokens per chunk measured on the bundled model), and alone that is free: the stages
+would idle otherwise. On a ring shared by other generations it is not: the stages batch every
+session's chunk into one forward (stage_worker.py), so a session's drafted rows and the chunks it
+keeps in flight behind them (discarded at a rejection) are compute taken from the others'
+forwards (8 chat sessions on the bundled 3-peer LAN ring, one run each: 59 tok/s in all with it, 75 without,
+where plain decoding met the ring's compute: a traversal of 77 ms, one 8-session forward per
+stage). So a generation that got prompt lookup *by default* (the request named no drafter)
+decodes plainly when other generations share its ring as its decoding begins
+(``Choice.shared``; the coordinator asks once, when the prefill's first result is in, before any
+decode chunk: a schedule a decoder without a drafter issues, so the receipt's ``ran: none``
+replays it). One named by the request keeps it; one that began alone keeps drafting when others
+join.
+
 What the policy weighs is measured: the traversal with one chunk in flight (an EMA over this
 epoch's generations; the plan's prediction, from measured RTTs and ms per layer, until then), how
 much each further chunk in flight slowed a traversal (``congestion``: near 0 where every stage has
@@ -101,6 +115,20 @@ class Choice:
     depth: int
     draft_k: int | None
     predicted_tok_s: dict[str, float] = field(default_factory=dict)
+    # the node's default prompt lookup (not one the request named) stands down when the ring is
+    # shared as decoding begins (``shared``: module doc, "Sharing the ring")
+    yields: bool = False
+    shared_with: int = 0  # other generations on the ring when decoding began, if it stood down
+
+    def shared(self, others: int) -> Choice | None:
+        """The choice when ``others`` generations share the ring as this one starts decoding:
+        plain decoding in place of a default prompt lookup; None: unchanged."""
+        if not (self.yields and others > 0):
+            return None
+        why = (f"{self.ran} by default, not run: {others} other generation{'s' if others > 1 else ''} shared "
+               "the ring when decoding began (its drafts and the chunks behind them cost their forwards compute)")
+        return dataclasses.replace(self, ran="none", why=why, drafter=None, policy=None, yields=False,
+                                   shared_with=others)  # fmt: skip
 
     def receipt(self, dec: SpeculativeDecoder | None = None) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -111,6 +139,8 @@ class Choice:
             out["policy"] = self.policy.settings()
         if self.predicted_tok_s:
             out["predicted_tok_s"] = {k: round(v, 2) for k, v in self.predicted_tok_s.items()}
+        if self.shared_with:
+            out["shared_with"] = self.shared_with
         if dec is not None and dec.stats.mean_in_flight is not None:
             out["mean_in_flight"] = round(dec.stats.mean_in_flight, 3)
         if isinstance(self.drafter, ModelDrafter) and self.drafter.forwards:
@@ -200,8 +230,10 @@ class DraftHolder:
         if name == "none":
             return Choice(name, "none", "asked for", None, None, depth, draft_k)
         if name == "ngram":  # the ring's drafter before draft models: its policy unchanged
-            return Choice(name, "ngram", "asked for", NgramDrafter(),
-                          KPolicy(max_depth=depth, fixed_k=draft_k, draft_cost=0.0), depth, draft_k)  # fmt: skip
+            default = request in ("", "default")
+            return Choice(name, "ngram", "the default" if default else "asked for", NgramDrafter(),
+                          KPolicy(max_depth=depth, fixed_k=draft_k, draft_cost=0.0), depth, draft_k,
+                          yields=default)  # fmt: skip
         if name == "auto":
             return self._auto(times, depth, draft_k, max_len)
         if name not in ("model", self.spec.label) and not (self.model is not None and name == self.model.name):

@@ -263,6 +263,15 @@ class GenService:
             choice.close()
             raise
         run.draft_limiter = drafts.limiter
+
+        def before_decode(others: int) -> None:  # a shared ring: a default prompt lookup stands down
+            nonlocal choice
+            shared = choice.shared(others)
+            if shared is not None:
+                choice = shared
+                run.decoder.stop_drafting()
+
+        run.before_decode = before_decode
         moved: CoordinatorMoved | None = None
         handed_over: dict[str, Any] = {}
         try:
@@ -290,7 +299,9 @@ class GenService:
         receipt = self.reporter.receipt(ep, gen, params, started=t0)
         self.reporter.recent.append((gen.tokens_per_s, gen.tokens_per_traversal))
         receipt["replans"] = replans
-        drafts.learn(choice, run.decoder, gen.traversal_ms if not replans else None, ep.plan.epoch)
+        # a ring shared with others says nothing about its traversal alone (auto's figure)
+        alone = not replans and not choice.shared_with
+        drafts.learn(choice, run.decoder, gen.traversal_ms if alone else None, ep.plan.epoch)
         receipt["draft"] = choice.receipt(run.decoder)
         return receipt
 

@@ -315,3 +315,39 @@ def test_rejection_sampling_keeps_the_target_distribution(kind: str) -> None:
         draft_as_target.table = drafter.table  # type: ignore[attr-defined]
         wrong = empirical(draft_as_target, None, params_of, k=2, n_runs=400)
         assert chi2_tv(wrong, exact)[0] > 300
+
+
+def test_stop_drafting_before_decoding_issues_the_plain_schedule() -> None:
+    """A decoder told to stop drafting once its prefill is out issues exactly the chunks of one
+    built without a drafter (so a receipt saying 'none' replays it); after a decode chunk it
+    refuses (the schedule would be neither)."""
+    params = SamplingParams()
+
+    def drive(dec: SpeculativeDecoder, stop: bool) -> list[tuple[int, tuple[int, ...]]]:
+        target, queue = FakeTarget(5, seed=4), dec.poll()
+        assert queue and all(c.prefill for c in queue)
+        if stop:
+            dec.stop_drafting()
+        schedule = [(c.base, c.tokens) for c in queue]
+        while not dec.done:
+            chunk = queue.pop(0)
+            dec.feed(chunk.chunk_id, target.execute(chunk))
+            new = dec.poll()
+            queue += new
+            schedule += [(c.base, c.tokens) for c in new]
+            assert len([c for c in queue if not c.prefill]) <= 1  # one decode chunk in flight
+        return schedule
+
+    plain_dec = SpeculativeDecoder(PROMPT, params=params, max_new_tokens=20, prefill_chunk=4)
+    dec = SpeculativeDecoder(PROMPT, params=params, max_new_tokens=20, drafter=CyclingDrafter(),
+                             policy=KPolicy(fixed_k=3, max_depth=3, depth_threshold=0.0), prefill_chunk=4)
+    assert drive(dec, True) == drive(plain_dec, False)
+    assert dec.output_ids == plain_dec.output_ids and len(dec.output_ids) == 20
+    assert dec.stats.proposed == 0 and dec.stats.decode_chunks == plain_dec.stats.decode_chunks == 19  # the first token is the prefill's
+    drafting = SpeculativeDecoder(PROMPT, params=params, max_new_tokens=20, drafter=CyclingDrafter(),
+                                  policy=KPolicy(fixed_k=3), prefill_chunk=len(PROMPT))
+    (first,) = drafting.poll()
+    drafting.feed(first.chunk_id, FakeTarget(5, seed=4).execute(first))
+    assert len(drafting.poll()[0].tokens) == 4  # a decode chunk with 3 drafts is out
+    with pytest.raises(UsageError, match="already issued"):
+        drafting.stop_drafting()

@@ -272,6 +272,23 @@ def test_requests_name_what_the_coordinator_holds() -> None:
     assert lost.ran == "none" and "no room for its draft model" in lost.why
 
 
+def test_a_default_prompt_lookup_stands_down_on_a_shared_ring() -> None:
+    """drafting.py, sharing the ring: the node's default prompt lookup decodes plainly when others
+    share the ring as decoding begins; one the request named, or a lone generation, keeps it."""
+    h = DraftHolder("ngram")
+    default = h.choose("", times=LAN, depth=3, draft_k=None, max_len=64)
+    assert default.ran == "ngram" and default.drafter is not None and default.yields
+    assert default.shared(0) is None  # alone: it drafts
+    shared = default.shared(3)
+    assert shared is not None and shared.ran == "none" and shared.drafter is None and shared.policy is None
+    assert "3 other generations shared the ring" in shared.why and shared.shared(5) is None
+    receipt = shared.receipt()
+    assert receipt["ran"] == "none" and receipt["max_depth"] == 1 and receipt["shared_with"] == 3
+    assert receipt["name"] == "ngram"  # what it would have run, for the record
+    named = h.choose("ngram", times=LAN, depth=3, draft_k=None, max_len=64)
+    assert named.shared(3) is None and "shared_with" not in named.receipt()
+
+
 # -- sampling with a model draft on the ring keeps the target's distribution --------------------
 
 V, N_NEW, N_RUNS, BATCH = 4, 3, 2400, 60  # 4^3 = 64 outputs

@@ -300,3 +300,43 @@ async def test_sessions_started_apart_come_to_share_every_forward(ckpt: Path, ga
             assert w.stats.gathers > 0 and w.stats.sizes[3] > 0
         else:  # the control: what the split does without gathering
             assert w.stats.gathers == 0 and mean < 3.5, [len(b) for b in w.trace]
+
+
+async def test_a_shared_ring_stands_down_a_default_drafter_before_decoding(ckpt: Path) -> None:
+    """RingRun.before_decode hears, once, after the prefill and before any decode chunk, how many
+    other generations share the ring; sessions that stop drafting there decode plainly (tokens and
+    chunk schedule of a drafter-less run), a lone one keeps its drafter."""
+    blocks = [(0, 3), (3, 6)]
+    ref_model = _model(ckpt, blocks)
+    prompts = [PROMPT, [1, 2, 3, 4, 1, 2, 3, 4], [200, 100, 50, 25, 12, 6]]
+    refs = [generate(ref_model, p, max_new_tokens=16, eos_token_ids=()).output_token_ids for p in prompts]
+    heard: list[list[int]] = [[] for _ in prompts]
+
+    def job_for(i: int, after: float):  # type: ignore[no-untyped-def]
+        async def job(c: Coordinator):  # type: ignore[no-untyped-def]
+            await trio.sleep(after)
+            run = c.new_run(prompts[i], max_new_tokens=16, eos_token_ids=(), drafter=NgramDrafter(),
+                            policy=KPolicy(fixed_k=2, max_depth=3, depth_threshold=0.0))  # fmt: skip
+
+            def before_decode(others: int) -> None:
+                heard[i].append(others)
+                if others:
+                    run.decoder.stop_drafting()
+
+            run.before_decode = before_decode
+            return await c.drive(run)
+
+        return job
+
+    # two start together; the third starts once they are done (alone on the ring)
+    results, _ = await run_memory_ring(_model(ckpt, blocks), [job_for(0, 0), job_for(1, 0), job_for(2, 5.0)],
+                                       delay=0.002)  # fmt: skip
+    for res, want in zip(results, refs, strict=True):
+        assert not isinstance(res, BaseException), res
+        assert res.output_token_ids == want
+    assert heard == [[1], [1], [0]]
+    shared, alone = [r for r in results if not isinstance(r, BaseException)][:2], results[2]
+    assert not isinstance(alone, BaseException)
+    for r in shared:  # plain decoding: one token per decode chunk, nothing proposed
+        assert r.proposed == 0 and all(t == 1 for _, t in r.chunks[1:])
+    assert alone.proposed > 0  # alone, the drafter ran

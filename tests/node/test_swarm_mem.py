@@ -515,3 +515,32 @@ async def test_a_run_that_times_out_before_the_detector_judges_waits_for_the_ver
         assert swarm.ids[victim] in rp["lost"] and "no result from the ring" in rp["reason"], rp
         assert rp["to_epoch"] == rp["from_epoch"] + 1, rp  # one plan, made after the verdict
         nursery.cancel_scope.cancel()
+
+
+async def test_generations_sharing_the_ring_decode_plainly_unless_they_asked_for_a_drafter(
+    ckpt: Path, reference: list[int], autojump_clock
+) -> None:  # type: ignore[no-untyped-def]
+    """drafting.py, sharing the ring: requests that name no drafter get the node's default prompt
+    lookup alone, and plain decoding when they share the ring (the receipt says so and why); one
+    that names ngram keeps it. Every output equals one box's."""
+    async with trio.open_nursery() as nursery:
+        swarm = MemSwarm(MemNet(), ckpt, nursery, layers=[4, 4, 4])
+        await swarm.start_all()
+        await swarm.ready()
+        alone = await swarm.generate(1, PROMPT, N_NEW)
+        got: dict[str, dict] = {}
+
+        async def one(name: str, **kw: object) -> None:
+            got[name] = await swarm.generate(1, PROMPT, N_NEW, **kw)
+
+        async with trio.open_nursery() as inner:
+            for name, kw in (("a", {}), ("b", {}), ("named", {"draft": "ngram"})):
+                inner.start_soon(lambda n=name, k=kw: one(n, **k))
+        for r in (alone, *got.values()):
+            assert r["output_token_ids"] == reference
+        assert alone["draft"]["ran"] == "ngram" and "shared_with" not in alone["draft"]
+        for r in (got["a"], got["b"]):
+            assert r["draft"]["ran"] == "none" and r["draft"]["shared_with"] == 2 and r["draft"]["max_depth"] == 1
+            assert "shared the ring" in r["draft"]["why"]
+        assert got["named"]["draft"]["ran"] == "ngram"
+        nursery.cancel_scope.cancel()
