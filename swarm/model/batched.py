@@ -11,8 +11,8 @@ their lengths, for everything that works row by row (the norms, the Q/K/V and ou
 projections, the MLP): one matrix product per weight for the whole batch, which is where a
 small batch is nearly free (a decode step reads every weight once whatever its row count).
 Attention alone is per session: each session's rows get its own rotary positions, write its own
-cache at its own position and attend over its own keys, with the same three shapes as
-``llama_layers.Attention`` (one token, a prefill from position 0, a chunk after a cache).
+cache at its own position and attend over its own keys, through ``Attention.attend`` (the one
+attention implementation, llama_layers.py).
 
 Exactness: a row of a batched matrix product can differ in the last bits from the same row
 computed alone (the kernel's blocking depends on the row count), so batched results are not
@@ -29,11 +29,9 @@ from collections.abc import Hashable, Sequence
 from typing import cast
 
 import torch
-import torch.nn.functional as F
 
 from swarm.errors import ModelError
-from swarm.model.kvcache import KVCache
-from swarm.model.llama_layers import _NATIVE_GQA, Attention, DecoderLayer, _repeat_kv, apply_rope
+from swarm.model.llama_layers import Attention, DecoderLayer
 from swarm.model.stage import Stage
 
 BATCHED = True  # shared matrix products across sessions (False: one session after another)
@@ -75,46 +73,10 @@ def _forward_batched(stage: Stage, items: Sequence[tuple[Hashable, torch.Tensor]
         outs, off = [], 0
         for cache, t, pos, (cos, sin) in zip(caches, lens, poss, rope, strict=True):
             sl = slice(off, off + t)
-            outs.append(_attend(attn, q[:, sl], k[:, sl], v[:, sl], cos, sin, cache, layer.layer_idx, pos))
+            outs.append(attn.attend(q[:, sl], k[:, sl], v[:, sl], cos, sin, cache, layer.layer_idx, pos))
             off += t
         h = x + attn.o_proj(torch.cat(outs, dim=1))  # (1, N, D)
         x = h + layer.mlp(layer.post_attention_layernorm(h))
     for cache, t in zip(caches, lens, strict=True):
         cache.advance(t)
     return list(torch.split(x[0], lens))  # [(T_i, D)]
-
-
-def _attend(
-    attn: Attention,
-    q: torch.Tensor,  # (1, T, H*hd) projected, before rotary
-    k: torch.Tensor,  # (1, T, KV*hd)
-    v: torch.Tensor,  # (1, T, KV*hd)
-    cos: torch.Tensor,  # (T, hd)
-    sin: torch.Tensor,
-    cache: KVCache,  # the session's: update() writes this chunk, returns every key/value so far
-    layer_idx: int,
-    pos: int,
-) -> torch.Tensor:
-    """One session's attention, as ``llama_layers.Attention.forward`` does it after its projections
-    (kept in step with it: tests/model/test_batched.py compares the two) -> (1, T, H*hd)."""
-    _, T, _ = q.shape
-    H, KV, hd = attn.n_heads, attn.n_kv_heads, attn.head_dim
-    q = apply_rope(q.reshape(1, T, H, hd).transpose(1, 2), cos, sin)  # (1, H, T, hd)
-    k = apply_rope(k.reshape(1, T, KV, hd).transpose(1, 2), cos, sin)  # (1, KV, T, hd)
-    v = v.reshape(1, T, KV, hd).transpose(1, 2)
-    end = pos + T
-    keys, values = cache.update(k, v, layer_idx)  # (1, KV, L, hd)
-    if T == 1:
-        qp = q.reshape(1, KV, attn.n_rep, hd)  # (1, KV, n_rep, hd): no repeat, no mask
-        out = F.scaled_dot_product_attention(qp, keys, values, scale=attn.scale).reshape(1, H, 1, hd)
-    elif pos == 0:
-        native = attn.n_rep > 1 and q.device.type in _NATIVE_GQA
-        if attn.n_rep > 1 and not native:
-            keys, values = _repeat_kv(keys, attn.n_rep), _repeat_kv(values, attn.n_rep)
-        out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=attn.scale, enable_gqa=native)
-    else:
-        mask = torch.arange(end, device=q.device)[None, :] <= torch.arange(pos, end, device=q.device)[:, None]
-        if attn.n_rep > 1:
-            keys, values = _repeat_kv(keys, attn.n_rep), _repeat_kv(values, attn.n_rep)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=attn.scale)
-    return out.transpose(1, 2).reshape(1, T, H * hd)

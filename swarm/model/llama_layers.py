@@ -205,40 +205,52 @@ class Attention(nn.Module):
         layer_idx: int,
         pos: int,
     ) -> torch.Tensor:
-        _, T, _ = x.shape
-        q = self.q_proj(x).view(1, T, self.n_heads, self.head_dim).transpose(1, 2)  # (1, H, T, hd)
-        k = self.k_proj(x).view(1, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (1, KV, T, hd)
-        v = self.v_proj(x).view(1, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (1, KV, T, hd)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
+        out = self.attend(self.q_proj(x), self.k_proj(x), self.v_proj(x), cos, sin, cache, layer_idx, pos)
+        return self.o_proj(out)  # (1, T, D)
+
+    def attend(
+        self,
+        q: torch.Tensor,  # (1, T, H*hd): this chunk's projected queries, before rotary
+        k: torch.Tensor,  # (1, T, KV*hd)
+        v: torch.Tensor,  # (1, T, KV*hd)
+        cos: torch.Tensor,  # (T, hd)
+        sin: torch.Tensor,  # (T, hd)
+        cache: Any,  # KVCache: update() writes this chunk and returns all keys/values so far
+        layer_idx: int,
+        pos: int,
+    ) -> torch.Tensor:
+        """Attention between the projections: rotary, the cache, SDPA -> (1, T, H*hd). The one
+        implementation of it: the forward above, several sessions in one pass (batched.py) and
+        several steps of one session in one pass (rows.py) all call it, per chunk."""
+        _, T, _ = q.shape
+        H, KV, hd = self.n_heads, self.n_kv_heads, self.head_dim
+        q = apply_rope(q.reshape(1, T, H, hd).transpose(1, 2), cos, sin)  # (1, H, T, hd)
+        k = apply_rope(k.reshape(1, T, KV, hd).transpose(1, 2), cos, sin)  # (1, KV, T, hd)
+        v = v.reshape(1, T, KV, hd).transpose(1, 2)  # (1, KV, T, hd)
         end = pos + T
         keys, values = cache.update(k, v, layer_idx)  # (1, KV, L, hd)
-
         if T == 1:
             # decode: pack the n_rep query heads that share a KV head as a length-n_rep "sequence"
-            qp = q.reshape(1, self.n_kv_heads, self.n_rep, self.head_dim)  # (1, KV, n_rep, hd)
+            qp = q.reshape(1, KV, self.n_rep, hd)  # (1, KV, n_rep, hd)
             out = F.scaled_dot_product_attention(qp, keys, values, scale=self.scale)
-            out = out.reshape(1, self.n_heads, 1, self.head_dim)  # (1, H, 1, hd)
+            out = out.reshape(1, H, 1, hd)  # (1, H, 1, hd)
         elif pos == 0:
             # prefill from an empty cache: top-left causal alignment is correct
-            if self.n_rep > 1 and x.device.type not in _NATIVE_GQA:
+            native = self.n_rep > 1 and q.device.type in _NATIVE_GQA
+            if self.n_rep > 1 and not native:
                 keys = _repeat_kv(keys, self.n_rep)
                 values = _repeat_kv(values, self.n_rep)
-            out = F.scaled_dot_product_attention(
-                q, keys, values, is_causal=True, scale=self.scale,
-                enable_gqa=self.n_rep > 1 and x.device.type in _NATIVE_GQA,
-            )  # (1, H, T, hd)
+            out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=self.scale, enable_gqa=native)
         else:
             # chunk after a cache: query i sits at pos+i and sees keys 0..pos+i
-            qpos = torch.arange(pos, end, device=x.device)[:, None]
-            kpos = torch.arange(end, device=x.device)[None, :]
+            qpos = torch.arange(pos, end, device=q.device)[:, None]
+            kpos = torch.arange(end, device=q.device)[None, :]
             mask = kpos <= qpos  # (T, L) bool
             if self.n_rep > 1:
                 keys = _repeat_kv(keys, self.n_rep)
                 values = _repeat_kv(values, self.n_rep)
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
-        out = out.transpose(1, 2).reshape(1, T, self.n_heads * self.head_dim)  # (1, T, H*hd)
-        return self.o_proj(out)  # (1, T, D)
+        return out.transpose(1, 2).reshape(1, T, H * hd)  # (1, T, H*hd)
 
 
 # devices whose SDPA takes enable_gqa (others get keys/values repeated per query head)

@@ -257,9 +257,8 @@ class Stage(nn.Module):
         chunk at layer l attends to what the chunks before it wrote at layer l, written first in
         either order), so the numbers are the same, and one layer's weights stay hot for the
         whole group (a replay after a re-plan: about 25% less time for one-token chunks through
-        19 layers of the bundled model). Runs of one-token chunks at consecutive positions go
-        through each layer as one pass where that is proven bit for bit on this machine
-        (rows.py). Each chunk must start within what the ones before hold.
+        19 layers of the bundled model). Small chunks go through a layer together, as one pass,
+        where that is proven bit for bit on this machine (rows.py). Each chunk must start within what the ones before hold.
         """
         cache = self._cache(session)
         held = cache.length
@@ -280,16 +279,17 @@ class Stage(nn.Module):
             cos, sin = self._rope_tables(pos + h.shape[0])
             rope.append((cos[pos : pos + h.shape[0]], sin[pos : pos + h.shape[0]]))  # (T, hd) x2
         xs = [h.to(device=self.device, dtype=self.dtype).unsqueeze(0) for _, h in chunks]  # (1, T, D) each
-        units = rows.row_units(self, chunks)  # one-token steps in one pass where proven exact (rows.py)
+        units = rows.row_units(self, chunks)  # chunks merged into one pass where proven exact (rows.py)
         for layer in self.layers:
             for unit in units:
                 if len(unit) > 1:
+                    spans = [(chunks[k][0], chunks[k][1].shape[0]) for k in unit]
                     y = rows.layer_rows(
-                        cast(Any, layer), torch.cat([xs[k] for k in unit], dim=1),
-                        [rope[k] for k in unit], cache, [chunks[k][0] for k in unit],
+                        cast(Any, layer), torch.cat([xs[k] for k in unit], dim=1), spans, [rope[k] for k in unit], cache
                     )  # (1, R, D)
-                    for i, k in enumerate(unit):
-                        xs[k] = y[:, i : i + 1]
+                    off = 0
+                    for k, (_, T) in zip(unit, spans, strict=True):
+                        xs[k], off = y[:, off : off + T], off + T
                     continue
                 k = unit[0]
                 pos, h = chunks[k]

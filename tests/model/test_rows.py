@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from swarm.model import rows
-from swarm.model.kvcache import KVCache
 from swarm.model.stage import Stage
 from swarm.model.weights import Checkpoint, open_checkpoint
 from swarm.testing.checkpoints import TinySpec, write_checkpoint
@@ -40,74 +39,51 @@ def _chunks(pattern: list[tuple[int, int]]) -> list[tuple[int, torch.Tensor]]:
     return [(p, torch.zeros(t, 8)) for p, t in pattern]
 
 
-def test_row_units_group_consecutive_one_token_steps_by_proven_counts() -> None:
-    stage = SimpleNamespace(rows_exact_memo={16: False, 8: True, 4: False, 2: True})
-    # a prefill, 11 steps at 7..17, a verify chunk, a step that starts inside it (a rejected tail),
-    # then a step that is not consecutive with it
-    pattern = [(0, 7)] + [(p, 1) for p in range(7, 18)] + [(18, 3), (19, 1), (30, 1)]
-    units = rows.row_units(stage, _chunks(pattern))
-    assert units == [[0], list(range(1, 9)), [9, 10], [11], [12], [13], [14]]
-    stage.rows_exact_memo = {n: False for n in rows.ROW_GROUPS}  # nothing proven: every chunk alone
-    assert rows.row_units(stage, _chunks(pattern)) == [[k] for k in range(len(pattern))]
+def test_row_units_merge_small_chunks_up_to_proven_counts() -> None:
+    # a prefill piece, 11 decode steps at 7..17, a verify chunk, a step inside it (a rejected
+    # tail), a step further on, then a 64-token piece and one more step
+    pattern = [(0, 7)] + [(p, 1) for p in range(7, 18)] + [(18, 3), (19, 1), (30, 1), (31, 64), (95, 1)]
+    proven = SimpleNamespace(rows_exact_memo={n: True for n in range(2, 17)})
+    assert rows.row_units(proven, _chunks(pattern)) == [list(range(0, 10)), list(range(10, 15)), [15], [16]]
+    some = SimpleNamespace(rows_exact_memo={n: n <= 4 for n in range(2, 17)})  # e.g. a kernel that changes at 5 rows
+    assert rows.row_units(some, _chunks(pattern)) == (
+        [[0]] + [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11]] + [[12, 13]] + [[14]] + [[15], [16]]
+    )
+    none = SimpleNamespace(rows_exact_memo={n: False for n in range(2, 17)})  # nothing proven: each alone
+    assert rows.row_units(none, _chunks(pattern)) == [[k] for k in range(len(pattern))]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_forward_seq_rows_are_the_steps_bit_for_bit(ck: Checkpoint, dtype: torch.dtype, monkeypatch: Any) -> None:
-    """A replay of 20 decoded tokens after a prefill gives the bits of the steps one by one,
-    cache included, and takes the one-pass path exactly when the probe proved it here."""
+def test_forward_seq_merged_is_the_chunks_bit_for_bit(ck: Checkpoint, dtype: torch.dtype, monkeypatch: Any) -> None:
+    """A replay of a prefill, decode steps and drafted rounds (verify chunks whose rejected tails
+    the next chunk overwrites) gives the bits of the chunks one by one, cache included, and
+    merges chunks exactly where the probe proved the row counts on this machine."""
     stage = Stage.load(ck.args, ck.source, 0, 4, dtype=dtype)
-    proven = [n for n in rows.ROW_GROUPS if rows.rows_exact(stage, n)]  # probed before counting passes
+    pattern = [(0, 9), (9, 1), (10, 1), (11, 4), (13, 3), (14, 5), (19, 1), (20, 2), (22, 1)]
+    pattern += [(23 + i, 1) for i in range(12)] + [(35, 4), (36, 1)]
+    gen = torch.Generator().manual_seed(11)
+    hs = [(p, torch.randn(t, ck.args.dim, generator=gen).to(dtype)) for p, t in pattern]
+    groups = [hs[:4], hs[4:]]  # as a stage takes them
+    expected = [u for g in groups for u in rows.row_units(stage, g) if len(u) > 1]  # probes run here
     passes: list[int] = []
     real = rows.layer_rows
     monkeypatch.setattr(rows, "layer_rows", lambda layer, x, *a: passes.append(x.shape[1]) or real(layer, x, *a))
-    gen = torch.Generator().manual_seed(11)
-    hs = [(0, torch.randn(9, ck.args.dim, generator=gen).to(dtype))]
-    hs += [(9 + i, torch.randn(1, ck.args.dim, generator=gen).to(dtype)) for i in range(20)]
     stage.open_session("one", 64)
-    one = [stage.forward("one", h) for _, h in hs]
+    one = []
+    for p, h in hs:
+        stage.rollback("one", p)
+        one.append(stage.forward("one", h))
     stage.open_session("seq", 64)
-    groups = [hs[:5], hs[5:]]  # as a stage takes them: a prefill and 4 steps, then 16 steps
     seq = [out for g in groups for out in stage.forward_seq("seq", g)]
     assert all(torch.equal(a, b) for a, b in zip(one, seq, strict=True))
     a, b = stage._cache("one"), stage._cache("seq")
-    assert a.length == b.length == 29
+    assert a.length == b.length == 37
     for i in a._k:
-        assert torch.equal(a._k[i][:, :, :29], b._k[i][:, :, :29]) and torch.equal(a._v[i][:, :, :29], b._v[i][:, :, :29])
-    merged = [len(u) for g in groups for u in rows.row_units(stage, g) if len(u) > 1]
-    assert sorted(passes) == sorted(n for n in merged for _ in stage.layers)
-    assert bool(passes) == bool(proven)  # one pass per layer per merged run, and only where proven
-
-
-def test_a_proven_count_holds_on_other_values(ck: Checkpoint) -> None:
-    """The probe's verdict is about the kernels (shapes, dtype, threads), not the values it ran:
-    where it says exact, other steps through another layer are exact too."""
-    stage = Stage.load(ck.args, ck.source, 0, 4, dtype=torch.bfloat16)
-    layer = stage.layers[2]
-    gen = torch.Generator().manual_seed(99)
-    for n in rows.ROW_GROUPS:
-        if not rows.rows_exact(stage, n):
-            continue
-        h = (3 * torch.randn(n, ck.args.dim, generator=gen)).to(torch.bfloat16)
-        cos, sin = stage._rope_tables(40 + n)
-        rope = [(cos[p : p + 1], sin[p : p + 1]) for p in range(40, 40 + n)]
-        prefix = torch.randn(1, 40, ck.args.dim, generator=gen).to(torch.bfloat16)
-        caches = []
-        for _ in range(2):
-            c = KVCache(64, dtype=torch.bfloat16, device="cpu")
-            c.begin(40)
-            layer(prefix, cos[:40], sin[:40], c, 0)
-            c.advance(40)
-            caches.append(c)
-        steps = []
-        for i, p in enumerate(range(40, 40 + n)):
-            caches[0].begin(1)
-            steps.append(layer(h[i : i + 1].unsqueeze(0), *rope[i], caches[0], p))
-            caches[0].advance(1)
-        together = rows.layer_rows(layer, h.unsqueeze(0), rope, caches[1], range(40, 40 + n))
-        assert torch.equal(torch.cat(steps, dim=1), together)
-        assert torch.equal(caches[0]._k[layer.layer_idx], caches[1]._k[layer.layer_idx])
+        assert torch.equal(a._k[i][:, :, :37], b._k[i][:, :, :37]) and torch.equal(a._v[i][:, :, :37], b._v[i][:, :, :37])
+    assert len(passes) == len(expected) * len(stage.layers)  # one pass per layer per merged unit
+    assert bool(passes) == any(stage.rows_exact_memo.values())
 
 
 def test_layers_that_are_not_hand_written_are_never_merged(ck: Checkpoint) -> None:
     stage = Stage.load(ck.args, ck.source, 0, 4, dtype=torch.bfloat16, runtime="transformers")
-    assert not any(rows.rows_exact(stage, n) for n in rows.ROW_GROUPS)
+    assert not any(rows.rows_invariant(stage, n) for n in range(2, rows.MAX_ROWS + 1))
