@@ -79,16 +79,36 @@ def rows_invariant(stage: Any, rows: int) -> bool:
     return memo.get(rows, False)
 
 
-@torch.inference_mode()
 def prove(stage: Any) -> dict[int, bool]:
-    """Row count (2..MAX_ROWS) -> whether it is proven (module doc): each row-wise module of the
-    stage's first layer on MAX_ROWS random rows one by one, then on the first m rows at once for
-    every m. Costs about 2 x MAX_ROWS one-token steps through one layer (stage loading runs it)."""
-    counts = range(2, MAX_ROWS + 1)
+    """Row count (2..MAX_ROWS) -> whether it is proven (module doc), for this stage's layer
+    signature (its modules' types, shapes and dtypes, the device and the thread count): proven
+    once per process and signature, so a node proves it when it measures its speed at start-up
+    (node/models.py) and every block it loads later of that model reuses the verdict."""
     layers = list(stage.layers)
     if getattr(stage, "runtime", "") != "handwritten" or not layers or any(type(x) is not DecoderLayer for x in layers):
-        return dict.fromkeys(counts, False)
-    layer = layers[0]
+        return dict.fromkeys(range(2, MAX_ROWS + 1), False)
+    key = signature(layers[0], stage.dtype, stage.device)
+    if key not in _PROVEN:
+        _PROVEN[key] = _prove(stage, layers[0])
+    return dict(_PROVEN[key])
+
+
+def signature(layer: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> tuple[Any, ...]:
+    """What a kernel's choice can depend on: every module's type and its tensors' shapes and
+    dtypes, the dtype, device and intra-op thread count (not the values)."""
+    mods = tuple(
+        (name, type(m).__name__, tuple((n, tuple(t.shape), str(t.dtype)) for n, t in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]))
+        for name, m in layer.named_modules()
+    )
+    return (str(dtype), str(device), torch.get_num_threads(), mods)
+
+
+_PROVEN: dict[tuple[Any, ...], dict[int, bool]] = {}  # signature -> row count -> proven
+
+
+@torch.inference_mode()
+def _prove(stage: Any, layer: DecoderLayer) -> dict[int, bool]:
+    counts = range(2, MAX_ROWS + 1)
     attn = layer.self_attn
     proven = dict.fromkeys(counts, True)
     g = torch.Generator(device="cpu").manual_seed(1000)

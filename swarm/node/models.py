@@ -60,6 +60,7 @@ def measure_ms_per_layer(
             p.normal_(0.0, 0.02)
     stage.requires_grad_(False)
     quantize_block(stage, quant, dtype=dtype)
+    rows.prove(stage)  # which row counts a replay may merge (rows.py): proven here, off the re-plan's path
     stage.open_session("probe", repeats + 2)
     h = torch.randn(1, args.dim, dtype=dtype, device=device)
     times = []

@@ -87,3 +87,18 @@ def test_forward_seq_merged_is_the_chunks_bit_for_bit(ck: Checkpoint, dtype: tor
 def test_layers_that_are_not_hand_written_are_never_merged(ck: Checkpoint) -> None:
     stage = Stage.load(ck.args, ck.source, 0, 4, dtype=torch.bfloat16, runtime="transformers")
     assert not any(rows.rows_invariant(stage, n) for n in range(2, rows.MAX_ROWS + 1))
+
+
+def test_a_verdict_is_proven_once_per_layer_signature(ck: Checkpoint, monkeypatch: Any) -> None:
+    """Blocks of one model share the verdict (same module types, shapes, dtype, threads); another
+    dtype is another signature and is proven on its own."""
+    runs: list[Any] = []
+    real = rows._prove
+    monkeypatch.setattr(rows, "_PROVEN", {})
+    monkeypatch.setattr(rows, "_prove", lambda stage, layer: runs.append(stage.dtype) or real(stage, layer))
+    a = Stage.load(ck.args, ck.source, 0, 2, dtype=torch.bfloat16)
+    b = Stage.load(ck.args, ck.source, 2, 4, dtype=torch.bfloat16)
+    c = Stage.load(ck.args, ck.source, 0, 4, dtype=torch.float32)
+    assert rows.prove(a) == rows.prove(b) and runs == [torch.bfloat16]
+    rows.prove(c)
+    assert runs == [torch.bfloat16, torch.float32]
