@@ -158,17 +158,21 @@ if _dir:
         _sw.StageWorker._note_arrival = _note_traced
 
         _run = _sw.StageWorker._run_batch
-        async def _run_traced(self, batch, outbound):
+        async def _run_traced(self, groups, outbound):  # groups: [[(chunk, h), ...], ...]
             t_run = time.perf_counter()
             self.stage._ring_bench_fwd = (0.0, 0.0)
-            await _run(self, batch, outbound)
-            f0, f1 = self.stage._ring_bench_fwd
-            t_out = time.perf_counter()
-            arrived = self.__dict__.get("_ring_bench_in", {})
-            for msg, _h in batch:
-                _rec(k="stage", a=self.stage.start, b=self.stage.end, s=msg.session, c=msg.chunk_id,
-                     n=msg.tokens, batch=len(batch), t_in=arrived.get(msg.session, t_run), t_run=t_run,
-                     f0=f0, f1=f1, t_out=t_out)
+            await _run(self, groups, outbound)
+            try:  # tracing never fails a forward: a changed signature shows as trace_error
+                f0, f1 = self.stage._ring_bench_fwd
+                t_out = time.perf_counter()
+                arrived = self.__dict__.get("_ring_bench_in", {})
+                batch = [c for g in groups for c in g]
+                for msg, _h in batch:
+                    _rec(k="stage", a=self.stage.start, b=self.stage.end, s=msg.session, c=msg.chunk_id,
+                         n=msg.tokens, batch=len(batch), t_in=arrived.get(msg.session, t_run), t_run=t_run,
+                         f0=f0, f1=f1, t_out=t_out)
+            except Exception as exc:
+                _rec(k="trace_error", error=repr(exc))
         _sw.StageWorker._run_batch = _run_traced
 
         _send = _co.Coordinator._send

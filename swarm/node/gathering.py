@@ -27,97 +27,122 @@ piece per forward.
 Replay chunks (a run resumed after a re-plan, coordinator.py) are never waited for: a session's
 queued ones are computed at once (stage_worker.py).
 
-``Gathering`` is the stage worker's part that decides this (a mixin of ``StageWorker``: it
-shares the worker's queue, its arrival times and its statistics).
+A :class:`Gatherer` belongs to one stage worker: the worker tells it when a session's chunk is
+read (``note_arrival``), when a forward ended (``note_forward``) and when a session ended
+(``forget``), and awaits ``wait`` on its queue before each forward.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import trio
 
+from swarm.model.stage import Stage
 from swarm.node.activation import is_replay
 from swarm.proto.frame import Frame, MsgType
-
-if TYPE_CHECKING:
-    from swarm.model.stage import Stage
-    from swarm.node.stage_worker import StageStats
 
 GATHER_MAX_S = 0.1  # the longest a forward waits for sessions due (module doc)
 GATHER_MERGE_MAX_S = 0.25  # the longest a smaller group waits to merge with the others
 
 
-class Gathering:
-    stage: Stage
-    stats: StageStats
-    gather: bool
-    max_batch: int
-    _typical_s: float
-    _pending: deque[Frame]
-    _arrived: dict[int, float]  # session -> trio time its last chunk was read
-    _cycle: dict[int, float]  # session -> its last inter-arrival time here
-    _mates: dict[int, tuple[frozenset[int], float]]  # session -> its last forward's sessions, end
+def drain(recv: trio.MemoryReceiveChannel[Frame], pending: deque[Frame]) -> None:
+    """Everything read so far into ``pending``, without waiting."""
+    while True:
+        try:
+            pending.append(recv.receive_nowait())
+        except (trio.WouldBlock, trio.EndOfChannel):
+            return
 
-    def _drain(self, recv: trio.MemoryReceiveChannel[Frame]) -> None:
-        """Everything read so far into the queue, without waiting."""
-        while True:
-            try:
-                self._pending.append(recv.receive_nowait())
-            except (trio.WouldBlock, trio.EndOfChannel):
-                return
 
-    def _note_arrival(self, session: int) -> None:
+@dataclass
+class GatherStats:
+    """What the waits cost (the stage's stats extend these; status shows them)."""
+
+    gathers: int = 0  # forwards that waited for sessions due
+    merges: int = 0  # ... of them, a smaller group waiting for the others
+    gather_s: float = 0.0  # time spent waiting
+    gather_timeouts: int = 0  # waits that ended at their deadline, someone waited for still missing
+
+
+class Gatherer:
+    """Which sessions the next forward of ``stage`` waits for, and the wait (module doc)."""
+
+    def __init__(self, stage: Stage, stats: GatherStats, max_batch: int) -> None:
+        self.stage = stage
+        self.stats = stats
+        self.max_batch = max_batch
+        self.enabled = True
+        self.typical_s = math.inf  # a small forward's running mean time: the gathering window
+        self.arrived: dict[int, float] = {}  # session -> trio time its last chunk was read
+        self.cycle: dict[int, float] = {}  # session -> its last inter-arrival time here
+        self.mates: dict[int, tuple[frozenset[int], float]] = {}  # session -> its last forward's sessions, end
+
+    def note_arrival(self, session: int) -> None:
         now = trio.current_time()
-        last = self._arrived.get(session)
+        last = self.arrived.get(session)
         if last is not None:
-            self._cycle[session] = now - last
-        self._arrived[session] = now
+            self.cycle[session] = now - last
+        self.arrived[session] = now
 
-    def _due(self) -> set[int]:
+    def note_forward(self, sessions: frozenset[int], took: float, small: bool) -> None:
+        """A forward of ``sessions`` ended, taking ``took`` s (``small``: few tokens, a window sample)."""
+        if small:
+            t = self.typical_s
+            self.typical_s = took if t == math.inf else 0.8 * t + 0.2 * took
+        ended = trio.current_time()
+        for session in sessions:
+            self.mates[session] = (sessions, ended)
+
+    def forget(self, session: int) -> None:
+        for state in (self.arrived, self.cycle, self.mates):
+            state.pop(session, None)
+
+    def due(self, pending: deque[Frame]) -> set[int]:
         """Sessions that shared the queued ones' last forward, not queued yet (module doc)."""
-        queued = {f.session for f in self._pending}
+        queued = {f.session for f in pending}
         due: set[int] = set()
         for session in queued:  # a forward's sessions come back together...
-            mates, ended = self._mates.get(session, (frozenset(), math.inf))
-            if self._arrived.get(session, -math.inf) > ended:  # ...(not a chunk sent before it ended)
+            mates, ended = self.mates.get(session, (frozenset(), math.inf))
+            if self.arrived.get(session, -math.inf) > ended:  # ...(not a chunk sent before it ended)
                 due.update(mates)
         return (due - queued) & set(self.stage.sessions())
 
-    def _minority_waits(self, queued: set[int]) -> tuple[set[int], float]:
+    def minority_waits(self, queued: set[int]) -> tuple[set[int], float]:
         """The active sessions this forward should wait for to merge with, and how long: the
         queued group waits for the others if it is the smaller one (a tie: the group without the
         lowest session id), until the last of them is expected (module doc)."""
         now = trio.current_time()
         open_here = set(self.stage.sessions())
-        active = {s for s, c in self._cycle.items() if s in open_here and now - self._arrived[s] < 2 * c}
+        active = {s for s, c in self.cycle.items() if s in open_here and now - self.arrived[s] < 2 * c}
         others = active - queued
         if not others or not queued:
             return set(), 0.0
-        if any(self._arrived.get(s, -math.inf) <= self._mates.get(s, ((), -math.inf))[1] for s in queued):
+        if any(self.arrived.get(s, -math.inf) <= self.mates.get(s, ((), -math.inf))[1] for s in queued):
             return set(), 0.0  # a second chunk in flight, sent before its session's last forward ended
         if len(queued) > len(others) or (len(queued) == len(others) and min(queued) < min(others)):
             return set(), 0.0
-        until = max(self._arrived[s] + self._cycle[s] for s in others)  # when the last is expected
+        until = max(self.arrived[s] + self.cycle[s] for s in others)  # when the last is expected
         # wherever they are in the ring, they are back here within one of their cycles: a wait
         # bounded only by the estimate timed out when they ran late, and the groups stayed split
-        return others, min(max(until - now, max(self._cycle[s] for s in others)), GATHER_MERGE_MAX_S)
+        return others, min(max(until - now, max(self.cycle[s] for s in others)), GATHER_MERGE_MAX_S)
 
-    async def _gather(self, recv: trio.MemoryReceiveChannel[Frame]) -> None:
-        """Wait (bounded) for the sessions due about now, so they share this forward."""
-        window = min(self._typical_s, GATHER_MAX_S)
-        if not self.gather or window == math.inf or not self._pending:
+    async def wait(self, recv: trio.MemoryReceiveChannel[Frame], pending: deque[Frame]) -> None:
+        """Wait (bounded) for the sessions due about now, reading into ``pending``, so they share
+        the next forward."""
+        window = min(self.typical_s, GATHER_MAX_S)
+        if not self.enabled or window == math.inf or not pending:
             return
-        queued = {f.session for f in self._pending if f.msg_type == MsgType.CHUNK}
+        queued = {f.session for f in pending if f.msg_type == MsgType.CHUNK}
         if not queued or len(queued) >= self.max_batch:
             return
-        if any(f.msg_type == MsgType.CHUNK and is_replay(f.seq) for f in self._pending):
+        if any(f.msg_type == MsgType.CHUNK and is_replay(f.seq) for f in pending):
             return  # a resumed run's replay: computed at once (module doc)
-        due = self._due()
+        due = self.due(pending)
         if not due:
-            due, window = self._minority_waits(queued)
+            due, window = self.minority_waits(queued)
             if not due or window == math.inf:
                 return
             self.stats.merges += 1
@@ -128,10 +153,10 @@ class Gathering:
                     frame = await recv.receive()
                 except trio.EndOfChannel:
                     break
-                self._pending.append(frame)
-                self._drain(recv)
-                queued.update(f.session for f in self._pending if f.msg_type == MsgType.CHUNK)
-                due -= {f.session for f in self._pending}
+                pending.append(frame)
+                drain(recv, pending)
+                queued.update(f.session for f in pending if f.msg_type == MsgType.CHUNK)
+                due -= {f.session for f in pending}
         self.stats.gathers += 1
         self.stats.gather_timeouts += scope.cancelled_caught
         self.stats.gather_s += trio.current_time() - t0

@@ -80,7 +80,7 @@ from swarm.node.activation import (
     read_hidden,
 )
 from swarm.node.errors_util import unwrap
-from swarm.node.gathering import Gathering
+from swarm.node.gathering import Gatherer, GatherStats, drain
 from swarm.node.links import Link
 from swarm.proto.activation import Chunk, Error, Result, Rollback, SessionEnd
 from swarm.proto.frame import Frame, MsgType
@@ -98,7 +98,7 @@ SEND_TIMEOUT_S = 10.0
 
 
 @dataclass
-class StageStats:
+class StageStats(GatherStats):
     chunks: int = 0
     tokens: int = 0
     errors: int = 0
@@ -107,15 +107,11 @@ class StageStats:
     max_batch: int = 0  # the most sessions computed in one forward
     batched_chunks: int = 0  # chunks that shared a forward with another session's
     sizes: list[int] = field(default_factory=list)  # sizes[k]: forwards of k + 1 sessions
-    gathers: int = 0  # forwards that waited for sessions due (module doc: gathering)
-    merges: int = 0  # ... of them, a smaller group waiting for the others
-    gather_s: float = 0.0  # time spent waiting
-    gather_timeouts: int = 0  # waits that ended at their deadline, someone waited for still missing
     replayed: int = 0  # replay chunks computed (module doc: replay)
     replay_groups: int = 0  # ... in this many calls
 
 
-class StageWorker(Gathering):
+class StageWorker:
     def __init__(
         self,
         stage: Stage,
@@ -148,7 +144,6 @@ class StageWorker(Gathering):
         self.stats = StageStats()
         self.max_batch = max(1, max_batch)
         self._predict_s = math.inf  # a small batch's forward time: rises at once, decays slowly
-        self._typical_s = math.inf  # ... and its running mean: the gathering window (module doc)
         self.corrupt_after: int | None = None  # fault injection for chaos tests: NaN after N chunks
         self.swallow = False  # fault injection: drop every frame read (a hop that silently stopped)
         # fault injection for load tests: every forward blocks this much longer (a blocking sleep
@@ -156,10 +151,7 @@ class StageWorker(Gathering):
         self.compute_delay_s = compute_delay_s
         self.inline = inline  # every forward on the trio thread (in-memory tests on a mock clock)
         self._pending: deque[Frame] = deque()  # read, not yet handled (sessions busy in a batch)
-        self.gather = True  # wait for sessions due before a forward (module doc: gathering)
-        self._arrived: dict[int, float] = {}  # session -> trio time its last chunk was read
-        self._cycle: dict[int, float] = {}  # session -> its last inter-arrival time here
-        self._mates: dict[int, tuple[frozenset[int], float]] = {}  # session -> its last forward's sessions, end
+        self.gathering = Gatherer(stage, self.stats, self.max_batch)  # waits for sessions due (gathering.py)
         self._replayed: dict[int, int] = {}  # session -> replay chunks computed (module doc: replay)
         self.trace: list[list[tuple[int, int, int]]] | None = None  # tests: (session, pos, tokens) per batch
 
@@ -195,7 +187,7 @@ class StageWorker(Gathering):
                         continue
                     if not self.swallow:
                         if frame.msg_type == MsgType.CHUNK:
-                            self._note_arrival(frame.session)
+                            self.gathering.note_arrival(frame.session)
                         send.send_nowait(frame)  # unbounded: what is in flight is bounded upstream
                     await trio.lowlevel.checkpoint()  # the fast path's hot receive never yields
             except PeerLost:
@@ -208,8 +200,8 @@ class StageWorker(Gathering):
                     self._pending.append(await recv.receive())
                 except trio.EndOfChannel:
                     return
-            self._drain(recv)
-            await self._gather(recv)
+            drain(recv, self._pending)
+            await self.gathering.wait(recv, self._pending)
             batch = await self._take_batch(outbound)
             if batch:
                 await self._run_batch(batch, outbound)
@@ -282,8 +274,8 @@ class StageWorker(Gathering):
         if isinstance(msg, SessionEnd):
             if msg.session in self.stage.sessions():
                 self.stage.close_session(msg.session)
-            for state in (self._arrived, self._cycle, self._mates, self._replayed):
-                state.pop(msg.session, None)
+            self.gathering.forget(msg.session)
+            self._replayed.pop(msg.session, None)
             if not self.is_tail:
                 await outbound.send(frame, timeout=SEND_TIMEOUT_S)
         elif isinstance(msg, Rollback):
@@ -357,15 +349,10 @@ class StageWorker(Gathering):
         if small or (calls == 1 and took > self._predict_s):
             p = self._predict_s
             self._predict_s = took if (p == math.inf or took > p) else 0.9 * p + 0.1 * took
-        if small:
-            t = self._typical_s
-            self._typical_s = took if t == math.inf else 0.8 * t + 0.2 * took
         if calls > 1:
             self.stats.replay_groups += sum(len(g) > 1 for g in groups)
         self.stats.replayed += sum(is_replay(m.chunk_id) for m, _ in batch)
-        mates, ended = frozenset(m.session for m, _ in batch), trio.current_time()
-        for session in mates:
-            self._mates[session] = (mates, ended)
+        self.gathering.note_forward(frozenset(m.session for m, _ in batch), took, small)
         st = self.stats
         st.compute_s += took
         st.batches += 1

@@ -54,7 +54,7 @@ async def run_memory_ring(
     ]
     for w in workers:
         w.trace = [] if trace else None
-        w.gather = gather
+        w.gathering.enabled = gather
     ring = MemoryRing(coord, workers, links)
     results: list[RingGeneration | BaseException] = [RuntimeError("not run")] * len(jobs)
 
