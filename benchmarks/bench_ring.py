@@ -151,11 +151,12 @@ if _dir:
 
         # a chunk's arrival is when the reader took it off the link (the worker notes it there);
         # its batch's forward and the results' sends follow in _run_batch
-        _note = _sw.StageWorker._note_arrival
+        from swarm.node import gathering as _ga
+        _note = _ga.Gatherer.note_arrival
         def _note_traced(self, session):
             self.__dict__.setdefault("_ring_bench_in", {})[session] = time.perf_counter()
             _note(self, session)
-        _sw.StageWorker._note_arrival = _note_traced
+        _ga.Gatherer.note_arrival = _note_traced
 
         _run = _sw.StageWorker._run_batch
         async def _run_traced(self, groups, outbound):  # groups: [[(chunk, h), ...], ...]
@@ -165,7 +166,7 @@ if _dir:
             try:  # tracing never fails a forward: a changed signature shows as trace_error
                 f0, f1 = self.stage._ring_bench_fwd
                 t_out = time.perf_counter()
-                arrived = self.__dict__.get("_ring_bench_in", {})
+                arrived = self.gathering.__dict__.get("_ring_bench_in", {})
                 batch = [c for g in groups for c in g]
                 for msg, _h in batch:
                     _rec(k="stage", a=self.stage.start, b=self.stage.end, s=msg.session, c=msg.chunk_id,
