@@ -13,6 +13,10 @@ LAN  3 peers on loopback, ``draft="none"`` (one token per traversal), decode tok
      never uses more than one core for compute; giving the single process 1 thread too compares
      the same compute resource, and keeps 3 processes from oversubscribing 2 cores (REFERENCE.md:
      2 threads while another process held a core went 16 ms -> 468 ms per token). Target >= 0.85.
+     Beside it, the same blocks as plain processes on pipes with no swarm code
+     (pipeline_floor.py): ``floor_vs_local`` is what this machine allows a ring of those blocks
+     (a forward after its process sat idle runs slower than back to back), ``ring_vs_floor``
+     what our software costs on top.
 LAN-AUTO  3 peers on loopback that hold ``auto``'s draft model (an int4 copy of the model):
      chat requests with ``draft="auto"`` against ``draft="none"``, interleaved; the coordinator
      decides per request by measured cost (swarm/node/drafting.py) and says so in the receipt.
@@ -57,6 +61,8 @@ import trio
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from pipeline_floor import floor_tok_s  # noqa: E402
 
 from swarm.model.bundled import default_model_dir  # noqa: E402
 from swarm.model.config import ModelArgs  # noqa: E402
@@ -407,6 +413,13 @@ def bench_lan(model_dir: Path, tok: Tokenizer, a: argparse.Namespace) -> dict[st
             info["workdir_logs"] = {i: swarm.log(i)[-2000:] for i in range(3)}
     plan = info["plan"]
     remote_hops = sum(1 for s, d in _hops(plan) if s != d)
+    # the same blocks as processes on pipes, no swarm code (pipeline_floor.py), the swarm stopped:
+    # floor / local is what the machine allows such a ring, ring / floor what our software costs
+    blocks = sorted(tuple(b) for b in plan["blocks"].values())
+    floor_runs, floor_local = [], []
+    for _ in range(max(2, a.runs // 2)):
+        floor_runs.append(floor_tok_s(model_dir, [(int(x), int(y)) for x, y in blocks], ids, a.lan_new_tokens, DTYPES[a.dtype]))
+        floor_local.append(run_local()["decode_tokens_per_s"])
     ratios = [
         r["decode_tokens_per_s"] / o["decode_tokens_per_s"]
         for r, o in zip(ring_runs, local_runs, strict=True)
@@ -441,6 +454,10 @@ def bench_lan(model_dir: Path, tok: Tokenizer, a: argparse.Namespace) -> dict[st
         "local_cpu_ms_per_token": round(med([r["cpu_ms_per_token"] for r in local_runs]), 1),
         "overhead_ms_per_remote_hop": round((ring_ms - local_ms) / max(remote_hops, 1), 2),
         "greedy_identical_to_local": outputs.get("ring") == outputs.get("local"),
+        "floor_blocks": blocks,
+        "floor_decode_tok_s": round(med(floor_runs), 2),
+        "floor_vs_local": round(med([f / o for f, o in zip(floor_runs, floor_local, strict=True)]), 3),
+        "ring_vs_floor": round(ring_tok_s / med(floor_runs), 3),
         "where_the_time_goes": analyse_trace(trace_dir, plan),
         "runs": ring_runs and {"ring": ring_runs, "local": local_runs},
         "wall_s": round(wall, 1),
