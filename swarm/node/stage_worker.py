@@ -49,7 +49,13 @@ INLINE_MAX_S, which runs on the trio thread (a thread hand-off costs 0.2 ms idle
 on a loaded box, more than such a forward); the prediction rises at once with any slower forward
 and decays slowly, and the loop checkpoints after every inline forward, so the trio loop is never
 held longer than about INLINE_MAX_S by compute (``swarm.node.loopwatch`` measures the longest
-hold; the fast-path sockets' hot path does not pass through the scheduler by itself).
+hold; the fast-path sockets' hot path does not pass through the scheduler by itself). One
+session's small chunk alone in its batch runs inline up to LONE_INLINE_MAX_S: the same forward
+ran ~13% slower in a worker thread than in the thread that received it (bundled model, two
+stages: 26.8 and 21.4 ms in the nodes against 23.6 and 18.4 ms in plain processes on pipes,
+benchmarks/pipeline_floor.py), and one session alone is the ring's latency-bound case (LAN
+ring ÷ one process 0.81 -> 0.86, one API session 15.8 -> 17.8 tok/s, concurrent sessions' total
+unchanged). A loop held 50 ms is 2% of the failure detector's patience.
 
 Bad input from the upstream peer (a malformed frame, a NaN activation, a wrong shape or epoch)
 never reaches the model: the chunk is answered with an ERROR naming the peer and the field, and
@@ -90,6 +96,7 @@ from swarm.proto.messages import parse_message
 log = logging.getLogger("swarm.node.stage")
 
 INLINE_MAX_S = 0.005  # a batch predicted to compute in less runs on the trio thread (see above)
+LONE_INLINE_MAX_S = 0.05  # ... and one session's small chunk predicted to compute in less (see above)
 MAX_BATCH = 16  # sessions in one forward
 MAX_BATCH_TOKENS = 512  # tokens in one forward (a prefill piece is 64 by default)
 REPLAY_GROUP = 16  # the most replay chunks of a session computed in one call (module doc: replay)
@@ -340,12 +347,13 @@ class StageWorker:
         if self.trace is not None:
             self.trace.append([(m.session, m.pos, m.tokens) for m, _ in batch])
         calls = max(len(g) for g in groups)  # a replay group costs a forward per chunk
-        if self.inline or self._predict_s * calls < INLINE_MAX_S:
+        small = calls == 1 and sum(m.tokens for m, _ in batch) <= 16
+        lone = small and len(batch) == 1 and self._predict_s < LONE_INLINE_MAX_S
+        if self.inline or self._predict_s * calls < INLINE_MAX_S or lone:
             outs, took = self._forward(groups)
         else:
             outs, took = await trio.to_thread.run_sync(self._forward, groups, limiter=self.limiter)
         # the prediction is per forward of a small batch; a big one says nothing about small ones
-        small = calls == 1 and sum(m.tokens for m, _ in batch) <= 16
         if small or (calls == 1 and took > self._predict_s):
             p = self._predict_s
             self._predict_s = took if (p == math.inf or took > p) else 0.9 * p + 0.1 * took
