@@ -20,6 +20,8 @@ Files (filled in as the runtime grows; keep this list current):
 - ``stage.py``    ``Stage(args, start, end)``: a layer range with its own caches; the head part
                   (embedding, final norm, LM head with soft-capping and tied weights)
 - ``batched.py``  ``forward_many``: several sessions' chunks through one stage in one call
+- ``rows.py``     several small chunks of one session through a layer as one pass (a replay),
+                  only at row counts proven bit for bit on this machine
 - ``tokenizer.py`` tokenizer.json or a GGUF's own tokenizer (transformers' converter), chat template
 - ``sampling.py`` greedy, temperature/top-k/top-p with a seeded generator
 - ``speculative.py`` the sans-IO speculative decoder: chunks, lossless verification (greedy and
