@@ -40,6 +40,7 @@ from libp2p.peer.id import ID
 
 from swarm.errors import PeerError, PeerTimeout, ProtocolError, UsageError
 from swarm.net import libp2p_patches
+from swarm.net.door import close_raw
 
 log = logging.getLogger("swarm.net.dialback")
 
@@ -151,12 +152,7 @@ def serve_dialback(host: Any, *, timeout: float = DIALBACK_TIMEOUT) -> None:
         except Exception as exc:  # never let a handler error escape into libp2p
             log.info("dial-back for %s failed: %s: %s", peer, type(exc).__name__, exc)
         finally:
-            with (
-                trio.CancelScope(shield=True),
-                trio.move_on_after(1.0),
-                contextlib.suppress(Exception),
-            ):
-                await stream.close()
+            await close_raw(stream)
 
     host.set_stream_handler(TProtocol(DIALBACK_PROTOCOL), handler)
 
@@ -176,12 +172,7 @@ async def _probe(host: Any, peer_id: ID, ip: str, port: int, timeout: float) -> 
         return {"port": port, "ok": False, "error": f"{type(exc).__name__}: {exc}"[:200]}
     finally:
         if conn is not None:
-            with (
-                trio.CancelScope(shield=True),
-                trio.move_on_after(1.0),
-                contextlib.suppress(Exception),
-            ):
-                await conn.close()
+            await close_raw(conn)
 
 
 # -- the client's side ------------------------------------------------------------------------
@@ -239,12 +230,7 @@ async def _dialback_exchange(
             await _write_line(stream, {"ports": ports[:MAX_PORTS]}, timeout=IO_TIMEOUT)
             reply = await _read_line(stream, timeout=timeout, peer=helper_peer)
         finally:
-            with (
-                trio.CancelScope(shield=True),
-                trio.move_on_after(1.0),
-                contextlib.suppress(Exception),
-            ):
-                await stream.close()
+            await close_raw(stream)
     if scope.cancelled_caught:
         raise PeerTimeout(f"peer {helper_peer}: no dial-back answer within {timeout:g}s")
     if "error" in reply:

@@ -3,7 +3,6 @@ bootstrap and relay state, RTTs and hole-punch readiness, with a verdict and adv
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
@@ -24,6 +23,7 @@ from swarm.net.dialback import (
     dialback_check,
     nat_kind,
 )
+from swarm.net.door import close_raw
 from swarm.net.paths import Path, parse_peer_addr, path_to
 from swarm.net.relay import RelayNode
 
@@ -48,8 +48,7 @@ async def _ping(host: Any, pid: ID) -> float:
             raise ProtocolError(f"peer {pid}: ping echoed different bytes")
         return time.monotonic() - t0
     finally:
-        with trio.CancelScope(shield=True), trio.move_on_after(1.0), contextlib.suppress(Exception):
-            await stream.close()
+        await close_raw(stream)
 
 
 # -- the report -------------------------------------------------------------------------------

@@ -111,13 +111,9 @@ class Models:
         self.notices.life("loading", layers=[a, b], done=False)
         s = self.settings
         t0 = trio.current_time()
-
-        def load() -> Stage:
-            stage = Stage.load(self.args, self.ckpt.source, a, b, dtype=self.dtype, device=s.device, quant=s.quant)
-            stage.rows_exact_memo.update(rows.prove(stage))  # what a replay may merge (rows.py), proven now
-            return stage
-
-        stage = await self.compute.run(load)
+        stage = await self.compute.run(
+            lambda: Stage.load(self.args, self.ckpt.source, a, b, dtype=self.dtype, device=s.device, quant=s.quant)
+        )
         self.notices.life("loading", layers=[a, b], done=True, seconds=round(trio.current_time() - t0, 3))
         self._stages[(a, b)] = stage
         return stage
