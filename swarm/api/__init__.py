@@ -10,6 +10,9 @@ Files:
                  ``open_generation`` (leaving early cancels it); ``api_error`` (typed errors ->
                  OpenAI errors)
     stops.py     ``TextAssembler``: token ids -> text pieces, cut at stop sequences
+    console.py   the web console at ``/`` and the chat at ``/chat``: the live feed (SSE of the
+                 coordinator's status, as ring, speed, sessions and a timeline of events) and the
+                 routes of the pages in static/ (plain HTML, CSS and JS shipped in the package)
 """
 
 from swarm.api.backend import ClientBackend, NodeBackend

@@ -62,6 +62,10 @@ class Backend(Protocol):
 
     def open_generation(self, req: ctl.Gen) -> contextlib.AbstractAsyncContextManager[Generation]: ...
 
+    async def status(self) -> dict[str, Any]:
+        """The serving coordinator's status (swarm/node/report.py), for the web console."""
+        ...
+
 
 def api_error(exc: SwarmError) -> ApiError:
     """What the client is told about an error from the swarm side (see the module docstring)."""
@@ -138,6 +142,9 @@ class NodeBackend:
         self.model_name, self.tokenizer = info.model_name, info.tokenizer
         self.context_tokens, self.vocab_size = info.context_tokens, info.vocab_size
 
+    async def status(self) -> dict[str, Any]:
+        return await self.service.status(ctl.Status(coordinator=True))
+
     @contextlib.asynccontextmanager
     async def open_generation(self, req: ctl.Gen) -> AsyncIterator[Generation]:
         send, recv = trio.open_memory_channel[Event | SwarmError](math.inf)
@@ -180,6 +187,11 @@ class ClientBackend:
         self.host, self.peer = host, peer
         self.model_name, self.tokenizer = info.model_name, info.tokenizer
         self.context_tokens, self.vocab_size = info.context_tokens, info.vocab_size
+
+    async def status(self) -> dict[str, Any]:
+        from swarm.node import client
+
+        return await client.status(self.host, self.peer, coordinator=True)
 
     @contextlib.asynccontextmanager
     async def open_generation(self, req: ctl.Gen) -> AsyncIterator[Generation]:

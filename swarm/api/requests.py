@@ -85,7 +85,7 @@ class GenSpec:
 
 _COMMON = {"model", "stream", "stream_options", "temperature", "top_p", "top_k", "max_tokens", "stop", "seed", "n",
            "logprobs", "presence_penalty", "frequency_penalty", "logit_bias", "user", "metadata", "store",
-           "service_tier"}  # fmt: skip
+           "service_tier", "draft"}  # fmt: skip  (draft: the swarm's own, e.g. "none", "ngram", "auto")
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "functions",
                    "function_call", "parallel_tool_calls", "response_format", "reasoning_effort", "modalities",
                    "audio", "prediction", "web_search_options"}  # fmt: skip
@@ -174,7 +174,7 @@ def _common(body: dict[str, Any], kind: str, served: str, prompt_ids: list[int],
     temperature = body.get("temperature")
     try:  # the swarm's bounds, checked once, here (proto.control.Gen)
         req = Gen.checked(prompt_ids, max_new_tokens=body.get(key), temperature=1.0 if temperature is None else temperature,
-                          top_p=body.get("top_p"), top_k=body.get("top_k"), seed=seed)  # fmt: skip
+                          top_p=body.get("top_p"), top_k=body.get("top_k"), seed=seed, draft=body.get("draft"))  # fmt: skip
     except BadRequest as exc:
         param = {"max_new_tokens": key}.get(exc.field, exc.field)
         raise ApiError(f"{param}: {str(exc).split(': ', 1)[-1]}", param=param, code="invalid_value") from None

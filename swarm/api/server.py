@@ -39,6 +39,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from swarm.api.backend import Backend, api_error, open_generation
+from swarm.api.console import console_routes, run_summary
 from swarm.api.requests import ApiError, GenSpec, parse_chat, parse_completion
 from swarm.api.stops import TextAssembler
 from swarm.errors import SwarmError, UsageError
@@ -60,6 +61,7 @@ _PARSE_LIMITER = trio.CapacityLimiter(2)
 MAX_CONCURRENT_REQUESTS = 32
 RETRY_AFTER_S = 1
 CREATED = int(time.time())
+PROTECTED = ("/v1", "/console/feed")  # paths that need the token (the console's pages hold no data)
 
 
 def parse_bind(bind: str) -> tuple[str, int]:
@@ -91,7 +93,7 @@ class _Auth:
         self.app, self.token = app, token
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.token is not None and scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if self.token is not None and scope["type"] == "http" and scope["path"].startswith(PROTECTED):
             given = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
             scheme, _, value = given.partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(), self.token.encode()):
@@ -298,6 +300,7 @@ class Api:
                         if text.stopped:
                             return text, "stop"  # leaving the block cancels the generation
                     receipt = gen.receipt or {}
+                    text.receipt = receipt
                 break
             except SwarmError as exc:
                 err = api_error(exc)
@@ -377,7 +380,8 @@ class Api:
         await open_stream()
         await emit(chunk(None, finish))
         if spec.include_usage:
-            await emit({**head, "id": rid, "choices": [], "usage": self._usage(spec, text)})
+            await emit({**head, "id": rid, "choices": [], "usage": self._usage(spec, text),
+                        "swarm": run_summary(text.receipt)})  # the web chat's tok/s and tokens per traversal
         await emit("[DONE]")
 
 
@@ -421,6 +425,7 @@ def build_app(backend: Backend, *, token: str | None = None, max_concurrent: int
         Route("/v1/models/{model:path}", api.model, methods=["GET"]),
         Route("/v1/chat/completions", api.chat, methods=["POST"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
+        *console_routes(backend),  # the web console at / (console.py)
     ])  # fmt: skip
     return _Auth(_Limit(app, max_concurrent), token)  # an unauthenticated request never takes a slot
 

@@ -34,6 +34,7 @@ class TextAssembler:
         self.stopped = False
         self.stop_sequence: str | None = None
         self._scanned = 0  # stops were searched for in text[:_scanned]
+        self.receipt: dict[str, object] | None = None  # the swarm's receipt, once the generation is done
 
     @property
     def completion_tokens(self) -> int:

@@ -20,6 +20,7 @@ Where things live:
                    requests, relaying, the coordinator's run
     resume.py      a generation outliving its ring: wait for the next epoch, resume by replay
     report.py      receipts and status
+    ringview.py    build_view: a status dict -> the ring as a person reads it (status command, web console)
     stage_worker.py  a layer block serving verify chunks from upstream to downstream, the
                    sessions waiting for it batched into one forward, compute off the trio loop;
                    a resumed run's replay chunks computed several at a time

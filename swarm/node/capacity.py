@@ -62,6 +62,11 @@ class Admission:
         self.active = 0
         self._queue: deque[trio.Event] = deque()
 
+    @property
+    def queued(self) -> int:
+        """Generations waiting for a slot."""
+        return len(self._queue)
+
     def set_capacity(self, capacity: int) -> None:
         self.capacity = max(1, capacity)
         self._wake()

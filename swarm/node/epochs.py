@@ -233,6 +233,8 @@ class Epochs:
         role = "+".join(r for r, on in (("coordinator", plan.coordinator == me),
                                          ("stage", me in plan.blocks)) if on) or "standby"  # fmt: skip
         pause = None if ended_at is None else trio.current_time() - ended_at
+        if pause is not None and self.replans:  # the ended epoch's entry learns what replaced it, and when
+            self.replans[-1].update(next_epoch=plan.epoch, cause=ep.cause, pause_s=round(pause, 3))
         self.notices.life("plan", epoch=plan.epoch, role=role, block=list(plan.blocks.get(me, ())) or None,
                           coordinator=plan.coordinator, ring=list(plan.ring), cause=ep.cause,
                           pause_s=None if pause is None else round(pause, 3))  # fmt: skip

@@ -155,7 +155,10 @@ def start_local_swarm(
     workdir: Path | None = None,
     compute_delay_s: float = 0.0,
     quant: str = "none",
+    device_names: list[str] | None = None,
 ) -> LocalSwarm:
+    """``n`` node processes (module doc); ``device_names``: what each node's advert calls its
+    machine (NodeSettings.device_name), e.g. a hostile name for the console's escaping test."""
     if n < 1:
         raise ValueError("a swarm needs at least one node")
     tmp = None
@@ -218,6 +221,8 @@ def start_local_swarm(
                 "chunk_timeout": chunk_timeout,
                 "compute_delay_s": compute_delay_s,
             }
+            if device_names is not None and device_names[i]:
+                cfg["device_name"] = device_names[i]
             swarm._spawn(i, cfg)
     except BaseException:
         swarm.stop()

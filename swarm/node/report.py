@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import statistics
+import time
 from typing import Any
 
 from swarm import __version__
@@ -28,6 +29,7 @@ from swarm.node.wiring import Wiring
 from swarm.planner import Plan
 
 STATUS_OTHER_ADVERTS = 32  # adverts of non-members a status reply lists (without RTTs)
+RUNS_KEPT = 30  # generations a status reply summarises one by one (``runs``)
 
 
 class Reporter:
@@ -45,6 +47,8 @@ class Reporter:
         self.admission = admission
         self.loopwatch = loopwatch
         self.recent: collections.deque[tuple[float, float | None]] = collections.deque(maxlen=20)
+        # one line per generation this node coordinated, for the console's speed history
+        self.runs: collections.deque[dict[str, Any]] = collections.deque(maxlen=RUNS_KEPT)
 
     def receipt(self, ep: Epoch, gen: RingGeneration, params: SamplingParams, *, started: float) -> dict[str, Any]:
         plan = ep.plan
@@ -63,6 +67,9 @@ class Reporter:
                 "role": "coordinator" if pid == plan.coordinator else ("stage" if pid in plan.blocks else "standby"),
             })  # fmt: skip
         tms = gen.traversal_ms
+        self.runs.append({"ended_unix": round(time.time(), 3), "epoch": plan.epoch, "tokens": len(gen.output_token_ids),
+                          "tokens_per_s": round(gen.tokens_per_s, 3), "accepted_per_traversal": gen.tokens_per_traversal,
+                          "traversal_ms": round(statistics.median(tms), 3) if tms else None})  # fmt: skip
         s = self.models.settings
         assert s.model_dir is not None
         return {
@@ -106,7 +113,11 @@ class Reporter:
             "epoch": plan.epoch if plan else None,
             "serving": bool(ep is not None and ep.serving.is_set()),
             "plan": {"coordinator": plan.coordinator, "ring": list(plan.ring),
-                     "blocks": {p: list(b) for p, b in plan.blocks.items()}, "standbys": list(plan.standbys)}
+                     "blocks": {p: list(b) for p, b in plan.blocks.items()}, "standbys": list(plan.standbys),
+                     "cause": ep.cause if ep is not None else "", "n_layers": plan.n_layers,
+                     # the plan's prediction, one-way hops and each stage's compute (where a traversal's time goes)
+                     "hops_ms": list(plan.hops_ms), "predicted_compute_ms": plan.predicted_compute_ms,
+                     "predicted_traversal_ms": plan.predicted_traversal_ms}
             if plan else None,
             # members with RTTs, plus a few other adverts: made-up ones must not make the reply too big
             "peers_file": self.service.membership.peers_file(members=set(self.view.members()), others=STATUS_OTHER_ADVERTS),
@@ -115,10 +126,11 @@ class Reporter:
             "hops": hop_report(ep) if ep is not None else [],
             "peer_info": self._peer_info(plan),
             "recent": self._recent(),
+            "runs": list(self.runs),
             "replans": list(self.epochs.replans),
             "loop": self.loopwatch.summary(loop_window_s),  # how long the trio loop was held (loopwatch.py)
             "stage": dataclasses.asdict(worker.stats) if worker is not None else None,  # this epoch's batching
-            "capacity": {"sessions": self.admission.capacity, "active": self.admission.active,
+            "capacity": {"sessions": self.admission.capacity, "active": self.admission.active, "queued": self.admission.queued,
                          "stage_sessions": worker.max_sessions if worker is not None else None},  # fmt: skip
         }
 

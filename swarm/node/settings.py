@@ -38,6 +38,7 @@ class NodeSettings:
     dtype: Any = None  # a torch.dtype; None: bfloat16
     quant: str = "none"  # the invite's: how the decoder layers are held (swarm.model.quant)
     device: str = "cpu"  # cpu, cuda:N or mps, already resolved (swarm.model.devices.resolve_device)
+    device_name: str = ""  # what the advert calls this machine (at most 128 characters); "": the device's own name
     threads: int = 1
     coordinator_ok: bool = True
     expect_peers: int = 0  # plan once this many members (us included) are present
@@ -82,7 +83,8 @@ def advertised_resources(s: NodeSettings) -> tuple[int, tuple[str, str]]:
     from swarm.model.devices import auto_memory_bytes, describe_device
 
     device = torch.device(s.device)
-    return s.memory_bytes or auto_memory_bytes(device), describe_device(device)
+    kind, name = describe_device(device)
+    return s.memory_bytes or auto_memory_bytes(device), (kind, s.device_name[:128] or name)
 
 
 _FROM_MANIFEST = ("seed", "swarm_id", "secret", "revoked", "quant", "bootstrap")
