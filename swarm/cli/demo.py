@@ -229,6 +229,7 @@ async def _serve_api(addr: str, secret: bytes, swarm_id: str, model_dir: Path, b
     async with client.open_client(addr, secret=secret, swarm_id=swarm_id) as (host, peer), trio.open_nursery() as nursery:
         url = await nursery.start(functools.partial(serve_api, ClientBackend(host, peer, model_dir), bind))
         ui.notice(f"OpenAI-compatible endpoint on {url}/v1 (model {model_dir.name}); Ctrl-C stops the swarm")
+        ui.notice(f"web console on {url}/ and chat on {url}/chat")
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async for _ in signals:
                 nursery.cancel_scope.cancel()

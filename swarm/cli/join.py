@@ -173,6 +173,8 @@ async def _run_peer(settings: NodeSettings, manifest: Manifest, *, as_json: bool
 
             url = await nursery.start(functools.partial(serve_api, NodeBackend(peer), api, token=api_token))
             ui.notice(f"OpenAI-compatible endpoint on {url}/v1 (any peer forwards to the coordinator)")
+            ui.notice(f"web console on {url}/ and chat on {url}/chat"
+                      + (" (the page asks for the API token)" if api_token else ""))  # fmt: skip
         nursery.start_soon(_signals, nursery.cancel_scope, peer)
         if exit_after is not None:
             nursery.cancel_scope.deadline = trio.current_time() + exit_after

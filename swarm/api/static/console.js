@@ -18,6 +18,8 @@
       el("div", { class: "number", "data-k": id || null }, el("b", { text: value }), el("span", { text: label }))));
   }
 
+  const bytes = (gb) => (gb === null || gb === undefined ? "-" : gb >= 1 ? num(gb, 2, " GB") : num(gb * 1000, 1, " MB"));
+
   function peersTable(view) {
     const body = $("peers").querySelector("tbody");
     body.replaceChildren(...[...view.ring, ...view.others].map((r, i) => el("tr", { "data-peer": r.peer },
@@ -26,7 +28,7 @@
       el("td", { text: r.role }),
       el("td", { text: r.block ? `[${r.block[0]}, ${r.block[1]})` : "-" }),
       el("td", { class: "device", text: r.device || "-" }),
-      el("td", { text: `${num(r.memory_used_gb, 2)} / ${num(r.memory_offered_gb, 2)} GB` }),
+      el("td", { text: `${bytes(r.memory_used_gb)} / ${bytes(r.memory_offered_gb)}` }),
       el("td", { text: num(r.ms_per_layer, 2) }),
       el("td", { text: num(r.rtt_next_ms, 1, " ms") }),
       el("td", { text: r.hop_path || "-" }),

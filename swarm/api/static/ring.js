@@ -20,7 +20,7 @@ const Ring = (() => {
       host.appendChild(el("p", { class: "empty", text: "no ring is serving yet" }));
       return;
     }
-    const W = 560, H = 420, cx = W / 2, cy = H / 2 + 6, R = 150;
+    const W = 560, H = 440, cx = W / 2, cy = H / 2, R = 145;
     const svg = el("svg:svg", { viewBox: `0 0 ${W} ${H}`, class: "ring-svg", role: "img" });
     svg.appendChild(el("svg:defs", {},
       el("svg:marker", { id: "arrow", viewBox: "0 0 10 10", refX: 9, refY: 5, markerWidth: 7, markerHeight: 7, orient: "auto-start-reverse" },
@@ -33,19 +33,21 @@ const Ring = (() => {
     });
     const index = {};
     rows.forEach((r, i) => { index[r.peer] = i; });
-    // hops: each row to its next
+    // hops: each row to its next, bent outwards so that a two-peer ring shows both directions
     rows.forEach((r, i) => {
-      if (!r.next || index[r.next] === undefined) return;
+      if (!r.next || index[r.next] === undefined || r.next === r.peer) return;
       const [x1, y1] = pos[i], [x2, y2] = pos[index[r.next]];
-      const dx = x2 - x1, dy = y2 - y1, len = Math.hypot(dx, dy) || 1, k = 34 / len;
-      const line = el("svg:line", { x1: x1 + dx * k, y1: y1 + dy * k, x2: x2 - dx * k, y2: y2 - dy * k,
-        class: "hop hop-" + pathKind(r.hop_path), "marker-end": "url(#arrow)" });
-      svg.appendChild(line);
-      const mx = (x1 + x2) / 2, my = (y1 + y2) / 2;
-      const ox = (my - cy) === 0 && (mx - cx) === 0 ? 0 : (mx - cx) / Math.hypot(mx - cx, my - cy);
-      const oy = (my - cy) === 0 && (mx - cx) === 0 ? 0 : (my - cy) / Math.hypot(mx - cx, my - cy);
-      const lx = mx + ox * 14, ly = my + oy * 14;
-      svg.appendChild(el("svg:text", { x: lx, y: ly, class: "hop-label", "text-anchor": "middle" },
+      const dx = x2 - x1, dy = y2 - y1, len = Math.hypot(dx, dy) || 1;
+      const nx = dy / len, ny = -dx / len; // the left of the direction of travel
+      const bend = rows.length === 2 ? 60 : 22;
+      const qx = (x1 + x2) / 2 + nx * bend, qy = (y1 + y2) / 2 + ny * bend;
+      const trim = (ax, ay, bx, by) => { const l = Math.hypot(bx - ax, by - ay) || 1; return [ax + ((bx - ax) * 34) / l, ay + ((by - ay) * 34) / l]; };
+      const [sx, sy] = trim(x1, y1, qx, qy), [ex, ey] = trim(x2, y2, qx, qy);
+      svg.appendChild(el("svg:path", { d: `M ${sx} ${sy} Q ${qx} ${qy} ${ex} ${ey}`, fill: "none",
+        class: "hop hop-" + pathKind(r.hop_path), "marker-end": "url(#arrow)" }));
+      const lx = (x1 + x2) / 4 + qx / 2 + nx * 12, ly = (y1 + y2) / 4 + qy / 2 + ny * 12;
+      const anchor = Math.abs(nx) < 0.3 ? "middle" : nx > 0 ? "start" : "end";
+      svg.appendChild(el("svg:text", { x: lx, y: ly, class: "hop-label", "text-anchor": anchor },
         el("svg:tspan", { x: lx, dy: 0, text: num(r.rtt_next_ms, 1, " ms") }),
         el("svg:tspan", { x: lx, dy: 13, class: "hop-path", text: r.hop_path || "?" })));
     });
@@ -54,7 +56,7 @@ const Ring = (() => {
       const g = el("svg:g", { class: "peer", "data-peer": r.peer, "data-role": r.role });
       g.appendChild(el("svg:circle", { cx: x, cy: y, r: 30, fill: r.block ? colors[r.peer] : "#ddd",
         class: r.role.startsWith("coordinator") ? "coord" : "" }));
-      g.appendChild(el("svg:text", { x, y: y - 2, "text-anchor": "middle", class: "peer-id", text: short(r.peer) }));
+      g.appendChild(el("svg:text", { x, y: y - 2, "text-anchor": "middle", class: "peer-id", text: "…" + r.peer.slice(-5) }));
       g.appendChild(el("svg:text", { x, y: y + 12, "text-anchor": "middle", class: "peer-block",
         text: r.block ? `[${r.block[0]}, ${r.block[1]})` : "head" }));
       const below = y >= cy ? 48 : -40;
