@@ -135,7 +135,7 @@ class Timeline:
             seen = self._replans.get(key)
             if seen is not None and seen.get("pause_s") == rp.get("pause_s"):
                 continue
-            fields = {"epoch": rp.get("epoch"), "reason": str(rp.get("reason", "")), "cause": str(rp.get("cause", "")),
+            fields: dict[str, Any] = {"epoch": rp.get("epoch"), "reason": str(rp.get("reason", "")), "cause": str(rp.get("cause", "")),
                       "pause_s": rp.get("pause_s"), "next_epoch": rp.get("next_epoch"),
                       "ended_unix": rp.get("ended")}  # fmt: skip
             if seen is None:
@@ -149,12 +149,18 @@ class Timeline:
             out.append(ev)
         plan = st.get("plan") or {}
         epoch = st.get("epoch")
+        if st.get("serving"):  # a re-plan is over once its next ring serves: how long that took, as seen here
+            for ev in self._replans.values():
+                if ev.get("next_epoch") == epoch and ev.get("serving_after_s") is None and ev.get("ended_unix"):
+                    self.seq += 1
+                    ev.update(seq=self.seq, serving_after_s=round(max(0.0, now - float(ev["ended_unix"])), 1))
+                    out.append(ev)
         if epoch is not None and epoch != self._epoch:
             self._epoch = epoch
             out.append(self._add(now, "ring", f"epoch {epoch}: a ring of {len(plan.get('ring') or [])} stages",
                                  coordinator=plan.get("coordinator"), ring=list(plan.get("ring") or []),
                                  cause=str(plan.get("cause", ""))))  # fmt: skip
-        return out
+        return list({e["id"]: e for e in out}.values())  # a re-plan updated twice in one look is sent once
 
 
 class Console:

@@ -80,6 +80,7 @@ def test_timeline_turns_status_changes_into_events() -> None:
     assert [e["kind"] for e in ev] == ["replan", "ring"]
     assert ev[0]["id"] == replan["id"] and ev[0]["pause_s"] == 1.25 and ev[0]["cause"] == "peer 12D3KooWC is gone"
     assert ev[0]["seq"] > replan["seq"] - 1 and len([e for e in tl.events if e["kind"] == "replan"]) == 1
+    assert ev[0]["serving_after_s"] == 1.0  # the new ring serves: 4.0 - ended 3.0
     ev = tl.observe(status([A, B, C], epoch=2, replans=[later]), now=5.0)
     assert [(e["kind"], e["peer"]) for e in ev] == [("join", C)]
 

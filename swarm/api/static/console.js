@@ -84,9 +84,12 @@
     const parts = [el("time", { text: clock(ev.t) }), el("span", { class: "kind", text: ev.kind }), peer, el("span", { text: ev.text })];
     if (ev.kind === "replan") {
       if (ev.reason) parts.push(el("div", { class: "detail", text: "why it ended: " + ev.reason }));
-      if (ev.cause) parts.push(el("div", { class: "detail", text: "re-planned: " + ev.cause }));
-      parts.push(el("div", { class: "detail", text: ev.pause_s === null || ev.pause_s === undefined
-        ? "waiting for the next plan…" : `pause ${num(ev.pause_s, 2, " s")} until epoch ${ev.next_epoch}` }));
+      if (ev.cause && ev.cause !== ev.reason) parts.push(el("div", { class: "detail", text: "re-planned: " + ev.cause }));
+      let pause = ev.pause_s === null || ev.pause_s === undefined
+        ? "waiting for the next plan…" : `epoch ${ev.next_epoch} planned after ${num(ev.pause_s, 2, " s")}`;
+      pause += ev.serving_after_s === null || ev.serving_after_s === undefined
+        ? "" : ` · serving again after ${num(ev.serving_after_s, 1, " s")}`;
+      parts.push(el("div", { class: "detail pause", text: pause }));
     }
     if (ev.kind === "ring") {
       parts.push(el("div", { class: "detail", text: `coordinator ${short(ev.coordinator)} · ring ${(ev.ring || []).map(short).join(" → ")}` +
