@@ -225,7 +225,7 @@ def console_routes(backend: Any) -> list[Route]:
     """The console's routes for ``backend`` (server.py adds them to the endpoint's app)."""
     from swarm.api.server import _SSE  # the endpoint's event stream, with its disconnect watch
 
-    console = Console(backend.status)
+    console = Console(lambda: backend.status())  # looked up when a page watches
 
     async def page(request: Request) -> Response:
         name = "chat.html" if request.url.path == "/chat" else "console.html"

@@ -20,7 +20,7 @@ const Ring = (() => {
       host.appendChild(el("p", { class: "empty", text: "no ring is serving yet" }));
       return;
     }
-    const W = 560, H = 440, cx = W / 2, cy = H / 2, R = 145;
+    const W = 560, H = 450, cx = W / 2, cy = H / 2 + 8, R = 145;
     const svg = el("svg:svg", { viewBox: `0 0 ${W} ${H}`, class: "ring-svg", role: "img" });
     svg.appendChild(el("svg:defs", {},
       el("svg:marker", { id: "arrow", viewBox: "0 0 10 10", refX: 9, refY: 5, markerWidth: 7, markerHeight: 7, orient: "auto-start-reverse" },
@@ -59,7 +59,7 @@ const Ring = (() => {
       g.appendChild(el("svg:text", { x, y: y - 2, "text-anchor": "middle", class: "peer-id", text: "…" + r.peer.slice(-5) }));
       g.appendChild(el("svg:text", { x, y: y + 12, "text-anchor": "middle", class: "peer-block",
         text: r.block ? `[${r.block[0]}, ${r.block[1]})` : "head" }));
-      const below = y >= cy ? 48 : -40;
+      const below = y >= cy ? 48 : -52; // role and device outside the circle, clear of the arrows
       g.appendChild(el("svg:text", { x, y: y + below, "text-anchor": "middle", class: "peer-role",
         text: r.role + (r.role.startsWith("coordinator") ? " ★" : "") }));
       g.appendChild(el("svg:text", { x, y: y + below + 13, "text-anchor": "middle", class: "peer-device",
