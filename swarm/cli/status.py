@@ -13,6 +13,9 @@ dict is swarm/node/service.py ``status()``; optional keys read here: ``peer_info
 ``device``, ``memory_used_bytes``, ``heartbeat_age_s``, ``path``) and ``recent``
 (``tokens_per_s``, ``accepted_per_traversal``).
 
+``--web`` prints the web console's URL instead (swarm/api/console.py): the node's API address
+from ``--api`` or the config file's ``api.address``, and says on stderr whether it answers.
+
 Exit codes: 0 shown; 2 bad flags; 4 invite refused; 7 no peer answered.
 """
 
@@ -131,8 +134,13 @@ def status(
     once: bool = typer.Option(False, "--once", help="On a TTY, print one frame instead of a live view."),
     interval: float = typer.Option(1.0, "--interval", min=0.2, help="Seconds between refreshes of the live view."),
     timeout: float = typer.Option(15.0, "--timeout", min=1.0, help="Seconds to reach a peer."),
+    web: bool = typer.Option(False, "--web", help="Print the web console's URL (this machine's node's API: --api or api.address in the config file) and exit."),
+    api: str | None = typer.Option(None, "--api", help="With --web: the address the node's API listens on (default: api.address)."),
 ) -> None:
     """Show the ring: coordinator, stages, blocks, memory, RTTs, recent speed."""
+    if web:
+        show_web_url(api)
+        return
     path = manifest_path or (config_dir() / "invite.json")
     if manifest_path is None and not path.exists():
         raise UsageError(f"no invite given and none at {path}: pass --manifest FILE (the swarm's invite)")
@@ -145,6 +153,36 @@ def status(
     live = not as_json and not once and ui.stdout_is_tty()
     trio.run(lambda: _run(addrs, manifest.secret.value, manifest.swarm_id, as_json=as_json, live=live,
                           interval=interval, timeout=timeout, role=manifest.role, member_key=manifest.member_key))  # fmt: skip
+
+
+def web_url(address: str) -> str:
+    """The console's URL for an API bound at ``address`` (a wildcard bind is reached on loopback)."""
+    from swarm.api.server import parse_bind
+
+    host, port = parse_bind(address)
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}/"
+
+
+def show_web_url(api: str | None) -> None:
+    """``status --web``: the URL on stdout; on stderr, whether a console answers there now."""
+    import httpx
+
+    from swarm.cli.settings import load_config
+
+    address = api or str(load_config().get("api.address") or "")
+    if not address:
+        raise UsageError("no API address: this machine's node serves the console only with `join --api HOST:PORT` "
+                         "(or api.address in the config file); pass --api HOST:PORT")  # fmt: skip
+    url = web_url(address)
+    sys.stdout.write(url + "\n")
+    sys.stdout.flush()
+    try:
+        up = httpx.get(url, timeout=3.0).status_code == 200
+    except httpx.HTTPError:
+        up = False
+    ui.notice("the console answers there (it asks for the API token if the node has one)" if up else
+              f"nothing answers at {url} yet: is `shard-swarm join --api {address}` running?")  # fmt: skip
 
 
 def register(app: typer.Typer) -> None:

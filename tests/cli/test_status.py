@@ -142,3 +142,22 @@ def test_status_command_against_a_node(one_node: tuple[Path, str, str]) -> None:
     assert text.exit_code == 0 and "coordinator+stage" in text.stdout and "[0, 4)" in text.stdout
     bad = CliRunner().invoke(app, ["status", "--manifest", str(path), "--peer", "/ip4/127.0.0.1/tcp/1"])
     assert bad.exit_code != 0 and "/p2p/" in str(bad.exception)
+
+
+def test_status_web_prints_the_consoles_url_from_the_flag_or_the_config(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    from swarm.errors import UsageError
+
+    app = typer.Typer()
+    app.callback()(lambda: None)
+    status_cmd.register(app)
+    monkeypatch.setenv("SHARD_SWARM_CONFIG", str(tmp_path))
+    none = CliRunner().invoke(app, ["status", "--web"])
+    assert isinstance(none.exception, UsageError) and "join --api" in str(none.exception)
+    port = free_ports(1)[0]  # nothing listens there
+    r = CliRunner().invoke(app, ["status", "--web", "--api", f"0.0.0.0:{port}"])
+    assert r.exit_code == 0, (r.output, r.exception)
+    assert r.stdout == f"http://127.0.0.1:{port}/\n" and "nothing answers" in r.stderr
+    (tmp_path / "config.toml").write_text(f'[api]\naddress = "[::1]:{port}"\n')
+    r = CliRunner().invoke(app, ["status", "--web"])
+    assert r.exit_code == 0 and r.stdout == f"http://[::1]:{port}/\n"
