@@ -88,7 +88,7 @@ def js(driver: Any, script: str, *args: Any) -> Any:
     return driver.execute_script(script, *args)
 
 
-def test_console_shows_the_ring_and_keeps_member_strings_as_text(live: tuple[LocalSwarm, str], browser: Any) -> None:
+def test_console_shows_the_ring_and_keeps_member_strings_as_text(browser: Any, live: tuple[LocalSwarm, str]) -> None:
     swarm, url = live
     st = serving(url, 3)
     browser.get(url + "/#token=" + TOKEN)
@@ -113,7 +113,7 @@ def test_console_shows_the_ring_and_keeps_member_strings_as_text(live: tuple[Loc
     shot(browser, "console-ring")
 
 
-def test_the_feed_needs_the_token(live: tuple[LocalSwarm, str], browser: Any) -> None:
+def test_the_feed_needs_the_token(live: tuple[LocalSwarm, str]) -> None:
     _, url = live
     assert httpx.get(url + "/console/feed/state", timeout=10).status_code == 401
     assert httpx.get(url + "/console/feed", headers={"Authorization": "Bearer wrong"}, timeout=10).status_code == 401
@@ -121,7 +121,7 @@ def test_the_feed_needs_the_token(live: tuple[LocalSwarm, str], browser: Any) ->
     assert page.status_code == 200 and TOKEN not in page.text and "Content-Security-Policy" in page.headers
 
 
-def test_chat_streams_the_apis_own_greedy_answer_and_stops(live: tuple[LocalSwarm, str], browser: Any) -> None:
+def test_chat_streams_the_apis_own_greedy_answer_and_stops(browser: Any, live: tuple[LocalSwarm, str]) -> None:
     _, url = live
     serving(url, 3)
     prompt = "Tell me about the swarm"
@@ -167,7 +167,7 @@ def test_chat_streams_the_apis_own_greedy_answer_and_stops(live: tuple[LocalSwar
     assert console_errors(browser) == []
 
 
-def test_receipt_viewer_draws_a_runs_ring_and_its_output_hash(live: tuple[LocalSwarm, str], browser: Any,
+def test_receipt_viewer_draws_a_runs_ring_and_its_output_hash(browser: Any, live: tuple[LocalSwarm, str],
                                                                tmp_path: Path) -> None:  # fmt: skip
     swarm, url = live
     serving(url, 3)
@@ -195,7 +195,7 @@ def test_receipt_viewer_draws_a_runs_ring_and_its_output_hash(live: tuple[LocalS
     assert console_errors(browser) == []
 
 
-def test_a_killed_stage_shows_a_replan_and_a_new_ring(live: tuple[LocalSwarm, str], browser: Any) -> None:
+def test_a_killed_stage_shows_a_replan_and_a_new_ring(browser: Any, live: tuple[LocalSwarm, str]) -> None:
     swarm, url = live
     st = serving(url, 3)
     browser.get(url + "/#token=" + TOKEN)
