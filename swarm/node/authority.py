@@ -34,10 +34,14 @@ earlier lone claim was never confirmed is benched instead of its next victim. Fr
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from swarm.errors import Forbidden
+from swarm.errors import Forbidden, ProtocolError
 from swarm.planner import Plan
+from swarm.proto.messages import Plan as PlanMsg
+from swarm.proto.signed import verify_plan
+from swarm.proto.signing import peer_id_of
 
 MAX_EPOCH_STEP = 10_000  # how far past the newest epoch we know another party's epoch may be
 
@@ -48,6 +52,47 @@ def check_epoch_step(epoch: int, newest_known: int, what: str) -> None:
         raise Forbidden(
             f"{what}: epoch {epoch} is more than {MAX_EPOCH_STEP} past the newest known ({newest_known})"
         )
+
+
+def vouched_plans(
+    shown: Iterable[tuple[str, PlanMsg]], *, leaders: set[str], me: str, swarm_id: str, newest_known: int
+) -> tuple[list[PlanMsg], list[str]]:
+    """The plans a peer catching up may let decide its next plan, out of ``shown`` ((member,
+    signed plan it serves or served last)), and why each other one was refused.
+
+    The invariant (SECURITY.md, issue 27): a plan that can influence another plan is signed by
+    the leader that made it and verified before use. Here: signed (an unsigned "previous plan"
+    is nobody's word), the signature verifies for this swarm, the signer is one of ``leaders``
+    (the peer that led our view while we were away, or we ourselves), the epoch is within
+    MAX_EPOCH_STEP of the newest we know, and, unless we signed it, some member other than its
+    signer holds it too: a leader's plan reaches every member of its ring, while a plan a member
+    signed for itself and showed only us (it grinds an ID to sort just after ours) reaches no one.
+    """
+    refused: list[str] = []
+    ok: dict[bytes, PlanMsg] = {}
+    holders: dict[bytes, set[str]] = {}
+    for peer, msg in shown:
+        try:
+            if msg.signer is None or msg.signature is None:
+                raise ProtocolError(f"its plan epoch {msg.epoch} is unsigned")
+            signer = peer_id_of(msg.signer)
+            if signer not in leaders:
+                raise Forbidden(f"its plan epoch {msg.epoch} is signed by {signer}, which did not lead here")
+            verify_plan(msg, msg.signer, swarm_id)
+            check_epoch_step(msg.epoch, newest_known, f"plan shown by {peer}")
+        except (ProtocolError, Forbidden) as exc:
+            refused.append(f"{peer}: {exc}")
+            continue
+        ok[msg.signature] = msg
+        holders.setdefault(msg.signature, set()).add(peer)
+    taken = []
+    for sig, msg in ok.items():
+        signer = peer_id_of(msg.signer)  # type: ignore[arg-type]
+        if signer == me or holders[sig] - {signer}:
+            taken.append(msg)
+        else:
+            refused.append(f"plan epoch {msg.epoch} is held by its signer {signer} alone")
+    return taken, refused
 
 
 def upstreams_of(plan: Plan, peer: str) -> set[str]:

@@ -204,3 +204,37 @@ def test_a_peer_s_role_comes_from_the_host_when_it_can_tell() -> None:
     assert role_of(old, "X", advertised=True) is None
     new = SimpleNamespace(is_admitted=lambda p: True, admitted_role=lambda p: "client")  # a lesser credential
     assert role_of(new, "A", advertised=True) == "client"
+
+
+def test_a_catch_up_takes_only_plans_signed_by_a_leader_verified_and_held_beyond_their_signer() -> None:
+    """Issue 27: a member's own "previous plan" (unsigned, or signed by itself and shown by it
+    alone) never decides the next plan; the interim leader's plan, held by its ring, does."""
+    import dataclasses
+    import os
+
+    from swarm.manifest.identity import Identity
+    from swarm.node.authority import vouched_plans
+    from swarm.proto.messages import Plan as PlanMsg
+    from swarm.proto.signed import sign_plan
+
+    me, interim, rogue = (Identity(os.urandom(32)) for _ in range(3))
+    body = {"coordinator": "x", "ring": ["x"]}
+    honest = sign_plan(PlanMsg(8, body), interim, "sw")
+    mine = sign_plan(PlanMsg(7, body), me, "sw")
+    by_rogue = sign_plan(PlanMsg(9, body), rogue, "sw")
+
+    def take(shown: list[tuple[str, PlanMsg]], leaders: set[str] | None = None) -> list[int]:
+        taken, _why = vouched_plans(shown, leaders=leaders or {interim.peer_id, me.peer_id}, me=me.peer_id,
+                                    swarm_id="sw", newest_known=7)  # fmt: skip
+        return sorted(m.epoch for m in taken)
+
+    assert take([("A", PlanMsg(9, body))]) == []  # unsigned
+    assert take([(rogue.peer_id, by_rogue), ("A", by_rogue)]) == []  # not a leader here
+    assert take([(interim.peer_id, honest)]) == []  # held by its signer alone
+    assert take([(interim.peer_id, honest), ("A", honest)]) == [8]  # ... and by a member of its ring
+    assert take([("A", mine)]) == [7]  # ours: nobody else can sign it
+    assert take([("A", dataclasses.replace(honest, plan={"coordinator": "evil"})), ("B", honest)]) == [8]  # tampered
+    assert take([("A", sign_plan(PlanMsg(7 + 10_001, body), interim, "sw")), ("B", honest)]) == [8]  # too far
+    assert take([("A", sign_plan(PlanMsg(8, body), interim, "other")), ("B", honest)]) == [8]  # another swarm
+    # the rogue that sorts right after the leader is the interim leader of a thawed one: still alone
+    assert take([(rogue.peer_id, by_rogue)], {rogue.peer_id, me.peer_id}) == []
