@@ -44,6 +44,10 @@ from swarm.proto.signed import verify_plan
 from swarm.proto.signing import peer_id_of
 
 MAX_EPOCH_STEP = 10_000  # how far past the newest epoch we know another party's epoch may be
+EXCLUDE_S = 300.0  # a benched peer stays out of plans this long (bad activations, strikes)
+ENDED_EVERY_S = 3.0  # a member's ``ended`` is heard at most once per this long (an honest one nudges
+# once per ended epoch, NUDGE_AFTER_S = 4 s after it ended: recovery.py)
+STRIKES = 3  # strikes within EXCLUDE_S that bench a member
 
 
 def check_epoch_step(epoch: int, newest_known: int, what: str) -> None:
@@ -118,6 +122,51 @@ def check_fault_report(plan: Plan, accuser: str, accused: str, epoch: int) -> No
             f"fault report from {accuser} about {accused}: a peer may report only its own upstream "
             f"hop in epoch {plan.epoch} ({', '.join(sorted(ups)) or 'none'})"
         )
+
+
+def check_epoch_end(ring: set[str], sender: str, epoch: int) -> None:
+    """Forbidden unless ``sender`` may end epoch ``epoch`` by telling the leader that it ended:
+    only a member of that ring (the coordinator or a stage) knows that a hop of its own broke."""
+    if sender not in ring:
+        raise Forbidden(f"ended from {sender} about epoch {epoch}: only a member of that ring may end it")
+
+
+@dataclass
+class Strikes:
+    """What the leader holds against each member: when its last ``ended`` was heard (one per
+    ``every`` seconds) and its strikes (an ``ended`` past that rate, an epoch end it forced, a
+    set-up it failed), each kept ``window`` seconds; ``limit`` strikes bench it, by the same
+    bench as bad activations. Pure: ``now`` is an input; bounded whatever members send."""
+
+    window: float = EXCLUDE_S
+    every: float = ENDED_EVERY_S
+    limit: int = STRIKES
+    max_entries: int = 256
+    _heard: dict[str, float] = field(default_factory=dict)  # member -> time its last ended was heard
+    _strikes: dict[str, list[float]] = field(default_factory=dict)
+
+    def hear(self, peer: str, now: float) -> bool:
+        """True if ``peer``'s ``ended`` may be heard now (and it is then counted); False: too soon."""
+        last = self._heard.get(peer)
+        if last is not None and now - last < self.every:
+            return False
+        self._heard[peer] = now
+        if len(self._heard) > self.max_entries:
+            self._heard = {p: t for p, t in self._heard.items() if now - t < self.every}
+        return True
+
+    def strike(self, peer: str, now: float) -> int:
+        """Count one strike against ``peer``; how many it has within the window."""
+        kept = [t for t in self._strikes.get(peer, []) if now - t < self.window][-self.limit :]
+        kept.append(now)
+        self._strikes[peer] = kept
+        if len(self._strikes) > self.max_entries:
+            del self._strikes[min(self._strikes, key=lambda p: self._strikes[p][-1])]
+        return len(kept)
+
+    def forgive(self, peer: str) -> None:
+        """``peer`` was benched: its strikes are spent."""
+        self._strikes.pop(peer, None)
 
 
 @dataclass

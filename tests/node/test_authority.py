@@ -238,3 +238,22 @@ def test_a_catch_up_takes_only_plans_signed_by_a_leader_verified_and_held_beyond
     assert take([("A", sign_plan(PlanMsg(8, body), interim, "other")), ("B", honest)]) == [8]  # another swarm
     # the rogue that sorts right after the leader is the interim leader of a thawed one: still alone
     assert take([(rogue.peer_id, by_rogue)], {rogue.peer_id, me.peer_id}) == []
+
+
+def test_strikes_hear_one_ended_per_interval_and_reach_the_bench_limit() -> None:
+    from swarm.errors import Forbidden
+    from swarm.node.authority import Strikes, check_epoch_end
+
+    s = Strikes(window=300.0, every=3.0, limit=3)
+    assert s.hear("A", 0.0) and not s.hear("A", 1.0) and s.hear("B", 1.0) and s.hear("A", 3.5)
+    assert [s.strike("A", t) for t in (0.0, 1.0, 2.0)] == [1, 2, 3]
+    assert s.strike("A", 400.0) == 1  # old strikes expire with the window
+    s.forgive("A")
+    assert s.strike("A", 401.0) == 1
+    for i in range(1000):  # bounded whatever members send
+        s.strike(f"P{i}", float(i))
+        s.hear(f"P{i}", float(i))
+    assert len(s._strikes) <= 257 and len(s._heard) <= 257
+    check_epoch_end({"A", "B"}, "A", 5)
+    with pytest.raises(Forbidden, match="only a member of that ring"):
+        check_epoch_end({"A", "B"}, "C", 5)
