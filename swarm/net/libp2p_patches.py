@@ -89,8 +89,9 @@ class GuardedYamuxStream(YamuxStream):
     the few small reads of protocol negotiation alone gave an outsider 2-4 MiB per stream."""
 
     def _apply_autotune_epoch(self, buffered: int) -> int:
-        if getattr(self.muxed_conn, "pending_admission", None):
-            return 0
+        conn = self.muxed_conn
+        if getattr(conn, "pending_admission", None) or getattr(conn, "narrow", False):
+            return 0  # before admission, and for a client (it sends prompts, not tensors)
         return int(super()._apply_autotune_epoch(buffered))
 
     @property  # type: ignore[override]
@@ -129,6 +130,7 @@ class WholeFrameYamux(Yamux):
         self._torn = ""
         self._writing = False
         self.pending_admission: bool | None = None
+        self.narrow = False  # set for a client's connection: windows never grow
         self.pre_admission_streams = 0
 
     async def _write_frame(self, data: bytes) -> None:
