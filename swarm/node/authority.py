@@ -34,11 +34,12 @@ earlier lone claim was never confirmed is benched instead of its next victim. Fr
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from swarm.errors import Forbidden, ProtocolError
-from swarm.planner import Plan
+from swarm.planner import Peer, Plan
 from swarm.proto.messages import Plan as PlanMsg
 from swarm.proto.signed import verify_plan
 from swarm.proto.signing import peer_id_of
@@ -122,6 +123,24 @@ def check_fault_report(plan: Plan, accuser: str, accused: str, epoch: int) -> No
             f"fault report from {accuser} about {accused}: a peer may report only its own upstream "
             f"hop in epoch {plan.epoch} ({', '.join(sorted(ups)) or 'none'})"
         )
+
+
+def bounded_draft_claims(peers: list[Peer], me: str) -> list[Peer]:
+    """``peers`` with every other member's claimed draft speed bounded before it can decide the
+    coordinator (the role that sees every prompt): nobody else is believed to draft faster than
+    we measured our own draft model, or, when we run none, faster than the (upper) median of the
+    claims. A member advertising a 0.01 ms/token draft no longer outbids honest ones; honest
+    members that claim alike keep what they claim. Our own figure is measured (drafting.py). Not
+    bounded: a lone claim when we run no draft (there is nothing to compare it with)."""
+    claims = sorted(p.draft_ms for p in peers if p.draft_ms is not None)
+    if not claims:
+        return peers
+    own = next((p.draft_ms for p in peers if p.id == me and p.draft_ms is not None), None)
+    floor = own if own is not None else claims[len(claims) // 2]  # the upper median (of one: itself)
+    return [
+        dataclasses.replace(p, draft_ms=max(p.draft_ms, floor)) if p.id != me and p.draft_ms is not None else p
+        for p in peers
+    ]
 
 
 def check_epoch_end(ring: set[str], sender: str, epoch: int) -> None:

@@ -55,6 +55,7 @@ from swarm.node.authority import (
     ENDED_EVERY_S,
     EXCLUDE_S,
     Strikes,
+    bounded_draft_claims,
     check_epoch_end,
     check_epoch_step,
     vouched_plans,
@@ -233,10 +234,10 @@ class Leader:
 
     def plan_for(self, members: list[str], previous: Plan | None, epoch: int) -> Plan:
         pf = parse_peers_file(self.peers_file(), where="membership view")
-        peers = [
+        peers = bounded_draft_claims([
             dataclasses.replace(p, coordinator_ok=self.settings.coordinator_ok if p.id == self.peer_id else p.coordinator_ok)
             for p in pf.peers if p.id in members
-        ]  # fmt: skip
+        ], self.peer_id)  # fmt: skip
         if previous is not None and previous.coordinator in members:
             keep = [dataclasses.replace(p, coordinator_ok=p.coordinator_ok and p.id == previous.coordinator) for p in peers]
             try:

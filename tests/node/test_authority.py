@@ -257,3 +257,26 @@ def test_strikes_hear_one_ended_per_interval_and_reach_the_bench_limit() -> None
     check_epoch_end({"A", "B"}, "A", 5)
     with pytest.raises(Forbidden, match="only a member of that ring"):
         check_epoch_end({"A", "B"}, "C", 5)
+
+
+def test_a_claimed_draft_speed_no_longer_outbids_the_measured_one_for_the_coordinator() -> None:
+    """Issue 27: a member advertising a 0.01 ms/token draft took the coordinator (the role that
+    sees every prompt). The leader now believes no one drafts faster than it measured its own
+    draft; running none, no one faster than the upper median of the claims."""
+    from swarm.node.authority import bounded_draft_claims
+    from swarm.planner import GB, ModelSpec, Peer, plan
+
+    spec = ModelSpec(n_layers=32, layer_bytes=GB // 2, coordinator_bytes=GB)
+    ids = ["c", "d", "e", "s1", "s2", "s3"]
+    rtt = {a: {b: 0.2 for b in ids if b != a} for a in ids}
+    stages = [Peer(s, 9 * GB, 0.01, coordinator_ok=False) for s in ("s1", "s2", "s3")]
+    peers = [Peer("c", 3 * GB, 0.01), Peer("d", 3 * GB, 0.01, draft_ms=0.01, draft_bytes=GB),
+             Peer("e", 3 * GB, 0.01, draft_ms=20.0, draft_bytes=GB), *stages]  # fmt: skip
+    assert plan(spec, peers, rtt).coordinator == "d"  # the claim alone moved it
+    bounded = bounded_draft_claims(peers, "c")
+    assert [p.draft_ms for p in bounded[:3]] == [None, 20.0, 20.0]
+    assert plan(spec, bounded, rtt).coordinator != "d"
+    measured = [Peer("c", 3 * GB, 0.01, draft_ms=5.0, draft_bytes=GB), *peers[1:]]  # ours, measured: 5 ms
+    assert [p.draft_ms for p in bounded_draft_claims(measured, "c")[:3]] == [5.0, 5.0, 20.0]
+    alone = [Peer("c", 3 * GB, 0.01), peers[1]]  # a lone claim and nothing to compare it with: kept
+    assert bounded_draft_claims(alone, "c")[1].draft_ms == 0.01
