@@ -53,13 +53,12 @@ import trio
 from swarm.errors import Forbidden, PlanningError, SwarmError
 from swarm.node.authority import (
     ENDED_EVERY_S,
-    EXCLUDE_S,
-    Strikes,
     bounded_draft_claims,
     check_epoch_end,
     check_epoch_step,
     vouched_plans,
 )
+from swarm.node.bench import Bench
 from swarm.node.control import RingClient
 from swarm.node.epochs import Epochs, plan_body, plan_from_body
 from swarm.node.failure import DEFAULT_LOST_AFTER, MAX_PATIENCE
@@ -74,7 +73,6 @@ from swarm.proto.messages import Message
 from swarm.proto.messages import Plan as PlanMsg
 from swarm.proto.signed import sign_plan, verify_plan
 from swarm.proto.signing import Signer
-from swarm.proto.text import printable
 
 log = logging.getLogger("swarm.node")
 
@@ -127,7 +125,7 @@ class Leader:
         # trio time our view of the epochs went stale (None: it is not); a new node's is unknown
         # (-inf: it asks the members what they serve before its first plan, without waiting)
         self.cut_off_since: float | None = float("-inf")
-        self.strikes = Strikes()  # what this node, leading, holds against each member (authority.py)
+        self.benches = Bench(self.peer_id, view, epochs)  # strikes and the bench (bench.py)
 
     def cut_off(self) -> None:
         """Our view went stale now (we were stopped, or saw every other member go)."""
@@ -448,38 +446,18 @@ class Leader:
         check_epoch_step(n, mine, f"ended from {peer}")
         if self.view.leader() != self.peer_id:
             return ctl.Serving()  # not ours to act on
-        if not self.strikes.hear(peer, trio.current_time()):
-            self.strike(peer, f"ended reports more often than one per {ENDED_EVERY_S:.0f} s")
+        if not self.benches.strikes.hear(peer, trio.current_time()):
+            self.benches.strike(peer, f"ended reports more often than one per {ENDED_EVERY_S:.0f} s")
             raise Forbidden(f"ended from {peer}: at most one per {ENDED_EVERY_S:.0f} s")
         if n == mine and ep is not None and ep.live:
             # a hop of our ring broke where we cannot see it (a relayed connection that
             # DCUtR replaced took its streams along): the ring cannot serve; re-plan
             check_epoch_end(ep.members, peer, n)
             self.epochs.end(f"{peer} reports that epoch {n} ended")
-            self.strike(peer, f"its report ended epoch {n}")
+            self.benches.strike(peer, f"its report ended epoch {n}")
             return ctl.Serving()
         if n > mine and self.cut_off_since is None:
             self.notices.notice(f"{peer} served epoch {n}, newer than ours ({mine}): catching up with the swarm")
             self.cut_off_since = float("-inf")  # no settling: the swarm waits on us
             self.view.kick()
         return ctl.Serving()
-
-    # -- benching ------------------------------------------------------------------------------
-
-    def strike(self, peer: str, why: str) -> None:
-        """Leader: one strike against ``peer``; STRIKES of them within EXCLUDE_S bench it."""
-        if peer == self.peer_id or self.view.excluded.get(peer, 0.0) > trio.current_time():
-            return  # never ourselves; a benched peer is benched already
-        n = self.strikes.strike(peer, trio.current_time())
-        if n >= self.strikes.limit:
-            self.strikes.forgive(peer)
-            self.bench(peer, f"{n} strikes within {EXCLUDE_S:.0f} s, the last: {why}")
-
-    def bench(self, peer: str, reason: str) -> None:
-        """Leader: leave ``peer`` out of plans for EXCLUDE_S and re-plan now if it is in the ring
-        (one bench for bad activations, forced epoch ends and failed set-ups)."""
-        log.warning("excluding %s from plans for %.0f s: %s", peer, EXCLUDE_S, printable(reason))
-        self.view.exclude(peer, EXCLUDE_S)
-        ep = self.epochs.current
-        if ep is not None and peer in ep.members:
-            self.epochs.end(f"peer {peer} misbehaved: {printable(reason)[:200]}")

@@ -134,7 +134,7 @@ class Recovery:
             self._exclude(p, why)
 
     def _exclude(self, peer: str, reason: str) -> None:
-        self.leader.bench(peer, reason)
+        self.leader.benches.bench(peer, reason)
 
     async def on_fault(self, peer: str, msg: ctl.Fault) -> Message:
         self.fault_report(peer, msg.peer, msg.epoch, msg.reason)
