@@ -65,9 +65,10 @@ DEFAULT_ADMIT_TIMEOUT = 5.0
 CLOSE_TIMEOUT = 3.0
 BAN_S = 300.0  # a peer that sent malformed frames is refused this long
 MAX_STREAMS_PER_PEER = 256  # inbound swarm streams (fast-path channels included) one peer may hold open at once
-# a client's frames on the protocols open to it: a prompt (issue 26 sends its token ids in
-# chunks of at most 64 KiB a frame), a status request; not a 32 MiB tensor. A few queued at most.
-CLIENT_FRAME_BYTES = 256 * 1024
+# a client's frames on the protocols open to it: a prompt, a status request; not a 32 MiB tensor.
+# 384 KiB holds every valid one (at most 64 Ki token ids, 256 KiB, plus 64 KiB of metadata; issue
+# 26 sends ids in chunks of at most 64 KiB a frame). A few queued at most.
+CLIENT_FRAME_BYTES = 384 * 1024
 CLIENT_QUEUED = 4
 
 Handler = Callable[[str, FramedStream], Awaitable[None]]

@@ -3,7 +3,8 @@
 A client may open generations (``/shard-swarm/gen/1``). Before the fix each of its streams could
 hold a partial frame up to the 32 MiB frame cap until a 20 s deadline: 10 streams took a node
 from 352 to 689 MiB, and 256 streams per identity were allowed. Now a client's frames are capped
-at 256 KiB (a prompt in token-id chunks of at most 64 KiB fits; a tensor does not), at most four
+at 384 KiB (every valid prompt frame fits: 64 Ki token ids and 64 KiB of metadata; a tensor
+does not), at most four
 wait for the handler, its yamux windows never grow past 256 KiB, and a client identity holds at
 most 8 streams (64 for every client together), every protocol counted, identify included.
 
@@ -83,7 +84,7 @@ async def test_a_client_cannot_make_a_node_hold_big_frames_or_many_streams(live:
         nursery.cancel_scope.cancel()
     grew = peak - before
     assert grew <= 3 * MiB * STREAMS, f"node RSS grew {grew / MiB:.1f} MiB for {STREAMS} client streams"
-    assert "over max_frame_bytes=262144" in sw.log(node), "the node never judged the client's frames"
+    assert "over max_frame_bytes=393216" in sw.log(node), "the node never judged the client's frames"
 
     async with _as_client(live, node) as (h, peer):
         streams = contextlib.AsyncExitStack()
@@ -95,3 +96,16 @@ async def test_a_client_cannot_make_a_node_hold_big_frames_or_many_streams(live:
     assert "8 streams open (a client's limit)" in sw.log(node)
     await assert_still_serving(live)
     print(f"RSS grew {grew / MiB:.1f} MiB for {STREAMS} streams; the client pushed {pushed / MiB:.1f} MiB")
+
+
+def test_the_client_frame_cap_admits_every_valid_prompt_frame() -> None:
+    """The longest prompt a gen request may carry (MAX_IDS token ids) with the most metadata a
+    frame may hold still fits a client's frame cap: an honest client is never banned for it."""
+    from swarm.net.host import CLIENT_FRAME_BYTES
+    from swarm.proto.control import MAX_IDS
+    from swarm.proto.limits import DEFAULT_LIMITS
+
+    biggest = encode_frame(Frame(MsgType.CONTROL, dtype=DType.INT32, shape=(MAX_IDS,), payload=bytes(4 * MAX_IDS),
+                                 meta={"op": "gen", "body": {"x": ["y" * 4000] * 16}}))  # fmt: skip
+    assert len(biggest) > 4 * MAX_IDS + DEFAULT_LIMITS.max_meta_bytes - 2048  # near the most metadata may hold
+    assert len(biggest) <= CLIENT_FRAME_BYTES < 32 * MiB
