@@ -51,6 +51,11 @@ RESUME_TIMEOUT_S = 60.0  # how long a lost generation is retried on the next coo
 RESUME_PAUSE_S = 0.5  # between two tries (each also waits for a serving ring, backend.READY_WAIT_S)
 MAX_BODY = 1 << 20
 BODY_TIMEOUT_S = 30.0  # a body that trickles in slower than this is dropped (408)
+# ... and one that trickles: after BODY_GRACE_S it must have come at MIN_BODY_RATE on average,
+# with no gap over BODY_GAP_S (32 bodies sent a byte every 5 s once held every slot: 429 for all)
+BODY_GRACE_S = 2.0
+BODY_GAP_S = 2.0
+MIN_BODY_RATE = 4096  # bytes per second
 INLINE_BODY = 16 << 10  # bodies up to this are parsed on the event loop; larger ones in a thread,
 # so that big prompts never hold the loop that answers the swarm's heartbeats (issue 14:
 # 8 concurrent 1 MiB bodies parsed inline stalled it 3.1 s)
@@ -395,17 +400,31 @@ def _ids(spec: GenSpec, *, chunk: bool = False) -> tuple[str, dict[str, Any]]:
 
 
 async def _read_body(request: Request) -> bytes:
-    """The body, at most MAX_BODY bytes (413) and within BODY_TIMEOUT_S (408)."""
+    """The body, at most MAX_BODY bytes (413), within BODY_TIMEOUT_S, never BODY_GAP_S without a
+    byte and, after BODY_GRACE_S, at MIN_BODY_RATE bytes per second on average (408)."""
     if request.headers.get("content-length", "0").isdigit() and int(request.headers.get("content-length", "0")) > MAX_BODY:
         raise ApiError(f"the request body is over {MAX_BODY} bytes", status=413, code="request_too_large")
     parts: list[bytes] = []
     size = 0
+    start = trio.current_time()
+    stream = request.stream().__aiter__()
     with trio.move_on_after(BODY_TIMEOUT_S) as scope:
-        async for part in request.stream():
+        while True:
+            with trio.move_on_after(BODY_GAP_S) as gap:
+                try:
+                    part = await stream.__anext__()
+                except StopAsyncIteration:
+                    break
+            if gap.cancelled_caught:
+                raise ApiError(f"the request body stalled for {BODY_GAP_S:.0f} s", status=408, code="request_timeout")
             parts.append(part)
             size += len(part)
             if size > MAX_BODY:
                 raise ApiError(f"the request body is over {MAX_BODY} bytes", status=413, code="request_too_large")
+            took = trio.current_time() - start
+            if took > BODY_GRACE_S and size < MIN_BODY_RATE * took:
+                raise ApiError(f"the request body trickles in under {MIN_BODY_RATE} bytes/s", status=408,
+                               code="request_timeout")  # fmt: skip
     if scope.cancelled_caught:
         raise ApiError(f"the request body did not arrive within {BODY_TIMEOUT_S:.0f} s", status=408, code="request_timeout")
     return b"".join(parts)

@@ -127,11 +127,14 @@ def generate(
     addr: list[str] = [peer] if peer else list(m.bootstrap)  # every bootstrap address in turn
     if not addr:
         raise UsageError("the invite names no bootstrap peer: give --peer MULTIADDR")
+    from swarm.node.client import client_credential
+
+    secret, role, mkey = client_credential(m.secret.value, m.role, m.member_key)  # a member invite acts as a client
     result = trio.run(functools.partial(
-        _run_one, addr, m.secret.value, m.swarm_id, timeout,
+        _run_one, addr, secret, m.swarm_id, timeout,
         dict(text=prompt, prompt_ids=ids, chat=chat and ids is None, max_new_tokens=max_new_tokens,
              temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, draft=draft),
-        json_out, role=m.role, member_key=m.member_key,
+        json_out, role=role, member_key=mkey,
     ))  # fmt: skip
     _finish(result, json_out, receipt)
 

@@ -151,8 +151,9 @@ def status(
     if not addrs:
         raise UsageError(f"the invite {path} lists no bootstrap address: pass --peer MULTIADDR")
     live = not as_json and not once and ui.stdout_is_tty()
-    trio.run(lambda: _run(addrs, manifest.secret.value, manifest.swarm_id, as_json=as_json, live=live,
-                          interval=interval, timeout=timeout, role=manifest.role, member_key=manifest.member_key))  # fmt: skip
+    secret, role, mkey = client.client_credential(manifest.secret.value, manifest.role, manifest.member_key)
+    trio.run(lambda: _run(addrs, secret, manifest.swarm_id, as_json=as_json, live=live,
+                          interval=interval, timeout=timeout, role=role, member_key=mkey))  # fmt: skip
 
 
 def web_url(address: str) -> str:

@@ -212,7 +212,27 @@ def parse_manifest(data: bytes, where: str = "manifest") -> Manifest:
         raise ManifestInvalid(
             Reason.MALFORMED, f"{where}: not valid JSON ({str(exc)[:120]})"
         ) from None
+    _no_lone_surrogates(obj, where)
     return _parse_obj(obj, where)
+
+
+def _no_lone_surrogates(obj: Any, where: str, path: str = "") -> None:
+    """JSON's \\uD800 escapes decode to lone surrogates, which no UTF-8 text (the signed bytes, a
+    terminal) can hold: refused here, once for every string of the file, naming the field."""
+    stack: list[tuple[str, Any]] = [(path, obj)]
+    while stack:
+        at, v = stack.pop()
+        items = v.items() if isinstance(v, dict) else enumerate(v) if isinstance(v, list) else ()
+        for k, x in items:
+            sub = f"{at}[{k}]" if isinstance(k, int) else (f"{at}.{k}" if at else str(k))
+            if isinstance(k, str) and _has_surrogate(k) or isinstance(x, str) and _has_surrogate(x):
+                field = sub.encode("utf-8", "backslashreplace").decode("ascii", "backslashreplace")
+                raise ManifestInvalid(Reason.MALFORMED, f"{where}: a lone surrogate (\\uD800-\\uDFFF) in {field}", field)
+            stack.append((sub, x))
+
+
+def _has_surrogate(text: str) -> bool:
+    return any(0xD800 <= ord(c) <= 0xDFFF for c in text)
 
 
 def _parse_obj(obj: Any, where: str) -> Manifest:

@@ -24,6 +24,7 @@ credential), who is being admitted, which inbound connections still wait, and wh
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -48,6 +49,44 @@ CLOSE_TIMEOUT = 3.0
 MAX_PENDING_ADMISSIONS = 16  # inbound connections waiting for admission at once; past it the oldest is dropped
 # what a client-admitted peer may use besides the protocols registered for clients
 CLIENT_LIBP2P_PROTOCOLS = frozenset({str(IDENTIFY_PROTOCOL), str(PING_PROTOCOL)})
+# streams an admitted peer may hold open at once, every protocol counted (identify included), by
+# role: a member's; one client identity's; and every client's together (identities are free)
+MEMBER_STREAMS = 256
+CLIENT_STREAMS = 8
+ALL_CLIENT_STREAMS = 64
+
+
+@dataclass
+class StreamBudget:
+    """Open inbound streams by peer and by role, after admission (Door.gate claims one for
+    every stream it lets through and gives it back when the handler ends)."""
+
+    by_peer: dict[str, int] = dataclasses.field(default_factory=dict)
+    clients: int = 0
+
+    def claim(self, peer: str, role: str | None) -> str | None:
+        """None if ``peer`` (admitted as ``role``) may open one more stream, else why not."""
+        n = self.by_peer.get(peer, 0)
+        if role == MEMBER:
+            if n >= MEMBER_STREAMS:
+                return f"{MEMBER_STREAMS} streams open (a member's limit)"
+        elif n >= CLIENT_STREAMS:
+            return f"{CLIENT_STREAMS} streams open (a client's limit)"
+        elif self.clients >= ALL_CLIENT_STREAMS:
+            return f"clients hold {ALL_CLIENT_STREAMS} streams (every client's together)"
+        else:
+            self.clients += 1
+        self.by_peer[peer] = n + 1
+        return None
+
+    def release(self, peer: str, role: str | None) -> None:
+        n = self.by_peer.get(peer, 0) - 1
+        if n > 0:
+            self.by_peer[peer] = n
+        else:
+            self.by_peer.pop(peer, None)
+        if role != MEMBER:
+            self.clients -= 1
 
 
 @dataclass(frozen=True)
@@ -115,6 +154,7 @@ class Door:
         self.admitted: dict[str, HostEvent] = {}
         self.banned: dict[str, float] = {}  # peer -> trio time until which it is refused
         self.client_protocols: set[str] = set(CLIENT_LIBP2P_PROTOCOLS)
+        self.streams = StreamBudget()
         self._admitting: set[str] = set()
         self._dialing: set[str] = set()  # peers we are dialing (their connections are never evicted)
         self._pending: dict[str, float] = {}  # inbound peers connected, not yet admitted -> since
@@ -221,6 +261,7 @@ class Door:
         pid = ID.from_base58(peer)
         for muxed in libp2p_patches.muxed_conns(self._h, pid):
             muxed.pending_admission = False
+            muxed.narrow = role != MEMBER  # a client's receive windows never grow past 256 KiB
         self._changed.set()
         self._changed = trio.Event()
         log.info("admitted peer %s (%s, %s%s)", peer, addr or "?", "outbound" if outbound else "inbound",
@@ -250,6 +291,7 @@ class Door:
             return
         if peer in self.admitted:
             conn.muxed_conn.pending_admission = False
+            conn.muxed_conn.narrow = self.role_of(peer) != MEMBER
             return
         conn.muxed_conn.pending_admission = True
         if peer not in self._dialing:
@@ -293,11 +335,20 @@ class Door:
             log.info("reset a %s stream from %s: it was not admitted within %g s", protocol, peer, self.admit_timeout)
             await reset_raw(raw)
             return
-        if self.role_of(peer) != MEMBER and protocol not in self.client_protocols:
+        role = self.role_of(peer)
+        if role != MEMBER and protocol not in self.client_protocols:
             log.warning("refused %s stream from %s: a client may not use it", protocol, peer)
             await reset_raw(raw)
             return
-        await handler(raw)
+        full = self.streams.claim(peer, role)
+        if full is not None:
+            log.warning("refused %s stream from %s: %s", protocol, peer, full)
+            await reset_raw(raw)
+            return
+        try:
+            await handler(raw)
+        finally:
+            self.streams.release(peer, role)
 
     def govern(self) -> None:
         """Serve admission on the libp2p host and put every other handler behind :meth:`gate`."""
@@ -352,4 +403,4 @@ async def _write_raw(raw: INetStream, peer: str, data: bytes) -> None:
         raise
 
 
-__all__ = ["CLIENT_LIBP2P_PROTOCOLS", "MAX_PENDING_ADMISSIONS", "Credential", "Door", "HostEvent"]
+__all__ = ["ALL_CLIENT_STREAMS", "CLIENT_LIBP2P_PROTOCOLS", "CLIENT_STREAMS", "MEMBER_STREAMS", "StreamBudget", "MAX_PENDING_ADMISSIONS", "Credential", "Door", "HostEvent"]

@@ -29,6 +29,7 @@ uses them to drive membership and heartbeats.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
@@ -49,6 +50,7 @@ from swarm.net.door import Credential, Door, HostEvent, close_raw, peer_of, rese
 from swarm.net.libp2p_host import DEFAULT_DIAL_TIMEOUT, ConnectionNotifee, build_libp2p_host
 from swarm.net.streams import (
     DEFAULT_IO_TIMEOUT,
+    DEFAULT_MAX_QUEUED,
     FramedStream,
     is_foreign_io_error,
     map_exception,
@@ -63,6 +65,11 @@ DEFAULT_ADMIT_TIMEOUT = 5.0
 CLOSE_TIMEOUT = 3.0
 BAN_S = 300.0  # a peer that sent malformed frames is refused this long
 MAX_STREAMS_PER_PEER = 256  # inbound swarm streams (fast-path channels included) one peer may hold open at once
+# a client's frames on the protocols open to it: a prompt, a status request; not a 32 MiB tensor.
+# 384 KiB holds every valid one (at most 64 Ki token ids, 256 KiB, plus 64 KiB of metadata; issue
+# 26 sends ids in chunks of at most 64 KiB a frame). A few queued at most.
+CLIENT_FRAME_BYTES = 384 * 1024
+CLIENT_QUEUED = 4
 
 Handler = Callable[[str, FramedStream], Awaitable[None]]
 
@@ -89,6 +96,7 @@ class SwarmHost:
         self.swarm_id = swarm_id
         self.revoked = revoked
         self.limits = limits
+        self.client_limits = dataclasses.replace(limits, max_frame_bytes=min(limits.max_frame_bytes, CLIENT_FRAME_BYTES))
         self.io_timeout = io_timeout
         self.dial_timeout = dial_timeout
         self.admit_timeout = admit_timeout
@@ -300,8 +308,10 @@ class SwarmHost:
                 await reset_raw(raw)
                 return
             try:
+                client = role != MEMBER  # a client sends prompts: small frames, few queued
                 async with open_framed(
-                    raw, peer=peer, protocol=protocol, limits=self.limits, io_timeout=self.io_timeout
+                    raw, peer=peer, protocol=protocol, limits=self.client_limits if client else self.limits,
+                    io_timeout=self.io_timeout, max_queued=CLIENT_QUEUED if client else DEFAULT_MAX_QUEUED,
                 ) as fs:
                     await handler(peer, fs)
             except PeerError as exc:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
+import ipaddress
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -89,8 +90,9 @@ class GuardedYamuxStream(YamuxStream):
     the few small reads of protocol negotiation alone gave an outsider 2-4 MiB per stream."""
 
     def _apply_autotune_epoch(self, buffered: int) -> int:
-        if getattr(self.muxed_conn, "pending_admission", None):
-            return 0
+        conn = self.muxed_conn
+        if getattr(conn, "pending_admission", None) or getattr(conn, "narrow", False):
+            return 0  # before admission, and for a client (it sends prompts, not tensors)
         return int(super()._apply_autotune_epoch(buffered))
 
     @property  # type: ignore[override]
@@ -129,6 +131,7 @@ class WholeFrameYamux(Yamux):
         self._torn = ""
         self._writing = False
         self.pending_admission: bool | None = None
+        self.narrow = False  # set for a client's connection: windows never grow
         self.pre_admission_streams = 0
 
     async def _write_frame(self, data: bytes) -> None:
@@ -320,11 +323,12 @@ class PolicedReservations(RelayResourceManager):
         self.per_ip = per_ip
 
     def _ip_of(self, peer_id: Any) -> str:
+        """The address ``peer_id``'s reservations count against (``address_key``)."""
         network = self.host.get_network() if self.host is not None else None
         for conn in (getattr(network, "connections", {}) or {}).get(peer_id, []) or []:
             with contextlib.suppress(Exception):
-                return str(conn.muxed_conn.secured_conn.get_remote_address()[0])
-        return ""
+                return address_key(str(conn.muxed_conn.secured_conn.get_remote_address()[0]))
+        return address_key("")
 
     def free_departed(self) -> int:
         """Drop the reservations of peers no longer connected; how many were dropped."""
@@ -342,7 +346,7 @@ class PolicedReservations(RelayResourceManager):
         if len(self._reservations) >= self.limits.max_reservations:
             return False
         ip = self._ip_of(peer_id)
-        same = sum(1 for p in self._reservations if ip and self._ip_of(p) == ip)
+        same = sum(1 for p in self._reservations if self._ip_of(p) == ip)
         if same >= self.per_ip:
             log.warning("relay: refused a reservation to %s: %d already held from %s", peer_id, same, ip)
             return False
@@ -351,6 +355,21 @@ class PolicedReservations(RelayResourceManager):
     def held(self) -> dict[str, str]:
         """peer ID -> IP of every reservation held now (for tests and status)."""
         return {str(p): self._ip_of(p) for p in self._reservations}
+
+
+def address_key(ip: str) -> str:
+    """What one party's reservations are counted by: an IPv4 address; an IPv6 address's /64 (one
+    home or host is given a whole /64: one party could otherwise take every slot); every address
+    we cannot tell counts as one ("unknown")."""
+    try:
+        addr = ipaddress.ip_address(ip.split("%")[0])
+    except ValueError:
+        return "unknown"
+    if isinstance(addr, ipaddress.IPv6Address):
+        if addr.ipv4_mapped is not None:
+            return str(addr.ipv4_mapped)
+        return str(ipaddress.IPv6Network((addr, 64), strict=False))
+    return str(addr)
 
 
 def police_reservations(protocol: Any, *, per_ip: int) -> PolicedReservations:
@@ -368,6 +387,7 @@ __all__ = [
     "Libp2pVersionError",
     "WholeFrameYamux",
     "WindowViolation",
+    "address_key",
     "apply",
     "check_version",
     "dcutr_busy",

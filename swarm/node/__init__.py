@@ -15,7 +15,9 @@ Where things live:
     recovery.py    losses, stalls, faults (and exclusion), leaving on purpose, nudging a leader
     control.py     the control plane: which role may send each request (ROLES), the dispatcher,
                    and the ring protocol's client (requests and set-up phases)
-    authority.py   the finer rules behind the roles (fault reports, epoch bounds), pure
+    authority.py   the finer rules behind the roles (plans in a catch-up, epoch ends, fault reports,
+                   strikes, draft claims), pure
+    bench.py       the leader's one bench: strikes and bad activations leave a member out of plans
     service.py     the generation service (in-process for the API, and /shard-swarm/gen/1):
                    requests, relaying, the coordinator's run
     resume.py      a generation outliving its ring: wait for the next epoch, resume by replay

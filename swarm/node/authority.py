@@ -34,12 +34,21 @@ earlier lone claim was never confirmed is benched instead of its next victim. Fr
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from swarm.errors import Forbidden
-from swarm.planner import Plan
+from swarm.errors import Forbidden, ProtocolError
+from swarm.planner import Peer, Plan
+from swarm.proto.messages import Plan as PlanMsg
+from swarm.proto.signed import verify_plan
+from swarm.proto.signing import peer_id_of
 
 MAX_EPOCH_STEP = 10_000  # how far past the newest epoch we know another party's epoch may be
+EXCLUDE_S = 300.0  # a benched peer stays out of plans this long (bad activations, strikes)
+ENDED_EVERY_S = 3.0  # a member's ``ended`` is heard at most once per this long (an honest one nudges
+# once per ended epoch, NUDGE_AFTER_S = 4 s after it ended: recovery.py)
+STRIKES = 3  # strikes within EXCLUDE_S that bench a member
 
 
 def check_epoch_step(epoch: int, newest_known: int, what: str) -> None:
@@ -48,6 +57,47 @@ def check_epoch_step(epoch: int, newest_known: int, what: str) -> None:
         raise Forbidden(
             f"{what}: epoch {epoch} is more than {MAX_EPOCH_STEP} past the newest known ({newest_known})"
         )
+
+
+def vouched_plans(
+    shown: Iterable[tuple[str, PlanMsg]], *, leaders: set[str], me: str, swarm_id: str, newest_known: int
+) -> tuple[list[PlanMsg], list[str]]:
+    """The plans a peer catching up may let decide its next plan, out of ``shown`` ((member,
+    signed plan it serves or served last)), and why each other one was refused.
+
+    The invariant (SECURITY.md, issue 27): a plan that can influence another plan is signed by
+    the leader that made it and verified before use. Here: signed (an unsigned "previous plan"
+    is nobody's word), the signature verifies for this swarm, the signer is one of ``leaders``
+    (the peer that led our view while we were away, or we ourselves), the epoch is within
+    MAX_EPOCH_STEP of the newest we know, and, unless we signed it, some member other than its
+    signer holds it too: a leader's plan reaches every member of its ring, while a plan a member
+    signed for itself and showed only us (it grinds an ID to sort just after ours) reaches no one.
+    """
+    refused: list[str] = []
+    ok: dict[bytes, PlanMsg] = {}
+    holders: dict[bytes, set[str]] = {}
+    for peer, msg in shown:
+        try:
+            if msg.signer is None or msg.signature is None:
+                raise ProtocolError(f"its plan epoch {msg.epoch} is unsigned")
+            signer = peer_id_of(msg.signer)
+            if signer not in leaders:
+                raise Forbidden(f"its plan epoch {msg.epoch} is signed by {signer}, which did not lead here")
+            verify_plan(msg, msg.signer, swarm_id)
+            check_epoch_step(msg.epoch, newest_known, f"plan shown by {peer}")
+        except (ProtocolError, Forbidden) as exc:
+            refused.append(f"{peer}: {exc}")
+            continue
+        ok[msg.signature] = msg
+        holders.setdefault(msg.signature, set()).add(peer)
+    taken = []
+    for sig, msg in ok.items():
+        signer = peer_id_of(msg.signer)  # type: ignore[arg-type]
+        if signer == me or holders[sig] - {signer}:
+            taken.append(msg)
+        else:
+            refused.append(f"plan epoch {msg.epoch} is held by its signer {signer} alone")
+    return taken, refused
 
 
 def upstreams_of(plan: Plan, peer: str) -> set[str]:
@@ -73,6 +123,69 @@ def check_fault_report(plan: Plan, accuser: str, accused: str, epoch: int) -> No
             f"fault report from {accuser} about {accused}: a peer may report only its own upstream "
             f"hop in epoch {plan.epoch} ({', '.join(sorted(ups)) or 'none'})"
         )
+
+
+def bounded_draft_claims(peers: list[Peer], me: str) -> list[Peer]:
+    """``peers`` with every other member's claimed draft speed bounded before it can decide the
+    coordinator (the role that sees every prompt): nobody else is believed to draft faster than
+    we measured our own draft model, or, when we run none, faster than the (upper) median of the
+    claims. A member advertising a 0.01 ms/token draft no longer outbids honest ones; honest
+    members that claim alike keep what they claim. Our own figure is measured (drafting.py). Not
+    bounded: a lone claim when we run no draft (there is nothing to compare it with)."""
+    claims = sorted(p.draft_ms for p in peers if p.draft_ms is not None)
+    if not claims:
+        return peers
+    own = next((p.draft_ms for p in peers if p.id == me and p.draft_ms is not None), None)
+    floor = own if own is not None else claims[len(claims) // 2]  # the upper median (of one: itself)
+    return [
+        dataclasses.replace(p, draft_ms=max(p.draft_ms, floor)) if p.id != me and p.draft_ms is not None else p
+        for p in peers
+    ]
+
+
+def check_epoch_end(ring: set[str], sender: str, epoch: int) -> None:
+    """Forbidden unless ``sender`` may end epoch ``epoch`` by telling the leader that it ended:
+    only a member of that ring (the coordinator or a stage) knows that a hop of its own broke."""
+    if sender not in ring:
+        raise Forbidden(f"ended from {sender} about epoch {epoch}: only a member of that ring may end it")
+
+
+@dataclass
+class Strikes:
+    """What the leader holds against each member: when its last ``ended`` was heard (one per
+    ``every`` seconds) and its strikes (an ``ended`` past that rate, an epoch end it forced, a
+    set-up it failed), each kept ``window`` seconds; ``limit`` strikes bench it, by the same
+    bench as bad activations. Pure: ``now`` is an input; bounded whatever members send."""
+
+    window: float = EXCLUDE_S
+    every: float = ENDED_EVERY_S
+    limit: int = STRIKES
+    max_entries: int = 256
+    _heard: dict[str, float] = field(default_factory=dict)  # member -> time its last ended was heard
+    _strikes: dict[str, list[float]] = field(default_factory=dict)
+
+    def hear(self, peer: str, now: float) -> bool:
+        """True if ``peer``'s ``ended`` may be heard now (and it is then counted); False: too soon."""
+        last = self._heard.get(peer)
+        if last is not None and now - last < self.every:
+            return False
+        self._heard[peer] = now
+        if len(self._heard) > self.max_entries:
+            self._heard = {p: t for p, t in self._heard.items() if now - t < self.every}
+        return True
+
+    def strike(self, peer: str, now: float) -> int:
+        """Count one strike against ``peer``; how many it has within the window."""
+        kept = [t for t in self._strikes.get(peer, []) if now - t < self.window][-self.limit :]
+        kept.append(now)
+        self._strikes[peer] = kept
+        if len(self._strikes) > self.max_entries:
+            del self._strikes[min(self._strikes, key=lambda p: self._strikes[p][-1])]
+        return len(kept)
+
+    def forgive(self, peer: str) -> None:
+        """``peer`` was benched: its strikes are spent."""
+        self._strikes.pop(peer, None)
 
 
 @dataclass

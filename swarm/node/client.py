@@ -19,8 +19,19 @@ from swarm.net.host import SwarmHost, open_host
 from swarm.node.heartbeat import Liveness, serve_ctl_inbound
 from swarm.node.hosting import Host
 from swarm.proto import control as ctl
+from swarm.proto.admission import CLIENT, MEMBER, client_secret
+from swarm.proto.admission import member_key as member_key_of
 from swarm.proto.limits import PROTO_CTL, PROTO_GEN
 from swarm.proto.messages import parse_message
+
+
+def client_credential(secret: bytes, role: str, member_key: bytes = b"") -> tuple[bytes, str, bytes]:
+    """(secret, role, member key) to run ``generate`` or ``status`` with: always a client's. A
+    member invite's holder gets the client credential derived from it (issue 27: least
+    privilege; a member credential would make this throwaway host a member of the swarm)."""
+    if role == MEMBER:
+        return client_secret(secret), CLIENT, member_key_of(secret)
+    return secret, role, member_key
 
 
 @contextlib.asynccontextmanager

@@ -50,8 +50,15 @@ from typing import Any
 
 import trio
 
-from swarm.errors import PlanningError, ProtocolError, SwarmError
-from swarm.node.authority import check_epoch_step
+from swarm.errors import Forbidden, PlanningError, SwarmError
+from swarm.node.authority import (
+    ENDED_EVERY_S,
+    bounded_draft_claims,
+    check_epoch_end,
+    check_epoch_step,
+    vouched_plans,
+)
+from swarm.node.bench import Bench
 from swarm.node.control import RingClient
 from swarm.node.epochs import Epochs, plan_body, plan_from_body
 from swarm.node.failure import DEFAULT_LOST_AFTER, MAX_PATIENCE
@@ -65,7 +72,7 @@ from swarm.proto import control as ctl
 from swarm.proto.messages import Message
 from swarm.proto.messages import Plan as PlanMsg
 from swarm.proto.signed import sign_plan, verify_plan
-from swarm.proto.signing import Signer, peer_id_of
+from swarm.proto.signing import Signer
 
 log = logging.getLogger("swarm.node")
 
@@ -118,6 +125,7 @@ class Leader:
         # trio time our view of the epochs went stale (None: it is not); a new node's is unknown
         # (-inf: it asks the members what they serve before its first plan, without waiting)
         self.cut_off_since: float | None = float("-inf")
+        self.benches = Bench(self.peer_id, view, epochs)  # strikes and the bench (bench.py)
 
     def cut_off(self) -> None:
         """Our view went stale now (we were stopped, or saw every other member go)."""
@@ -224,10 +232,10 @@ class Leader:
 
     def plan_for(self, members: list[str], previous: Plan | None, epoch: int) -> Plan:
         pf = parse_peers_file(self.peers_file(), where="membership view")
-        peers = [
+        peers = bounded_draft_claims([
             dataclasses.replace(p, coordinator_ok=self.settings.coordinator_ok if p.id == self.peer_id else p.coordinator_ok)
             for p in pf.peers if p.id in members
-        ]  # fmt: skip
+        ], self.peer_id)  # fmt: skip
         if previous is not None and previous.coordinator in members:
             keep = [dataclasses.replace(p, coordinator_ok=p.coordinator_ok and p.id == previous.coordinator) for p in peers]
             try:
@@ -369,11 +377,13 @@ class Leader:
         return "plan", plan
 
     async def _catch_up(self, members: list[str]) -> tuple[PlanMsg | None, Plan | None, int]:
-        """What the other members serve: the newest serving epoch (a plan signed by a member)
-        unless ours is newer; the newest ended one they report, if newer than ours; and how many
-        answered. Bounded: a member that does not answer within CATCH_UP_TIMEOUT_S is not waited for."""
-        found: list[PlanMsg] = []
-        ended: list[Plan] = []
+        """What the other members serve: the newest serving epoch unless ours is newer; the newest
+        ended one they report, if newer than ours; and how many answered. Only plans that
+        ``authority.vouched_plans`` lets through count (signed by the peer that led this view
+        while we were away, or by us; verified; held by a member other than their signer).
+        Bounded: a member that does not answer within CATCH_UP_TIMEOUT_S is not waited for."""
+        shown: list[tuple[str, PlanMsg]] = []
+        served: set[bytes] = set()  # signatures of the plans some member still serves
         answered = 0
         interim_leader = min((p for p in members if p != self.peer_id), default="")
         mine = self.epochs.current.plan.epoch if self.epochs.current is not None else 0
@@ -383,21 +393,12 @@ class Leader:
             try:
                 msg = await self.ring.call(peer, ctl.Current(), CATCH_UP_TIMEOUT_S)
                 answered += 1
-                if isinstance(msg, PlanMsg) and msg.signer is not None:
-                    # only the peer that led this view while we were away may have signed it, or
-                    # we did (we were cut off while not in the ring: the swarm still serves our plan)
-                    signer = peer_id_of(msg.signer)
-                    if signer not in (interim_leader, self.peer_id):
-                        raise ProtocolError(
-                            f"its plan epoch {msg.epoch} is signed by {signer}, not {interim_leader} nor us"
-                        )
-                    verify_plan(msg, msg.signer, self.settings.swarm_id)
-                    check_epoch_step(msg.epoch, mine, f"plan shown by {peer}")
-                    plan_from_body(msg.epoch, msg.plan)  # well-formed, or it is not taken
-                    found.append(msg)
-                elif isinstance(msg, ctl.NoPlan) and msg.plan is not None and msg.epoch is not None:
-                    check_epoch_step(msg.epoch, mine, f"ended plan shown by {peer}")
-                    ended.append(plan_from_body(msg.epoch, msg.plan))
+                plan = msg.signed_plan() if isinstance(msg, ctl.NoPlan) else msg
+                if isinstance(plan, PlanMsg):
+                    plan_from_body(plan.epoch, plan.plan)  # well-formed, or it is not taken
+                    shown.append((peer, plan))
+                    if plan is msg and plan.signature is not None:
+                        served.add(plan.signature)
             except (SwarmError, KeyError, TypeError, ValueError) as exc:
                 log.info("catching up: %s did not say what it serves: %s", peer, exc)
 
@@ -406,11 +407,17 @@ class Leader:
                 for p in members:
                     if p != self.peer_id:
                         nursery.start_soon(ask, p)
-        newest = max(found, key=lambda m: m.epoch, default=None)
-        last_ended = max(ended, key=lambda p: p.epoch, default=None)
+        taken, refused = vouched_plans(
+            shown, leaders={interim_leader, self.peer_id}, me=self.peer_id, swarm_id=self.settings.swarm_id,
+            newest_known=mine,
+        )  # fmt: skip
+        for why in refused:
+            log.warning("catching up: not taken: %s", why)
+        newest = max((m for m in taken if m.signature in served), key=lambda m: m.epoch, default=None)
+        last_ended = max((m for m in taken if m.signature not in served), key=lambda m: m.epoch, default=None)
         return (
             newest if newest is not None and newest.epoch >= mine else None,
-            last_ended if last_ended is not None and last_ended.epoch > mine else None,
+            plan_from_body(last_ended.epoch, last_ended.plan) if last_ended is not None and last_ended.epoch > mine else None,
             answered,
         )
 
@@ -425,23 +432,31 @@ class Leader:
         ep = self.epochs.current
         if ep is not None and ep.live and ep.msg is not None:
             return ep.msg
-        if ep is not None and ep.msg is not None:
-            return ctl.NoPlan(ep.plan.epoch, ep.msg.plan)
+        if ep is not None and ep.msg is not None:  # as its leader signed it (vouched_plans)
+            return ctl.NoPlan(ep.plan.epoch, ep.msg.plan, ep.msg.signer, ep.msg.signature)
         return ctl.NoPlan()
 
     async def on_ended(self, peer: str, msg: ctl.Ended) -> Message:
-        """A member's ring ended and no new plan came: are we behind?"""
+        """A member's ring ended and no new plan came: are we behind? Or a hop of our ring broke
+        where we cannot see it. Heard at most once per ENDED_EVERY_S per member; only a member of
+        the live ring may end it (authority.check_epoch_end), and each end it forces is a strike."""
         n = msg.epoch
         ep = self.epochs.current
         mine = ep.plan.epoch if ep is not None else 0
         check_epoch_step(n, mine, f"ended from {peer}")
-        leading = self.view.leader() == self.peer_id
-        if n == mine and ep is not None and ep.live and leading:
+        if self.view.leader() != self.peer_id:
+            return ctl.Serving()  # not ours to act on
+        if not self.benches.strikes.hear(peer, trio.current_time()):
+            self.benches.strike(peer, f"ended reports more often than one per {ENDED_EVERY_S:.0f} s")
+            raise Forbidden(f"ended from {peer}: at most one per {ENDED_EVERY_S:.0f} s")
+        if n == mine and ep is not None and ep.live:
             # a hop of our ring broke where we cannot see it (a relayed connection that
             # DCUtR replaced took its streams along): the ring cannot serve; re-plan
+            check_epoch_end(ep.members, peer, n)
             self.epochs.end(f"{peer} reports that epoch {n} ended")
+            self.benches.strike(peer, f"its report ended epoch {n}")
             return ctl.Serving()
-        if n > mine and leading and self.cut_off_since is None:
+        if n > mine and self.cut_off_since is None:
             self.notices.notice(f"{peer} served epoch {n}, newer than ours ({mine}): catching up with the swarm")
             self.cut_off_since = float("-inf")  # no settling: the swarm waits on us
             self.view.kick()

@@ -19,12 +19,11 @@ without the leaver and answers once that ring serves (``leave``), within LEAVE_T
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import trio
 
 from swarm.errors import PeerError, PeerTimeout, PlanningError, ProtocolError, SwarmError
-from swarm.node.authority import FaultClaims, check_fault_report
+from swarm.node.authority import EXCLUDE_S, FaultClaims, check_fault_report
 from swarm.node.control import RPC_TIMEOUT_S, RingClient
 from swarm.node.epochs import Epoch, Epochs
 from swarm.node.gossip import MemberEvent
@@ -33,13 +32,13 @@ from swarm.node.notices import Notices
 from swarm.node.view import MemberView
 from swarm.proto import control as ctl
 from swarm.proto.messages import Message
+from swarm.proto.text import printable
 
 log = logging.getLogger("swarm.node")
 
 LEAVE_TIMEOUT_S = 5.0  # a leaver waits at most this long for its hand-over, then goes anyway
 LEAVING_NOTICE_S = 1.5  # ... of which telling the members it leaves takes at most this long
 NUDGE_AFTER_S = 4.0  # a member whose ring ended tells the leader after this long without a new plan
-EXCLUDE_S = 300.0  # a peer caught sending bad activations stays out of plans this long
 LEAVE_POLL_S = 0.05
 
 
@@ -135,12 +134,7 @@ class Recovery:
             self._exclude(p, why)
 
     def _exclude(self, peer: str, reason: str) -> None:
-        """Leader: leave ``peer`` out of plans for EXCLUDE_S and re-plan now if it is in the ring."""
-        log.warning("excluding %s from plans for %.0f s: %s", peer, EXCLUDE_S, printable(reason))
-        self.view.exclude(peer, EXCLUDE_S)
-        ep = self.epochs.current
-        if ep is not None and peer in ep.members:
-            self.epochs.end(f"peer {peer} misbehaved: {reason[:200]}")
+        self.leader.benches.bench(peer, reason)
 
     async def on_fault(self, peer: str, msg: ctl.Fault) -> Message:
         self.fault_report(peer, msg.peer, msg.epoch, msg.reason)
@@ -228,7 +222,3 @@ class Recovery:
                 await trio.sleep(LEAVE_POLL_S)
         raise PeerTimeout(f"no ring without {peer} within {LEAVE_TIMEOUT_S:.0f} s")
 
-
-def printable(text: Any) -> str:
-    """A peer's words, safe for one log line: control characters and lone surrogates escaped."""
-    return "".join(c if c.isprintable() and not 0xD800 <= ord(c) <= 0xDFFF else f"\\x{{{ord(c):x}}}" for c in str(text))

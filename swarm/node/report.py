@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import statistics
 import time
 from typing import Any
@@ -27,9 +28,12 @@ from swarm.node.models import Models
 from swarm.node.view import MemberView
 from swarm.node.wiring import Wiring
 from swarm.planner import Plan
+from swarm.proto.text import clean
 
 STATUS_OTHER_ADVERTS = 32  # adverts of non-members a status reply lists (without RTTs)
 RUNS_KEPT = 30  # generations a status reply summarises one by one (``runs``)
+STATUS_BUDGET = 48 * 1024  # bytes of JSON a status reply may take (the frame's metadata cap is 64 KiB)
+DEVICE_CHARS = 80  # of a member's "kind:name", as status shows it (control characters dropped)
 
 
 class Reporter:
@@ -103,6 +107,11 @@ class Reporter:
         }
 
     def status(self, *, loop_window_s: int = 60) -> dict[str, Any]:
+        """This node's status, bounded by construction (``bounded``): members describe themselves,
+        and what they say is cleaned and cut, never a reason for the reply to fail."""
+        return bounded(self._status(loop_window_s))
+
+    def _status(self, loop_window_s: int) -> dict[str, Any]:
         ep = self.epochs.serving
         plan = ep.plan if ep is not None else None
         worker = ep.worker if ep is not None else None
@@ -150,14 +159,17 @@ class Reporter:
         spec = self.models.spec
         now = self.service.liveness.clock()
         out: dict[str, Any] = {}
-        for peer, adv in view.items():
+        members = set(self.view.members())
+        others = [p for p in view if p not in members][:STATUS_OTHER_ADVERTS]
+        for peer in [p for p in view if p in members] + others:
+            adv = view[peer]
             heard = detector.last_heard(peer)
             block = plan.blocks.get(peer) if plan is not None else None
             used = (block[1] - block[0]) * spec.bytes_per_layer if block else 0
             if plan is not None and plan.coordinator == peer:
                 used += spec.coordinator_bytes
             out[peer] = {
-                "device": f"{adv.device_kind}:{adv.device_name}",
+                "device": clean(f"{adv.device_kind}:{adv.device_name}", DEVICE_CHARS),
                 "memory_used_bytes": used,
                 "heartbeat_age_s": None if peer == self.peer_id or heard is None else round(now - heard, 2),
                 "path": "self" if peer == self.peer_id else self.host.path_label(peer),  # direct, hole-punched, relayed
@@ -166,6 +178,36 @@ class Reporter:
                 "rtt_from": None if peer == self.peer_id else self.service.liveness.rtt_source(peer),
             }
         return out
+
+
+def bounded(status: dict[str, Any], budget: int = STATUS_BUDGET) -> dict[str, Any]:
+    """``status`` cut until its JSON fits ``budget`` bytes, in this order: the other adverts'
+    details, then the RTT matrix, then the epoch history, then every member's details (each cut
+    is named under "truncated"). What is left (IDs, the plan, counters) is small for any swarm
+    the advert book admits."""
+    cuts: list[tuple[str, Any]] = [
+        ("other adverts", lambda st: _members_only(st)),
+        ("rtt_ms", lambda st: st["peers_file"].pop("rtt_ms", None)),
+        ("replans", lambda st: st.update(replans=st["replans"][-5:])),
+        ("peer_info", lambda st: st.update(peer_info={})),
+        ("peers_file", lambda st: st["peers_file"].update(peers=st["peers_file"]["peers"][:32])),
+    ]
+    st = dict(status)
+    done: list[str] = []
+    for name, cut in cuts:
+        if len(json.dumps(st, default=str, ensure_ascii=False).encode("utf-8", "replace")) <= budget:
+            break
+        cut(st)
+        done.append(name)
+        st["truncated"] = done
+    return st
+
+
+def _members_only(st: dict[str, Any]) -> None:
+    members = set(st.get("members") or ())
+    pf = st["peers_file"] = dict(st["peers_file"])
+    pf["peers"] = [p for p in pf.get("peers", []) if p.get("id") in members]
+    st["peer_info"] = {p: v for p, v in st["peer_info"].items() if p in members}
 
 
 def hop_report(ep: Epoch) -> list[dict[str, str]]:

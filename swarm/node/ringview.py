@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from swarm.proto.text import clean
+
 GB = 1e9
 
 
@@ -39,12 +41,12 @@ def build_view(st: dict[str, Any]) -> dict[str, Any]:
         used = extra.get("memory_used_bytes")
         return {
             "peer": peer, "role": role, "block": list(blk) if blk else None,
-            "layers": (blk[1] - blk[0]) if blk else 0, "device": extra.get("device"),
+            "layers": (blk[1] - blk[0]) if blk else 0, "device": _text(extra.get("device")),
             "memory_used_gb": None if used is None else used / GB,
             "memory_offered_gb": None if offered is None else float(offered),
             "ms_per_layer": adv.get("ms_per_layer"),
             "next": nxt, "rtt_next_ms": _rtt(rtt, peer, nxt) if nxt else None,
-            "heartbeat_age_s": extra.get("heartbeat_age_s"), "path": extra.get("path"),
+            "heartbeat_age_s": extra.get("heartbeat_age_s"), "path": _text(extra.get("path")),
         }  # fmt: skip
 
     rows: list[dict[str, Any]] = []
@@ -67,3 +69,8 @@ def build_view(st: dict[str, Any]) -> dict[str, Any]:
         "replans": len(st.get("replans") or []),
         "hops": [h for h in st.get("hops") or [] if isinstance(h, dict)],
     }  # fmt: skip
+
+
+def _text(v: Any) -> str | None:
+    """What a member says about itself, for a terminal or a page: no control characters."""
+    return None if v is None else clean(v, 200)

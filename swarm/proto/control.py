@@ -39,6 +39,7 @@ from swarm.errors import (
     UsageError,
 )
 from swarm.proto.fields import (
+    B64,
     Bool,
     Fields,
     Float,
@@ -53,7 +54,7 @@ from swarm.proto.fields import (
 )
 from swarm.proto.frame import DType, Frame, MsgType
 from swarm.proto.limits import DEFAULT_LIMITS, Limits
-from swarm.proto.messages import I63, Message, register
+from swarm.proto.messages import I63, Message, Plan, register
 
 MAX_IDS = 1 << 16  # token ids in one CONTROL (prompt or committed tokens)
 EPOCH_MAX = 1 << 62  # the one bound on an epoch number, everywhere it is read
@@ -196,11 +197,20 @@ class Current(Control):
 @op
 @dataclass(frozen=True, slots=True)
 class NoPlan(Control):
-    """Nothing serving here; an ended epoch's plan still says who held what."""
+    """Nothing serving here; an ended epoch's plan still says who held what, signed as its
+    leader signed it (a peer catching up takes no plan it cannot verify: issue 27)."""
 
     OP: ClassVar[str] = "none"
     epoch: int | None = meta("epoch", Int(0, EPOCH_MAX), optional=True, default=None)
     plan: dict[str, Any] | None = meta("plan", Obj(), optional=True, default=None)
+    signer: bytes | None = meta("signer", B64(32), optional=True, default=None)
+    signature: bytes | None = meta("sig", B64(64), optional=True, default=None)
+
+    def signed_plan(self) -> Plan | None:
+        """The ended plan as its leader signed it (None when there is none: unsigned is none)."""
+        if self.epoch is None or self.plan is None or self.signer is None or self.signature is None:
+            return None
+        return Plan(self.epoch, self.plan, self.signer, self.signature)
 
 
 @op

@@ -287,3 +287,50 @@ async def test_a_stream_refused_for_capacity_gets_429_with_retry_after_before_an
             assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
             assert lines[-1] == "data: [DONE]" and '"role":"assistant"' in lines[0], lines
         nursery.cancel_scope.cancel()
+
+
+async def test_bodies_that_trickle_are_dropped_and_free_their_slots(node_api: str) -> None:
+    """Issue 27: MAX_CONCURRENT_REQUESTS bodies sent a byte at a time held every slot for the
+    30 s body deadline (429 for everyone). Now a body must keep coming (a gap under 2 s, 4 KiB/s
+    on average after 2 s): every trickler gets 408 within seconds, and an honest request
+    made just after is served."""
+    from urllib.parse import urlsplit
+
+    from swarm.api.server import MAX_CONCURRENT_REQUESTS
+
+    url = urlsplit(node_api)
+    answers: list[bytes] = []
+
+    async def trickle() -> None:
+        stream = await trio.open_tcp_stream(url.hostname or "127.0.0.1", url.port or 80)
+        head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: 1000\r\n\r\n")  # fmt: skip
+        async with stream:
+            await stream.send_all(head)
+            with trio.move_on_after(20):
+                for _ in range(1000):
+                    try:
+                        await stream.send_all(b" ")
+                    except trio.BrokenResourceError:
+                        break
+                    with trio.move_on_after(1.0):
+                        answers.append(await stream.receive_some(4096) or b"(closed)")
+                        return
+            answers.append(b"(no answer)")
+
+    t0 = trio.current_time()
+    async with trio.open_nursery() as nursery:
+        for _ in range(MAX_CONCURRENT_REQUESTS):
+            nursery.start_soon(trickle)
+        await trio.sleep(0.5)
+        async with httpx.AsyncClient(base_url=node_api, timeout=60) as http:
+            while True:  # an honest request, as soon as the trickles are dropped (before: 30 s of 429)
+                r = await http.post("/v1/chat/completions", json={
+                    "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                    "temperature": 0})  # fmt: skip
+                if r.status_code != 429 or trio.current_time() - t0 > 25:
+                    break
+                await trio.sleep(0.25)
+    assert r.status_code == 200, (r.status_code, r.text[:300])
+    assert trio.current_time() - t0 < 15, "the trickling bodies held the slots"
+    assert len(answers) == MAX_CONCURRENT_REQUESTS and all(a.startswith(b"HTTP/1.1 408") for a in answers), answers[:3]

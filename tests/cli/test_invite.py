@@ -208,3 +208,30 @@ def test_show_prints_bootstrap_addresses_whole(tmp_path: Path, capsys: pytest.Ca
     assert main(["invite", "show", str(out)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert f"bootstrap: {addr}" in lines  # one line, whole: copyable into `join --peer`
+
+
+@pytest.mark.parametrize("where", ["model.name", "key", "bootstrap"])
+def test_a_lone_surrogate_anywhere_is_a_one_line_refusal_not_a_traceback(tmp_path: Path, where: str) -> None:
+    """Issue 27: a crafted invite (\\ud800 in the model's name) crashed `invite verify`/`show`
+    with a traceback (the signed bytes cannot encode it). Real CLI processes; exit 4 like every
+    other malformed invite (module docstring of swarm/cli/invite.py)."""
+    import subprocess
+    import sys
+
+    good = _create(tmp_path)
+    obj = json.loads(good.read_text())
+    if where == "model.name":
+        obj["model"] = {"name": "m\ud800", "config_sha256": "0" * 64, "files": {"a.bin": "0" * 64}}
+    elif where == "key":
+        obj["x\udfff"] = 1
+    else:
+        obj["bootstrap"] = ["/ip4/1.2.3.4/tcp/1/p2p/\ud800"]
+    bad = tmp_path / "crafted.json"
+    bad.write_text(json.dumps(obj))  # ensure_ascii: the surrogate travels as a \ud800 escape
+    bad.chmod(0o600)
+    for cmd in ("verify", "show"):
+        r = subprocess.run([sys.executable, "-m", "swarm.cli.main", "invite", cmd, str(bad)],
+                           capture_output=True, text=True, timeout=120)  # fmt: skip
+        lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+        assert r.returncode == 4, (cmd, r.returncode, r.stderr[-1500:])
+        assert len(lines) == 1 and lines[0].startswith("error:") and "Traceback" not in r.stderr, r.stderr

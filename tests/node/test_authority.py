@@ -204,3 +204,79 @@ def test_a_peer_s_role_comes_from_the_host_when_it_can_tell() -> None:
     assert role_of(old, "X", advertised=True) is None
     new = SimpleNamespace(is_admitted=lambda p: True, admitted_role=lambda p: "client")  # a lesser credential
     assert role_of(new, "A", advertised=True) == "client"
+
+
+def test_a_catch_up_takes_only_plans_signed_by_a_leader_verified_and_held_beyond_their_signer() -> None:
+    """Issue 27: a member's own "previous plan" (unsigned, or signed by itself and shown by it
+    alone) never decides the next plan; the interim leader's plan, held by its ring, does."""
+    import dataclasses
+    import os
+
+    from swarm.manifest.identity import Identity
+    from swarm.node.authority import vouched_plans
+    from swarm.proto.messages import Plan as PlanMsg
+    from swarm.proto.signed import sign_plan
+
+    me, interim, rogue = (Identity(os.urandom(32)) for _ in range(3))
+    body = {"coordinator": "x", "ring": ["x"]}
+    honest = sign_plan(PlanMsg(8, body), interim, "sw")
+    mine = sign_plan(PlanMsg(7, body), me, "sw")
+    by_rogue = sign_plan(PlanMsg(9, body), rogue, "sw")
+
+    def take(shown: list[tuple[str, PlanMsg]], leaders: set[str] | None = None) -> list[int]:
+        taken, _why = vouched_plans(shown, leaders=leaders or {interim.peer_id, me.peer_id}, me=me.peer_id,
+                                    swarm_id="sw", newest_known=7)  # fmt: skip
+        return sorted(m.epoch for m in taken)
+
+    assert take([("A", PlanMsg(9, body))]) == []  # unsigned
+    assert take([(rogue.peer_id, by_rogue), ("A", by_rogue)]) == []  # not a leader here
+    assert take([(interim.peer_id, honest)]) == []  # held by its signer alone
+    assert take([(interim.peer_id, honest), ("A", honest)]) == [8]  # ... and by a member of its ring
+    assert take([("A", mine)]) == [7]  # ours: nobody else can sign it
+    assert take([("A", dataclasses.replace(honest, plan={"coordinator": "evil"})), ("B", honest)]) == [8]  # tampered
+    assert take([("A", sign_plan(PlanMsg(7 + 10_001, body), interim, "sw")), ("B", honest)]) == [8]  # too far
+    assert take([("A", sign_plan(PlanMsg(8, body), interim, "other")), ("B", honest)]) == [8]  # another swarm
+    # the rogue that sorts right after the leader is the interim leader of a thawed one: still alone
+    assert take([(rogue.peer_id, by_rogue)], {rogue.peer_id, me.peer_id}) == []
+
+
+def test_strikes_hear_one_ended_per_interval_and_reach_the_bench_limit() -> None:
+    from swarm.errors import Forbidden
+    from swarm.node.authority import Strikes, check_epoch_end
+
+    s = Strikes(window=300.0, every=3.0, limit=3)
+    assert s.hear("A", 0.0) and not s.hear("A", 1.0) and s.hear("B", 1.0) and s.hear("A", 3.5)
+    assert [s.strike("A", t) for t in (0.0, 1.0, 2.0)] == [1, 2, 3]
+    assert s.strike("A", 400.0) == 1  # old strikes expire with the window
+    s.forgive("A")
+    assert s.strike("A", 401.0) == 1
+    for i in range(1000):  # bounded whatever members send
+        s.strike(f"P{i}", float(i))
+        s.hear(f"P{i}", float(i))
+    assert len(s._strikes) <= 257 and len(s._heard) <= 257
+    check_epoch_end({"A", "B"}, "A", 5)
+    with pytest.raises(Forbidden, match="only a member of that ring"):
+        check_epoch_end({"A", "B"}, "C", 5)
+
+
+def test_a_claimed_draft_speed_no_longer_outbids_the_measured_one_for_the_coordinator() -> None:
+    """Issue 27: a member advertising a 0.01 ms/token draft took the coordinator (the role that
+    sees every prompt). The leader now believes no one drafts faster than it measured its own
+    draft; running none, no one faster than the upper median of the claims."""
+    from swarm.node.authority import bounded_draft_claims
+    from swarm.planner import GB, ModelSpec, Peer, plan
+
+    spec = ModelSpec(n_layers=32, layer_bytes=GB // 2, coordinator_bytes=GB)
+    ids = ["c", "d", "e", "s1", "s2", "s3"]
+    rtt = {a: {b: 0.2 for b in ids if b != a} for a in ids}
+    stages = [Peer(s, 9 * GB, 0.01, coordinator_ok=False) for s in ("s1", "s2", "s3")]
+    peers = [Peer("c", 3 * GB, 0.01), Peer("d", 3 * GB, 0.01, draft_ms=0.01, draft_bytes=GB),
+             Peer("e", 3 * GB, 0.01, draft_ms=20.0, draft_bytes=GB), *stages]  # fmt: skip
+    assert plan(spec, peers, rtt).coordinator == "d"  # the claim alone moved it
+    bounded = bounded_draft_claims(peers, "c")
+    assert [p.draft_ms for p in bounded[:3]] == [None, 20.0, 20.0]
+    assert plan(spec, bounded, rtt).coordinator != "d"
+    measured = [Peer("c", 3 * GB, 0.01, draft_ms=5.0, draft_bytes=GB), *peers[1:]]  # ours, measured: 5 ms
+    assert [p.draft_ms for p in bounded_draft_claims(measured, "c")[:3]] == [5.0, 5.0, 20.0]
+    alone = [Peer("c", 3 * GB, 0.01), peers[1]]  # a lone claim and nothing to compare it with: kept
+    assert bounded_draft_claims(alone, "c")[1].draft_ms == 0.01

@@ -144,3 +144,27 @@ async def test_what_a_client_invite_holds_never_admits_as_a_member(live: LiveSwa
             if first_leaf(exc, AdmissionError) is None:
                 raise
     await assert_still_serving(live)
+
+
+async def test_generate_and_status_with_a_member_invite_act_as_a_client(live: LiveSwarm) -> None:
+    """Issue 27: `generate` run with a *member* invite was admitted as a member (a throwaway
+    identity holding the member credential). It now derives the client credential from the
+    invite and is admitted as a client: node 0 (the invite's bootstrap) logs a new client
+    admission and no new member one, and the output equals the reference."""
+    sw = live.swarm
+    invite = sw.workdir / "invite.json"
+
+    def admissions(kind: str) -> int:
+        lines = [ln for ln in sw.log(0).splitlines() if "admitted peer" in ln and "inbound" in ln]
+        return sum((", client)" in ln) == (kind == "client") for ln in lines)
+
+    clients, members = admissions("client"), admissions("member")
+    gen = await trio.to_thread.run_sync(lambda: _cli(
+        "generate", "--manifest", str(invite), "--prompt-ids", ",".join(map(str, PROMPT)),
+        "--max-new-tokens", str(MAX_NEW), "--draft", "none", "--json", "--timeout", "90"))  # fmt: skip
+    assert gen.returncode == 0, gen.stderr[-3000:]
+    assert json.loads(gen.stdout)["output_token_ids"] == live.reference
+    st = await trio.to_thread.run_sync(lambda: _cli("status", "--manifest", str(invite), "--json", "--timeout", "30"))
+    assert st.returncode == 0, st.stderr[-3000:]
+    assert admissions("client") >= clients + 2, "generate/status with a member invite were not admitted as clients"
+    assert admissions("member") == members, "generate/status with a member invite were admitted as members"
