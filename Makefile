@@ -10,7 +10,7 @@ TORCH   ?= torch==2.13.0
 # to build libp2p's fastecdsa
 SYSPKGS := gcc libgmp-dev python3-dev
 # for the tests: network-namespace labs (ip, iptables, nft) and the wire-capture test (tshark)
-TESTPKGS := iproute2 iptables nftables tshark
+TESTPKGS := iproute2 iptables nftables tshark nginx-light
 
 .PHONY: demo test lint sysdeps testdeps venv bench clean
 

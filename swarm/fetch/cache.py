@@ -1,0 +1,226 @@
+"""The user's cache of a model's slices: the upstream files, sparse, holding only fetched tensors.
+
+Theory of operation
+-------------------
+Each weight file lands at its own relative path under ``<cache>/models/<manifest hash[:16]>/``
+with its **true length and layout**: its header at byte 0 and each fetched tensor at its own
+offset, the rest a hole (a sparse file: it takes no disk). So the cached copy *is* an ordinary
+safetensors (or GGUF) file to the existing loaders (``swarm.model.weights`` memory-maps it and
+reads only the tensors a stage asks for); a GGUF keeps its quantized blocks exactly as
+``swarm.model.gguf`` reads them, and a tensor is fetched at most once, resumed at the byte where
+a cut left it.
+
+``.fetch-state.json`` remembers what was verified: tensors (sha256 checked against the manifest
+after landing), headers and small files, plus how many bytes of a tensor in progress have
+landed. Nothing unverified is ever listed as held; a stage loads only after :meth:`ensure`
+returned for exactly its tensors. The disk budget counts what is held plus what a fetch would
+add, and is refused before a byte moves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from swarm.fetch.origin import FetchError
+from swarm.manifest.model_manifest import FileEntry, ModelManifest, TensorEntry
+
+STATE = ".fetch-state.json"
+MANIFEST = "model-manifest.json"
+MERGE_GAP = 4096  # tensors this close share one request (GGUF pads to 32 bytes; safetensors: none)
+Progress = Callable[[int, int], None]
+
+
+class Source(Protocol):
+    def stream(self, path: str, start: int, end: int, on_bytes: Callable[[int], None] | None = None): ...  # type: ignore[no-untyped-def]
+
+    def url(self, path: str) -> str: ...
+
+
+@dataclass
+class FetchReport:
+    fetched: int = 0  # payload bytes landed in the cache by this call
+    needed: int = 0  # bytes of what was asked for (tensors, headers, small files), held or not
+    tensors: int = 0
+    by_source: dict[str, int] = field(default_factory=dict)
+
+
+class DiskBudgetError(FetchError):
+    """The cache would exceed the disk budget (``--disk``)."""
+
+
+class ModelCache:
+    def __init__(self, root: Path, manifest: ModelManifest, *, disk_budget: int | None = None) -> None:
+        self.manifest = manifest
+        self.dir = root / "models" / manifest.digest()[:16]
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.disk_budget = disk_budget
+        mf = self.dir / MANIFEST
+        if not mf.is_file():
+            _atomic_write(mf, manifest.canonical_bytes())
+        self._state_path = self.dir / STATE
+        try:
+            st = json.loads(self._state_path.read_text())
+        except (OSError, ValueError):
+            st = {}
+        self.verified: set[str] = set(st.get("verified", [])) & set(manifest.tensors)
+        self.files: set[str] = set(st.get("files", [])) & set(manifest.files)  # headers and small files
+        self.partial: dict[str, int] = {k: int(v) for k, v in st.get("partial", {}).items() if k in manifest.tensors}
+
+    # ------------------------------------------------------------------ bookkeeping
+    def save(self) -> None:
+        st = {"verified": sorted(self.verified), "files": sorted(self.files), "partial": self.partial}
+        _atomic_write(self._state_path, json.dumps(st).encode())
+
+    def held_bytes(self) -> int:
+        t = self.manifest.tensors
+        f = self.manifest.files
+        return (sum(t[n].nbytes for n in self.verified) + sum(self.partial.values())
+                + sum(f[p].header_end if f[p].is_weights else f[p].size for p in self.files))  # fmt: skip
+
+    def holds(self, tensors: Sequence[TensorEntry]) -> bool:
+        return all(t.name in self.verified for t in tensors)
+
+    def layers_held(self) -> list[int]:
+        """Layers whose every tensor is verified here (for adverts and plans)."""
+        by: dict[int, bool] = {}
+        for t in self.manifest.tensors.values():
+            if t.layer is not None:
+                by[t.layer] = by.get(t.layer, True) and t.name in self.verified
+        return sorted(k for k, v in by.items() if v)
+
+    # ------------------------------------------------------------------ fetching
+    def ensure(self, tensors: Sequence[TensorEntry], files: Sequence[str], sources: Sequence[Source],
+               progress: Progress | None = None) -> FetchReport:  # fmt: skip
+        """Fetch and verify what of ``tensors`` and ``files`` (small files whole, weight files'
+        headers; the headers of the tensors' files always) is not held yet. FetchError naming
+        file and tensor for bytes that fail their hash; the tensors that passed stay held."""
+        m = self.manifest
+        wanted = sorted({t.file for t in tensors} | set(files))
+        todo_files = [m.files[p] for p in wanted if p not in self.files]
+        todo = sorted((t for t in tensors if t.name not in self.verified), key=lambda t: (t.file, t.start))
+        report = FetchReport(needed=sum(t.nbytes for t in tensors) + sum(_file_bytes(m.files[p]) for p in wanted))
+        if not todo and not todo_files:
+            return report
+        if not sources:
+            raise FetchError(f"{self.dir}: {len(todo)} tensors and {len(todo_files)} files are not in the cache "
+                             "and there is no source to fetch them from (the invite names no origin)")  # fmt: skip
+        adding = sum(_file_bytes(f) for f in todo_files) + sum(t.nbytes - self.partial.get(t.name, 0) for t in todo)
+        if self.disk_budget is not None and self.held_bytes() + adding > self.disk_budget:
+            raise DiskBudgetError(
+                f"disk budget {_gb(self.disk_budget)}: this block needs {_gb(adding)} more and the cache "
+                f"({self.dir}) already holds {_gb(self.held_bytes())}: raise --disk, or offer less memory "
+                "so that the plan gives this peer fewer layers"
+            )
+        total, done = adding, 0
+
+        def tick(n: int) -> None:
+            nonlocal done
+            done += n
+            if progress is not None:
+                progress(done, total)
+
+        src = sources[0]  # several sources at once: not yet (the first one that answers is used)
+        key = src.url("").rstrip("/")
+        bad: list[str] = []
+        try:
+            for f in todo_files:
+                self._land_file(f, src, tick)
+            for run in _runs(todo, self.partial):
+                bad += self._land_run(run, src, tick)
+        finally:
+            self.save()
+        report.fetched = done
+        report.tensors = len(todo) - len(bad)
+        report.by_source[key] = done
+        if bad:
+            raise FetchError(f"the origin {key} sent bytes that are not the manifest's: {'; '.join(bad[:4])}"
+                             f"{f' (and {len(bad) - 4} more)' if len(bad) > 4 else ''}: its files changed since "
+                             "the manifest was made (another revision?); the tensors that matched are kept")  # fmt: skip
+        return report
+
+    def _land_file(self, f: FileEntry, src: Source, tick: Callable[[int], None]) -> None:
+        n = f.header_end if f.is_weights else f.size
+        data = b"".join(src.stream(f.path, 0, n, tick))
+        want = f.header_sha256 if f.is_weights else f.sha256
+        if hashlib.sha256(data).hexdigest() != want:
+            what = "header" if f.is_weights else "contents"
+            raise FetchError(f"{src.url(f.path)}: the file's {what} differ from the manifest's (sha256): "
+                             "the origin's file changed since the manifest was made")  # fmt: skip
+        path = self.dir / f.path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "r+b" if path.exists() else "wb") as fh:
+            fh.write(data)
+            if f.is_weights:
+                fh.truncate(f.size)  # the true length; tensors not fetched stay holes
+        self.files.add(f.path)
+
+    def _land_run(self, run: list[TensorEntry], src: Source, tick: Callable[[int], None]) -> list[str]:
+        """Stream one contiguous run of tensors into place; verify each as it completes."""
+        first, last = run[0], run[-1]
+        pos = first.start + self.partial.get(first.name, 0)
+        bad: list[str] = []
+        i = 0
+        with open(self.dir / first.file, "r+b") as fh:
+            fh.seek(pos)
+            for chunk in src.stream(first.file, pos, last.end, tick):
+                fh.write(chunk)
+                pos += len(chunk)
+                while i < len(run) and pos >= run[i].start:
+                    t = run[i]
+                    if pos < t.end:
+                        self.partial[t.name] = pos - t.start
+                        break
+                    fh.flush()
+                    self.partial.pop(t.name, None)
+                    if _hash_range(fh.fileno(), t.start, t.end) == t.sha256:
+                        self.verified.add(t.name)
+                    else:
+                        bad.append(f"{t.file}: tensor {t.name}")
+                    i += 1
+                if len(self.partial) and pos % (64 << 20) < len(chunk):
+                    self.save()  # a kill loses at most 64 MiB of progress
+        return bad
+
+
+def _runs(todo: list[TensorEntry], partial: dict[str, int]) -> list[list[TensorEntry]]:
+    runs: list[list[TensorEntry]] = []
+    for t in todo:
+        if runs and runs[-1][-1].file == t.file and 0 <= t.start - runs[-1][-1].end <= MERGE_GAP and t.name not in partial:
+            runs[-1].append(t)
+        else:
+            runs.append([t])
+    return runs
+
+
+def _hash_range(fd: int, a: int, b: int) -> str:
+    h = hashlib.sha256()
+    while a < b:
+        chunk = os.pread(fd, min(b - a, 1 << 22), a)
+        if not chunk:
+            break
+        h.update(chunk)
+        a += len(chunk)
+    return h.hexdigest()
+
+
+def _file_bytes(f: FileEntry) -> int:
+    return f.header_end if f.is_weights else f.size
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 10**8 else f"{n / 1e6:.1f} MB"
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+    with contextlib.suppress(OSError):
+        os.chmod(path, 0o644)
