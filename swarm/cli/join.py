@@ -281,6 +281,7 @@ def join(
     threads: int | None = typer.Option(None, "--threads", help=flag_help("node.threads")),
     peers: list[str] = typer.Option([], "--peer", help="Also dial this peer first, like a bootstrap (a multiaddr ending in /p2p/ID; repeatable; see `shard-swarm id`)."),
     draft: str = typer.Option("ngram", "--draft", help=JOIN_HELP),
+    disk: str | None = typer.Option(None, "--disk", help="Bound the cache of fetched model slices, e.g. 200G (default: no bound)."),
 ) -> None:
     """Join a swarm: connect, be admitted, and show peers as they appear."""
     api_token = _api_token(api_token_file, api_token_argv)
@@ -321,7 +322,13 @@ def join(
     on = f" on {dev}" if dev is not None else ""
     ui.notice(f"joining swarm {manifest.swarm_name!r} as {identity.peer_id}, offering {ui.size(mem)}{on}")
     model_dir: Path | None = None
-    if serve:
+    fetch_dir: Path | None = None
+    disk_bytes = parse_size(disk) if disk is not None else 0
+    if serve and model is None and manifest.model is not None and manifest.model.manifest_sha256:
+        from swarm.cli.model import prepare_fetch
+
+        model_dir, fetch_dir = prepare_fetch(manifest.model, disk_bytes or None)  # slices fetched per plan
+    elif serve:
         from swarm.model.packaged import resolve_model
 
         with ui.progress("preparing the model (first run only)") as report:
@@ -334,6 +341,8 @@ def join(
         check_bind(api, api_token)
     settings = node_settings_of(manifest, identity.seed, listen, mem, model_dir, dtype=dtype, device=dev or "cpu",
                                 threads=threads, mdns=mdns, relay=relay, draft=draft)  # fmt: skip
+    if fetch_dir is not None and manifest.model is not None:
+        settings = dataclasses.replace(settings, fetch_dir=fetch_dir, origin=manifest.model.origin, disk_bytes=disk_bytes)
     trio.run(lambda: _run_peer(settings, manifest, as_json=as_json, exit_after=exit_after, api=api, api_token=api_token))
     if _Left.by_signal:
         _exit_now(0)

@@ -72,10 +72,27 @@ class ModelCache:
         self.verified: set[str] = set(st.get("verified", [])) & set(manifest.tensors)
         self.files: set[str] = set(st.get("files", [])) & set(manifest.files)  # headers and small files
         self.partial: dict[str, int] = {k: int(v) for k, v in st.get("partial", {}).items() if k in manifest.tensors}
+        self.fetched_total: int = int(st.get("fetched_total", 0))  # every byte landed here, ever
+
+    @classmethod
+    def open(cls, model_dir: Path, *, disk_budget: int | None = None) -> ModelCache:
+        """The cache of the model whose directory is ``model_dir`` (``<root>/models/<hash16>``),
+        its manifest read from there and checked against the directory's name."""
+        from swarm.manifest.model_manifest import parse_model_manifest
+
+        where = model_dir / MANIFEST
+        try:
+            m = parse_model_manifest(where.read_bytes(), str(where))
+        except OSError as e:
+            raise FetchError(f"{where}: cannot read the model manifest: {e}") from None
+        if m.digest()[:16] != model_dir.name:
+            raise FetchError(f"{where}: its hash {m.digest()[:16]} is not its directory's name (a damaged cache: delete {model_dir})")
+        return cls(model_dir.parent.parent, m, disk_budget=disk_budget)
 
     # ------------------------------------------------------------------ bookkeeping
     def save(self) -> None:
-        st = {"verified": sorted(self.verified), "files": sorted(self.files), "partial": self.partial}
+        st = {"verified": sorted(self.verified), "files": sorted(self.files), "partial": self.partial,
+              "fetched_total": self.fetched_total}  # fmt: skip
         _atomic_write(self._state_path, json.dumps(st).encode())
 
     def held_bytes(self) -> int:
@@ -123,6 +140,7 @@ class ModelCache:
         def tick(n: int) -> None:
             nonlocal done
             done += n
+            self.fetched_total += n
             if progress is not None:
                 progress(done, total)
 
