@@ -87,9 +87,11 @@ def invite_spec(path: Path, origin: list[str], manifest_url: str | None) -> Mode
     return ModelSpec(m.name, cfg.sha256 if cfg else None, {}, m.digest(), tuple(origin), manifest_url)
 
 
-def prepare_fetch(spec: ModelSpec, disk: int | None) -> tuple[Path, Path]:
-    """(the path the loaders open, the model's cache directory): the model manifest (from the
-    cache, else its URL) checked against the invite's hash, the headers and config fetched."""
+def prepare_fetch(spec: ModelSpec, disk: int | None, *, local: Path | None = None,
+                  manifest_file: Path | None = None) -> tuple[Path, Path]:  # fmt: skip
+    """(the path the loaders open, the model's cache directory): the model manifest (``--model-manifest``,
+    else the cache, else its URL) checked against the invite's hash; then the headers and config
+    fetched, or with ``local`` (the user's own copy) nothing: it is verified tensor by tensor as loaded."""
     from swarm.fetch.cache import MANIFEST, ModelCache
     from swarm.fetch.origin import FetchError, Origin
     from swarm.fetch.slices import fetch_block, local_path
@@ -98,10 +100,10 @@ def prepare_fetch(spec: ModelSpec, disk: int | None) -> tuple[Path, Path]:
     assert spec.manifest_sha256 is not None
     root = cache_dir()
     cached = root / "models" / spec.manifest_sha256[:16] / MANIFEST
-    data = cached.read_bytes() if cached.is_file() else None
+    data = manifest_file.read_bytes() if manifest_file is not None else cached.read_bytes() if cached.is_file() else None
     if data is None:
         if spec.manifest_url is None:
-            raise UsageError("the invite's model has no manifest_url and no copy is cached: pass --model DIR")
+            raise UsageError("the invite's model has no manifest_url and no copy is cached: pass --model-manifest FILE")
         base, file = spec.manifest_url.rsplit("/", 1)
         o = Origin(base)
         size = o.size(file)
@@ -114,6 +116,8 @@ def prepare_fetch(spec: ModelSpec, disk: int | None) -> tuple[Path, Path]:
         raise FetchError(f"{spec.manifest_url or cached}: the model manifest's hash {m.digest()[:16]}... is not "
                          f"the invite's {spec.manifest_sha256[:16]}...: another model or revision")  # fmt: skip
     cache = ModelCache(root, m, disk_budget=disk)
+    if local is not None:
+        return local, cache.dir
     sources = [Origin(u) for u in spec.origin]
     with ui.progress("fetching the model's headers and config") as report:
         fetch_block(cache, 0, 0, sources, report)
