@@ -9,6 +9,7 @@ then fetches only its block (:func:`prepare_fetch`).
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 
@@ -123,7 +124,14 @@ def prepare_fetch(spec: ModelSpec, disk: int | None, *, local: Path | None = Non
         fetch_block(cache, 0, 0, sources, report)
     for s in sources:
         s.close()
-    return local_path(cache), cache.dir
+    path = local_path(cache)
+    if m.kind == "gguf":  # its tokenizer is in the header: converted once now, not by a coordinator mid-plan
+        from swarm.errors import TokenizerError
+        from swarm.model.tokenizer import Tokenizer
+
+        with ui.progress("preparing the tokenizer (first run only)"), contextlib.suppress(TokenizerError):
+            Tokenizer.load(path)
+    return path, cache.dir
 
 
 def register(root: typer.Typer) -> None:

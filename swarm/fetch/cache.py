@@ -33,6 +33,9 @@ from swarm.manifest.model_manifest import FileEntry, ModelManifest, TensorEntry
 
 STATE = ".fetch-state.json"
 MANIFEST = "model-manifest.json"
+FIXED_MTIME_NS = 1_000_000_000 * 10**9  # a cached file's content is fixed by the manifest, not by when
+# its tensors landed: a constant mtime keeps caches keyed by (size, mtime) valid across fetches
+# (the tokenizer a GGUF's header converts to, swarm.model.tokenizer)
 MERGE_GAP = 4096  # tensors this close share one request (GGUF pads to 32 bytes; safetensors: none)
 Progress = Callable[[int, int], None]
 
@@ -177,33 +180,48 @@ class ModelCache:
             fh.write(data)
             if f.is_weights:
                 fh.truncate(f.size)  # the true length; tensors not fetched stay holes
+        os.utime(path, ns=(FIXED_MTIME_NS, FIXED_MTIME_NS))
         self.files.add(f.path)
 
     def _land_run(self, run: list[TensorEntry], src: Source, tick: Callable[[int], None]) -> list[str]:
-        """Stream one contiguous run of tensors into place; verify each as it completes."""
+        """Stream one contiguous run of tensors into place, hashing each tensor's bytes as they
+        pass (a resumed tensor's landed prefix is read back once) and checking it as it completes."""
         first, last = run[0], run[-1]
         pos = first.start + self.partial.get(first.name, 0)
         bad: list[str] = []
-        i = 0
+        i, h = 0, None
         with open(self.dir / first.file, "r+b") as fh:
             fh.seek(pos)
             for chunk in src.stream(first.file, pos, last.end, tick):
                 fh.write(chunk)
-                pos += len(chunk)
-                while i < len(run) and pos >= run[i].start:
-                    t = run[i]
-                    if pos < t.end:
-                        self.partial[t.name] = pos - t.start
-                        break
-                    fh.flush()
+                view, off = memoryview(chunk), 0
+                while off < len(chunk) and i < len(run):
+                    t, at = run[i], pos + off
+                    if at < t.start:  # padding between two tensors
+                        off += min(t.start - at, len(chunk) - off)
+                        continue
+                    if h is None:
+                        h = hashlib.sha256()
+                        if at > t.start:  # resumed: the prefix that landed before the cut
+                            fh.flush()
+                            h.update(os.pread(fh.fileno(), at - t.start, t.start))
+                    take = min(t.end - at, len(chunk) - off)
+                    h.update(view[off : off + take])
+                    off += take
+                    if at + take < t.end:
+                        self.partial[t.name] = at + take - t.start
+                        continue
                     self.partial.pop(t.name, None)
-                    if _hash_range(fh.fileno(), t.start, t.end) == t.sha256:
+                    if h.hexdigest() == t.sha256:
                         self.verified.add(t.name)
                     else:
                         bad.append(f"{t.file}: tensor {t.name}")
-                    i += 1
-                if len(self.partial) and pos % (64 << 20) < len(chunk):
+                    i, h = i + 1, None
+                pos += len(chunk)
+                if self.partial and pos % (64 << 20) < len(chunk):
+                    fh.flush()
                     self.save()  # a kill loses at most 64 MiB of progress
+        os.utime(self.dir / first.file, ns=(FIXED_MTIME_NS, FIXED_MTIME_NS))
         return bad
 
 
@@ -215,17 +233,6 @@ def _runs(todo: list[TensorEntry], partial: dict[str, int]) -> list[list[TensorE
         else:
             runs.append([t])
     return runs
-
-
-def _hash_range(fd: int, a: int, b: int) -> str:
-    h = hashlib.sha256()
-    while a < b:
-        chunk = os.pread(fd, min(b - a, 1 << 22), a)
-        if not chunk:
-            break
-        h.update(chunk)
-        a += len(chunk)
-    return h.hexdigest()
 
 
 def _file_bytes(f: FileEntry) -> int:

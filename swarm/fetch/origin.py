@@ -38,7 +38,7 @@ class Origin:
                  transport: httpx.BaseTransport | None = None) -> None:  # fmt: skip
         self.base = base.rstrip("/")
         token = token if token is not None else os.environ.get("HF_TOKEN") or None
-        headers = {"User-Agent": "shard-swarm"}
+        headers = {"User-Agent": "shard-swarm", "Accept-Encoding": "identity"}  # byte ranges of the file itself
         if token:
             headers["Authorization"] = f"Bearer {token}"
         self.client = httpx.Client(headers=headers, timeout=TIMEOUT_S, follow_redirects=True, transport=transport)

@@ -40,16 +40,18 @@ class FetchLab:
     """n join processes, each with its own empty cache, and an invite naming the model by its
     manifest hash with the nginx origin."""
 
-    def __init__(self, tmp: Path, srv: OriginServer, served: Path, m: ModelManifest, n: int, layers_each: int) -> None:
+    def __init__(self, tmp: Path, srv: OriginServer, served: Path, m: ModelManifest, n: int, layers_each: int,
+                 args: ModelArgs | None = None) -> None:  # fmt: skip
         self.tmp, self.m, self.served = tmp, m, served
         self.ids = sorted((Identity(bytes([i + 31]) * 32) for i in range(n)), key=lambda ident: ident.peer_id)
         port = free_port()
         boot = f"/ip4/127.0.0.1/tcp/{port}/p2p/{self.ids[0].peer_id}"
-        spec = ModelSpec("tiny", m.files["config.json"].sha256, {}, m.digest(), (srv.url,), f"{srv.url}/model-manifest.json")
+        cfg = m.files["config.json"].sha256 if "config.json" in m.files else None
+        spec = ModelSpec("tiny", cfg, {}, m.digest(), (srv.url,), f"{srv.url}/model-manifest.json")
         self.invite = tmp / "invite.json"
         write_manifest(sign_manifest(new_manifest(swarm_name="fetchlab", issuer=self.ids[0].public_key,
                                                   bootstrap=(boot,), model=spec), self.ids[0]), self.invite)  # fmt: skip
-        planned = model_spec(ModelArgs.from_dir(served), torch.float32, 2048)
+        planned = model_spec(args or ModelArgs.from_dir(served), torch.float32, 2048)
         mem = layers_each * planned.bytes_per_layer + planned.coordinator_bytes + 1
         self.procs: list[JoinProc] = []
         for i in range(n):
@@ -80,11 +82,11 @@ class FetchLab:
                 raise AssertionError(f"waiting for {what}\n" + "\n".join(p.tail() for p in self.procs))
             time.sleep(0.1)
 
-    async def generate(self) -> list[int]:
+    async def generate(self, prompt: list[int] = PROMPT) -> dict[str, Any]:
         inv = read_manifest(self.invite)
         async with client.open_client(list(inv.bootstrap), secret=inv.secret.value, swarm_id=inv.swarm_id) as (h, peer):
-            got = await client.generate(h, peer, prompt_ids=PROMPT, max_new_tokens=N_NEW, draft="ngram", timeout=150)
-        return list(got["output_token_ids"])
+            got = await client.generate(h, peer, prompt_ids=prompt, max_new_tokens=N_NEW, draft="ngram", timeout=150)
+        return dict(got)
 
     def close(self) -> None:
         for p in self.procs:
@@ -93,9 +95,9 @@ class FetchLab:
                 p.proc.wait(timeout=10)
 
 
-def _one_box(served: Path) -> list[int]:
+def _one_box(served: Path, prompt: list[int] = PROMPT, eos: tuple[int, ...] = ()) -> list[int]:
     torch.set_num_threads(1)
-    return generate(LocalModel.load(served, stages=1, dtype=torch.float32), PROMPT, eos_token_ids=(),
+    return generate(LocalModel.load(served, stages=1, dtype=torch.float32), prompt, eos_token_ids=eos,
                     max_new_tokens=N_NEW).output_token_ids  # fmt: skip
 
 
@@ -113,7 +115,9 @@ async def test_three_peers_with_no_model_fetch_only_their_blocks_and_serve(tmp_p
         try:
             await trio.to_thread.run_sync(lambda: lab.wait(
                 lambda: sum(1 for p in lab.procs if p.of("serving")) == 3 and lab.coordinator() is not None, "serving"))
-            assert await lab.generate() == _one_box(served)
+            got = await lab.generate()
+            assert got["output_token_ids"] == _one_box(served)
+            assert got["fetched"]["bytes"] > 0 and got["fetched"]["sources"] == [srv.url]  # the receipt says it
             head = sum(t.nbytes for t in m.head())
             manifest_size = len(m.canonical_bytes())
             total = 0
@@ -159,7 +163,7 @@ async def test_after_a_peer_is_killed_survivors_fetch_only_their_new_layers(tmp_
             await trio.to_thread.run_sync(lambda: lab.wait(lambda: (c := lab.coordinator()) is not None and all(
                 any(e.get("epoch") == c["epoch"] for e in lab.procs[ids.index(peer)].of("serving")) for peer in c["ring"]
             ), "the survivors serving"))  # fmt: skip
-            assert await lab.generate() == _one_box(served)
+            assert (await lab.generate())["output_token_ids"] == _one_box(served)
             moved_any = False
             for i, p in enumerate(lab.procs):
                 if i == v or not p.of("plan")[-1]["block"]:
@@ -172,5 +176,43 @@ async def test_after_a_peer_is_killed_survivors_fetch_only_their_new_layers(tmp_
                 assert got == want, (i, sorted(held.get(i, ())), sorted(new), got, want)
                 moved_any |= bool(gained)
             assert moved_any  # someone took over the dead peer's layers, fetching only those
+        finally:
+            lab.close()
+
+
+async def test_the_bundled_gguf_fetched_by_three_peers_serves_like_one_box(tmp_path: Path) -> None:
+    from swarm.model.bundled import bundled_gguf_path
+    from swarm.model.weights import open_checkpoint
+
+    gguf = bundled_gguf_path()
+    served = tmp_path / "origin"
+    served.mkdir()
+    (served / gguf.name).symlink_to(gguf)
+    m = manifest_of_path(served / gguf.name, name="smollm2")
+    (served / "model-manifest.json").write_bytes(m.canonical_bytes())
+    args = open_checkpoint(gguf).args
+    with origin_server(served, tmp_path / "nginx") as srv:
+        lab = FetchLab(tmp_path, srv, served, m, 3, layers_each=10, args=args)  # 30 layers: all three hold 10
+        try:
+            await trio.to_thread.run_sync(lambda: lab.wait(
+                lambda: sum(1 for p in lab.procs if p.of("serving")) == 3 and lab.coordinator() is not None, "serving"))
+            from swarm.model.tokenizer import Tokenizer
+
+            prompt = Tokenizer.load(gguf).encode("The three primary colors are", add_special_tokens=True)
+            got = await lab.generate(prompt)
+            want = _one_box(served / gguf.name, prompt, args.eos_token_ids)
+            assert got["output_token_ids"] == want and len(want) > 10
+            header = m.files[gguf.name].header_end
+            for i, p in enumerate(lab.procs):
+                plan = p.of("plan")[-1]
+                a, b = plan["block"] or (0, 0)
+                mine = m.block_bytes(a, b) + (sum(t.nbytes for t in m.head()) if plan["role"].startswith("coordinator") else 0)
+                fetched = lab.state(i)["fetched_total"] + len(m.canonical_bytes())
+                print(f"peer {i} {plan['role']} [{a}, {b}): fetched {fetched} B for {mine} B (header {header} B): "
+                      f"ratio {fetched / mine:.4f}")  # fmt: skip
+                # every byte beyond the block is the GGUF header (its tokenizer), the manifest, and the
+                # alignment padding (< 32 bytes) between the tensors of one request
+                base = mine + header + len(m.canonical_bytes())
+                assert base <= fetched <= base + 32 * len(m.tensors)
         finally:
             lab.close()
