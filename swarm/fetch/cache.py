@@ -23,10 +23,12 @@ import contextlib
 import hashlib
 import json
 import os
+import queue
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from swarm.fetch.origin import FetchError
 from swarm.manifest.model_manifest import FileEntry, ModelManifest, TensorEntry
@@ -185,44 +187,83 @@ class ModelCache:
 
     def _land_run(self, run: list[TensorEntry], src: Source, tick: Callable[[int], None]) -> list[str]:
         """Stream one contiguous run of tensors into place, hashing each tensor's bytes as they
-        pass (a resumed tensor's landed prefix is read back once) and checking it as it completes."""
+        pass (a resumed tensor's landed prefix is read back once) and checking it as it completes.
+
+        The receiving thread only receives; one helper thread writes and hashes, in order, from
+        a bounded queue (both release the GIL, so they overlap the socket reads: measured with
+        benchmarks/bench_fetch.py, inline writing and hashing made the fetch 0.67x curl)."""
         first, last = run[0], run[-1]
         pos = first.start + self.partial.get(first.name, 0)
         bad: list[str] = []
-        i, h = 0, None
+        failed: list[BaseException] = []
+        chunks: queue.Queue[bytes | None] = queue.Queue(maxsize=16)
         with open(self.dir / first.file, "r+b") as fh:
             fh.seek(pos)
-            for chunk in src.stream(first.file, pos, last.end, tick):
-                fh.write(chunk)
-                view, off = memoryview(chunk), 0
-                while off < len(chunk) and i < len(run):
-                    t, at = run[i], pos + off
-                    if at < t.start:  # padding between two tensors
-                        off += min(t.start - at, len(chunk) - off)
-                        continue
-                    if h is None:
-                        h = hashlib.sha256()
-                        if at > t.start:  # resumed: the prefix that landed before the cut
-                            fh.flush()
-                            h.update(os.pread(fh.fileno(), at - t.start, t.start))
-                    take = min(t.end - at, len(chunk) - off)
-                    h.update(view[off : off + take])
-                    off += take
-                    if at + take < t.end:
-                        self.partial[t.name] = at + take - t.start
-                        continue
-                    self.partial.pop(t.name, None)
-                    if h.hexdigest() == t.sha256:
-                        self.verified.add(t.name)
-                    else:
-                        bad.append(f"{t.file}: tensor {t.name}")
-                    i, h = i + 1, None
-                pos += len(chunk)
-                if self.partial and pos % (64 << 20) < len(chunk):
-                    fh.flush()
-                    self.save()  # a kill loses at most 64 MiB of progress
+            land = _Lander(self, run, fh, pos, bad)
+
+            def consume() -> None:
+                try:
+                    while (chunk := chunks.get()) is not None:
+                        land.take(chunk)
+                except BaseException as e:  # handed to the receiving thread, which raises it
+                    failed.append(e)
+                    while chunks.get() is not None:
+                        pass
+
+            helper = threading.Thread(target=consume, name="fetch-writer", daemon=True)
+            helper.start()
+            try:
+                for chunk in src.stream(first.file, pos, last.end, tick):
+                    if failed:
+                        break
+                    chunks.put(chunk)
+            finally:
+                chunks.put(None)
+                helper.join()
         os.utime(self.dir / first.file, ns=(FIXED_MTIME_NS, FIXED_MTIME_NS))
+        if failed:
+            raise failed[0]
         return bad
+
+
+class _Lander:
+    """Writes a run's bytes at their offsets and checks each tensor's sha256 as it completes."""
+
+    def __init__(self, cache: ModelCache, run: list[TensorEntry], fh: Any, pos: int, bad: list[str]) -> None:
+        self.cache, self.run, self.fh, self.pos, self.bad = cache, run, fh, pos, bad
+        self.i = 0
+        self.h: Any = None
+
+    def take(self, chunk: bytes) -> None:
+        c, run, fh = self.cache, self.run, self.fh
+        fh.write(chunk)
+        view, off = memoryview(chunk), 0
+        while off < len(chunk) and self.i < len(run):
+            t, at = run[self.i], self.pos + off
+            if at < t.start:  # padding between two tensors
+                off += min(t.start - at, len(chunk) - off)
+                continue
+            if self.h is None:
+                self.h = hashlib.sha256()
+                if at > t.start:  # resumed: the prefix that landed before the cut
+                    fh.flush()
+                    self.h.update(os.pread(fh.fileno(), at - t.start, t.start))
+            take = min(t.end - at, len(chunk) - off)
+            self.h.update(view[off : off + take])
+            off += take
+            if at + take < t.end:
+                c.partial[t.name] = at + take - t.start
+                continue
+            c.partial.pop(t.name, None)
+            if self.h.hexdigest() == t.sha256:
+                c.verified.add(t.name)
+            else:
+                self.bad.append(f"{t.file}: tensor {t.name}")
+            self.i, self.h = self.i + 1, None
+        self.pos += len(chunk)
+        if c.partial and self.pos % (64 << 20) < len(chunk):
+            fh.flush()
+            c.save()  # a kill loses at most 64 MiB of progress
 
 
 def _runs(todo: list[TensorEntry], partial: dict[str, int]) -> list[list[TensorEntry]]:
