@@ -167,3 +167,12 @@ def test_disk_budget_refused_before_a_byte_moves(model: Path, tmp_path: Path) ->
             fetch_block(cache, 0, 3, [Origin(srv.url)])
         assert srv.bytes_sent() == 0
         fetch_block(cache, 0, 1, [Origin(srv.url)])  # one layer fits
+
+
+def test_a_manifest_made_from_the_origin_equals_the_local_one(model: Path, tmp_path: Path) -> None:
+    from swarm.cli.model import manifest_of_url
+
+    with origin_server(model, tmp_path / "nginx") as srv:
+        remote = manifest_of_url(srv.url, name="tiny", quant="none")
+    assert remote == manifest_of_path(model, name="tiny")  # same tensors, ranges, hashes, small files
+    assert remote.digest() == manifest_of_path(model, name="tiny").digest()
