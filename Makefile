@@ -9,9 +9,10 @@ STAMP   := $(VENV)/.installed
 TORCH   ?= torch==2.13.0
 # to build libp2p's fastecdsa
 SYSPKGS := gcc libgmp-dev python3-dev
-# for the tests: network-namespace labs (ip, iptables, nft), the wire-capture test (tshark) and
-# the web console's real-browser tests (chromium driven through chromium-driver)
-TESTPKGS := iproute2 iptables nftables tshark chromium chromium-driver
+# for the tests: network-namespace labs (ip, iptables, nft), the wire-capture test (tshark), the
+# model origin the fetch tests serve from (nginx) and the web console's real-browser tests
+# (chromium driven through chromium-driver)
+TESTPKGS := iproute2 iptables nftables tshark nginx-light chromium chromium-driver
 
 .PHONY: demo test lint sysdeps testdeps venv bench clean
 

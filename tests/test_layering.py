@@ -19,10 +19,11 @@ ALLOWED: dict[str, set[str]] = {
     "manifest": set(),
     "planner": set(),
     "net": {"proto", "manifest"},
-    "node": {"model", "proto", "manifest", "planner", "net"},
+    "fetch": {"manifest"},
+    "node": {"model", "proto", "manifest", "planner", "net", "fetch"},
     "api": {"node", "model", "proto", "manifest", "planner", "net"},
-    "testing": {"model", "proto", "manifest", "planner", "net", "node"},
-    "cli": {"model", "proto", "manifest", "planner", "net", "node", "api", "testing"},
+    "testing": {"model", "proto", "manifest", "planner", "net", "node", "fetch"},
+    "cli": {"model", "proto", "manifest", "planner", "net", "node", "api", "testing", "fetch"},
 }
 # third-party packages confined to one place
 CONFINED: dict[str, str | tuple[str, ...]] = {
@@ -34,6 +35,7 @@ FORBIDDEN_IN = {
     "proto": {"trio", "torch", "libp2p", "numpy"},
     "planner": {"trio", "torch", "libp2p"},
     "manifest": {"trio", "torch", "libp2p"},
+    "fetch": {"trio", "torch", "libp2p"},
     "model": {"trio", "libp2p"},
 }
 

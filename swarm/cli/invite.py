@@ -90,6 +90,15 @@ def create(
     draft: Path | None = typer.Option(
         None, "--draft", help="A draft model checkpoint a coordinator may run (hashed into the invite; --from keeps it)."
     ),
+    model_manifest: Path | None = typer.Option(
+        None, "--model-manifest", help="A model manifest (`shard-swarm model manifest`): peers fetch and verify only their slice."
+    ),
+    origin: list[str] = typer.Option(
+        [], "--origin", help="With --model-manifest: base URL of the unmodified model files (Range requests; repeatable)."
+    ),
+    manifest_url: str | None = typer.Option(
+        None, "--manifest-url", help="With --model-manifest: where joining peers fetch the manifest itself."
+    ),
     client: bool = typer.Option(
         False, "--client",
         help="With --from: a client invite (generate and status only; it holds a key derived from the secret, never the secret).",
@@ -119,6 +128,14 @@ def create(
     if model is not None:
         with ui.progress(f"hashing {model.name}") as report:
             spec = describe_model(model, model_name, report)
+    if model_manifest is not None:
+        if model is not None:
+            raise UsageError("give --model (whole files by hash) or --model-manifest (every tensor by hash), not both")
+        from swarm.cli.model import invite_spec
+
+        spec = invite_spec(model_manifest, origin, manifest_url)
+    elif origin or manifest_url:
+        raise UsageError("--origin and --manifest-url come with --model-manifest")
     revoked = tuple(dict.fromkeys([*(old.revoked if old else ()), *revoke]))
     secret = old.secret if old and not rotate_secret else None
     extra: dict[str, Any] = {}

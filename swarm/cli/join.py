@@ -283,6 +283,8 @@ def join(
     threads: int | None = typer.Option(None, "--threads", help=flag_help("node.threads")),
     peers: list[str] = typer.Option([], "--peer", help="Also dial this peer first, like a bootstrap (a multiaddr ending in /p2p/ID; repeatable; see `shard-swarm id`)."),
     draft: str = typer.Option("ngram", "--draft", help=JOIN_HELP),
+    model_manifest: Path | None = typer.Option(None, "--model-manifest", help="The model manifest the invite names by hash (default: the cache, else the invite's manifest_url)."),
+    disk: str | None = typer.Option(None, "--disk", help="Bound the cache of fetched model slices, e.g. 200G (default: no bound)."),
 ) -> None:
     """Join a swarm: connect, be admitted, and show peers as they appear."""
     api_token = _api_token(api_token_file, api_token_argv)
@@ -306,13 +308,15 @@ def join(
         for p in peers:
             parse_peer_addr(p, what="--peer")
         manifest = dataclasses.replace(manifest, bootstrap=tuple(dict.fromkeys([*peers, *manifest.bootstrap])))
+    by_manifest = manifest.model is not None and manifest.model.manifest_sha256 is not None
     if model is not None:
         if manifest.model is None:
             raise UsageError(f"--model given but the invite {path} names no model")
-        from swarm.manifest.modelcheck import check_model
+        if not by_manifest:  # an invite that pins whole files: hash them all (a model manifest: per tensor, as loaded)
+            from swarm.manifest.modelcheck import check_model
 
-        with ui.progress(f"checking {model.name}") as report:
-            check_model(manifest.model, model, report)
+            with ui.progress(f"checking {model.name}") as report:
+                check_model(manifest.model, model, report)
     draft = check_join_draft(draft, manifest) if serve and not diagnose else draft
     identity = load_identity(key) if key is not None and key.exists() else load_or_create_identity(key)
     if diagnose:
@@ -323,7 +327,14 @@ def join(
     on = f" on {dev}" if dev is not None else ""
     ui.notice(f"joining swarm {manifest.swarm_name!r} as {identity.peer_id}, offering {ui.size(mem)}{on}")
     model_dir: Path | None = None
-    if serve:
+    fetch_dir: Path | None = None
+    disk_bytes = parse_size(disk) if disk is not None else 0
+    if serve and by_manifest and manifest.model is not None:
+        from swarm.cli.model import prepare_fetch
+
+        # slices fetched (or a local copy's tensors verified) per plan, only what is loaded
+        model_dir, fetch_dir = prepare_fetch(manifest.model, disk_bytes or None, local=model, manifest_file=model_manifest)
+    elif serve:
         from swarm.model.packaged import resolve_model
 
         with ui.progress("preparing the model (first run only)") as report:
@@ -336,6 +347,8 @@ def join(
         check_bind(api, api_token)
     settings = node_settings_of(manifest, identity.seed, listen, mem, model_dir, dtype=dtype, device=dev or "cpu",
                                 threads=threads, mdns=mdns, relay=relay, draft=draft)  # fmt: skip
+    if fetch_dir is not None and manifest.model is not None:
+        settings = dataclasses.replace(settings, fetch_dir=fetch_dir, origin=manifest.model.origin, disk_bytes=disk_bytes)
     trio.run(lambda: _run_peer(settings, manifest, as_json=as_json, exit_after=exit_after, api=api, api_token=api_token))
     if _Left.by_signal:
         _exit_now(0)

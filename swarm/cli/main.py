@@ -31,9 +31,9 @@ def _root(
 
 def _register_commands() -> None:
     # Each module owns one command (group) and exposes register(app).
-    from swarm.cli import bootstrap, config, demo, invite, join, plan, run, status
+    from swarm.cli import bootstrap, config, demo, invite, join, model, plan, run, status
 
-    for module in (run, demo, plan, invite, join, bootstrap, status, config):
+    for module in (run, demo, plan, invite, join, bootstrap, status, config, model):
         module.register(app)
 
 

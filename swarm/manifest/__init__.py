@@ -9,6 +9,9 @@ Files:
 - ``manifest.py``   ``new_manifest``, ``sign_manifest``, ``parse_manifest`` (strict), ``verify_manifest``,
                     ``read_manifest``, ``write_manifest``; failures are ``ManifestInvalid`` with a ``Reason``
 - ``modelcheck.py`` ``describe_model`` (hash a model for an invite), ``check_model`` (local copy vs invite)
+- ``headers.py``  safetensors and GGUF tensor tables parsed from a file's first bytes (``NeedMore``)
+- ``model_manifest.py`` ``ModelManifest``: every tensor's file, byte range and sha256, small files by
+                  hash, the quant; canonical bytes and ``digest()``; built from any ``RangeReader``
 
 The admission handshake that proves the swarm secret lives in ``swarm/proto/admission.py`` (its
 frames are proto messages); pass it ``manifest.secret.value``, ``manifest.swarm_id`` and

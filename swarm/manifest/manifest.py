@@ -4,7 +4,8 @@ Theory of operation
 -------------------
 An invite is a JSON object (see ``manifests/schema.json`` and ``manifests/README.md``)::
 
-    {"version": 1, "swarm": {"name", "id"}, "model": null | {"name", "config_sha256", "files"},
+    {"version": 1, "swarm": {"name", "id"}, "model": null | {"name", "config_sha256", "files",
+               "manifest_sha256", "origin": [url], "manifest_url" (these three optional)},
      "bootstrap": [multiaddr, ...], "secret": b64(32 bytes), "issuer": b64(Ed25519 public key),
      "created": unix s, "expires": unix s, "revoked": [peer ID, ...] (optional),
      "quant": "int8" | "int4" (optional; absent means "none"),
@@ -51,6 +52,7 @@ from swarm.manifest.schema import (
     MAX_BOOTSTRAP,
     MAX_FILES,
     MAX_MANIFEST_BYTES,
+    MAX_ORIGINS,
     MAX_REVOKED,
     MAX_UNIX_S,
     NAME_RE,
@@ -315,19 +317,33 @@ def _parse_obj(obj: Any, where: str) -> Manifest:
 
 
 def _model_spec(r: _Reader, v: Any, fld: str) -> ModelSpec:
-    """The invite's ``model`` (or ``draft``): a name, config.json's hash, every file's hash."""
-    mo = r.get_obj(v, fld, {"name", "config_sha256", "files"})
+    """The invite's ``model`` (or ``draft``): a name, config.json's hash, every file's hash; or
+    (``manifest_sha256``) the hash of a model manifest, its origin URLs and where to fetch it."""
+    extra = {"manifest_sha256", "origin", "manifest_url"}
+    mo = r.get_obj(v, fld, {"name", "config_sha256", "files"} | extra, extra)
     config_sha = None
     if mo["config_sha256"] is not None:
         config_sha = r.get_str(mo["config_sha256"], f"{fld}.config_sha256", 64, HEX64)
+    by_manifest = "manifest_sha256" in mo
     files = mo["files"]
-    if not isinstance(files, dict) or not 0 < len(files) <= MAX_FILES:
+    if not isinstance(files, dict) or not (0 if by_manifest else 1) <= len(files) <= MAX_FILES:
         raise r.bad(f"{fld}.files", f"expected an object of 1..{MAX_FILES} files")
     for fname, digest in files.items():
         if not _safe_relpath(fname):
             raise r.bad(f"{fld}.files", f"{_show(fname)} is not a safe relative path")
         r.get_str(digest, f"{fld}.files['{fname}']", 64, HEX64)
-    return ModelSpec(r.get_str(mo["name"], f"{fld}.name", 128), config_sha, dict(files))
+    name = r.get_str(mo["name"], f"{fld}.name", 128)
+    if not by_manifest:
+        if set(mo) & extra:
+            raise r.bad(f"{fld}.manifest_sha256", "missing (origin and manifest_url come with it)")
+        return ModelSpec(name, config_sha, dict(files))
+    digest = r.get_str(mo["manifest_sha256"], f"{fld}.manifest_sha256", 64, HEX64)
+    origin = [r.get_str(u, f"{fld}.origin", 2048, _URL) for u in r.get_list(mo.get("origin", []), f"{fld}.origin", MAX_ORIGINS)]
+    url = None if mo.get("manifest_url") is None else r.get_str(mo["manifest_url"], f"{fld}.manifest_url", 2048, _URL)
+    return ModelSpec(name, config_sha, dict(files), digest, tuple(origin), url)
+
+
+_URL = re.compile(r"https?://[^\s]+")
 
 
 def _safe_relpath(name: Any) -> bool:

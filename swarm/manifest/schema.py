@@ -102,14 +102,28 @@ class SwarmSecret:
         return hash(("SwarmSecret", self.value))
 
 
+MAX_ORIGINS = 8
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     name: str
     config_sha256: str | None  # sha256 of config.json; None for single-file checkpoints (GGUF)
-    files: dict[str, str]  # relative POSIX path -> sha256 hex
+    files: dict[str, str]  # relative POSIX path -> sha256 hex (empty when a model manifest names it)
+    # the model manifest's hash (swarm.manifest.model_manifest): every tensor by range and sha256;
+    # with it, a peer fetches and verifies only its slice. Absent in older invites (same bytes).
+    manifest_sha256: str | None = None
+    origin: tuple[str, ...] = ()  # http(s) base URLs of the unmodified upstream files
+    manifest_url: str | None = None  # where the model manifest itself can be fetched
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "config_sha256": self.config_sha256, "files": dict(self.files)}
+        out: dict[str, Any] = {"name": self.name, "config_sha256": self.config_sha256, "files": dict(self.files)}
+        if self.manifest_sha256 is not None:
+            out["manifest_sha256"] = self.manifest_sha256
+            out["origin"] = list(self.origin)
+            if self.manifest_url is not None:
+                out["manifest_url"] = self.manifest_url
+        return out
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from swarm.model.stage import Head, Stage
 from swarm.model.tokenizer import Tokenizer
 from swarm.model.weights import Checkpoint, open_checkpoint
 from swarm.node.drafting import DraftHolder
+from swarm.node.fetching import BlockFetcher
 from swarm.node.notices import Notices
 from swarm.node.settings import NodeSettings, model_spec
 
@@ -93,6 +94,7 @@ class Models:
         self._stages: dict[tuple[int, int], Stage] = {}
         self._head: Head | None = None
         self.drafts = DraftHolder(settings.draft, threads=compute.threads)  # its draft model (drafting.py)
+        self.fetch = BlockFetcher(settings, compute, notices) if settings.fetch_dir is not None else None
 
     async def measure(self) -> float:
         s = self.settings
@@ -107,6 +109,8 @@ class Models:
         if cached is not None:
             return cached
         self._stages.clear()  # free the old block before loading the new one
+        if self.fetch is not None:
+            await self.fetch.block(a, b)  # only what the cache does not hold yet moves
         self.notices.event(f"loading layers [{a}, {b})")
         self.notices.life("loading", layers=[a, b], done=False)
         s = self.settings
@@ -121,6 +125,8 @@ class Models:
     async def head(self) -> Head:
         if self._head is None:
             s = self.settings
+            if self.fetch is not None:
+                await self.fetch.head()
             self._head = await self.compute.run(
                 lambda: Head.load(self.args, self.ckpt.source, dtype=self.dtype, device=s.device)
             )

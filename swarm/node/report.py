@@ -80,6 +80,9 @@ class Reporter:
             "version": __version__,
             "model": {"name": s.model_dir.name, "config_sha256": self.models.ckpt.config_sha256},
             "quant": s.quant,
+            # what this (the coordinator's) node fetched of the model, and from where (swarm.fetch)
+            "fetched": None if self.models.fetch is None else {
+                "bytes": self.models.fetch.fetched_bytes, "sources": list(s.origin)},
             "peers": peers,
             "coordinator": plan.coordinator,
             "ring": list(plan.ring),

@@ -55,6 +55,11 @@ class NodeSettings:
     compute_delay_s: float = 0.0  # fault injection (load tests): every forward and head call blocks this much longer
     relay: bool = False  # use the bootstrap nodes as relays and hole punch (swarm.node.discovery)
     mdns: bool = False  # announce and discover peers on the LAN
+    # fetching its slice (swarm.fetch): the cache directory of the invite's model manifest
+    # (model_dir then points into it), the origin's base URLs, and the cache's disk budget (0: none)
+    fetch_dir: Path | None = None
+    origin: tuple[str, ...] = ()
+    disk_bytes: int = 0
 
 
 def model_spec(args: ModelArgs, dtype: torch.dtype, context_tokens: int, quant: str = "none") -> ModelSpec:
@@ -109,7 +114,7 @@ def settings_from_mapping(cfg: Mapping[str, Any], *, seed: bytes, manifest: Any)
         default = fields[name].default
         if isinstance(default, tuple):
             v = tuple(v)
-        elif name == "model_dir":
+        elif name in ("model_dir", "fetch_dir"):
             v = None if v is None else Path(v)
         elif isinstance(default, int | float | str):  # bool is an int
             v = type(default)(v)

@@ -7,5 +7,7 @@
 - ``ring.py``       a whole ring (coordinator + stage workers) over memnet, in one task tree
 - ``delayproxy.py`` a delaying TCP proxy on loopback (WAN latency without tc netem)
 - ``netlab.py``     network-namespace labs: bridges, MASQUERADE routers, processes inside
+- ``origin_server.py`` a real HTTP origin: Debian nginx on loopback serving a directory (Range on/off,
+                  a bearer token, a worker to kill mid-transfer, bytes sent from its access log)
 - ``hardware.py``   faked CUDA GPUs and MPS (torch's answers only) for device-choice tests
 """
