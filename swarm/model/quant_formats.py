@@ -5,11 +5,12 @@ Theory of operation
 Formats (``w`` is a weight (N, K): N output channels, K inputs; activations keep the serving dtype):
 
 - ``int8``: per output channel, symmetric: ``w ≈ q · s[n]``, ``q`` in [-127, 127];
-  kernel ``torch._weight_int8pack_mm`` (CPU; CUDA where torch has it).
+  kernel ``torch._weight_int8pack_mm`` (CPU and MPS; on CUDA int8 times scales through cuBLAS).
 - ``int4``: per group of ``group`` inputs, asymmetric: ``w ≈ (q - 8) · scale + zero``, ``q`` in
   [0, 15] (torch's tinygemm convention, which Q4_0, Q4_1 and Q4_K blocks map onto exactly).
   CPU: ``torch._convert_weight_to_int4pack_for_cpu`` + ``torch._weight_int4pack_mm_for_cpu``;
-  CUDA: ``torch._convert_weight_to_int4pack`` + ``torch._weight_int4pack_mm``.
+  CUDA (sm80+) and MPS: ``torch._convert_weight_to_int4pack`` + ``torch._weight_int4pack_mm``.
+  Which kernel a device may use is capability.py's table (its docstring has the reasons).
 
 A :class:`Packed` says how one weight is laid out and which kernel multiplies by it; the module
 that owns the weight holds its integer and scale tensors as buffers. A linear layer holds one
@@ -24,9 +25,8 @@ time out. fp32 therefore takes the ``dequant`` path.
 
 Scales (and zeros) are rounded to the serving dtype *before* the integers are chosen, so the
 integers are the best ones for the scales the kernel actually uses; in fp32 every weight is within
-half a step (``s/2``, ``scale/2``) of the original. Where no packed kernel applies (another
-device such as MPS, an int4 shape the kernel refuses: N not a multiple of 16, or activations
-that are not bf16) the weight keeps the same compact integers and is dequantized on each call
+half a step (``s/2``, ``scale/2``) of the original. Where no packed kernel applies (a device or
+dtype the table refuses, an int4 shape the kernel refuses: N not a multiple of 16) the weight keeps the same compact integers and is dequantized on each call
 (``kernel == "dequant"``): same memory, slower, same numbers.
 """
 
@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from swarm.errors import ConfigError
+from swarm.model.capability import choose_kernel
 
 # int4 group size, chosen by benchmarks/bench_quant.py on the bundled model: 32 keeps perplexity
 # at 1.000x the unquantized model's (its weights came from Q4_1 blocks of 32, which a group of 32
@@ -98,18 +99,6 @@ def int8_from_float(w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, 
     return q, s
 
 
-@functools.cache
-def _cuda_int8_kernel() -> bool:
-    """Whether this torch build has a CUDA ``_weight_int8pack_mm`` (probed once on a tiny matrix)."""
-    try:
-        x = torch.zeros(1, 32, device="cuda", dtype=torch.bfloat16)
-        w = torch.zeros(16, 32, device="cuda", dtype=torch.int8)
-        torch._weight_int8pack_mm(x, w, torch.ones(16, device="cuda", dtype=torch.bfloat16))
-        return True
-    except (RuntimeError, NotImplementedError):
-        return False
-
-
 @dataclass(frozen=True)
 class Packed:
     """How one compact weight (N, K) is laid out and multiplied; its tensors are held by the module
@@ -129,27 +118,26 @@ class Packed:
     dtype: torch.dtype
 
     @classmethod
-    def int8(cls, w: torch.Tensor, dtype: torch.dtype, device: torch.device) -> tuple[Packed, torch.Tensor, torch.Tensor]:
-        """(layout, qweight, scales) of a float weight (N, K)."""
+    def int8(
+        cls, w: torch.Tensor, dtype: torch.dtype, device: torch.device, *, kernel: str | None = None
+    ) -> tuple[Packed, torch.Tensor, torch.Tensor]:
+        """(layout, qweight, scales) of a float weight (N, K), on ``device``; the kernel is the
+        capability table's choice for that device (capability.py) unless ``kernel`` is given."""
         n, k = w.shape
         q, s = int8_from_float(w, dtype)
-        ok = dtype == torch.bfloat16 and (device.type == "cpu" or (device.type == "cuda" and _cuda_int8_kernel()))
-        spec = cls("int8", "int8pack" if ok else "dequant", n, k, 0, dtype)
-        return spec, q.to(device), s.to(device=device, dtype=dtype)
+        kernel = kernel or choose_kernel("int8", device, dtype, n, k)
+        return cls("int8", kernel, n, k, 0, dtype), q.to(device), s.to(device=device, dtype=dtype)
 
     @classmethod
-    def int4(cls, g: Int4Groups, dtype: torch.dtype, device: torch.device) -> tuple[Packed, torch.Tensor, torch.Tensor]:
-        """(layout, qweight, scales_and_zeros) of int4 groups."""
+    def int4(
+        cls, g: Int4Groups, dtype: torch.dtype, device: torch.device, *, kernel: str | None = None
+    ) -> tuple[Packed, torch.Tensor, torch.Tensor]:
+        """(layout, qweight, scales_and_zeros) of int4 groups, on ``device`` (see :meth:`int8`)."""
         n, k = g.q.shape
-        if device.type == "cpu" and dtype == torch.bfloat16 and n % 16 == 0:
-            kernel = "int4pack_cpu"
-        elif device.type == "cuda" and dtype == torch.bfloat16 and n % 8 == 0 and k % 64 == 0:
-            kernel = "int4pack_cuda"
-        else:
-            kernel = "dequant"
+        kernel = kernel or choose_kernel("int4", device, dtype, n, k)
         sz = torch.stack([g.scale, g.zero], -1).transpose(0, 1).contiguous().to(device=device, dtype=dtype)
         if kernel == "int4pack_cpu":
-            packed = torch._convert_weight_to_int4pack_for_cpu(g.q.to(torch.int32), 2)  # (N, K/2) uint8
+            packed = torch._convert_weight_to_int4pack_for_cpu(g.q.cpu().to(torch.int32), 2)  # (N, K/2) uint8
         elif kernel == "int4pack_cuda":
             pairs = g.q.to(device).view(n, k // 2, 2)
             inner = 8 if k % 256 == 0 else (4 if k % 128 == 0 else 2)
