@@ -135,13 +135,17 @@ def quantize_block(
     dtype: torch.dtype | None = None,
     group: int = INT4_GROUP,
     given: Mapping[str, Int4Groups] | None = None,
+    device: torch.device | None = None,
 ) -> nn.Module:
     """Replace every ``nn.Linear`` and every experts module of ``module`` (in place) by its compact
     form; returns ``module``.
 
     ``given`` maps a linear's dotted name to int4 groups read straight from a checkpoint (GGUF
     Q4_*): that layer's own weight is then ignored (it may be on the meta device). ``dtype`` is
-    the serving dtype (default: each weight's own dtype). ``quant == "none"`` changes nothing.
+    the serving dtype (default: each weight's own dtype). ``device`` is where the compact weights
+    go and which device's kernels they use (default: where each loaded weight already is); a
+    layer given as int4 groups has no loaded weight to tell, and its groups come from numpy on the
+    CPU, so a stage on a GPU must pass its device. ``quant == "none"`` changes nothing.
     """
     check_quant(quant)
     if quant == "none":
@@ -151,16 +155,15 @@ def quantize_block(
         lin = module.get_submodule(path)
         assert isinstance(lin, nn.Linear)
         dt = dtype or lin.weight.dtype
-        dev = lin.weight.device if lin.weight.device.type != "meta" else _device_of(lin, given.get(path))
         bias = lin.bias
         if path in given:
             if quant != "int4":
                 raise ConfigError(f"{path}: int4 groups given for a {quant} block")
-            new = QuantLinear.int4(given.pop(path), bias, dt, dev)
-        elif lin.weight.device.type == "meta":
+            new = QuantLinear.int4(given.pop(path), bias, dt, device or _device_of(lin))
+        elif lin.weight.device.type == "meta" and (device is None or device.type != "meta"):
             raise ConfigError(f"{path}: weight not loaded (on the meta device) and no compact form given")
         else:
-            new = QuantLinear(*pack(lin.weight.detach(), quant, dt, dev, group), bias)
+            new = QuantLinear(*pack(lin.weight.detach(), quant, dt, device or lin.weight.device, group), bias)
         module.set_submodule(path, new)
         del lin
     if given:
@@ -168,14 +171,17 @@ def quantize_block(
     for path in experts_paths(module):
         if not path:
             raise ConfigError("quantize_block: pass the layer that holds the experts, not the experts module itself")
-        module.set_submodule(path, QuantExperts.from_experts(module.get_submodule(path), quant, dtype=dtype, group=group))
+        experts = module.get_submodule(path)
+        module.set_submodule(path, QuantExperts.from_experts(experts, quant, dtype=dtype, group=group, device=device))
     return module
 
 
-def _device_of(lin: nn.Linear, g: Int4Groups | None) -> torch.device:
-    if lin.bias is not None and lin.bias.device.type != "meta":
-        return lin.bias.device
-    return g.q.device if g is not None else torch.device("cpu")
+def _device_of(lin: nn.Linear) -> torch.device:
+    """Where a linear's loaded tensors are (its weight, else its bias); ConfigError if neither is."""
+    for t in (lin.weight, lin.bias):
+        if t is not None and t.device.type != "meta":
+            return t.device
+    raise ConfigError("quantize_block: a linear layer given as int4 groups needs device= (none of its tensors is loaded)")
 
 
 def block_nbytes(module: nn.Module) -> int:

@@ -71,9 +71,11 @@ class QuantExperts(nn.Module):
 
     @classmethod
     def from_experts(
-        cls, experts: nn.Module, kind: str, *, dtype: torch.dtype | None = None, group: int = INT4_GROUP
+        cls, experts: nn.Module, kind: str, *, dtype: torch.dtype | None = None, group: int = INT4_GROUP,
+        device: torch.device | None = None,
     ) -> QuantExperts:
-        """Quantize ``experts`` (a transformers experts module, loaded) expert by expert."""
+        """Quantize ``experts`` (a transformers experts module, loaded) expert by expert, onto
+        ``device`` (default: where its weights are)."""
         ex = cast(Any, experts)
         if getattr(ex, "has_post_expert_norm", False):
             raise ConfigError(f"{type(experts).__name__}: experts with a norm after each expert cannot be quantized yet")
@@ -84,13 +86,13 @@ class QuantExperts(nn.Module):
             w = getattr(experts, name, None)
             if not (isinstance(w, nn.Parameter) and w.dim() == 3):
                 continue
-            if w.device.type == "meta":
+            if w.device.type == "meta" and (device is None or device.type != "meta"):
                 raise ConfigError(f"{type(experts).__name__}.{name}: weight not loaded (on the meta device)")
             dt = dtype or w.dtype
             parts = []
             for e in range(w.shape[0]):  # one expert at a time: (N, K) in nn.Linear's orientation
                 we = w[e].detach()
-                parts.append(pack(we.T if ex.is_transposed else we, kind, dt, w.device, group))
+                parts.append(pack(we.T if ex.is_transposed else we, kind, dt, device or w.device, group))
             spec = parts[0][0]
             packed[name] = (spec, torch.stack([p[1] for p in parts]), torch.stack([p[2] for p in parts]))
             delattr(experts, name)

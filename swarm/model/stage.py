@@ -138,7 +138,7 @@ class Stage(nn.Module):
                 families.load_modules(model, source, names, {prefix: model.model.layers[i]}, dtype, stage.device)
             else:
                 given = _load_handwritten(stage.layers[i - start], source, prefix, names, dtype, stage.device, compact, quant)
-            quantize_block(stage.layers[i - start], quant, dtype=dtype, given=given)
+            quantize_block(stage.layers[i - start], quant, dtype=dtype, given=given, device=stage.device)
             if progress is not None:
                 progress(done, n)
         stage._model = []  # drop the meta shell; the layers keep their loaded tensors
