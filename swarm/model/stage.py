@@ -128,6 +128,28 @@ class Stage(nn.Module):
         stage = cls(args, start, end, dtype=dtype, device=device, runtime=runtime)
         stage.quant = quant
         compact = getattr(source, "compact", None) if quant != "none" else None
+        try:
+            stage._load_layers(source, progress, compact)
+        except torch.OutOfMemoryError as exc:
+            # drop what was loaded before anyone holds on to it (the traceback keeps this frame):
+            # the node keeps serving its other work, and a smaller block may still fit
+            stage.layers = nn.ModuleList()
+            stage._model = []
+            if stage.device.type == "cuda":
+                torch.cuda.empty_cache()
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else "out of memory"
+            raise ModelError(
+                f"out of memory on {stage.device} loading layers [{start}, {end}) of {args.architecture} "
+                f"in {str(dtype).removeprefix('torch.')}{'' if quant == 'none' else ' ' + quant}: {first[:200]}; "
+                "offer less memory (--memory) or hold fewer layers"
+            ) from None
+        stage._model = []  # drop the meta shell; the layers keep their loaded tensors
+        stage.requires_grad_(False)
+        stage.eval()
+        return stage
+
+    def _load_layers(self, source: TensorSource, progress: Progress | None, compact: Any) -> None:
+        stage, start, end, dtype, quant = self, self.start, self.end, self.dtype, self.quant
         n = end - start
         for done, i in enumerate(range(start, end), 1):  # one layer at a time: bounded peak memory
             prefix = f"model.layers.{i}."
@@ -141,10 +163,6 @@ class Stage(nn.Module):
             quantize_block(stage.layers[i - start], quant, dtype=dtype, given=given, device=stage.device)
             if progress is not None:
                 progress(done, n)
-        stage._model = []  # drop the meta shell; the layers keep their loaded tensors
-        stage.requires_grad_(False)
-        stage.eval()
-        return stage
 
     # ------------------------------------------------------------------------- sessions
     def open_session(self, session: Hashable, max_len: int) -> None:

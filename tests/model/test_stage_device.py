@@ -58,3 +58,30 @@ def test_every_tensor_of_a_loaded_stage_is_on_its_device(tmp_path: Path, fmt: st
     stage.open_session("s", 8)
     out = stage.forward("s", torch.empty(3, ck.args.dim, dtype=torch.bfloat16, device=meta))
     assert out.device == meta and out.shape == (3, ck.args.dim)
+
+
+def test_out_of_memory_while_loading_is_a_clear_error_that_frees_the_block() -> None:
+    """A block that does not fit: ModelError naming the device and the range (not a raw torch
+    OutOfMemoryError from deep in a loader), and no layer of it kept."""
+    import gc
+    import weakref
+
+    from benchmarks.gpu_shapes import RandomSource, small
+    from swarm.errors import ModelError
+
+    args = small("llama-3.3-70b")
+    src = RandomSource(args, seed=0, fail_after=2)
+    loaded: list[weakref.ref[torch.Tensor]] = []
+    real_load = src.load
+
+    def load(name: str, dtype: torch.dtype, device: str | torch.device = "cpu") -> torch.Tensor:
+        t = real_load(name, dtype, device)
+        loaded.append(weakref.ref(t))
+        return t
+
+    src.load = load  # type: ignore[method-assign]
+    with pytest.raises(ModelError, match=r"out of memory on cpu loading layers \[0, 4\) of llama in float32"):
+        Stage.load(args, src, 0, 4, dtype=torch.float32)
+    gc.collect()
+    assert loaded and all(r() is None for r in loaded)  # layers 0 and 1 were loaded, then let go
+    Stage.load(args, RandomSource(args), 0, 2, dtype=torch.float32)  # a smaller block still loads
