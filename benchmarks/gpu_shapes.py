@@ -78,4 +78,4 @@ class RandomSource:
         if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
             return torch.ones(shape, dtype=dtype, device=device)
         g = torch.Generator(device=device).manual_seed(self.seed * 7919 + zlib.crc32(name.encode()))
-        return (torch.randn(shape, generator=g, device=device, dtype=torch.float32) * 0.02).to(dtype)
+        return torch.randn(shape, generator=g, device=device, dtype=dtype).mul_(0.02)  # no float32 copy

@@ -54,7 +54,10 @@ __all__ = [
     "quantize_block",
 ]
 
-QUANTS = ("none", "int8", "int4")
+QUANTS = ("none", "int8", "int4", "mxfp4")
+# formats that keep only a MoE layer's experts compact (nn.Linear layers stay in the serving dtype:
+# gpt-oss, released in MXFP4, keeps its attention and router in bf16 too)
+EXPERTS_ONLY = frozenset({"mxfp4"})
 
 
 def check_quant(name: object, where: str = "quant") -> str:
@@ -151,7 +154,7 @@ def quantize_block(
     if quant == "none":
         return module
     given = dict(given or {})
-    for path in linear_paths(module):
+    for path in [] if quant in EXPERTS_ONLY else linear_paths(module):
         lin = module.get_submodule(path)
         assert isinstance(lin, nn.Linear)
         dt = dtype or lin.weight.dtype
@@ -195,13 +198,15 @@ def layer_bytes_each(args: ModelArgs, quant: str, dtype_bytes: int) -> list[int]
 
     Every quantizable weight of a layer (its nn.Linear modules, and every expert of each fused
     experts projection) is counted at its compact size; the rest (norms, biases, routers) stays
-    in the serving dtype.
+    in the serving dtype. Under an experts-only format (mxfp4) the linear layers (count 1) do too.
     """
     check_quant(quant)
     out = []
     for params, weights in zip(args.layer_bytes_each(dtype_bytes), args.quantizable_shapes(), strict=True):
         total = params
         for count, n, k in weights:
+            if quant in EXPERTS_ONLY and count == 1:
+                continue  # an nn.Linear: dense (an experts projection counts its experts, > 1)
             total += count * (linear_bytes(n, k, quant, dtype_bytes) - n * k * dtype_bytes)
         out.append(total)
     return out

@@ -23,7 +23,7 @@ from swarm.model.weights import open_checkpoint
 from swarm.testing.hf_checkpoints import write_family_checkpoint, write_mxfp4_gpt_oss
 from tests.model.test_quant_gguf import _write as write_gguf
 
-QUANTS = ("none", "int8", "int4")
+QUANTS = ("none", "int8", "int4", "mxfp4")
 
 
 def _checkpoint(fmt: str, tmp: Path) -> Path:
