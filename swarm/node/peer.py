@@ -30,7 +30,7 @@ from swarm.node.hosting import Host
 from swarm.node.loopwatch import LoopWatch
 from swarm.node.membership import Membership
 from swarm.node.notices import Hooks, Notices
-from swarm.node.settings import NodeSettings, advertised_resources
+from swarm.node.settings import NodeSettings, advertised_resources, plan_memory
 from swarm.node.view import MemberView
 
 SWITCH_INTERVAL_S = 0.001  # the GIL's hand-over interval in a node process (see open_peer)
@@ -129,6 +129,7 @@ async def open_peer(
         else:
             models.ms_per_layer = ms_per_layer
         memory, device = advertised_resources(s)
+        memory = plan_memory(memory, models.dtype)  # in the planner's unit: a mixed ring plans alike
     else:
         memory, device = s.memory_bytes, None
     async with open_host(s) as host, contextlib.AsyncExitStack() as stack:

@@ -56,6 +56,19 @@ class NodeSettings:
     mdns: bool = False  # announce and discover peers on the LAN
 
 
+def plan_memory(memory_bytes: int, dtype: torch.dtype) -> int:
+    """The memory a peer advertises, in the planner's unit: bytes at a 2-byte width.
+
+    A ring mixes dtypes (each peer resolves ``--dtype auto`` for its own device), but the leader
+    plans with one ModelSpec, and every peer must compute the same plan. So every spec is built
+    at 2 bytes per value (``PLAN_DTYPE``) and a peer that serves 4-byte fp32 advertises half its
+    memory: a block whose bf16 bytes fit in the half fits in fp32 in the whole (its compact int
+    weights are the same size, so a quantized fp32 peer is budgeted conservatively)."""
+    import torch
+
+    return memory_bytes * 2 // torch.empty(0, dtype=dtype).element_size()
+
+
 def model_spec(args: ModelArgs, dtype: torch.dtype, context_tokens: int, quant: str = "none") -> ModelSpec:
     """The planner's view of the model as this node holds it (bytes per layer in ``dtype``)."""
     import torch
