@@ -56,6 +56,19 @@ class NodeSettings:
     mdns: bool = False  # announce and discover peers on the LAN
 
 
+def _model_type(model_dir: object) -> str | None:
+    """The checkpoint's model_type (config.json or GGUF metadata); None when it cannot be read
+    here (loading the model reports that properly, with its own error)."""
+    if not isinstance(model_dir, str | Path):
+        return None
+    from swarm.model.weights import open_checkpoint
+
+    try:
+        return open_checkpoint(Path(model_dir)).args.architecture
+    except Exception:
+        return None
+
+
 def plan_memory(memory_bytes: int, dtype: torch.dtype) -> int:
     """The memory a peer advertises, in the planner's unit: bytes at a 2-byte width.
 
@@ -113,7 +126,9 @@ def settings_from_mapping(cfg: Mapping[str, Any], *, seed: bytes, manifest: Any)
     if bad:
         raise UsageError(f"node settings: unknown or invite-only key {bad[0]!r}")
     device = resolve_device(cfg.get("device", "auto"))
-    kw: dict[str, Any] = {"device": device_label(device), "dtype": resolve_dtype(cfg.get("dtype", "auto"), device)}
+    model_type = _model_type(cfg.get("model_dir"))  # auto never picks fp16 for a model that overflows it
+    kw: dict[str, Any] = {"device": device_label(device),
+                          "dtype": resolve_dtype(cfg.get("dtype", "auto"), device, model_type)}
     for name, v in cfg.items():
         if name in kw or name not in fields:
             continue

@@ -8,6 +8,8 @@ device is asked, and the kernel check falls back to ``dequant`` when a device's 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -99,3 +101,23 @@ def test_the_check_runs_the_kernel_against_the_dequantized_product() -> None:
     assert capability.kernel_works("cpu", "int8pack", BF16)
     assert capability.kernel_works("cpu", "int4pack_cpu", BF16)
     assert not capability.kernel_works("cpu", "int4pack_cuda", BF16)  # no CUDA kernel in a CPU build
+
+
+def test_a_node_on_a_pre_ampere_gpu_serves_gemma_in_fp32_and_llama_in_fp16(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The node's settings resolve ``--dtype auto`` knowing the model: fp16 would overflow Gemma."""
+    import types
+
+    from swarm.node.settings import settings_from_mapping
+    from swarm.testing.hf_checkpoints import write_family_checkpoint
+
+    manifest = types.SimpleNamespace(swarm_id="s", secret=types.SimpleNamespace(value=b"k" * 32), revoked=(),
+                                     quant="none", bootstrap=())
+    fake_hardware(monkeypatch, cuda=1, sm=[(7, 5)])
+    capability._capability.cache_clear()
+    try:
+        for family, want in (("gemma3", FP32), ("llama", FP16)):
+            model = write_family_checkpoint(tmp_path / family, family)
+            s = settings_from_mapping({"device": "cuda", "model_dir": str(model)}, seed=b"x" * 32, manifest=manifest)
+            assert s.dtype == want, family
+    finally:
+        capability._capability.cache_clear()
