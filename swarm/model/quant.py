@@ -2,9 +2,10 @@
 
 Theory of operation
 -------------------
-``quantize_block(module, "int8" | "int4")`` walks ``module`` and replaces every ``nn.Linear`` with
-a :class:`QuantLinear`, and every MoE experts module of transformers (fused 3-D expert weights)
-with a :class:`~swarm.model.quant_experts.QuantExperts`; both hold their weights in 8 or 4 bits
+``quantize_block(module, "int8" | "int4" | "mxfp4")`` walks ``module`` and replaces every
+``nn.Linear`` with a :class:`QuantLinear` (not under mxfp4: linears stay dense, as gpt-oss ships
+them), and every MoE experts module of transformers (fused 3-D expert weights) with a
+:class:`~swarm.model.quant_experts.QuantExperts`; both hold their weights in 8 or 4 bits
 and multiply with torch's own packed weight-only kernels (formats and kernels:
 quant_formats.py). It knows nothing else about the layer's structure, so it works on the
 hand-written layers of ``llama_layers.py`` and on transformers' decoder layers alike; a runtime
