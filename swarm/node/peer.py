@@ -135,10 +135,13 @@ async def open_peer(
     async with open_host(s) as host, contextlib.AsyncExitStack() as stack:
         # the fast path (its listener's nursery) is entered before the peer's nursery and left after it
         fastpath = await stack.enter_async_context(_open_fastpath(s, host)) if s.fastpath and models else None
+        draft = models.drafts.advert(models.args, models.dtype, models.ms_per_layer, s.context_tokens) if models else None
+        if draft is not None and models is not None:  # its bytes in the planner's unit, as the memory
+            draft = (draft[0], plan_memory(draft[1], models.dtype), draft[2])
         membership = Membership(
             identity, s.swarm_id, addrs=_announce(s.announce, host), memory_bytes=memory,
             ms_per_layer=models.ms_per_layer if models is not None else 0.0, revoked=s.revoked, device=device,
-            draft=models.drafts.advert(models.args, models.dtype, models.ms_per_layer, s.context_tokens) if models else None,
+            draft=draft,
         )  # fmt: skip
         peer: Peer | None = None
         service = MembershipService(
