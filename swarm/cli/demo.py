@@ -40,7 +40,7 @@ def demo(
     model: str | None = typer.Option(None, "--model", help="Model directory, .gguf file, or packaged model: smollm2 (the default) or gemma3-270m."),
     dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 where the hardware has it, else fp32), bf16, fp16 or fp32."),
     device: str | None = typer.Option(None, "--device", help="auto (CUDA, then MPS, else CPU), cpu, cuda, cuda:N or mps, for every node (default: node.device, else auto)."),
-    quant: str = typer.Option("none", "--quant", help="How every node holds its layers: none, int8 or int4 (written into the invite)."),
+    quant: str = typer.Option("none", "--quant", help="How every node holds its layers: none, int8, int4 or mxfp4 (MoE experts only) (written into the invite)."),
     draft: str = typer.Option("ngram", "--draft", help="What the nodes draft with (as join --draft): ngram, none, self, int8, int4, a checkpoint PATH or auto."),
     chat: bool = typer.Option(True, "--chat/--no-chat", help="Wrap the prompt in the model's chat template."),
     temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy (the default); at most 2, as the API."),

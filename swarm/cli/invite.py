@@ -85,7 +85,7 @@ def create(
         help="With --from: a new swarm secret (every member needs the new invite).",
     ),
     quant: str | None = typer.Option(
-        None, "--quant", help="How every peer holds its layers: none, int8 or int4 (default none; --from keeps it)."
+        None, "--quant", help="How every peer holds its layers: none, int8, int4 or mxfp4 (MoE experts only; default none; --from keeps it)."
     ),
     draft: Path | None = typer.Option(
         None, "--draft", help="A draft model checkpoint a coordinator may run (hashed into the invite; --from keeps it)."

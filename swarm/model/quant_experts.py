@@ -7,15 +7,15 @@ DeepSeek-V3, GLM-4.5: ``gate_up_proj`` (E, 2I, D) and ``down_proj`` (E, D, I); g
 transposed, (E, D, 2I) and (E, I, D), with biases and interleaved gate/up columns). They are most
 of a MoE model's bytes, and no ``nn.Linear``, so they need their own compact form.
 
-``QuantExperts.from_experts(experts, kind)`` quantizes every expert's slice of each projection
+``QuantExperts.from_experts(experts, kind)`` quantizes (int8, int4) or encodes (mxfp4) every expert's slice of each projection
 separately (so each expert gets its own per-channel or per-group scales, exactly as a linear
 layer of that shape would) with the same formats and torch kernels as linear layers
 (quant_formats.Packed), and stacks the packed tensors along the expert axis: every expert of a
 projection has one shape, hence one kernel and one layout, and expert ``e`` multiplies by
 ``qweight[e]``, a contiguous slice.
 
-The forward is the family's own loop over the experts a chunk hits (as transformers' eager
-experts forward): rows routed to expert ``e`` go through its gate/up projection, the family's
+The forward is the family's own computation over the experts a chunk hits (as transformers' eager
+experts forward, without its per-expert host syncs: see ``forward``): rows routed to expert ``e`` go through its gate/up projection, the family's
 gate (``_apply_gate`` of the original module, which transformers' ``use_experts_implementation``
 gives every experts class: SiLU-and-multiply, or gpt-oss's clamped SwiGLU on interleaved
 columns), its down projection, and are weighted and summed into their token's row. The original
@@ -71,9 +71,11 @@ class QuantExperts(nn.Module):
 
     @classmethod
     def from_experts(
-        cls, experts: nn.Module, kind: str, *, dtype: torch.dtype | None = None, group: int = INT4_GROUP
+        cls, experts: nn.Module, kind: str, *, dtype: torch.dtype | None = None, group: int = INT4_GROUP,
+        device: torch.device | None = None,
     ) -> QuantExperts:
-        """Quantize ``experts`` (a transformers experts module, loaded) expert by expert."""
+        """Quantize ``experts`` (a transformers experts module, loaded) expert by expert, onto
+        ``device`` (default: where its weights are)."""
         ex = cast(Any, experts)
         if getattr(ex, "has_post_expert_norm", False):
             raise ConfigError(f"{type(experts).__name__}: experts with a norm after each expert cannot be quantized yet")
@@ -84,13 +86,13 @@ class QuantExperts(nn.Module):
             w = getattr(experts, name, None)
             if not (isinstance(w, nn.Parameter) and w.dim() == 3):
                 continue
-            if w.device.type == "meta":
+            if w.device.type == "meta" and (device is None or device.type != "meta"):
                 raise ConfigError(f"{type(experts).__name__}.{name}: weight not loaded (on the meta device)")
             dt = dtype or w.dtype
             parts = []
             for e in range(w.shape[0]):  # one expert at a time: (N, K) in nn.Linear's orientation
                 we = w[e].detach()
-                parts.append(pack(we.T if ex.is_transposed else we, kind, dt, w.device, group))
+                parts.append(pack(we.T if ex.is_transposed else we, kind, dt, device or w.device, group))
             spec = parts[0][0]
             packed[name] = (spec, torch.stack([p[1] for p in parts]), torch.stack([p[2] for p in parts]))
             delattr(experts, name)
@@ -109,19 +111,36 @@ class QuantExperts(nn.Module):
         return y if bias is None else y + bias[e]
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        """hidden_states (T, D), top_k_index (T, k) expert ids, top_k_weights (T, k) -> (T, D)."""
+        """hidden_states (T, D), top_k_index (T, k) expert ids, top_k_weights (T, k) -> (T, D).
+
+        The (token, slot) assignments are sorted by expert (stably, so each expert sees its rows
+        in the order transformers' loop gives them, and experts are summed in ascending order as
+        there) and counted on the device; the counts are the one transfer to the host per layer.
+        Each hit expert then takes a contiguous slice of the sorted assignments: no per-expert
+        ``where``/``unique``, so no host sync per expert."""
         base = cast(Any, self.base)
         out = torch.zeros_like(hidden_states)  # (T, D)
-        for e in torch.unique(top_k_index).tolist():  # ascending, as transformers' loop
-            if not 0 <= e < self.num_experts:
-                continue  # a sentinel slot some routers use for "no expert"
-            token_idx, top_k_pos = torch.where(top_k_index == e)
-            x = hidden_states[token_idx]  # (t, D)
+        k = top_k_index.shape[-1]
+        flat = top_k_index.reshape(-1)  # (T*k,): assignment t*k + j
+        ids = torch.where((flat >= 0) & (flat < self.num_experts), flat, self.num_experts)  # sentinels last
+        order = torch.argsort(ids, stable=True)  # (T*k,) grouped by expert
+        counts = torch.zeros(self.num_experts + 1, dtype=torch.long, device=flat.device)
+        counts.scatter_add_(0, ids, torch.ones_like(ids))  # no bincount: it syncs on CUDA
+        hits = counts.tolist()  # the one host transfer of this layer: (E + 1) counts
+        weights = top_k_weights.reshape(-1)  # (T*k,)
+        start = 0
+        for e, n in enumerate(hits[: self.num_experts]):
+            if n == 0:
+                continue
+            sel = order[start : start + n]  # (n,) assignments routed to expert e
+            start += n
+            token_idx = sel // k
+            x = hidden_states[token_idx]  # (n, D)
             if base.has_gate:
-                h = base._apply_gate(self._project("gate_up_proj", e, x))  # (t, I)
+                h = base._apply_gate(self._project("gate_up_proj", e, x))  # (n, I)
             else:
                 h = base.act_fn(self._project("up_proj", e, x))
-            y = self._project("down_proj", e, h) * top_k_weights[token_idx, top_k_pos, None]  # (t, D)
+            y = self._project("down_proj", e, h) * weights[sel, None]  # (n, D)
             out.index_add_(0, token_idx, y.to(out.dtype))
         return out
 

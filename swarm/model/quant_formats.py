@@ -5,11 +5,19 @@ Theory of operation
 Formats (``w`` is a weight (N, K): N output channels, K inputs; activations keep the serving dtype):
 
 - ``int8``: per output channel, symmetric: ``w ≈ q · s[n]``, ``q`` in [-127, 127];
-  kernel ``torch._weight_int8pack_mm`` (CPU; CUDA where torch has it).
+  kernel ``torch._weight_int8pack_mm`` (CPU and MPS; on CUDA int8 times scales through cuBLAS).
 - ``int4``: per group of ``group`` inputs, asymmetric: ``w ≈ (q - 8) · scale + zero``, ``q`` in
   [0, 15] (torch's tinygemm convention, which Q4_0, Q4_1 and Q4_K blocks map onto exactly).
   CPU: ``torch._convert_weight_to_int4pack_for_cpu`` + ``torch._weight_int4pack_mm_for_cpu``;
-  CUDA: ``torch._convert_weight_to_int4pack`` + ``torch._weight_int4pack_mm``.
+  CUDA (sm80+) and MPS: ``torch._convert_weight_to_int4pack`` + ``torch._weight_int4pack_mm``.
+  Which kernel a device may use is capability.py's table (its docstring has the reasons).
+
+- ``mxfp4`` (OCP Microscaling, gpt-oss's experts as released): per 32 inputs a power-of-two scale
+  (a uint8 exponent + 127) and 32 FP4 (E2M1) codes, two per byte: 4.25 bits per weight. No torch
+  kernel multiplies by it, so an expert's weight is decoded to the serving dtype when a token is
+  routed to it (``dequant``), and only then: the experts stay MXFP4 at rest. Every MXFP4 value
+  is exact in bf16, fp16 and fp32, and :func:`mxfp4_from_float` re-encodes a decoded MXFP4 weight
+  to the same values (it picks the smallest exponent that fits each block's largest value).
 
 A :class:`Packed` says how one weight is laid out and which kernel multiplies by it; the module
 that owns the weight holds its integer and scale tensors as buffers. A linear layer holds one
@@ -24,9 +32,8 @@ time out. fp32 therefore takes the ``dequant`` path.
 
 Scales (and zeros) are rounded to the serving dtype *before* the integers are chosen, so the
 integers are the best ones for the scales the kernel actually uses; in fp32 every weight is within
-half a step (``s/2``, ``scale/2``) of the original. Where no packed kernel applies (another
-device such as MPS, an int4 shape the kernel refuses: N not a multiple of 16, or activations
-that are not bf16) the weight keeps the same compact integers and is dequantized on each call
+half a step (``s/2``, ``scale/2``) of the original. Where no packed kernel applies (a device or
+dtype the table refuses, an int4 shape the kernel refuses: N not a multiple of 16) the weight keeps the same compact integers and is dequantized on each call
 (``kernel == "dequant"``): same memory, slower, same numbers.
 """
 
@@ -39,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from swarm.errors import ConfigError
+from swarm.model.capability import choose_kernel
 
 # int4 group size, chosen by benchmarks/bench_quant.py on the bundled model: 32 keeps perplexity
 # at 1.000x the unquantized model's (its weights came from Q4_1 blocks of 32, which a group of 32
@@ -89,6 +97,47 @@ def int4_from_float(w: torch.Tensor, group: int, dtype: torch.dtype) -> Int4Grou
     return Int4Groups(q.view(n, k), scale, zero, group)
 
 
+# the 16 values an E2M1 code stands for (code 8 is -0)
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+_FP4_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)  # between the magnitudes 0 .. 6
+_MXFP4_ROWS = 256  # rows encoded at a time: temporaries of ~20 bytes a weight stay small
+
+
+def mxfp4_from_float(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w (..., N, K) -> (codes (..., N, K/2) uint8, even input in the low nibble; scales
+    (..., N, K/32) uint8, exponent + 127). K must be a multiple of 32 (ConfigError otherwise).
+    Each value takes the nearest code (a tie: the smaller magnitude), rows a few at a time."""
+    *lead, n, k = w.shape
+    if k % 32:
+        raise ConfigError(f"mxfp4: a weight with {k} inputs is not a multiple of its block of 32")
+    flat = w.reshape(-1, k)  # (R, K)
+    codes = torch.empty(flat.shape[0], k // 2, dtype=torch.uint8, device=w.device)
+    scales = torch.empty(flat.shape[0], k // 32, dtype=torch.uint8, device=w.device)
+    mid = torch.tensor(_FP4_MIDPOINTS, device=w.device)
+    for r in range(0, flat.shape[0], _MXFP4_ROWS):
+        g = flat[r : r + _MXFP4_ROWS].float().reshape(-1, k // 32, 32)  # (rows, K/32, 32)
+        amax = g.abs().amax(-1).clamp_min(2.0**-126)
+        exp = (torch.floor(torch.log2(amax)) - 2).clamp(-127, 127)  # 6 = 1.5 * 2^2: the largest code
+        scaled = g / torch.exp2(exp)[..., None]
+        mag = torch.bucketize(scaled.abs().contiguous(), mid).to(torch.uint8)  # 0..7: index into 0, 0.5, .. 6
+        c = mag | ((scaled < 0) & (mag > 0)).to(torch.uint8) << 3  # the sign bit (no -0)
+        c = c.reshape(c.shape[0], k)
+        codes[r : r + _MXFP4_ROWS] = c[:, 0::2] | (c[:, 1::2] << 4)
+        scales[r : r + _MXFP4_ROWS] = (exp + 127).to(torch.uint8)
+    return codes.reshape(*lead, n, k // 2), scales.reshape(*lead, n, k // 32)
+
+
+def mxfp4_to_float(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The weight (..., N, K) in ``dtype`` that MXFP4 ``codes`` (..., N, K/2) and ``scales`` stand for."""
+    *lead, n, half = codes.shape
+    table = torch.tensor(FP4_VALUES, dtype=dtype, device=codes.device)
+    idx = torch.stack([codes & 0xF, codes >> 4], -1).reshape(*lead, n, half * 2 // 32, 32).long()
+    scale = torch.exp2(scales.to(torch.int32).sub(127).to(torch.float32)).to(dtype)  # exact powers of two
+    return (table[idx] * scale[..., None]).reshape(*lead, n, half * 2)
+
+
 def int8_from_float(w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-output-channel symmetric int8 of w (N, K) -> (q int8 (N, K), s float32 (N,)), s in ``dtype``."""
     wf = w.float()
@@ -96,18 +145,6 @@ def int8_from_float(w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, 
     s = torch.where(s > 0, s, torch.ones_like(s)).to(dtype).float()
     q = torch.round(wf / s[:, None]).clamp(-127, 127).to(torch.int8)
     return q, s
-
-
-@functools.cache
-def _cuda_int8_kernel() -> bool:
-    """Whether this torch build has a CUDA ``_weight_int8pack_mm`` (probed once on a tiny matrix)."""
-    try:
-        x = torch.zeros(1, 32, device="cuda", dtype=torch.bfloat16)
-        w = torch.zeros(16, 32, device="cuda", dtype=torch.int8)
-        torch._weight_int8pack_mm(x, w, torch.ones(16, device="cuda", dtype=torch.bfloat16))
-        return True
-    except (RuntimeError, NotImplementedError):
-        return False
 
 
 @dataclass(frozen=True)
@@ -121,7 +158,7 @@ class Packed:
     zero, the layout both torch int4 kernels read. Both in the serving dtype ``dtype``.
     """
 
-    kind: str  # "int8" | "int4"
+    kind: str  # "int8" | "int4" | "mxfp4"
     kernel: str  # "int8pack" | "int4pack_cpu" | "int4pack_cuda" | "dequant"
     n: int
     k: int
@@ -129,27 +166,26 @@ class Packed:
     dtype: torch.dtype
 
     @classmethod
-    def int8(cls, w: torch.Tensor, dtype: torch.dtype, device: torch.device) -> tuple[Packed, torch.Tensor, torch.Tensor]:
-        """(layout, qweight, scales) of a float weight (N, K)."""
+    def int8(
+        cls, w: torch.Tensor, dtype: torch.dtype, device: torch.device, *, kernel: str | None = None
+    ) -> tuple[Packed, torch.Tensor, torch.Tensor]:
+        """(layout, qweight, scales) of a float weight (N, K), on ``device``; the kernel is the
+        capability table's choice for that device (capability.py) unless ``kernel`` is given."""
         n, k = w.shape
         q, s = int8_from_float(w, dtype)
-        ok = dtype == torch.bfloat16 and (device.type == "cpu" or (device.type == "cuda" and _cuda_int8_kernel()))
-        spec = cls("int8", "int8pack" if ok else "dequant", n, k, 0, dtype)
-        return spec, q.to(device), s.to(device=device, dtype=dtype)
+        kernel = kernel or choose_kernel("int8", device, dtype, n, k)
+        return cls("int8", kernel, n, k, 0, dtype), q.to(device), s.to(device=device, dtype=dtype)
 
     @classmethod
-    def int4(cls, g: Int4Groups, dtype: torch.dtype, device: torch.device) -> tuple[Packed, torch.Tensor, torch.Tensor]:
-        """(layout, qweight, scales_and_zeros) of int4 groups."""
+    def int4(
+        cls, g: Int4Groups, dtype: torch.dtype, device: torch.device, *, kernel: str | None = None
+    ) -> tuple[Packed, torch.Tensor, torch.Tensor]:
+        """(layout, qweight, scales_and_zeros) of int4 groups, on ``device`` (see :meth:`int8`)."""
         n, k = g.q.shape
-        if device.type == "cpu" and dtype == torch.bfloat16 and n % 16 == 0:
-            kernel = "int4pack_cpu"
-        elif device.type == "cuda" and dtype == torch.bfloat16 and n % 8 == 0 and k % 64 == 0:
-            kernel = "int4pack_cuda"
-        else:
-            kernel = "dequant"
+        kernel = kernel or choose_kernel("int4", device, dtype, n, k)
         sz = torch.stack([g.scale, g.zero], -1).transpose(0, 1).contiguous().to(device=device, dtype=dtype)
         if kernel == "int4pack_cpu":
-            packed = torch._convert_weight_to_int4pack_for_cpu(g.q.to(torch.int32), 2)  # (N, K/2) uint8
+            packed = torch._convert_weight_to_int4pack_for_cpu(g.q.cpu().to(torch.int32), 2)  # (N, K/2) uint8
         elif kernel == "int4pack_cuda":
             pairs = g.q.to(device).view(n, k // 2, 2)
             inner = 8 if k % 256 == 0 else (4 if k % 128 == 0 else 2)
@@ -157,6 +193,13 @@ class Packed:
         else:
             packed = (g.q[:, : k // 2] | (g.q[:, k // 2 :] << 4)).contiguous()
         return cls("int4", kernel, n, k, g.group, dtype), packed.to(device), sz
+
+    @classmethod
+    def mxfp4(cls, w: torch.Tensor, dtype: torch.dtype, device: torch.device) -> tuple[Packed, torch.Tensor, torch.Tensor]:
+        """(layout, codes, scales) of a float weight (N, K), encoded where ``w`` is (the host)."""
+        n, k = w.shape
+        codes, scales = mxfp4_from_float(w)
+        return cls("mxfp4", "dequant", n, k, 32, dtype), codes.to(device), scales.to(device)
 
     def matmul(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         """x (T, K) -> x @ w.T (T, N)."""
@@ -168,6 +211,8 @@ class Packed:
             return torch._weight_int4pack_mm(x, qweight, self.group, scales)
         if self.kind == "int8":
             return F.linear(x, qweight.to(x.dtype)) * scales
+        if self.kind == "mxfp4":
+            return F.linear(x, mxfp4_to_float(qweight, scales, x.dtype))
         return F.linear(x, self.dequantized(qweight, scales).to(x.dtype))
 
     def dequantized(self, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -175,6 +220,8 @@ class Packed:
         n, k = self.n, self.k
         if self.kind == "int8":
             return qweight.float() * scales.float()[:, None]
+        if self.kind == "mxfp4":
+            return mxfp4_to_float(qweight, scales)
         if self.kernel == "int4pack_cuda":  # its tiled layout: multiply the identity through the kernel
             eye = torch.eye(k, device=qweight.device, dtype=self.dtype)
             return torch._weight_int4pack_mm(eye, qweight, self.group, scales).float().T.contiguous()
@@ -207,10 +254,12 @@ def _cpu_int4_layout(n: int, k: int) -> torch.Tensor:
 def pack(
     w: torch.Tensor, kind: str, dtype: torch.dtype, device: torch.device, group: int = INT4_GROUP
 ) -> tuple[Packed, torch.Tensor, torch.Tensor]:
-    """A float weight (N, K) quantized and packed as ``kind`` ("int8" or "int4", at ``group`` or the
-    largest smaller group that divides K): (layout, qweight, scales)."""
+    """A float weight (N, K) quantized and packed as ``kind`` ("int8", "mxfp4", or "int4" at
+    ``group`` or the largest smaller group that divides K): (layout, qweight, scales)."""
     if kind == "int8":
         return Packed.int8(w, dtype, device)
+    if kind == "mxfp4":
+        return Packed.mxfp4(w, dtype, device)
     return Packed.int4(int4_from_float(w, int4_group_for(w.shape[1], group), dtype), dtype, device)
 
 
@@ -220,5 +269,7 @@ def packed_nbytes(n: int, k: int, kind: str, dtype_bytes: int, group: int = INT4
         return n * k * dtype_bytes
     if kind == "int8":
         return n * k + n * dtype_bytes
+    if kind == "mxfp4":
+        return n * k // 2 + n * k // 32
     g = int4_group_for(k, group)
     return n * k // 2 + 2 * n * (k // g) * dtype_bytes

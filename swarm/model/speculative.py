@@ -39,6 +39,12 @@ pending and the drafter proposes nothing, no further chunk is issued until resul
 Adaptive K and depth: ``KPolicy`` (kpolicy.py), a pure function of the acceptance history and
 constants fixed when a generation starts, so two runs fed the same results issue the same chunks.
 
+Devices: the decoder decides on the host. A target on a GPU (an in-process model) or a ring's
+head hands it logits wherever they were computed, and a draft model on a GPU hands it draft
+probabilities there; :func:`host` moves each chunk's logits and each draft's probabilities to the
+CPU once (one transfer of a (rows, V) or (k, V) block, not one per token), so ``p`` and ``q`` always
+meet on the CPU, where the seeded draws (sampling.py) run anyway.
+
 Drafting ahead (``poll_iter``): chunks are produced one at a time, so a ring can send each as soon as
 its drafts exist and run the drafter off its event loop; ``poll()`` is the same sequence as a list.
 A drafter may have ``prepare(prompt)``: it is called once before the first proposal (a model
@@ -68,6 +74,11 @@ from swarm.model.sampling import (
 )
 
 DEFAULT_PREFILL_CHUNK = 64
+
+
+def host(t: torch.Tensor) -> torch.Tensor:
+    """``t`` on the CPU (a no-op there): where the decoder compares target and draft distributions."""
+    return t if t.device.type == "cpu" else t.to("cpu")
 
 
 @dataclass(frozen=True)
@@ -237,8 +248,9 @@ class SpeculativeDecoder:
                 self.prepare_drafter()
                 draft = self.drafter.propose(self.speculated, kk, self.params)
                 new = list(draft.tokens[:kk])
+                probs = None if draft.probs is None else host(draft.probs)  # (k, V), one transfer
                 for i in range(len(new)):
-                    self.draft_probs.append(None if draft.probs is None else draft.probs[i])
+                    self.draft_probs.append(None if probs is None else probs[i])
                 self.drafts.extend(new)
             tokens = unsent + new
             if not tokens:
@@ -288,6 +300,7 @@ class SpeculativeDecoder:
                 f"chunk {chunk_id}: expected logits of shape ({chunk.n_rows}, V), "
                 f"got {tuple(logits.shape)}"
             )
+        logits = host(logits)  # (n_rows, V): one transfer per chunk
         events: list[Rollback | Committed] = []
         new_tokens: list[int] = []
         proposed = accepted = 0

@@ -119,8 +119,9 @@ class Stage(nn.Module):
     ) -> Stage:
         """Read only the tensors of layers [start, end) from ``source`` (WeightsError on trouble).
 
-        Layers are loaded one at a time and, with ``quant`` int8/int4, quantized before the next
-        is read, so loading never holds more than one layer in ``dtype`` beyond the compact rest;
+        Layers are loaded one at a time and, with ``quant`` int8/int4/mxfp4, converted on the host
+        before the next is read, so loading never holds more than one layer in ``dtype`` beyond
+        the compact rest, and a device only ever receives compact weights;
         a source with compact blocks (GGUF Q4_*) hands int4 groups to the hand-written layers
         without a float copy.
         """
@@ -128,23 +129,48 @@ class Stage(nn.Module):
         stage = cls(args, start, end, dtype=dtype, device=device, runtime=runtime)
         stage.quant = quant
         compact = getattr(source, "compact", None) if quant != "none" else None
-        n = end - start
-        for done, i in enumerate(range(start, end), 1):  # one layer at a time: bounded peak memory
-            prefix = f"model.layers.{i}."
-            names = families.tensor_names(source, [prefix])
-            given: dict[str, Any] = {}
-            if stage._model:
-                model = stage._model[0]
-                families.load_modules(model, source, names, {prefix: model.model.layers[i]}, dtype, stage.device)
-            else:
-                given = _load_handwritten(stage.layers[i - start], source, prefix, names, dtype, stage.device, compact, quant)
-            quantize_block(stage.layers[i - start], quant, dtype=dtype, given=given)
-            if progress is not None:
-                progress(done, n)
+        try:
+            stage._load_layers(source, progress, compact)
+        except torch.OutOfMemoryError as exc:
+            # drop what was loaded before anyone holds on to it (the traceback keeps this frame):
+            # the node keeps serving its other work, and a smaller block may still fit
+            stage.layers = nn.ModuleList()
+            stage._model = []
+            if stage.device.type == "cuda":
+                torch.cuda.empty_cache()
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else "out of memory"
+            raise ModelError(
+                f"out of memory on {stage.device} loading layers [{start}, {end}) of {args.architecture} "
+                f"in {str(dtype).removeprefix('torch.')}{'' if quant == 'none' else ' ' + quant}: {first[:200]}; "
+                "offer less memory (--memory) or hold fewer layers"
+            ) from None
         stage._model = []  # drop the meta shell; the layers keep their loaded tensors
         stage.requires_grad_(False)
         stage.eval()
         return stage
+
+    def _load_layers(self, source: TensorSource, progress: Progress | None, compact: Any) -> None:
+        stage, start, end, dtype, quant = self, self.start, self.end, self.dtype, self.quant
+        n = end - start
+        # a layer to be made compact is read and converted on the host, and only its compact
+        # form (and its small dense rest) goes to the device: a GPU never holds a layer's float
+        # temporaries (gpt-oss-120B's experts are 6.4 GB per layer in bf16, a 4090 has 24)
+        host = torch.device("cpu") if quant != "none" else stage.device
+        for done, i in enumerate(range(start, end), 1):  # one layer at a time: bounded peak memory
+            prefix = f"model.layers.{i}."
+            names = families.tensor_names(source, [prefix])
+            given: dict[str, Any] = {}
+            layer = stage.layers[i - start]
+            if stage._model:
+                model = stage._model[0]
+                families.load_modules(model, source, names, {prefix: model.model.layers[i]}, dtype, host)
+            else:
+                given = _load_handwritten(layer, source, prefix, names, dtype, host, compact, quant)
+            quantize_block(layer, quant, dtype=dtype, given=given, device=stage.device)
+            if host != stage.device:
+                layer.to(stage.device)  # the dense rest: norms, biases, routers, attention under mxfp4
+            if progress is not None:
+                progress(done, n)
 
     # ------------------------------------------------------------------------- sessions
     def open_session(self, session: Hashable, max_len: int) -> None:

@@ -59,11 +59,13 @@ def encode_hidden(h: torch.Tensor) -> Encoded:
 def decode_hidden(
     dtype: DType, shape: tuple[int, ...], data: bytes, *, dim: int, expect: torch.dtype, peer: str
 ) -> torch.Tensor:
-    """Raw bytes from ``peer`` -> a (T, dim) tensor of ``expect`` dtype, or ProtocolError."""
-    if dtype not in _FROM_WIRE or _FROM_WIRE[dtype] != expect:
-        raise ProtocolError(
-            f"peer {peer}: hidden states of dtype {dtype.name}, this ring serves {expect}"
-        )
+    """Raw bytes from ``peer`` -> a (T, dim) tensor of ``expect`` dtype, or ProtocolError.
+
+    A ring may mix dtypes (an fp32 CPU peer beside bf16 GPUs): hidden states of any float wire
+    dtype are accepted, checked in that dtype, and cast here, at the boundary, to the dtype this
+    stage computes in (what one process holding both stages in those dtypes would do)."""
+    if dtype not in _FROM_WIRE:
+        raise ProtocolError(f"peer {peer}: hidden states of dtype {dtype.name}, expected bf16, fp16 or fp32")
     if len(shape) != 2 or shape[1] != dim or shape[0] < 1:
         raise ProtocolError(f"peer {peer}: hidden states of shape {shape}, expected (T, {dim})")
     arr = np.frombuffer(data, dtype=_NP[dtype]).reshape(shape).copy()
@@ -72,7 +74,7 @@ def decode_hidden(
         t = t.view(torch.bfloat16)
     if not bool(torch.isfinite(t).all()):
         raise ProtocolError(f"peer {peer}: hidden states contain NaN or Inf (shape {shape})")
-    return t
+    return t if t.dtype == expect else t.to(expect)
 
 
 def hidden_chunk(

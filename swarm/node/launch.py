@@ -143,7 +143,7 @@ def start_local_swarm(
     n: int,
     model_dir: Path,
     *,
-    dtype: str = "auto",
+    dtype: str | list[str] = "auto",
     device: str = "auto",
     threads: int = 1,
     memory_bytes: list[int] | None = None,
@@ -182,12 +182,17 @@ def start_local_swarm(
     manifest_file = workdir / "invite.json"
     write_manifest(manifest, manifest_file)
     secret, swarm_id = manifest.secret.value, manifest.swarm_id
+    dtypes = [dtype] * n if isinstance(dtype, str) else list(dtype)  # a mixed ring: one per node
+    if len(dtypes) != n:
+        raise ValueError(f"{len(dtypes)} dtypes for {n} nodes")
     if memory_bytes is None:
         args = open_checkpoint(model_dir).args  # a directory or a .gguf
-        spec = model_spec(args, resolve_dtype(dtype, resolve_device(device)), context_tokens, quant)
-        per = math.ceil(args.n_layers / n) * spec.bytes_per_layer + spec.coordinator_bytes
-        per += draft_bytes(draft, args, resolve_dtype(dtype, resolve_device(device)), context_tokens)
-        memory_bytes = [int(per * 1.02)] * n
+        memory_bytes = []
+        for dt in dtypes:
+            spec = model_spec(args, resolve_dtype(dt, resolve_device(device)), context_tokens, quant)
+            per = math.ceil(args.n_layers / n) * spec.bytes_per_layer + spec.coordinator_bytes
+            per += draft_bytes(draft, args, resolve_dtype(dt, resolve_device(device)), context_tokens)
+            memory_bytes.append(int(per * 1.02))
     swarm = LocalSwarm(workdir, swarm_id, secret, peer_ids, addrs, _tmp=tmp)
     try:
         if delay_ms > 0:
@@ -212,7 +217,7 @@ def start_local_swarm(
                 "fastpath_port": fast_ports[i],
                 "fastpath_advertise": [f"127.0.0.1:{fast_public[i]}"],
                 "memory_bytes": memory_bytes[i],
-                "dtype": dtype,
+                "dtype": dtypes[i],
                 "device": device,
                 "threads": threads,
                 "expect_peers": n,

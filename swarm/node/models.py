@@ -88,7 +88,9 @@ class Models:
         self.ckpt: Checkpoint = open_checkpoint(settings.model_dir)
         self.args = self.ckpt.args
         self.dtype: torch.dtype = settings.dtype if settings.dtype is not None else torch.bfloat16
-        self.spec = model_spec(self.args, self.dtype, settings.context_tokens, settings.quant)
+        # the planner's view at 2 bytes a value whatever this node serves: the same on every peer
+        # of a mixed ring; an fp32 node advertises its memory in that unit (settings.plan_memory)
+        self.spec = model_spec(self.args, torch.bfloat16, settings.context_tokens, settings.quant)
         self.tokenizer: Tokenizer | None = None
         self.ms_per_layer = 0.0
         self._stages: dict[tuple[int, int], Stage] = {}

@@ -30,7 +30,7 @@ from swarm.node.hosting import Host
 from swarm.node.loopwatch import LoopWatch
 from swarm.node.membership import Membership
 from swarm.node.notices import Hooks, Notices
-from swarm.node.settings import NodeSettings, advertised_resources
+from swarm.node.settings import NodeSettings, advertised_resources, plan_memory
 from swarm.node.view import MemberView
 
 SWITCH_INTERVAL_S = 0.001  # the GIL's hand-over interval in a node process (see open_peer)
@@ -129,15 +129,19 @@ async def open_peer(
         else:
             models.ms_per_layer = ms_per_layer
         memory, device = advertised_resources(s)
+        memory = plan_memory(memory, models.dtype)  # in the planner's unit: a mixed ring plans alike
     else:
         memory, device = s.memory_bytes, None
     async with open_host(s) as host, contextlib.AsyncExitStack() as stack:
         # the fast path (its listener's nursery) is entered before the peer's nursery and left after it
         fastpath = await stack.enter_async_context(_open_fastpath(s, host)) if s.fastpath and models else None
+        draft = models.drafts.advert(models.args, models.dtype, models.ms_per_layer, s.context_tokens) if models else None
+        if draft is not None and models is not None:  # its bytes in the planner's unit, as the memory
+            draft = (draft[0], plan_memory(draft[1], models.dtype), draft[2])
         membership = Membership(
             identity, s.swarm_id, addrs=_announce(s.announce, host), memory_bytes=memory,
             ms_per_layer=models.ms_per_layer if models is not None else 0.0, revoked=s.revoked, device=device,
-            draft=models.drafts.advert(models.args, models.dtype, models.ms_per_layer, s.context_tokens) if models else None,
+            draft=draft,
         )  # fmt: skip
         peer: Peer | None = None
         service = MembershipService(

@@ -62,6 +62,32 @@ class NodeSettings:
     disk_bytes: int = 0
 
 
+def _model_type(model_dir: object) -> str | None:
+    """The checkpoint's model_type (config.json or GGUF metadata); None when it cannot be read
+    here (loading the model reports that properly, with its own error)."""
+    if not isinstance(model_dir, str | Path):
+        return None
+    from swarm.model.weights import open_checkpoint
+
+    try:
+        return open_checkpoint(Path(model_dir)).args.architecture
+    except Exception:
+        return None
+
+
+def plan_memory(memory_bytes: int, dtype: torch.dtype) -> int:
+    """The memory a peer advertises, in the planner's unit: bytes at a 2-byte width.
+
+    A ring mixes dtypes (each peer resolves ``--dtype auto`` for its own device), but the leader
+    plans with one ModelSpec, and every peer must compute the same plan. So every spec is built
+    at 2 bytes per value (``PLAN_DTYPE``) and a peer that serves 4-byte fp32 advertises half its
+    memory: a block whose bf16 bytes fit in the half fits in fp32 in the whole (its compact int
+    weights are the same size, so a quantized fp32 peer is budgeted conservatively)."""
+    import torch
+
+    return memory_bytes * 2 // torch.empty(0, dtype=dtype).element_size()
+
+
 def model_spec(args: ModelArgs, dtype: torch.dtype, context_tokens: int, quant: str = "none") -> ModelSpec:
     """The planner's view of the model as this node holds it (bytes per layer in ``dtype``)."""
     import torch
@@ -107,7 +133,9 @@ def settings_from_mapping(cfg: Mapping[str, Any], *, seed: bytes, manifest: Any)
     if bad:
         raise UsageError(f"node settings: unknown or invite-only key {bad[0]!r}")
     device = resolve_device(cfg.get("device", "auto"))
-    kw: dict[str, Any] = {"device": device_label(device), "dtype": resolve_dtype(cfg.get("dtype", "auto"), device)}
+    model_type = _model_type(cfg.get("model_dir"))  # auto never picks fp16 for a model that overflows it
+    kw: dict[str, Any] = {"device": device_label(device),
+                          "dtype": resolve_dtype(cfg.get("dtype", "auto"), device, model_type)}
     for name, v in cfg.items():
         if name in kw or name not in fields:
             continue

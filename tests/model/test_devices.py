@@ -90,5 +90,7 @@ def test_auto_dtype_follows_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
     assert auto_dtype(resolve_device("auto")) == torch.bfloat16
     fake_hardware(monkeypatch, cuda=1, bf16=False)  # e.g. a Turing card: fp16
     assert auto_dtype(resolve_device("auto")) == torch.float16
-    fake_hardware(monkeypatch, cuda=0, mps=True)
+    fake_hardware(monkeypatch, cuda=0, mps=True)  # macOS 14+: native bf16
+    assert auto_dtype(resolve_device("auto")) == torch.bfloat16
+    fake_hardware(monkeypatch, cuda=0, mps=True, macos14=False)
     assert auto_dtype(resolve_device("auto")) == torch.float16

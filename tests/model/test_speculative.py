@@ -351,3 +351,46 @@ def test_stop_drafting_before_decoding_issues_the_plain_schedule() -> None:
     assert len(drafting.poll()[0].tokens) == 4  # a decode chunk with 3 drafts is out
     with pytest.raises(UsageError, match="already issued"):
         drafting.stop_drafting()
+
+
+def test_target_and_draft_distributions_meet_on_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sampled run whose target logits and draft probabilities both live on another device (a
+    GPU in a ring: the head's logits on one, the draft model's on another; here ``meta``, whose
+    tensors hold no data): the decoder moves each block through ``speculative.host`` once and
+    decides on the CPU, and gets exactly the tokens of the same run with CPU tensors. A path that
+    used a tensor where it was computed would fail on meta (no data, or two devices mixed)."""
+    from swarm.model import speculative
+
+    real: dict[int, torch.Tensor] = {}  # what each meta tensor stands for
+    moved: list[tuple[int, ...]] = []
+
+    def on_meta(t: torch.Tensor) -> torch.Tensor:
+        m = t.to("meta")
+        real[id(m)] = t
+        return m
+
+    def fake_host(t: torch.Tensor) -> torch.Tensor:
+        assert t.device.type == "meta", "only the other device's tensors come here in this run"
+        moved.append(tuple(t.shape))
+        return real[id(t)]
+
+    class MetaDrafter(TableDrafter):
+        def propose(self, context: Sequence[int], k: int, params: SamplingParams) -> Draft:
+            d = super().propose(context, k, params)
+            return Draft(d.tokens, None if d.probs is None else on_meta(d.probs))
+
+    params = SamplingParams(temperature=0.9, seed=5)
+    target = FakeTarget(7, seed=3)
+
+    def run(drafter: TableDrafter, execute: Callable[[VerifyChunk], torch.Tensor]) -> list[int]:
+        target.cache.clear()
+        dec = SpeculativeDecoder(PROMPT, params=params, max_new_tokens=30, drafter=drafter, prefill_chunk=4)
+        run_sync(dec, execute)
+        assert dec.stats.proposed > dec.stats.accepted > 0  # drafts were both accepted and rejected
+        return dec.output_ids
+
+    want = run(TableDrafter(7, seed=4, noise_from=target, mix=0.5), target.execute)
+    monkeypatch.setattr(speculative, "host", fake_host)
+    got = run(MetaDrafter(7, seed=4, noise_from=target, mix=0.5), lambda c: on_meta(target.execute(c)))
+    assert got == want
+    assert moved and all(len(shape) == 2 for shape in moved)  # whole blocks, never token by token

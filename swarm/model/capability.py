@@ -1,0 +1,177 @@
+"""What a device may compute with: dtypes and weight-only kernels, by capability, not by speed.
+
+Theory of operation
+-------------------
+Choosing *fast* settings is a measurement (threads, compiled kernels: the stage-speed work);
+choosing *correct* ones is a rule. This module holds the rules as pure functions of a
+:class:`Capability` (device kind, CUDA compute capability, native bf16), the serving dtype and the
+weight's shape, so that a table test can state them for machines this project has never run on
+(a 2080 Ti, an L4, a Mac) and :func:`probe` is the only function that looks at real hardware.
+
+The rules, and the fact behind each:
+
+- ``torch.cuda.is_bf16_supported()`` counts emulation: on sm75 (2080 Ti, T4) it says True and bf16
+  then runs emulated, slowly. Native bf16 is ``including_emulation=False``, i.e. sm80+.
+- The CUDA int4 kernel (``_weight_int4pack_mm``, "tinygemm") needs sm80+ and bf16 activations,
+  N a multiple of 8 and K of 64 (its tiles); anywhere else the int4 weight is dequantized per call.
+- CUDA's ``_weight_int8pack_mm`` is a naive kernel; dequantize-then-cuBLAS is allowed on every
+  CUDA device and is what int8 uses there (``dequant``: int8 weight times scales in one linear).
+- MPS has its own ``_weight_int8pack_mm`` and ``_weight_int4pack_mm``; they are used there, each
+  checked once on the node's own device against the dequantized product (:func:`kernel_works`),
+  because which dtypes and shapes a given macOS/torch accepts is not documented well enough to
+  trust a table alone.
+- fp16 overflows on Gemma-class models (embeddings scaled by sqrt(hidden), large residuals): a
+  NaN from an honest Mac then looks like a faulty peer. ``auto`` never picks fp16 for them: bf16
+  where it is native, else fp32.
+- On a CPU, bf16 is native only with AVX512-BF16 or AMX (dtypes.py has the measurement); the CPU's
+  packed kernels are used with bf16 activations only (quant_formats.py has the measurement).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+# model_type values whose activations overflow fp16 (their published configs; transformers' names)
+FP16_OVERFLOWS = frozenset({"gemma", "gemma2", "gemma3", "gemma3_text", "gemma3n", "gemma3n_text"})
+
+
+@dataclass(frozen=True)
+class Capability:
+    """What the rules need to know about one device."""
+
+    kind: str  # "cpu" | "cuda" | "mps" | "meta" (shapes only: tests place a stage there)
+    native_bf16: bool
+    sm: tuple[int, int] | None = None  # CUDA compute capability (major, minor)
+
+    @property
+    def label(self) -> str:
+        return f"{self.kind} sm{self.sm[0]}{self.sm[1]}" if self.sm else self.kind
+
+
+def cpu(native_bf16: bool) -> Capability:
+    return Capability("cpu", native_bf16)
+
+
+def cuda(major: int, minor: int = 0) -> Capability:
+    """A CUDA device of compute capability ``major.minor`` (bf16 is native from sm80 on)."""
+    return Capability("cuda", major >= 8, (major, minor))
+
+
+def mps(native_bf16: bool = True) -> Capability:
+    return Capability("mps", native_bf16)
+
+
+def probe(device: torch.device) -> Capability:
+    """The capability of ``device`` itself (``cuda:1`` asks GPU 1, not GPU 0)."""
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return cuda(major, minor)
+    if device.type == "meta":
+        return Capability("meta", True)  # every kernel dequant: plain torch ops, which meta runs
+    if device.type == "mps":
+        # bf16 on MPS needs macOS 14 (torch refuses bf16 tensors there otherwise)
+        return mps(bool(torch.backends.mps.is_macos_or_newer(14, 0)))
+    from swarm.model.dtypes import cpu_has_native_bf16
+
+    return cpu(cpu_has_native_bf16())
+
+
+def auto_dtype(cap: Capability, model_type: str | None = None) -> torch.dtype:
+    """The serving dtype ``--dtype auto`` picks: bf16 where native; on a GPU without it fp16,
+    unless the model overflows fp16 (then fp32); on a CPU without it fp32."""
+    if cap.native_bf16:
+        return torch.bfloat16
+    if cap.kind == "cpu" or model_type in FP16_OVERFLOWS:
+        return torch.float32
+    return torch.float16
+
+
+def dtype_problem(cap: Capability, dtype: torch.dtype, model_type: str | None = None) -> str | None:
+    """Why ``dtype`` is wrong on ``cap`` for this model (None when it is fine): a reason to refuse
+    an explicit ``--dtype`` before a NaN gets an honest peer evicted."""
+    if dtype == torch.float16 and model_type in FP16_OVERFLOWS:
+        return f"{model_type} overflows fp16 (activations past 65504); use bf16 or fp32"
+    if dtype == torch.bfloat16 and cap.kind == "mps" and not cap.native_bf16:
+        return "bf16 on MPS needs macOS 14 or later; use fp32"
+    return None
+
+
+def int8_kernel(cap: Capability, dtype: torch.dtype) -> str:
+    """How an int8 weight multiplies: ``int8pack`` (torch's packed kernel) or ``dequant``."""
+    if cap.kind == "cpu":
+        return "int8pack" if dtype == torch.bfloat16 else "dequant"  # fp32: a scalar path, 40-120x slower
+    if cap.kind == "mps":
+        return "int8pack" if dtype in (torch.bfloat16, torch.float16, torch.float32) else "dequant"
+    return "dequant"  # CUDA: its int8pack kernel is naive; int8 x scales through cuBLAS is faster
+
+
+def int4_kernel(cap: Capability, dtype: torch.dtype, n: int, k: int) -> str:
+    """How an int4 (N, K) weight multiplies: ``int4pack_cpu``, ``int4pack_cuda`` (the tiled layout
+    CUDA and MPS share) or ``dequant``."""
+    if cap.kind == "cpu":
+        return "int4pack_cpu" if dtype == torch.bfloat16 and n % 16 == 0 else "dequant"
+    tiles = n % 8 == 0 and k % 64 == 0
+    if cap.kind == "cuda":
+        sm80 = cap.sm is not None and cap.sm >= (8, 0)
+        return "int4pack_cuda" if sm80 and dtype == torch.bfloat16 and tiles else "dequant"
+    if cap.kind == "mps":
+        return "int4pack_cuda" if dtype in (torch.bfloat16, torch.float16) and tiles else "dequant"
+    return "dequant"
+
+
+def table(cap: Capability, model_type: str | None = None) -> dict[str, object]:
+    """Every rule's answer for ``cap`` at a typical shape (for status lines and gpu_check)."""
+    dt = auto_dtype(cap, model_type)
+    return {"device": cap.label, "auto_dtype": str(dt).removeprefix("torch."),
+            "int8": int8_kernel(cap, dt), "int4": int4_kernel(cap, dt, 4096, 4096)}
+
+
+@functools.cache
+def kernel_works(device: str, kernel: str, dtype: torch.dtype) -> bool:
+    """Whether ``kernel`` gives the dequantized product on ``device`` (a 64x128 check, once per
+    device, kernel and dtype; :func:`choose_kernel` does not ask it for the CPU, whose kernels the
+    test suite checks)."""
+    if kernel == "dequant":
+        return True
+    from swarm.model.quant_formats import Packed, int4_from_float, int8_from_float
+
+    dev = torch.device(device)
+    w = torch.randn(64, 128, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(1)).to(dtype)
+    try:
+        if kernel == "int8pack":
+            q8, s8 = int8_from_float(w, dtype)
+            want = x.float() @ (q8.float() * s8[:, None]).T
+            spec, q, s = Packed.int8(w, dtype, dev, kernel=kernel)
+        else:
+            g = int4_from_float(w, 32, dtype)
+            want = x.float() @ g.dequantize().T
+            spec, q, s = Packed.int4(g, dtype, dev, kernel=kernel)
+        got = spec.matmul(x.to(dev), q, s).float().cpu()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+    return bool(torch.allclose(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max())))
+
+
+def choose_kernel(kind: str, device: torch.device, dtype: torch.dtype, n: int, k: int) -> str:
+    """The kernel an int8/int4 (N, K) weight uses on ``device`` (the node's own: probed there)."""
+    cap = device_capability(device)
+    kernel = int8_kernel(cap, dtype) if kind == "int8" else int4_kernel(cap, dtype, n, k)
+    if device.type != "cpu" and kernel != "dequant" and not kernel_works(str(device), kernel, dtype):
+        return "dequant"
+    return kernel
+
+
+@functools.cache
+def _capability(device: str) -> Capability:
+    return probe(torch.device(device))
+
+
+def device_capability(device: torch.device) -> Capability:
+    """:func:`probe`, once per device (``cuda`` means ``cuda:0``: the index is kept explicit)."""
+    if device.type == "cuda":
+        device = torch.device("cuda", device.index or 0)
+    return _capability(str(device))

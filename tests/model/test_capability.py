@@ -1,0 +1,123 @@
+"""The capability table: which dtype ``auto`` serves and which weight-only kernel multiplies, as a
+pure function of (device capability, dtype, shape), for machines this project has not run on.
+
+The rows are the facts in capability.py's docstring (torch 2.13's kernels and the field's
+failures); the probe tests fake torch's answers (swarm.testing.hardware) to show the *node's own*
+device is asked, and the kernel check falls back to ``dequant`` when a device's kernel is wrong.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from swarm.errors import UsageError
+from swarm.model import capability
+from swarm.model.capability import Capability, auto_dtype, cpu, cuda, int4_kernel, int8_kernel, mps
+from swarm.model.dtypes import resolve_dtype
+from swarm.testing.hardware import fake_hardware
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+
+# device, auto dtype (a Llama), auto dtype (a Gemma), int8 kernel and int4 kernel (4096x4096) in the auto dtype
+TABLE: list[tuple[Capability, torch.dtype, torch.dtype, str, str]] = [
+    (cuda(7, 5), FP16, FP32, "dequant", "dequant"),  # 2080 Ti / T4: bf16 only emulated; tinygemm needs sm80
+    (cuda(8, 0), BF16, BF16, "dequant", "int4pack_cuda"),  # A100: CUDA int8pack is naive -> cuBLAS
+    (cuda(8, 9), BF16, BF16, "dequant", "int4pack_cuda"),  # 4090 / L4
+    (mps(True), BF16, BF16, "int8pack", "int4pack_cuda"),  # Apple silicon, macOS 14+: MPS's own kernels
+    (mps(False), FP16, FP32, "int8pack", "int4pack_cuda"),  # older macOS: no bf16; Gemma overflows fp16
+    (cpu(True), BF16, BF16, "int8pack", "int4pack_cpu"),  # AVX512-BF16 / AMX
+    (cpu(False), FP32, FP32, "dequant", "dequant"),  # AVX2: packed kernels are scalar in fp32
+]
+
+
+@pytest.mark.parametrize(("cap", "llama", "gemma", "i8", "i4"), TABLE, ids=[row[0].label for row in TABLE])
+def test_the_table(cap: Capability, llama: torch.dtype, gemma: torch.dtype, i8: str, i4: str) -> None:
+    assert auto_dtype(cap, "llama") == llama
+    assert auto_dtype(cap, "gemma3_text") == gemma
+    assert int8_kernel(cap, llama) == i8
+    assert int4_kernel(cap, llama, 4096, 4096) == i4
+
+
+@pytest.mark.parametrize("cap", [cuda(7, 5), cuda(8, 0), cuda(8, 9), mps(True), mps(False), cpu(True), cpu(False)])
+def test_packed_kernels_only_where_their_dtype_and_tiles_fit(cap: Capability) -> None:
+    # fp32 activations never take a packed int4 kernel; neither do shapes off its tiles
+    assert int4_kernel(cap, FP32, 4096, 4096) == "dequant"
+    assert int4_kernel(cap, BF16, 4100, 4096) == "dequant"  # N not a multiple of 8 (or 16 on a CPU)
+    if cap.kind != "cpu":
+        assert int4_kernel(cap, BF16, 4096, 4128) == "dequant"  # K not a multiple of 64
+    # the CUDA int4 kernel wants bf16 activations, even on sm80+
+    assert int4_kernel(cuda(8, 9), FP16, 4096, 4096) == "dequant"
+
+
+def test_the_gpu_asked_is_the_nodes_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node on cuda:1 (an A100 beside a T4 at cuda:0) serves bf16 with the int4 kernel."""
+    fake_hardware(monkeypatch, cuda=2, sm=[(7, 5), (8, 0)])
+    capability._capability.cache_clear()
+    try:
+        assert capability.device_capability(torch.device("cuda", 1)) == cuda(8, 0)
+        assert capability.device_capability(torch.device("cuda")) == cuda(7, 5)  # cuda means cuda:0
+        assert resolve_dtype("auto", torch.device("cuda", 1)) == BF16
+        assert resolve_dtype("auto", torch.device("cuda", 0)) == FP16
+        assert resolve_dtype("auto", torch.device("cuda", 0), "gemma3_text") == FP32
+    finally:
+        capability._capability.cache_clear()
+
+
+def test_bf16_emulation_does_not_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_hardware(monkeypatch, cuda=1, sm=[(7, 5)])
+    assert torch.cuda.is_bf16_supported()  # torch's default answer counts emulation...
+    capability._capability.cache_clear()
+    try:
+        assert resolve_dtype("auto", torch.device("cuda", 0)) == FP16  # ...ours does not
+    finally:
+        capability._capability.cache_clear()
+
+
+def test_fp16_on_gemma_is_refused_with_a_reason() -> None:
+    with pytest.raises(UsageError, match="gemma3_text overflows fp16"):
+        resolve_dtype("fp16", "cpu", "gemma3_text")
+    assert resolve_dtype("fp16", "cpu", "llama") == FP16
+
+
+def test_a_kernel_that_fails_its_check_on_the_device_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Off the CPU the table's packed kernel is checked once on the device itself; failing -> dequant."""
+    calls: list[tuple[str, str]] = []
+
+    def check(device: str, kernel: str, dtype: torch.dtype) -> bool:
+        calls.append((device, kernel))
+        return False
+
+    monkeypatch.setattr(capability, "kernel_works", check)
+    monkeypatch.setattr(capability, "device_capability", lambda d: mps(True))
+    assert capability.choose_kernel("int8", torch.device("meta"), BF16, 64, 128) == "dequant"
+    assert capability.choose_kernel("int4", torch.device("meta"), BF16, 64, 128) == "dequant"
+    assert calls == [("meta", "int8pack"), ("meta", "int4pack_cuda")]
+
+
+def test_the_check_runs_the_kernel_against_the_dequantized_product() -> None:
+    assert capability.kernel_works("cpu", "int8pack", BF16)
+    assert capability.kernel_works("cpu", "int4pack_cpu", BF16)
+    assert not capability.kernel_works("cpu", "int4pack_cuda", BF16)  # no CUDA kernel in a CPU build
+
+
+def test_a_node_on_a_pre_ampere_gpu_serves_gemma_in_fp32_and_llama_in_fp16(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The node's settings resolve ``--dtype auto`` knowing the model: fp16 would overflow Gemma."""
+    import types
+
+    from swarm.node.settings import settings_from_mapping
+    from swarm.testing.hf_checkpoints import write_family_checkpoint
+
+    manifest = types.SimpleNamespace(swarm_id="s", secret=types.SimpleNamespace(value=b"k" * 32), revoked=(),
+                                     quant="none", bootstrap=())
+    fake_hardware(monkeypatch, cuda=1, sm=[(7, 5)])
+    capability._capability.cache_clear()
+    try:
+        for family, want in (("gemma3", FP32), ("llama", FP16)):
+            model = write_family_checkpoint(tmp_path / family, family)
+            s = settings_from_mapping({"device": "cuda", "model_dir": str(model)}, seed=b"x" * 32, manifest=manifest)
+            assert s.dtype == want, family
+    finally:
+        capability._capability.cache_clear()
