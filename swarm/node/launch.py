@@ -173,7 +173,7 @@ def start_local_swarm(
     issuer = Identity(os.urandom(32))
     manifest = sign_manifest(
         new_manifest(swarm_name="demo", issuer=issuer.public_key, bootstrap=(addrs[0],), lifetime_s=86400,
-                     quant=quant),
+                     quant=quant, context=context_tokens),
         issuer,
     )
     manifest_file = workdir / "invite.json"
@@ -181,9 +181,10 @@ def start_local_swarm(
     secret, swarm_id = manifest.secret.value, manifest.swarm_id
     if memory_bytes is None:
         args = open_checkpoint(model_dir).args  # a directory or a .gguf
-        spec = model_spec(args, resolve_dtype(dtype, resolve_device(device)), context_tokens, quant)
+        context = min(context_tokens, args.max_seq_len)  # the model's own maximum caps the swarm's
+        spec = model_spec(args, resolve_dtype(dtype, resolve_device(device)), context, quant)
         per = math.ceil(args.n_layers / n) * spec.bytes_per_layer + spec.coordinator_bytes
-        per += draft_bytes(draft, args, resolve_dtype(dtype, resolve_device(device)), context_tokens)
+        per += draft_bytes(draft, args, resolve_dtype(dtype, resolve_device(device)), context)
         memory_bytes = [int(per * 1.02)] * n
     swarm = LocalSwarm(workdir, swarm_id, secret, peer_ids, addrs, _tmp=tmp)
     try:
@@ -213,7 +214,6 @@ def start_local_swarm(
                 "device": device,
                 "threads": threads,
                 "expect_peers": n,
-                "context_tokens": context_tokens,
                 "draft": draft,
                 "chunk_timeout": chunk_timeout,
                 "compute_delay_s": compute_delay_s,

@@ -87,12 +87,17 @@ class Models:
         self.ckpt: Checkpoint = open_checkpoint(settings.model_dir)
         self.args = self.ckpt.args
         self.dtype: torch.dtype = settings.dtype if settings.dtype is not None else torch.bfloat16
-        self.spec = model_spec(self.args, self.dtype, settings.context_tokens, settings.quant)
+        self.spec = model_spec(self.args, self.dtype, self.context_tokens, settings.quant)
         self.tokenizer: Tokenizer | None = None
         self.ms_per_layer = 0.0
         self._stages: dict[tuple[int, int], Stage] = {}
         self._head: Head | None = None
         self.drafts = DraftHolder(settings.draft, threads=compute.threads)  # its draft model (drafting.py)
+
+    @property
+    def context_tokens(self) -> int:
+        """The context this node serves: the swarm's (settings), at most the model's own."""
+        return min(self.settings.context_tokens, self.args.max_seq_len)
 
     async def measure(self) -> float:
         s = self.settings

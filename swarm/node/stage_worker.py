@@ -312,6 +312,11 @@ class StageWorker:
                 self._reported = True
                 self.on_bad_input(self.upstream, str(exc))
             return None
+        if msg.pos + msg.tokens > self.max_len:  # this request is over the context: it fails alone
+            log.warning("%r: refused chunk %d of session %d: over the context", self, msg.chunk_id, msg.session)
+            await self._report(outbound, msg.session, msg.chunk_id, "context_exceeded",
+                               f"{where}: positions up to {msg.pos + msg.tokens} exceed the context of {self.max_len}")
+            return None
         try:
             self._prepare_cache(msg, where)
         except SwarmError as exc:
