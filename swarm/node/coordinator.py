@@ -63,7 +63,7 @@ from swarm.model.generate import output_sha256
 from swarm.model.sampling import SamplingParams
 from swarm.model.speculative import Committed, DraftSource, KPolicy, SpeculativeDecoder, VerifyChunk
 from swarm.model.stage import Head
-from swarm.node import drafting
+from swarm.node import drafting, memory
 from swarm.node.activation import REPLAY_ID_BASE, hidden_chunk, read_hidden
 from swarm.node.headbatch import SharedHead
 from swarm.node.links import Link
@@ -287,7 +287,11 @@ class Coordinator:
                     gen.traversal_ms.append(1000 * (time.perf_counter() - t_sent))
                     rows = h[chunk.logits_from:]
                     if rows.shape[0]:
-                        logits, shared = await self.shared_head.logits(rows, session)
+                        try:
+                            logits, shared = await self.shared_head.logits(rows, session)
+                        except memory.OOM_ERRORS as exc:  # this request fails alone (node/memory.py)
+                            memory.release(str(rows.device))
+                            raise RequestRefused(f"the coordinator's LM head: {memory.describe(exc)}") from None
                         gen.shared_head_calls += shared
                     else:
                         logits = torch.empty(0, self.args.vocab_size)

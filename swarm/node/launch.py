@@ -56,6 +56,7 @@ class LocalSwarm:
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
     proxy: subprocess.Popen[bytes] | None = None
     _base_cfg: dict[str, object] = field(default_factory=dict)
+    node_env: dict[int, dict[str, str]] = field(default_factory=dict)  # extra environment of node i (test hooks)
     _tmp: tempfile.TemporaryDirectory[str] | None = None
 
     def log(self, i: int) -> str:
@@ -98,7 +99,7 @@ class LocalSwarm:
         cfg_file = self.workdir / f"node{i}.json"
         cfg_file.write_text(json.dumps(cfg, indent=2))
         self._base_cfg = cfg
-        env = {**os.environ, "OMP_NUM_THREADS": str(cfg["threads"]), "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "OMP_NUM_THREADS": str(cfg["threads"]), "PYTHONUNBUFFERED": "1", **self.node_env.get(i, {})}
         fd = _log_file(self.workdir / f"node{i}.log", append=append_log)
         try:
             proc = subprocess.Popen(
@@ -155,6 +156,7 @@ def start_local_swarm(
     workdir: Path | None = None,
     compute_delay_s: float = 0.0,
     quant: str = "none",
+    node_env: dict[int, dict[str, str]] | None = None,
 ) -> LocalSwarm:
     if n < 1:
         raise ValueError("a swarm needs at least one node")
@@ -186,7 +188,7 @@ def start_local_swarm(
         per = math.ceil(args.n_layers / n) * spec.bytes_per_layer + spec.coordinator_bytes
         per += draft_bytes(draft, args, resolve_dtype(dtype, resolve_device(device)), context)
         memory_bytes = [int(per * 1.02)] * n
-    swarm = LocalSwarm(workdir, swarm_id, secret, peer_ids, addrs, _tmp=tmp)
+    swarm = LocalSwarm(workdir, swarm_id, secret, peer_ids, addrs, _tmp=tmp, node_env=dict(node_env or {}))
     try:
         if delay_ms > 0:
             pairs = [f"{public_ports[i]}:{listen_ports[i]}" for i in range(n)]
