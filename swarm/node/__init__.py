@@ -18,6 +18,8 @@ Where things live:
     authority.py   the finer rules behind the roles (fault reports, epoch bounds), pure
     service.py     the generation service (in-process for the API, and /shard-swarm/gen/1):
                    requests, relaying, the coordinator's run
+    genwire.py     a gen/1 stream's messages, however long: sent as their frames, received whole
+    memory.py      running out of memory: what it fails (a request, never the peer), its test hooks
     resume.py      a generation outliving its ring: wait for the next epoch, resume by replay
     report.py      receipts and status
     stage_worker.py  a layer block serving verify chunks from upstream to downstream, the

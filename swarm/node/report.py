@@ -82,6 +82,7 @@ class Reporter:
                          "seed": params.seed},  # fmt: skip
             "tokens_per_s": gen.tokens_per_s,
             "decode_tokens_per_s": gen.decode_tokens_per_s,
+            "prefill_s": gen.prefill_s,  # from the request to the first token: the prompt through the ring
             "traversal_ms": statistics.median(tms) if tms else None,
             "accepted_per_traversal": gen.tokens_per_traversal,
             "accepted_per_round": gen.accepted_per_round,
