@@ -183,10 +183,9 @@ def start_local_swarm(
     secret, swarm_id = manifest.secret.value, manifest.swarm_id
     if memory_bytes is None:
         args = open_checkpoint(model_dir).args  # a directory or a .gguf
-        context = min(context_tokens, args.max_seq_len)  # the model's own maximum caps the swarm's
-        spec = model_spec(args, resolve_dtype(dtype, resolve_device(device)), context, quant)
+        spec = model_spec(args, resolve_dtype(dtype, resolve_device(device)), context_tokens, quant)
         per = math.ceil(args.n_layers / n) * spec.bytes_per_layer + spec.coordinator_bytes
-        per += draft_bytes(draft, args, resolve_dtype(dtype, resolve_device(device)), context)
+        per += draft_bytes(draft, args, resolve_dtype(dtype, resolve_device(device)), context_tokens)
         memory_bytes = [int(per * 1.02)] * n
     swarm = LocalSwarm(workdir, swarm_id, secret, peer_ids, addrs, _tmp=tmp, node_env=dict(node_env or {}))
     try:

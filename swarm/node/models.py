@@ -88,7 +88,9 @@ class Models:
         self.ckpt: Checkpoint = open_checkpoint(settings.model_dir)
         self.args = self.ckpt.args
         self.dtype: torch.dtype = settings.dtype if settings.dtype is not None else torch.bfloat16
-        self.spec = model_spec(self.args, self.dtype, self.context_tokens, settings.quant)
+        # the planner's reservation: the invite's context as given (a model whose own maximum is
+        # shorter is reserved for more than it can use: never less than it uses)
+        self.spec = model_spec(self.args, self.dtype, settings.context_tokens, settings.quant)
         self.tokenizer: Tokenizer | None = None
         self.ms_per_layer = 0.0
         self._stages: dict[tuple[int, int], Stage] = {}

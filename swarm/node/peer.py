@@ -137,7 +137,7 @@ async def open_peer(
         membership = Membership(
             identity, s.swarm_id, addrs=_announce(s.announce, host), memory_bytes=memory,
             ms_per_layer=models.ms_per_layer if models is not None else 0.0, revoked=s.revoked, device=device,
-            draft=models.drafts.advert(models.args, models.dtype, models.ms_per_layer, models.context_tokens) if models else None,
+            draft=models.drafts.advert(models.args, models.dtype, models.ms_per_layer, s.context_tokens) if models else None,
         )  # fmt: skip
         peer: Peer | None = None
         service = MembershipService(

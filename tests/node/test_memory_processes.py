@@ -78,8 +78,7 @@ async def test_out_of_memory_in_a_forward_fails_that_request_alone(ckpt: Path) -
 
 async def test_a_peer_that_cannot_load_its_block_offers_less_and_is_not_blamed(ckpt: Path) -> None:
     want = _one_box(ckpt, SHORT, 16)
-    args = ModelArgs.from_dir(ckpt)
-    spec = model_spec(args, torch.float32, min(1024, args.max_seq_len))  # the local swarm's context
+    spec = model_spec(ModelArgs.from_dir(ckpt), torch.float32, 1024)  # the local swarm's context
     per = spec.bytes_per_layer
     # node 0 offers room for the whole model but can load two layers at most; the others hold
     # three and one, so the first plan gives node 0 more than it can load
