@@ -53,6 +53,7 @@ from swarm.proto import control as ctl
 from swarm.proto.control import MAX_DEPTH, Gen
 from swarm.proto.limits import PROTO_GEN
 from swarm.proto.messages import parse_message
+from swarm.proto.parts import Assembler
 
 log = logging.getLogger("swarm.node.service")
 
@@ -113,9 +114,19 @@ class GenService:
     # -- the network service ---------------------------------------------------------------
 
     async def serve(self, peer: str, fs: Any) -> None:
-        """``/shard-swarm/gen/1``: one ``gen`` or ``status`` request from ``peer``."""
+        """``/shard-swarm/gen/1``: one ``gen`` or ``status`` request from ``peer`` (a long prompt
+        after its parts). A frame that breaks the wire protocol is not answered: it ends the
+        stream (and the host drops its sender); a bad message is answered with a Fail."""
+        joined, msg = Assembler(), None
+        while msg is None:
+            frame = await fs.receive(timeout=REQUEST_TIMEOUT_S)  # outside the try: see above
+            try:
+                msg = joined.feed(parse_message(frame))
+            except SwarmError as exc:
+                log.info("request from %s failed: %s", peer, exc)
+                await fs.send(ctl.fail_of(exc).to_frame())
+                return
         try:
-            msg = await receive_message(fs, timeout=REQUEST_TIMEOUT_S)
             if not isinstance(msg, Gen | ctl.Status):
                 raise ProtocolError(f"expected a gen or status request, got {msg!r}")
             self.roles.check(peer, msg)
