@@ -16,10 +16,11 @@ from swarm.model.tokenizer import Tokenizer
 from swarm.node import client
 from swarm.node.launch import start_local_swarm
 
-pytestmark = pytest.mark.slow
+# a 6.4k-token prefill twice (the ring, then one box) on a shared 2-core machine takes minutes
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 openai = pytest.importorskip("openai")
 TEXT = "\n".join(f"Entry {i}: peer {i % 7} holds layers {i % 30} to {i % 30 + 3}; its round trip is {i % 50} ms."
-                 for i in range(300))  # fmt: skip
+                 for i in range(230))  # fmt: skip
 
 
 async def test_a_6k_token_prompt_through_the_api_matches_one_box() -> None:
