@@ -37,6 +37,18 @@ class BadRequest(UsageError):
         self.field = field
 
 
+class ContextTooLong(BadRequest):
+    """A request's prompt plus the tokens it asks for exceed the swarm's context (OpenAI's
+    ``context_length_exceeded``)."""
+
+
+class RequestRefused(SwarmError):
+    """A peer could not serve this one request (it ran out of memory on it, say): the request
+    fails, the ring and the peer stay as they are (no re-plan, nobody blamed)."""
+
+    exit_code = 7
+
+
 class ModelError(SwarmError):
     """Problems with a checkpoint, its config or its tokenizer."""
 

@@ -37,9 +37,9 @@ from swarm.errors import PeerError, SwarmError
 from swarm.model.tokenizer import Tokenizer
 from swarm.model.weights import open_checkpoint
 from swarm.node.errors_util import unwrap
+from swarm.node.genwire import receive_message, send_message
 from swarm.proto import control as ctl
 from swarm.proto.limits import PROTO_GEN
-from swarm.proto.messages import parse_message
 
 if TYPE_CHECKING:
     from swarm.net.host import SwarmHost
@@ -72,6 +72,11 @@ def api_error(exc: SwarmError) -> ApiError:
     if isinstance(exc, ApiError):
         return exc
     fail = ctl.fail_of(exc)
+    if fail.code == "context_length_exceeded":  # the swarm's own check (service.check_context)
+        return ApiError(fail.message, status=400, code="context_length_exceeded")
+    if fail.code == "refused":  # a peer could not serve this request (out of memory): it alone failed
+        return ApiError(f"the swarm could not serve this request: {fail.message}", status=503, type="server_error",
+                        code="request_refused")  # fmt: skip
     if fail.code in ("bad_request", "forbidden"):
         return ApiError(fail.message, status=400, code="invalid_value")
     if fail.code == "busy":  # every slot of the ring's KV memory taken, queue full
@@ -156,6 +161,9 @@ class NodeBackend:
             async def notice(self, text: str) -> None:
                 send.send_nowait(text)
 
+            async def progress(self, done: int, total: int) -> None:
+                return None
+
         async def run() -> None:
             with send:
                 try:
@@ -199,7 +207,7 @@ class ClientBackend:
             async with self.host.open_stream(self.peer, PROTO_GEN, timeout=OPEN_TIMEOUT_S) as fs:
                 gen = Generation(_frames(fs))
                 try:
-                    await fs.send(req.to_frame(), timeout=OPEN_TIMEOUT_S)
+                    await send_message(fs, req, timeout=OPEN_TIMEOUT_S)
                     yield gen
                 finally:
                     if gen.receipt is None:
@@ -214,13 +222,15 @@ async def _frames(fs: Any) -> AsyncIterator[Event]:
     timeout = TOKEN_TIMEOUT_S + READY_WAIT_S
     while True:
         try:
-            msg = parse_message(await fs.receive(timeout=timeout))
+            msg = await receive_message(fs, timeout=timeout)
         except PeerError as exc:
             raise ApiError(f"the swarm stopped answering: {exc}", status=503, type="server_error",
                            code="swarm_unavailable") from None  # fmt: skip
         timeout = TOKEN_TIMEOUT_S
         if isinstance(msg, ctl.Tokens):
             yield [int(i) for i in msg.ids]
+        elif isinstance(msg, ctl.Progress):  # a long prefill goes on: no event, but the wait starts again
+            continue
         elif isinstance(msg, ctl.Notice):  # a pause for a re-plan: the completion carries on after it
             yield msg.text
         elif isinstance(msg, ctl.Done):

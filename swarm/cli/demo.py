@@ -23,7 +23,7 @@ from swarm.cli import ui
 from swarm.cli.draftflag import REQUEST_HELP
 from swarm.errors import UsageError
 from swarm.manifest.manifest import read_manifest
-from swarm.manifest.schema import QUANTS
+from swarm.manifest.schema import DEFAULT_CONTEXT, MAX_CONTEXT, MIN_CONTEXT, QUANTS
 
 DEFAULT_PROMPT = "Explain in two sentences why the sky is blue."
 
@@ -37,6 +37,8 @@ def demo(
     nodes: int = typer.Option(3, "--nodes", "-n", min=1, max=8, help="Local node processes to start."),
     prompt: str = typer.Option(DEFAULT_PROMPT, "--prompt", "-p"),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=1, max=4096),
+    context: int = typer.Option(DEFAULT_CONTEXT, "--context", min=MIN_CONTEXT, max=MAX_CONTEXT,
+                                help="The swarm's context in tokens (written into its invite; at most the model's own)."),
     model: str | None = typer.Option(None, "--model", help="Model directory, .gguf file, or packaged model: smollm2 (the default) or gemma3-270m."),
     dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 where the hardware has it, else fp32), bf16, fp16 or fp32."),
     device: str | None = typer.Option(None, "--device", help="auto (CUDA, then MPS, else CPU), cpu, cuda, cuda:N or mps, for every node (default: node.device, else auto)."),
@@ -72,8 +74,11 @@ def demo(
     asked = "auto" if spec.auto else ("model" if spec.model else spec.kind)  # what the request names
     held = dtype_name(torch_dtype) + ("" if quant == "none" else f", {quant} weights")
     ui.notice(f"starting {nodes} node processes on loopback ({model_dir.name}, {held} on {dev})")
+    from swarm.model.weights import open_checkpoint
+
+    context = min(context, open_checkpoint(model_dir).args.max_seq_len)  # the model's own maximum caps it
     with start_local_swarm(nodes, model_dir, dtype=dtype, device=dev, draft=draft, delay_ms=delay_ms,
-                           quant=quant) as swarm:
+                           quant=quant, context_tokens=context) as swarm:
         try:
             result = trio.run(
                 _run_one, swarm.addrs[-1], swarm.secret, swarm.swarm_id, timeout,
@@ -83,7 +88,7 @@ def demo(
             )  # fmt: skip
             if api is not None:
                 _finish(result, json_out, receipt)
-                trio.run(_serve_api, swarm.addrs[-1], swarm.secret, swarm.swarm_id, model_dir, api)
+                trio.run(_serve_api, swarm.addrs[-1], swarm.secret, swarm.swarm_id, model_dir, api, context)
                 return
         except BaseException:
             for i in range(nodes):
@@ -224,13 +229,13 @@ async def _resuming(host: Any, peer: str, req: dict[str, Any], committed: list[i
         return receipt
 
 
-async def _serve_api(addr: str, secret: bytes, swarm_id: str, model_dir: Path, bind: str) -> None:
+async def _serve_api(addr: str, secret: bytes, swarm_id: str, model_dir: Path, bind: str, context: int) -> None:
     from swarm.api.backend import ClientBackend
     from swarm.api.server import serve_api
     from swarm.node import client
 
     async with client.open_client(addr, secret=secret, swarm_id=swarm_id) as (host, peer), trio.open_nursery() as nursery:
-        url = await nursery.start(functools.partial(serve_api, ClientBackend(host, peer, model_dir), bind))
+        url = await nursery.start(functools.partial(serve_api, ClientBackend(host, peer, model_dir, context_tokens=context), bind))
         ui.notice(f"OpenAI-compatible endpoint on {url}/v1 (model {model_dir.name}); Ctrl-C stops the swarm")
         ui.notice(f"web console on {url}/ and chat on {url}/chat")
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:

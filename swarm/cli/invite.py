@@ -29,7 +29,15 @@ from swarm.manifest.manifest import (
 )
 from swarm.manifest.modelcheck import check_model, describe_model
 from swarm.manifest.pins import check_pin, pinned_issuer, pins_path
-from swarm.manifest.schema import QUANTS, Manifest, ManifestInvalid, SwarmSecret
+from swarm.manifest.schema import (
+    DEFAULT_CONTEXT,
+    MAX_CONTEXT,
+    MIN_CONTEXT,
+    QUANTS,
+    Manifest,
+    ManifestInvalid,
+    SwarmSecret,
+)
 from swarm.proto.admission import client_secret, member_key
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -86,6 +94,10 @@ def create(
     ),
     quant: str | None = typer.Option(
         None, "--quant", help="How every peer holds its layers: none, int8, int4 or mxfp4 (MoE experts only; default none; --from keeps it)."
+    ),
+    context: int | None = typer.Option(
+        None, "--context", min=MIN_CONTEXT, max=MAX_CONTEXT,
+        help=f"The swarm's context in tokens (prompt + output of one generation; default {DEFAULT_CONTEXT}, at most the model's own; --from keeps it).",
     ),
     draft: Path | None = typer.Option(
         None, "--draft", help="A draft model checkpoint a coordinator may run (hashed into the invite; --from keeps it)."
@@ -152,6 +164,7 @@ def create(
         swarm_id=old.swarm_id if old else None,
         secret=secret,
         quant=quant or (old.quant if old else "none"),
+        context=context if context is not None else (old.context if old else None),
         draft=describe_draft(draft) or (old.draft if old else None),
         **extra,
     )
@@ -253,6 +266,7 @@ def show(
         )
     else:
         rows.append(["model", "(any)"])
+    rows.append(["context", f"{m.context_tokens} tokens (at most the model's own)"])
     rows.append(["quant", m.quant if m.quant != "none" else "none (layers in the serving dtype)"])
     rows.append(["draft", f"{m.draft.name} ({len(m.draft.files)} files)" if m.draft else "none named (peers choose: join --draft)"])
     if not m.bootstrap:

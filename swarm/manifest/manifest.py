@@ -9,6 +9,7 @@ An invite is a JSON object (see ``manifests/schema.json`` and ``manifests/README
      "bootstrap": [multiaddr, ...], "secret": b64(32 bytes), "issuer": b64(Ed25519 public key),
      "created": unix s, "expires": unix s, "revoked": [peer ID, ...] (optional),
      "quant": "int8" | "int4" (optional; absent means "none"),
+     "context": tokens (optional; absent means 8192, capped by the model's own maximum),
      "draft": {"name", "config_sha256", "files"} (optional: a draft model the coordinator may run),
      "role": "client", "member_key": b64(32 bytes) (both or neither), "signature": b64}
 
@@ -50,11 +51,13 @@ from swarm.manifest.schema import (
     HEX32,
     HEX64,
     MAX_BOOTSTRAP,
+    MAX_CONTEXT,
     MAX_FILES,
     MAX_MANIFEST_BYTES,
     MAX_ORIGINS,
     MAX_REVOKED,
     MAX_UNIX_S,
+    MIN_CONTEXT,
     NAME_RE,
     OPTIONAL_FIELDS,
     QUANTS,
@@ -82,6 +85,7 @@ def new_manifest(
     draft: ModelSpec | None = None,
     role: str = "member",
     member_key: bytes = b"",
+    context: int | None = None,
 ) -> Manifest:
     """A fresh, unsigned manifest with a random swarm ID and secret (unless given: re-issuing)."""
     now = int(time.time()) if now is None else now
@@ -100,6 +104,7 @@ def new_manifest(
         expires=now + lifetime_s,
         revoked=tuple(revoked),
         quant=quant,
+        context=context,
         draft=draft,
         role=role,
         member_key=member_key,
@@ -286,6 +291,11 @@ def _parse_obj(obj: Any, where: str) -> Manifest:
     quant = obj.get("quant", "none")
     if "quant" in obj and (quant not in QUANTS[1:] or not isinstance(quant, str)):
         raise r.bad("quant", f"{_show(quant)} is not one of {', '.join(QUANTS[1:])} (omit it for none)")
+    context = None
+    if "context" in obj:
+        context = obj["context"]
+        if isinstance(context, bool) or not isinstance(context, int) or not MIN_CONTEXT <= context <= MAX_CONTEXT:
+            raise r.bad("context", f"{_show(context)} is not a whole number of tokens in {MIN_CONTEXT}..{MAX_CONTEXT}")
     role = obj.get("role", "member")
     if "role" in obj and role != "client":
         raise r.bad("role", f"{_show(role)} is not 'client' (omit it for a member invite)")
@@ -309,6 +319,7 @@ def _parse_obj(obj: Any, where: str) -> Manifest:
         signature,
         version,
         quant=quant,
+        context=context,
         draft=draft,
         role=role,
         member_key=member_key,

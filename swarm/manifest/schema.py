@@ -42,16 +42,21 @@ FIELDS = {
     "expires",
     "revoked",
     "quant",
+    "context",
     "draft",
     "role",
     "member_key",
     "signature",
 }
-OPTIONAL_FIELDS = {"revoked", "quant", "draft", "role", "member_key", "signature"}
+OPTIONAL_FIELDS = {"revoked", "quant", "context", "draft", "role", "member_key", "signature"}
 ROLES = ("member", "client")  # "member" is never written (the field is absent)
 # how every peer holds its layers (swarm.model.quant.QUANTS; a test keeps the two equal). "none"
 # is never written, so invites made before the field existed keep their exact bytes and signature.
 QUANTS = ("none", "int8", "int4", "mxfp4")
+# the swarm's context in tokens (prompt + output of one generation): every peer reserves KV for it
+# and every request is checked against it. Absent means DEFAULT_CONTEXT (capped by the model's own).
+DEFAULT_CONTEXT = 8192
+MIN_CONTEXT, MAX_CONTEXT = 64, 1 << 20
 
 
 class Reason(enum.Enum):
@@ -140,12 +145,18 @@ class Manifest:
     signature: bytes | None = None
     version: int = FORMAT_VERSION
     quant: str = "none"
+    context: int | None = None  # the swarm's context in tokens; None: DEFAULT_CONTEXT
     # a draft model a coordinator may run (hashed like the model); absent in older invites
     draft: ModelSpec | None = None
     role: str = "member"  # "client": ``secret`` is the client secret, ``member_key`` is set
     member_key: bytes = b""
     # the body exactly as parsed from a file (what the signature covers); None when built here
     raw_body: dict[str, Any] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def context_tokens(self) -> int:
+        """The swarm's context (tokens); the model's own maximum may cap it further."""
+        return DEFAULT_CONTEXT if self.context is None else self.context
 
     @property
     def issuer_peer_id(self) -> str:
@@ -169,6 +180,8 @@ class Manifest:
             out["revoked"] = list(self.revoked)
         if self.quant != "none":
             out["quant"] = self.quant
+        if self.context is not None:
+            out["context"] = self.context
         if self.draft is not None:
             out["draft"] = self.draft.to_json()
         if self.role != "member":
@@ -201,6 +214,7 @@ class Manifest:
             "expires": self.expires,
             "revoked": list(self.revoked),
             "quant": self.quant,
+            "context": self.context_tokens,
             "draft": None if self.draft is None else self.draft.to_json(),
             "role": self.role,
             "signed": self.signature is not None,

@@ -20,6 +20,8 @@ Where things live:
     bench.py       the leader's one bench: strikes and bad activations leave a member out of plans
     service.py     the generation service (in-process for the API, and /shard-swarm/gen/1):
                    requests, relaying, the coordinator's run
+    genwire.py     a gen/1 stream's messages, however long: sent as their frames, received whole
+    memory.py      running out of memory: what it fails (a request, never the peer), its test hooks
     resume.py      a generation outliving its ring: wait for the next epoch, resume by replay
     report.py      receipts and status
     ringview.py    build_view: a status dict -> the ring as a person reads it (status command, web console)

@@ -16,6 +16,7 @@ import trio
 
 from swarm.errors import PeerError, PeerTimeout, ProtocolError
 from swarm.net.host import SwarmHost, open_host
+from swarm.node.genwire import receive_message, send_message
 from swarm.node.heartbeat import Liveness, serve_ctl_inbound
 from swarm.node.hosting import Host
 from swarm.proto import control as ctl
@@ -166,17 +167,19 @@ async def generate(
                           temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, draft=draft, depth=depth,
                           draft_k=draft_k, wait_s=wait_s)  # fmt: skip
     async with host.open_stream(peer, PROTO_GEN, timeout=timeout) as fs:
-        await fs.send(req.to_frame())
+        await send_message(fs, req, timeout=timeout)
         progress_by = trio.current_time() + timeout + wait_s
         while True:
             left = progress_by - trio.current_time()
             if left <= 0:
                 raise PeerTimeout(f"peer {peer}: no new token within {timeout:.0f} s")
-            reply = parse_message(await fs.receive(timeout=left))
+            reply = await receive_message(fs, timeout=left)
             if isinstance(reply, ctl.Tokens):
                 progress_by = trio.current_time() + timeout
                 if on_tokens is not None:
                     on_tokens(list(reply.ids), reply.text)
+            elif isinstance(reply, ctl.Progress):  # a long prompt's prefill goes on: progress, not news
+                progress_by = trio.current_time() + timeout
             elif isinstance(reply, ctl.Notice):
                 if on_notice is not None:
                     on_notice(reply.text)

@@ -49,11 +49,13 @@ import torch
 import trio
 
 from swarm.errors import (
+    ContextTooLong,
     FaultyPeer,
     PeerError,
     PeerLost,
     PeerTimeout,
     ProtocolError,
+    RequestRefused,
     SwarmError,
     UsageError,
 )
@@ -61,7 +63,7 @@ from swarm.model.generate import output_sha256
 from swarm.model.sampling import SamplingParams
 from swarm.model.speculative import Committed, DraftSource, KPolicy, SpeculativeDecoder, VerifyChunk
 from swarm.model.stage import Head
-from swarm.node import drafting
+from swarm.node import drafting, memory
 from swarm.node.activation import REPLAY_ID_BASE, hidden_chunk, read_hidden
 from swarm.node.headbatch import SharedHead
 from swarm.node.links import Link
@@ -74,6 +76,8 @@ log = logging.getLogger("swarm.node.coordinator")
 
 DEFAULT_CHUNK_TIMEOUT_S = 30.0
 SEND_TIMEOUT_S = 10.0
+# a stage's ERROR codes that fail only the request they name (no re-plan, no blame)
+REQUEST_ERRORS: dict[str, type[SwarmError]] = {"context_exceeded": ContextTooLong, "out_of_memory": RequestRefused}
 SLOW_WAIT_FACTOR = 10  # a busy ring (results flowing to other sessions) is waited for this many deadlines
 
 
@@ -126,6 +130,7 @@ class RingRun:
     decoder: SpeculativeDecoder
     gen: RingGeneration
     on_tokens: Callable[[Sequence[int]], None] | None = None
+    on_progress: Callable[[int, int], None] | None = None  # (prompt tokens prefilled, prompt length)
     fed_log: list[VerifyChunk] = field(default_factory=list)  # live chunks fed, in order
     draft_limiter: trio.CapacityLimiter | None = None  # a model drafter's forwards (drafting.py)
     # called once, with the number of other generations on the ring, when the prompt's prefill is
@@ -152,8 +157,10 @@ class Coordinator:
         limits: Limits = DEFAULT_LIMITS,
         compute_delay_s: float = 0.0,
         inline: bool = False,
+        max_len: int | None = None,
     ) -> None:
         self.head = head
+        self.max_len = max_len  # the swarm's context (None: the model's own)
         self.args = head.args
         self.epoch = epoch
         self.first_hop = first_hop
@@ -227,7 +234,7 @@ class Coordinator:
         kw = {} if prefill_chunk is None else {"prefill_chunk": prefill_chunk}
         dec = SpeculativeDecoder(
             prompt, params=params, max_new_tokens=max_new_tokens, eos_token_ids=eos,
-            drafter=drafter, policy=policy, max_len=self.args.max_seq_len, **kw,
+            drafter=drafter, policy=policy, max_len=self.max_len or self.args.max_seq_len, **kw,
         )  # fmt: skip
         return RingRun(dec, RingGeneration(prompt, [], "length", 0.0, 0.0, 0, 0, 0), on_tokens)
 
@@ -280,11 +287,17 @@ class Coordinator:
                     gen.traversal_ms.append(1000 * (time.perf_counter() - t_sent))
                     rows = h[chunk.logits_from:]
                     if rows.shape[0]:
-                        logits, shared = await self.shared_head.logits(rows, session)
+                        try:
+                            logits, shared = await self.shared_head.logits(rows, session)
+                        except memory.OOM_ERRORS as exc:  # this request fails alone (node/memory.py)
+                            memory.release(str(rows.device))
+                            raise RequestRefused(f"the coordinator's LM head: {memory.describe(exc)}") from None
                         gen.shared_head_calls += shared
                     else:
                         logits = torch.empty(0, self.args.vocab_size)
                     run.fed_log.append(chunk)
+                    if chunk.prefill and run.on_progress is not None:
+                        run.on_progress(chunk.base + len(chunk.tokens), dec.prompt_len)
                     for ev in dec.feed(chunk_id, logits):
                         if isinstance(ev, Committed):
                             run.t_last = time.perf_counter()
@@ -384,6 +397,8 @@ class Coordinator:
         msg = parse_message(item, self.limits)
         if isinstance(msg, Error):
             text = f"ring error on session {session} chunk {msg.chunk_id}: {msg.code}: {msg.message}"
+            if msg.code in REQUEST_ERRORS:  # this request alone fails: the ring is sound, nobody is to blame
+                raise REQUEST_ERRORS[msg.code](text)
             # an ERROR's "upstream=<id>" is a claim relayed by the ring, which any stage on
             # the way could forge: no blame here (the observing stage reports its upstream
             # to the leader itself, see authority.py); the run waits for the re-plan

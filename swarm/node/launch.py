@@ -56,6 +56,7 @@ class LocalSwarm:
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
     proxy: subprocess.Popen[bytes] | None = None
     _base_cfg: dict[str, object] = field(default_factory=dict)
+    node_env: dict[int, dict[str, str]] = field(default_factory=dict)  # extra environment of node i (test hooks)
     _tmp: tempfile.TemporaryDirectory[str] | None = None
 
     def log(self, i: int) -> str:
@@ -98,7 +99,7 @@ class LocalSwarm:
         cfg_file = self.workdir / f"node{i}.json"
         cfg_file.write_text(json.dumps(cfg, indent=2))
         self._base_cfg = cfg
-        env = {**os.environ, "OMP_NUM_THREADS": str(cfg["threads"]), "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "OMP_NUM_THREADS": str(cfg["threads"]), "PYTHONUNBUFFERED": "1", **self.node_env.get(i, {})}
         fd = _log_file(self.workdir / f"node{i}.log", append=append_log)
         try:
             proc = subprocess.Popen(
@@ -156,6 +157,7 @@ def start_local_swarm(
     compute_delay_s: float = 0.0,
     quant: str = "none",
     device_names: list[str] | None = None,
+    node_env: dict[int, dict[str, str]] | None = None,
 ) -> LocalSwarm:
     """``n`` node processes (module doc); ``device_names``: what each node's advert calls its
     machine (NodeSettings.device_name), e.g. a hostile name for the console's escaping test."""
@@ -176,7 +178,7 @@ def start_local_swarm(
     issuer = Identity(os.urandom(32))
     manifest = sign_manifest(
         new_manifest(swarm_name="demo", issuer=issuer.public_key, bootstrap=(addrs[0],), lifetime_s=86400,
-                     quant=quant),
+                     quant=quant, context=context_tokens),
         issuer,
     )
     manifest_file = workdir / "invite.json"
@@ -193,7 +195,7 @@ def start_local_swarm(
             per = math.ceil(args.n_layers / n) * spec.bytes_per_layer + spec.coordinator_bytes
             per += draft_bytes(draft, args, resolve_dtype(dt, resolve_device(device)), context_tokens)
             memory_bytes.append(int(per * 1.02))
-    swarm = LocalSwarm(workdir, swarm_id, secret, peer_ids, addrs, _tmp=tmp)
+    swarm = LocalSwarm(workdir, swarm_id, secret, peer_ids, addrs, _tmp=tmp, node_env=dict(node_env or {}))
     try:
         if delay_ms > 0:
             pairs = [f"{public_ports[i]}:{listen_ports[i]}" for i in range(n)]
@@ -221,7 +223,6 @@ def start_local_swarm(
                 "device": device,
                 "threads": threads,
                 "expect_peers": n,
-                "context_tokens": context_tokens,
                 "draft": draft,
                 "chunk_timeout": chunk_timeout,
                 "compute_delay_s": compute_delay_s,

@@ -26,6 +26,7 @@ from swarm.model.quant import quantize_block
 from swarm.model.stage import Head, Stage
 from swarm.model.tokenizer import Tokenizer
 from swarm.model.weights import Checkpoint, open_checkpoint
+from swarm.node import memory
 from swarm.node.drafting import DraftHolder
 from swarm.node.fetching import BlockFetcher
 from swarm.node.notices import Notices
@@ -97,6 +98,13 @@ class Models:
         self._head: Head | None = None
         self.drafts = DraftHolder(settings.draft, threads=compute.threads)  # its draft model (drafting.py)
         self.fetch = BlockFetcher(settings, compute, notices) if settings.fetch_dir is not None else None
+        # a block that did not fit: lower our offer (serving.py wires it to our advert); the new offer
+        self.on_cannot_load: Callable[[int, int], int] = lambda a, b: 0
+
+    @property
+    def context_tokens(self) -> int:
+        """The context this node serves: the swarm's (settings), at most the model's own."""
+        return min(self.settings.context_tokens, self.args.max_seq_len)
 
     async def measure(self) -> float:
         s = self.settings
@@ -117,9 +125,20 @@ class Models:
         self.notices.life("loading", layers=[a, b], done=False)
         s = self.settings
         t0 = trio.current_time()
-        stage = await self.compute.run(
-            lambda: Stage.load(self.args, self.ckpt.source, a, b, dtype=self.dtype, device=s.device, quant=s.quant)
-        )
+
+        def load() -> Stage:
+            memory.check_load(b - a)
+            return Stage.load(self.args, self.ckpt.source, a, b, dtype=self.dtype, device=s.device, quant=s.quant)
+
+        try:
+            stage = await self.compute.run(load)
+        except memory.OOM_ERRORS as exc:
+            memory.release(s.device)
+            offer = self.on_cannot_load(a, b)
+            self.notices.event(f"cannot load layers [{a}, {b}): {memory.describe(exc)}; now offering {memory.size(offer)}")
+            self.notices.life("loading", layers=[a, b], done=False, error=memory.describe(exc))
+            raise memory.CannotLoad(f"cannot load layers [{a}, {b}): {memory.describe(exc)}; "
+                                    f"this peer now offers {memory.size(offer)}") from None  # fmt: skip
         self.notices.life("loading", layers=[a, b], done=True, seconds=round(trio.current_time() - t0, 3))
         self._stages[(a, b)] = stage
         return stage

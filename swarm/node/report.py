@@ -96,6 +96,7 @@ class Reporter:
                          "seed": params.seed},  # fmt: skip
             "tokens_per_s": gen.tokens_per_s,
             "decode_tokens_per_s": gen.decode_tokens_per_s,
+            "prefill_s": gen.prefill_s,  # from the request to the first token: the prompt through the ring
             "traversal_ms": statistics.median(tms) if tms else None,
             "accepted_per_traversal": gen.tokens_per_traversal,
             "accepted_per_round": gen.accepted_per_round,
@@ -134,6 +135,7 @@ class Reporter:
             # members with RTTs, plus a few other adverts: made-up ones must not make the reply too big
             "peers_file": self.service.membership.peers_file(members=set(self.view.members()), others=STATUS_OTHER_ADVERTS),
             "ms_per_layer": self.models.ms_per_layer,
+            "context_tokens": self.models.context_tokens,  # the swarm's context as this node serves it
             "hop_paths": {str(k): v for k, v in self.wiring.hop_paths.items()},
             "hops": hop_report(ep) if ep is not None else [],
             "peer_info": self._peer_info(plan),

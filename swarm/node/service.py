@@ -25,7 +25,15 @@ from typing import Any, Protocol
 
 import trio
 
-from swarm.errors import PeerError, PeerLost, PlanningError, ProtocolError, SwarmError, UsageError
+from swarm.errors import (
+    ContextTooLong,
+    PeerError,
+    PeerLost,
+    PlanningError,
+    ProtocolError,
+    SwarmError,
+    UsageError,
+)
 from swarm.model.sampling import SamplingParams
 from swarm.node.capacity import Admission
 from swarm.node.control import Dispatcher
@@ -33,6 +41,7 @@ from swarm.node.coordinator import output_sha256
 from swarm.node.drafting import RingTimes
 from swarm.node.epochs import Epoch, Epochs
 from swarm.node.errors_util import unwrap
+from swarm.node.genwire import receive_message, send_message
 from swarm.node.hosting import Host
 from swarm.node.models import Models
 from swarm.node.report import Reporter
@@ -44,12 +53,14 @@ from swarm.proto import control as ctl
 from swarm.proto.control import MAX_DEPTH, Gen
 from swarm.proto.limits import PROTO_GEN
 from swarm.proto.messages import parse_message
+from swarm.proto.parts import Assembler
 
 log = logging.getLogger("swarm.node.service")
 
 REQUEST_TIMEOUT_S = 20.0
 HAND_OVER_WAIT_S = 30.0  # how long the coordinator a run is handed over to may wait for its ring
 SERVING_POLL_S = 0.1
+PROGRESS_EVERY_S = 2.0  # how often a long prefill tells its client how far it got
 
 
 class GenSink(Protocol):
@@ -58,6 +69,8 @@ class GenSink(Protocol):
     async def tokens(self, ids: list[int], text: str) -> None: ...
 
     async def notice(self, text: str) -> None: ...
+
+    async def progress(self, done: int, total: int) -> None: ...
 
 
 class _StreamSink:
@@ -71,6 +84,9 @@ class _StreamSink:
 
     async def notice(self, text: str) -> None:
         await self.fs.send(ctl.Notice(text[:1000]).to_frame())
+
+    async def progress(self, done: int, total: int) -> None:
+        await self.fs.send(ctl.Progress(done, total).to_frame())
 
 
 def sampling_of(req: Gen) -> SamplingParams:
@@ -98,10 +114,19 @@ class GenService:
     # -- the network service ---------------------------------------------------------------
 
     async def serve(self, peer: str, fs: Any) -> None:
-        """``/shard-swarm/gen/1``: one ``gen`` or ``status`` request from ``peer``."""
-        frame = await fs.receive(timeout=REQUEST_TIMEOUT_S)
+        """``/shard-swarm/gen/1``: one ``gen`` or ``status`` request from ``peer`` (a long prompt
+        after its parts). A frame that breaks the wire protocol is not answered: it ends the
+        stream (and the host drops its sender); a bad message is answered with a Fail."""
+        joined, msg = Assembler(), None
+        while msg is None:
+            frame = await fs.receive(timeout=REQUEST_TIMEOUT_S)  # outside the try: see above
+            try:
+                msg = joined.feed(parse_message(frame))
+            except SwarmError as exc:
+                log.info("request from %s failed: %s", peer, exc)
+                await fs.send(ctl.fail_of(exc).to_frame())
+                return
         try:
-            msg = parse_message(frame)
             if not isinstance(msg, Gen | ctl.Status):
                 raise ProtocolError(f"expected a gen or status request, got {msg!r}")
             self.roles.check(peer, msg)
@@ -109,7 +134,7 @@ class GenService:
                 await fs.send(ctl.StatusReply(await self.status(msg)).to_frame())
                 return
             receipt = await _until_hung_up(fs, lambda: self.generate(msg, _StreamSink(fs)))
-            await fs.send(ctl.Done(receipt).to_frame())
+            await send_message(fs, ctl.Done(receipt))
         except SwarmError as exc:
             log.info("request from %s failed: %s", peer, exc)
             await fs.send(ctl.fail_of(exc).to_frame())
@@ -156,11 +181,13 @@ class GenService:
         async with self.host.open_stream(coordinator, PROTO_GEN, timeout=REQUEST_TIMEOUT_S) as up:
             finished = False
             try:
-                await up.send(req.to_frame())
+                await send_message(up, req, timeout=REQUEST_TIMEOUT_S)
                 while True:
-                    reply = parse_message(await up.receive(timeout=self.settings.chunk_timeout + 5))
+                    reply = await receive_message(up, timeout=self.settings.chunk_timeout + 5)
                     if isinstance(reply, ctl.Tokens):
                         await sink.tokens(list(reply.ids), reply.text)
+                    elif isinstance(reply, ctl.Progress):
+                        await sink.progress(reply.done, reply.total)
                     elif isinstance(reply, ctl.Notice):
                         await sink.notice(reply.text)
                     else:
@@ -218,12 +245,14 @@ class GenService:
         assert coord is not None
         tok = self.models.tokenizer
         prompt = await self._prompt(req)
+        check_context(len(prompt), req.max_new_tokens, self.models.context_tokens)
         params = sampling_of(req)
         depth = req.depth if req.depth is not None else self.ring_depth(ep.plan)
         drafts = self.models.drafts  # what this coordinator drafts with (drafting.py)
         choice = drafts.choose(req.draft or "", times=self.ring_times(ep.plan), depth=depth, draft_k=req.draft_k,
                                max_len=len(prompt) + req.max_new_tokens + 16, epoch=ep.plan.epoch)  # fmt: skip
-        send, recv = trio.open_memory_channel[list[int] | str](math.inf)  # token ids, or a notice
+        # token ids, a notice, or a long prefill's progress
+        send, recv = trio.open_memory_channel[list[int] | str | tuple[int, int]](math.inf)
         all_ids: list[int] = []
 
         async def stream_out() -> None:
@@ -233,6 +262,9 @@ class GenService:
             async for ids in recv:
                 if isinstance(ids, str):
                     await sink.notice(ids)
+                    continue
+                if isinstance(ids, tuple):
+                    await sink.progress(*ids)
                     continue
                 all_ids.extend(ids)
                 piece = ""
@@ -256,6 +288,13 @@ class GenService:
             last_token[0] = now
             send.send_nowait(list(ids))
 
+        next_progress = [time.time() + PROGRESS_EVERY_S]
+
+        def on_progress(done: int, total: int) -> None:  # a long prefill: news every PROGRESS_EVERY_S
+            if time.time() >= next_progress[0] and done < total:
+                next_progress[0] = time.time() + PROGRESS_EVERY_S
+                send.send_nowait((done, total))
+
         try:
             run = coord.new_run(prompt, params=params, max_new_tokens=req.max_new_tokens, drafter=choice.drafter,
                                 policy=choice.policy, on_tokens=on_tokens)  # fmt: skip
@@ -263,6 +302,7 @@ class GenService:
             choice.close()
             raise
         run.draft_limiter = drafts.limiter
+        run.on_progress = on_progress
 
         def before_decode(others: int) -> None:  # a shared ring: a default prompt lookup stands down
             nonlocal choice
@@ -329,7 +369,20 @@ class GenService:
             async def notice(self, text: str) -> None:
                 notify(text)
 
+            async def progress(self, done: int, total: int) -> None:
+                return None
+
         return await self._relay(moved.coordinator, rest, Relay())
+
+
+def check_context(prompt_tokens: int, max_new_tokens: int, context: int) -> None:
+    """ContextTooLong unless a prompt of ``prompt_tokens`` plus ``max_new_tokens`` fits ``context``."""
+    if prompt_tokens + max_new_tokens > context:
+        raise ContextTooLong(
+            f"the prompt is {prompt_tokens} tokens and max_new_tokens is {max_new_tokens}: "
+            f"{prompt_tokens + max_new_tokens} tokens, over this swarm's context of {context}; "
+            "shorten the prompt or ask for fewer tokens"
+        )
 
 
 def _handed_over_receipt(

@@ -56,6 +56,18 @@ class Serving:
         self.models = models
         self.admission = Admission()  # generations the ring's KV memory holds at once (capacity.py)
         self.epochs = Epochs(settings, peer_id, models, self.admission, notices, leader=view.leader, memory=view.memory)
+
+        def cannot_load(a: int, b: int) -> int:
+            """Offer one layer less than the block that did not fit (and less than before): the
+            leader's next plan gives us less, and nobody is blamed (node/memory.py). One layer at a
+            time, so a swarm that can hold the model without the layer we lack still finds it."""
+            offer, per_layer = service.membership.local.memory_bytes, models.spec.bytes_per_layer
+            new = max(0, min(offer - per_layer, (b - a - 1) * per_layer))
+            if service.membership.update_local(memory_bytes=new):
+                service.readvertise()
+            return new
+
+        models.on_cannot_load = cannot_load
         ring_table = Dispatcher(view, self.epochs.roles, {}, PROTO_RING)
         self.ring = RingClient(host, peer_id, ring_table)
 

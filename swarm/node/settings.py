@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from swarm.errors import UsageError
+from swarm.manifest.schema import DEFAULT_CONTEXT
 from swarm.planner import ModelSpec
 
 if TYPE_CHECKING:  # torch is imported only by a peer that holds layers (join --no-serve never does)
@@ -43,7 +44,7 @@ class NodeSettings:
     coordinator_ok: bool = True
     expect_peers: int = 0  # plan once this many members (us included) are present
     settle_s: float = 3.0
-    context_tokens: int = 2048
+    context_tokens: int = DEFAULT_CONTEXT  # the invite's (the swarm's context); the model's maximum caps it
     draft: str = "ngram"
     chunk_timeout: float = 30.0
     revoked: frozenset[str] = frozenset()
@@ -118,7 +119,7 @@ def advertised_resources(s: NodeSettings) -> tuple[int, tuple[str, str]]:
     return s.memory_bytes or auto_memory_bytes(device), (kind, s.device_name[:128] or name)
 
 
-_FROM_MANIFEST = ("seed", "swarm_id", "secret", "revoked", "quant", "bootstrap")
+_FROM_MANIFEST = ("seed", "swarm_id", "secret", "revoked", "quant", "bootstrap", "context_tokens")
 
 
 def settings_from_mapping(cfg: Mapping[str, Any], *, seed: bytes, manifest: Any) -> NodeSettings:
@@ -149,7 +150,7 @@ def settings_from_mapping(cfg: Mapping[str, Any], *, seed: bytes, manifest: Any)
         kw[name] = v
     return NodeSettings(
         seed=seed, swarm_id=manifest.swarm_id, secret=manifest.secret.value, revoked=frozenset(manifest.revoked),
-        quant=manifest.quant, bootstrap=tuple(manifest.bootstrap), **kw,
+        quant=manifest.quant, bootstrap=tuple(manifest.bootstrap), context_tokens=manifest.context_tokens, **kw,
     )  # fmt: skip
 
 

@@ -77,6 +77,7 @@ import trio
 from swarm.errors import PeerLost, PeerTimeout, ProtocolError, SwarmError
 from swarm.model.batched import forward_many
 from swarm.model.stage import Stage
+from swarm.node import memory
 from swarm.node.activation import (
     Encoded,
     encode_hidden,
@@ -312,6 +313,11 @@ class StageWorker:
                 self._reported = True
                 self.on_bad_input(self.upstream, str(exc))
             return None
+        if msg.pos + msg.tokens > self.max_len:  # this request is over the context: it fails alone
+            log.warning("%r: refused chunk %d of session %d: over the context", self, msg.chunk_id, msg.session)
+            await self._report(outbound, msg.session, msg.chunk_id, "context_exceeded",
+                               f"{where}: positions up to {msg.pos + msg.tokens} exceed the context of {self.max_len}")
+            return None
         try:
             self._prepare_cache(msg, where)
         except SwarmError as exc:
@@ -328,6 +334,7 @@ class StageWorker:
         t0 = time.perf_counter()
         if self.compute_delay_s > 0:
             time.sleep(self.compute_delay_s)  # fault injection: compute that blocks (module doc)
+        memory.check_forward(max(m.tokens for g in batch for m, _ in g))  # a test hook (memory.py)
         # encoding copies to the CPU: on a GPU that waits for the kernels here, so the time is the
         # work's and the trio loop never blocks on the device
         items = [(g[0][0].session, g[0][1]) for g in batch if len(g) == 1]
@@ -343,6 +350,38 @@ class StageWorker:
         return [encode_hidden(o) for o in outs], time.perf_counter() - t0
 
     async def _run_batch(self, groups: list[list[tuple[Chunk, torch.Tensor]]], outbound: Link) -> None:
+        try:
+            await self._compute_batch(groups, outbound)
+        except memory.OOM_ERRORS as exc:
+            await self._out_of_memory(groups, outbound, exc)
+
+    async def _out_of_memory(self, groups: list[list[tuple[Chunk, torch.Tensor]]], outbound: Link,
+                             exc: BaseException) -> None:  # fmt: skip
+        """A forward ran out of memory (node/memory.py): its sessions' caches are rolled back to
+        where the batch began; a batch of several sessions is tried again one session at a time,
+        and a session that runs out alone fails (an ERROR ``out_of_memory`` to the coordinator,
+        its cache here dropped). Everything else on this stage goes on as before."""
+        memory.release(str(self.stage.device))
+        for group in groups:
+            first = group[0][0]
+            if first.session in self.stage.sessions() and self.stage.session_len(first.session) > first.pos:
+                self.stage.rollback(first.session, first.pos)
+        if len(groups) > 1:
+            for group in groups:
+                await self._run_batch([group], outbound)
+            return
+        session = groups[0][0][0].session
+        self.stats.errors += 1
+        log.warning("%r: session %d: %s", self, session, memory.describe(exc))
+        if session in self.stage.sessions():
+            self.stage.close_session(session)
+        self.gathering.forget(session)
+        self._replayed.pop(session, None)
+        where = f"stage [{self.stage.start}, {self.stage.end})"
+        for msg, _ in groups[0]:
+            await self._report(outbound, session, msg.chunk_id, "out_of_memory", f"{where}: {memory.describe(exc)}")
+
+    async def _compute_batch(self, groups: list[list[tuple[Chunk, torch.Tensor]]], outbound: Link) -> None:
         batch = [c for g in groups for c in g]  # every chunk, in batch order
         if self.trace is not None:
             self.trace.append([(m.session, m.pos, m.tokens) for m, _ in batch])

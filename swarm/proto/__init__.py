@@ -14,6 +14,8 @@ Files:
 - ``activation.py`` the activation path's messages (chunk, result, rollback, session end, error)
 - ``control.py``    CONTROL: one typed message per ring / generation / status op, the one
                     generation request (``Gen``) and its bounds, ``Fail`` and its error codes
+- ``parts.py``      long messages in small frames: a prompt or receipt as PART frames, then the
+                    message (``frames_of``), joined and bounded by an ``Assembler``
 - ``signing.py``    canonical JSON, Ed25519 sign/verify helpers, peer ID of a public key
 - ``signed.py``     ``sign_advert``/``verify_advert``/``AdvertBook`` and ``sign_plan``/``verify_plan``
 - ``admission.py``  the challenge-response admission handshake as sans-IO ``Initiator``/``Responder``

@@ -15,7 +15,8 @@ Ops, by protocol (who may send each request is ``swarm.node.control``'s dispatch
 - activation streams (``/shard-swarm/act/1``): :class:`Hop` opens one; :class:`Probe` opens a
   short one whose pings the other end echoes.
 - generation (``/shard-swarm/gen/1``): :class:`Gen` (the one generation request type) ->
-  :class:`Tokens`* and :class:`Notice`* -> :class:`Done` (the receipt); :class:`Status` ->
+  :class:`Progress`* (a long prefill), :class:`Tokens`* and :class:`Notice`* -> :class:`Done` (the
+  receipt); a prompt or receipt longer than one frame comes after :class:`Part` frames (parts.py); :class:`Status` ->
   :class:`StatusReply`.
 - any: :class:`Fail` answers a request that could not be served; its ``code`` maps to one error
   type both ways (:func:`fail_of`, :meth:`Fail.error`), so errors stay typed end to end.
@@ -31,10 +32,12 @@ from swarm.errors import (
     BadRequest,
     Busy,
     CannotServe,
+    ContextTooLong,
     Forbidden,
     PeerError,
     PlanningError,
     ProtocolError,
+    RequestRefused,
     SwarmError,
     UsageError,
 )
@@ -56,14 +59,16 @@ from swarm.proto.frame import DType, Frame, MsgType
 from swarm.proto.limits import DEFAULT_LIMITS, Limits
 from swarm.proto.messages import I63, Message, Plan, register
 
-MAX_IDS = 1 << 16  # token ids in one CONTROL (prompt or committed tokens)
+IDS_PER_FRAME = 8192  # token ids in one CONTROL frame (32 KiB): a longer list travels in PART frames first
+MAX_PROMPT_IDS = 1 << 20  # token ids in one assembled message (a prompt, a receipt): swarm.proto.parts
+TEXT_PER_FRAME = 2048  # characters of prompt text in one frame (a longer text travels in parts too)
 EPOCH_MAX = 1 << 62  # the one bound on an epoch number, everywhere it is read
 MAX_PEER_ID = 128
 MAX_HOPS = 64
 
 # the bounds of a generation request (Gen): one set, checked once where a request is made or read
 MAX_NEW_TOKENS = 4096
-MAX_TEXT = 64 * 1024
+MAX_TEXT = 4 * 1024 * 1024  # characters of prompt text, assembled from its parts
 MAX_TEMPERATURE = 2.0  # OpenAI's bound; 0 is greedy
 MAX_TOP_K = 1 << 20
 MAX_DEPTH = 4  # verify chunks in flight at most
@@ -118,8 +123,8 @@ def _ids(frame: Frame, op_cls: type[Control]) -> tuple[int, ...]:
         return ()
     if frame.dtype is not DType.INT32 or "ids" not in {f.name for f in dataclasses.fields(op_cls)}:  # type: ignore[arg-type]
         raise ProtocolError(f"CONTROL {op_cls.OP} field 'dtype': {frame.dtype.name}, expected INT32 token ids or none")
-    if len(frame.shape) != 1 or frame.shape[0] > MAX_IDS:
-        raise ProtocolError(f"CONTROL field 'shape': token ids are (T,) with T <= {MAX_IDS}, got {frame.shape}")
+    if len(frame.shape) != 1 or frame.shape[0] > IDS_PER_FRAME:
+        raise ProtocolError(f"CONTROL field 'shape': token ids are (T,) with T <= {IDS_PER_FRAME}, got {frame.shape}")
     raw = frame.payload
     return tuple(int.from_bytes(raw[i : i + 4], "little", signed=True) for i in range(0, len(raw), 4))
 
@@ -300,8 +305,8 @@ class Gen(Control):
         """A request from local values, checked against the same bounds as one from a peer;
         BadRequest naming the field otherwise."""
         ids = tuple(ids)
-        if len(ids) > MAX_IDS or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise BadRequest(f"generation request field 'ids': at most {MAX_IDS} integer token ids", "ids")
+        if len(ids) > MAX_PROMPT_IDS or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise BadRequest(f"generation request field 'ids': at most {MAX_PROMPT_IDS} integer token ids", "ids")
         given = {k: v for k, v in fields.items() if v is not None}
         values = read_fields(cls, Fields(given, "generation request", bad_request=True), DEFAULT_LIMITS)
         return cls(ids=ids, **values)
@@ -326,6 +331,17 @@ class Tokens(Control):
 
 @op
 @dataclass(frozen=True, slots=True)
+class Progress(Control):
+    """A long prompt's prefill goes on: ``done`` of its ``total`` tokens are through the ring (a
+    client and a relaying peer count it as progress, so a long prefill is never taken for silence)."""
+
+    OP: ClassVar[str] = "progress"
+    done: int = meta("done", Int(0, MAX_PROMPT_IDS))
+    total: int = meta("total", Int(0, MAX_PROMPT_IDS))
+
+
+@op
+@dataclass(frozen=True, slots=True)
 class Notice(Control):
     """A generation's one line of news for its client (a pause for a re-plan, the resume)."""
 
@@ -341,6 +357,18 @@ class Done(Control):
     OP: ClassVar[str] = "done"
     BODY: ClassVar[str | None] = "receipt"
     receipt: dict[str, Any] = field(default_factory=dict)
+    ids: tuple[int, ...] = ()  # on the wire: the receipt's prompt and output token ids (swarm.proto.parts)
+
+
+@op
+@dataclass(frozen=True, slots=True)
+class Part(Control):
+    """A leading piece of a long message (swarm.proto.parts): token ids and text that the next
+    message that is not a part carries on, so that no frame grows with the prompt."""
+
+    OP: ClassVar[str] = "part"
+    ids: tuple[int, ...] = ()
+    text: str = meta("text", Str(TEXT_PER_FRAME), optional=True, default="")
 
 
 @op
@@ -369,6 +397,8 @@ FAIL_CODES: dict[str, type[SwarmError]] = {
     "forbidden": Forbidden,  # the sender's role may not send it (swarm.node.control)
     "cannot_serve": CannotServe,  # the live peers cannot hold the model (the planner's words)
     "busy": Busy,  # every slot of the ring is taken and its queue is full
+    "context_length_exceeded": ContextTooLong,  # the prompt plus max_new_tokens exceed the swarm's context
+    "refused": RequestRefused,  # a peer could not serve this request (out of memory): it fails alone
     "unavailable": PeerError,  # anything else on the way: a lost peer, a timeout, no ring yet
 }
 
@@ -389,8 +419,8 @@ class Fail(Control):
         text = prefix + self.message
         if kind is Busy:
             return Busy(text, self.retry_after_s if self.retry_after_s is not None else 5)
-        if kind is BadRequest:
-            return BadRequest(text)
+        if kind is BadRequest or kind is ContextTooLong:
+            return kind(text)
         return kind(text)
 
 
@@ -398,6 +428,10 @@ def fail_of(exc: SwarmError) -> Fail:
     """The Fail that tells a requester about ``exc``, raised while serving its request."""
     if isinstance(exc, Busy):
         code = "busy"
+    elif isinstance(exc, ContextTooLong):
+        code = "context_length_exceeded"
+    elif isinstance(exc, RequestRefused):
+        code = "refused"
     elif isinstance(exc, PlanningError | CannotServe):
         code = "cannot_serve"
     elif isinstance(exc, Forbidden):

@@ -79,7 +79,7 @@ class Lab:
         boot = f"/ip4/127.0.0.1/tcp/{self.port}/p2p/{self.ids[0].peer_id}"
         self.invite = tmp / "invite.json"
         manifest = new_manifest(swarm_name="lab", issuer=self.ids[0].public_key, bootstrap=(boot,),
-                                model=describe_model(self.ckpt))  # fmt: skip
+                                model=describe_model(self.ckpt), context=2048)  # fmt: skip
         write_manifest(sign_manifest(manifest, self.ids[0]), self.invite)
         self.procs: list[JoinProc] = []
 

@@ -70,6 +70,7 @@ CONTROLS: list[ctl.Control] = [
     ctl.Gen.checked(text="hi", chat=True, temperature=0.7, top_p=0.9, top_k=5, seed=3, draft="none", depth=2,
                     draft_k=4, wait_s=1.5),
     ctl.Tokens((7, 8), "ab"), ctl.Notice("paused"), ctl.Done({"output_token_ids": [1]}),
+    ctl.Part((1, 2, 3), "some text"), ctl.Progress(128, 6000),
     SAMPLES[20], ctl.Status(coordinator=True, loop_window_s=5),  # type: ignore[list-item]
     ctl.StatusReply({"epoch": 1}), ctl.Fail("busy", "full", 5), ctl.Fail("bad_request"),
 ]  # fmt: skip
