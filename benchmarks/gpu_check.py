@@ -40,7 +40,9 @@ import trio
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from swarm import client  # noqa: E402
 from swarm.errors import UsageError  # noqa: E402
+from swarm.launch import start_local_swarm  # noqa: E402
 from swarm.model.bundled import default_model_dir  # noqa: E402
 from swarm.model.devices import describe_device, device_label, resolve_device, synchronize  # noqa: E402
 from swarm.model.dtypes import dtype_name, resolve_dtype  # noqa: E402
@@ -48,8 +50,6 @@ from swarm.model.generate import LocalModel, generate, split_layers  # noqa: E40
 from swarm.model.stage import Stage  # noqa: E402
 from swarm.model.tokenizer import Tokenizer  # noqa: E402
 from swarm.model.weights import open_checkpoint  # noqa: E402
-from swarm.node import client  # noqa: E402
-from swarm.node.launch import start_local_swarm  # noqa: E402
 from swarm.node.settings import model_spec  # noqa: E402
 
 PROMPT = "Explain in two sentences why the sky is blue."

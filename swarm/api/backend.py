@@ -3,7 +3,7 @@
 Theory of operation
 -------------------
 Inside a node process the endpoint is a ``NodeBackend``: it calls the node's generation service
-directly (``swarm.node.service.GenService.generate``, which runs the coordinator's generation or relays it
+directly (``swarm.node.generation.service.GenService.generate``, which runs the coordinator's generation or relays it
 to the coordinator), so any peer can serve the API and nothing is serialised on the way in. As a
 client of a swarm (the demo's endpoint, tests) it is a ``ClientBackend``: the same request over
 libp2p on ``/shard-swarm/gen/1`` to a peer we are a client of.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from swarm.errors import ProtocolError
-from swarm.node.authority import (
+from swarm.node.plan.authority import (
     MAX_EPOCH_STEP,
     FaultClaims,
     check_epoch_step,
@@ -76,15 +76,15 @@ def test_claims_stay_bounded() -> None:
 
 def _standby_epochs(leader_id: str) -> tuple[object, list[str]]:
     """The real epoch state of a standby (no block: nothing to load) whose leader is ``leader_id``."""
-    from swarm.node.capacity import Admission
-    from swarm.node.epochs import Epochs
     from swarm.node.notices import Hooks, Notices
+    from swarm.node.plan.epochs import Epochs
+    from swarm.node.ring.capacity import SlotQueue
     from swarm.node.settings import NodeSettings
 
     events: list[str] = []
     settings = NodeSettings(seed=b"s" * 32, swarm_id="friends", secret=b"x" * 32, model_dir=None)
     notices = Notices(Hooks(on_life=lambda ev: events.append(ev["event"])))
-    epochs = Epochs(settings, "standby", None, Admission(), notices, leader=lambda: leader_id,  # type: ignore[arg-type]
+    epochs = Epochs(settings, "standby", None, SlotQueue(), notices, leader=lambda: leader_id,  # type: ignore[arg-type]
                     memory=dict)  # fmt: skip
     return epochs, events
 
@@ -93,7 +93,7 @@ async def test_an_old_plan_is_refused_after_the_newer_epoch_ends() -> None:
     """A replayed plan of an earlier epoch, validly signed by the leader, is never taken again,
     not even once the newer epoch has ended (epochs.py ``Epochs.newest``)."""
     from swarm.manifest.identity import Identity
-    from swarm.node.epochs import plan_body
+    from swarm.node.plan.epochs import plan_body
     from swarm.proto.messages import Plan as PlanMsg
     from swarm.proto.signed import sign_plan
 
@@ -120,7 +120,7 @@ async def test_an_old_plan_is_refused_after_the_newer_epoch_ends() -> None:
 
 async def test_a_plan_not_signed_by_the_leader_here_is_refused() -> None:
     from swarm.manifest.identity import Identity
-    from swarm.node.epochs import plan_body
+    from swarm.node.plan.epochs import plan_body
     from swarm.proto.messages import Plan as PlanMsg
     from swarm.proto.signed import sign_plan
 
@@ -157,7 +157,7 @@ def _epoch_roles(epoch: int) -> tuple[str | None, set[str]]:
 
 
 async def test_the_dispatch_table_checks_every_role_before_the_handler() -> None:
-    from swarm.node.control import ROLES, Dispatcher
+    from swarm.node.dispatch import ROLES, Dispatcher
     from swarm.proto import control as ctl
     from swarm.proto.messages import Plan as PlanMsg
 
@@ -197,7 +197,7 @@ async def test_the_dispatch_table_checks_every_role_before_the_handler() -> None
 def test_a_peer_s_role_comes_from_the_host_when_it_can_tell() -> None:
     from types import SimpleNamespace
 
-    from swarm.node.control import role_of
+    from swarm.node.dispatch import role_of
 
     old = SimpleNamespace(is_admitted=lambda p: p != "X")  # today's host: advertised peers are members
     assert role_of(old, "A", advertised=True) == "member" and role_of(old, "C", advertised=False) == "client"

@@ -19,8 +19,8 @@ from swarm.model.drafters import DraftModel, ModelDrafter
 from swarm.model.generate import LocalModel, generate
 from swarm.model.sampling import SamplingParams, target_probs
 from swarm.model.speculative import KPolicy, VerifyChunk
-from swarm.node.coordinator import Coordinator
-from swarm.node.drafting import DraftHolder, RingTimes
+from swarm.node.compute.drafting import DraftHolder, RingTimes
+from swarm.node.ring.coordinator import Coordinator
 from swarm.testing.checkpoints import TinySpec, write_checkpoint
 from swarm.testing.ring import run_memory_ring
 

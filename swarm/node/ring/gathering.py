@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import trio
 
 from swarm.model.stage import Stage
-from swarm.node.activation import is_replay
+from swarm.node.ring.codec import is_replay
 from swarm.proto.frame import Frame, MsgType
 
 GATHER_MAX_S = 0.1  # the longest a forward waits for sessions due (module doc)

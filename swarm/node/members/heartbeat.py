@@ -13,7 +13,7 @@ other peer with frames that already flow (our own ping: one frame each way on an
 ~10x cheaper than a libp2p ping, which opens a new stream and negotiates it each time), and every
 frame heard on either stream is evidence that the peer is alive.
 
-:class:`Liveness` joins that evidence to the pure :class:`~swarm.node.failure.FailureDetector`:
+:class:`Liveness` joins that evidence to the pure :class:`~swarm.node.members.failure.FailureDetector`:
 it reads ``trio.current_time()`` (so a test on trio's MockClock controls time) and calls
 ``on_transition`` for each alive/suspect/lost/rejoined change. :func:`run_ctl_link` and
 :func:`serve_ctl_inbound` work on any :class:`~swarm.net.streams.FramedStream`, including one over
@@ -30,11 +30,11 @@ import trio
 
 from swarm.errors import PeerError, ProtocolError, SwarmError
 from swarm.net.streams import FramedStream
-from swarm.node.failure import FailureDetector, PeerState, Transition
+from swarm.node.members.failure import FailureDetector, PeerState, Transition
 from swarm.proto.frame import Frame, MsgType
 from swarm.proto.messages import Advert, Heartbeat, parse_message
 
-log = logging.getLogger("swarm.node.heartbeat")
+log = logging.getLogger("swarm.node.members.heartbeat")
 
 DEFAULT_INTERVAL = 0.5  # seconds between heartbeats; with failure.py's defaults: lost within ~3 s
 RTT_SAMPLES = 16  # the RTT is the least of the last this many round trips (8 s at the default interval)
@@ -65,7 +65,7 @@ class Liveness:
         self._on_transition = on_transition
         self.on_stall: Callable[[float], None] | None = None  # called with the gap after we were stopped
         self._rtts: dict[str, deque[float]] = {}
-        self._path_rtts: dict[str, float] = {}  # probed on the path hops take (swarm.node.probe)
+        self._path_rtts: dict[str, float] = {}  # probed on the path hops take (swarm.node.members.probe)
         self._ran_at: float | None = None  # our clock when this node last ran its liveness code
         self._stall_s = max(STALL_S, 2 * DEFAULT_INTERVAL)  # a gap this long: we were stopped (watch sets it)
 

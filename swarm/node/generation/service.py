@@ -27,25 +27,25 @@ import trio
 
 from swarm.errors import PeerError, PeerLost, PlanningError, ProtocolError, SwarmError, UsageError
 from swarm.model.sampling import SamplingParams
-from swarm.node.capacity import Admission
-from swarm.node.control import Dispatcher
-from swarm.node.coordinator import output_sha256
-from swarm.node.drafting import RingTimes
-from swarm.node.epochs import Epoch, Epochs
+from swarm.node.compute.drafting import RingTimes
+from swarm.node.compute.runtime import Models
+from swarm.node.dispatch import Dispatcher
 from swarm.node.errors_util import unwrap
+from swarm.node.generation.report import Reporter
+from swarm.node.generation.resume import CoordinatorMoved, Resumer
 from swarm.node.hosting import Host
-from swarm.node.models import Models
-from swarm.node.report import Reporter
-from swarm.node.resume import CoordinatorMoved, Resumer
+from swarm.node.members.view import MemberView
+from swarm.node.plan.epochs import Epoch, Epochs
+from swarm.node.ring.capacity import SlotQueue
+from swarm.node.ring.coordinator import output_sha256
 from swarm.node.settings import NodeSettings
-from swarm.node.view import MemberView
 from swarm.planner import Plan
 from swarm.proto import control as ctl
 from swarm.proto.control import MAX_DEPTH, Gen
 from swarm.proto.limits import PROTO_GEN
 from swarm.proto.messages import parse_message
 
-log = logging.getLogger("swarm.node.service")
+log = logging.getLogger("swarm.node.generation.service")
 
 REQUEST_TIMEOUT_S = 20.0
 HAND_OVER_WAIT_S = 30.0  # how long the coordinator a run is handed over to may wait for its ring
@@ -80,7 +80,7 @@ def sampling_of(req: Gen) -> SamplingParams:
 class GenService:
     def __init__(
         self, settings: NodeSettings, peer_id: str, host: Host, view: MemberView, epochs: Epochs, models: Models,
-        admission: Admission, reporter: Reporter, resumer: Resumer, roles: Dispatcher,
+        admission: SlotQueue, reporter: Reporter, resumer: Resumer, roles: Dispatcher,
         *, planning_problem: Callable[[], str | None],
     ) -> None:  # fmt: skip
         self.settings = settings

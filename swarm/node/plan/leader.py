@@ -51,14 +51,14 @@ from typing import Any
 import trio
 
 from swarm.errors import PlanningError, ProtocolError, SwarmError
-from swarm.node.authority import check_epoch_step
-from swarm.node.control import RingClient
-from swarm.node.epochs import Epochs, plan_body, plan_from_body
-from swarm.node.failure import DEFAULT_LOST_AFTER, MAX_PATIENCE
+from swarm.node.dispatch import RingClient
+from swarm.node.members.failure import DEFAULT_LOST_AFTER, MAX_PATIENCE
+from swarm.node.members.view import MemberView
 from swarm.node.notices import Notices
+from swarm.node.plan.authority import check_epoch_step
+from swarm.node.plan.epochs import Epochs, plan_body, plan_from_body
+from swarm.node.plan.wiring import LINK_TIMEOUT_S
 from swarm.node.settings import NodeSettings
-from swarm.node.view import MemberView
-from swarm.node.wiring import LINK_TIMEOUT_S
 from swarm.planner import ModelSpec, Plan, parse_peers_file
 from swarm.planner import plan as make_plan
 from swarm.proto import control as ctl

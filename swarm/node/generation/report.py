@@ -16,15 +16,15 @@ from typing import Any
 
 from swarm import __version__
 from swarm.model.sampling import SamplingParams
-from swarm.node.capacity import Admission
-from swarm.node.coordinator import RingGeneration
-from swarm.node.epochs import Epoch, Epochs, hops
-from swarm.node.gossip import MembershipService
+from swarm.node.compute.runtime import Models
 from swarm.node.hosting import Host
 from swarm.node.loopwatch import LoopWatch
-from swarm.node.models import Models
-from swarm.node.view import MemberView
-from swarm.node.wiring import Wiring
+from swarm.node.members.gossip import MembershipService
+from swarm.node.members.view import MemberView
+from swarm.node.plan.epochs import Epoch, Epochs, hops
+from swarm.node.plan.wiring import Wiring
+from swarm.node.ring.capacity import SlotQueue
+from swarm.node.ring.coordinator import RingGeneration
 from swarm.planner import Plan
 
 STATUS_OTHER_ADVERTS = 32  # adverts of non-members a status reply lists (without RTTs)
@@ -33,7 +33,7 @@ STATUS_OTHER_ADVERTS = 32  # adverts of non-members a status reply lists (withou
 class Reporter:
     def __init__(
         self, peer_id: str, host: Host, service: MembershipService, view: MemberView, epochs: Epochs, wiring: Wiring,
-        models: Models, admission: Admission, loopwatch: LoopWatch,
+        models: Models, admission: SlotQueue, loopwatch: LoopWatch,
     ) -> None:  # fmt: skip
         self.peer_id = peer_id
         self.host = host

@@ -15,10 +15,10 @@ import logging
 import trio
 
 from swarm.errors import SwarmError, UsageError
-from swarm.node.gossip import MembershipService
+from swarm.node.members.gossip import MembershipService
 from swarm.node.notices import Notices
 
-log = logging.getLogger("swarm.node.discovery")
+log = logging.getLogger("swarm.node.members.discovery")
 RESERVE_TIMEOUT_S = 15.0
 
 

@@ -24,12 +24,12 @@ from typing import Any
 import trio
 
 from swarm.errors import ProtocolError, SwarmError
-from swarm.node.fastlink import FrameLink
-from swarm.node.gossip import MembershipService
+from swarm.node.members.gossip import MembershipService
+from swarm.node.ring.fastlink import FrameLink
 from swarm.proto import control as ctl
 from swarm.proto.messages import parse_message
 
-log = logging.getLogger("swarm.node.probe")
+log = logging.getLogger("swarm.node.members.probe")
 
 PINGS = 5  # echoed pings after the hello; the least of them is the RTT
 PERIOD_S = 60.0  # a member is probed again after this long

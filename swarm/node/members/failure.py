@@ -10,7 +10,7 @@ killed peer usually announces itself sooner (its connection closes with EOF):
 (trio.current_time() in production, a MockClock in tests), so "lost at t = 2.5 s after the
 last beat" is a deterministic statement.
 
-Defaults (beats every 0.5 s from :mod:`swarm.node.heartbeat`): a frozen or killed peer is lost
+Defaults (beats every 0.5 s from :mod:`swarm.node.members.heartbeat`): a frozen or killed peer is lost
 2.5 s after its last beat, i.e. within ~3 s; a slow but live peer that still beats at least once
 per ``suspect_after`` is never even suspected, and a suspect peer that speaks again is ALIVE again.
 

@@ -61,16 +61,16 @@ from swarm.model.generate import output_sha256
 from swarm.model.sampling import SamplingParams
 from swarm.model.speculative import Committed, DraftSource, KPolicy, SpeculativeDecoder, VerifyChunk
 from swarm.model.stage import Head
-from swarm.node import drafting
-from swarm.node.activation import REPLAY_ID_BASE, hidden_chunk, read_hidden
-from swarm.node.headbatch import SharedHead
-from swarm.node.links import Link
+from swarm.node.compute import drafting
+from swarm.node.compute.headbatch import SharedHead
+from swarm.node.ring.codec import REPLAY_ID_BASE, hidden_chunk, read_hidden
+from swarm.node.ring.links import Link
 from swarm.proto.activation import Error, Result, SessionEnd
 from swarm.proto.frame import Frame
 from swarm.proto.limits import DEFAULT_LIMITS, Limits
 from swarm.proto.messages import parse_message
 
-log = logging.getLogger("swarm.node.coordinator")
+log = logging.getLogger("swarm.node.ring.coordinator")
 
 DEFAULT_CHUNK_TIMEOUT_S = 30.0
 SEND_TIMEOUT_S = 10.0

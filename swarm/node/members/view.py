@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import trio
 
-from swarm.node.control import role_of
-from swarm.node.failure import PeerState
-from swarm.node.gossip import MembershipService
+from swarm.node.dispatch import role_of
 from swarm.node.hosting import Host
+from swarm.node.members.failure import PeerState
+from swarm.node.members.gossip import MembershipService
 
 
 class MemberView:

@@ -30,7 +30,7 @@ from swarm.manifest.manifest import new_manifest, sign_manifest, write_manifest
 from swarm.model.devices import resolve_device
 from swarm.model.dtypes import resolve_dtype
 from swarm.model.weights import open_checkpoint
-from swarm.node.drafting import draft_bytes
+from swarm.node.compute.drafting import draft_bytes
 from swarm.node.settings import model_spec
 
 

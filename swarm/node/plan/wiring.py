@@ -23,15 +23,15 @@ from typing import Any
 import trio
 
 from swarm.errors import PeerTimeout, ProtocolError, SwarmError
-from swarm.node.capacity import MAX_SESSIONS, stage_capacity
-from swarm.node.epochs import Epoch, Epochs, hops
-from swarm.node.fastlink import FrameLink
+from swarm.node.compute.runtime import Models
 from swarm.node.hosting import Host
-from swarm.node.links import Link, LocalLink
-from swarm.node.models import Models
+from swarm.node.members.probe import echo_probe
 from swarm.node.notices import Notices
-from swarm.node.probe import echo_probe
-from swarm.node.stage_worker import StageWorker
+from swarm.node.plan.epochs import Epoch, Epochs, hops
+from swarm.node.ring.capacity import MAX_SESSIONS, stage_capacity
+from swarm.node.ring.fastlink import FrameLink
+from swarm.node.ring.links import Link, LocalLink
+from swarm.node.ring.stage_worker import StageWorker
 from swarm.proto import control as ctl
 from swarm.proto.limits import PROTO_ACT
 from swarm.proto.messages import parse_message

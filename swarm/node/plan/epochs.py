@@ -26,14 +26,14 @@ import trio
 
 from swarm.errors import PeerError, ProtocolError
 from swarm.model.stage import Stage
-from swarm.node.capacity import Admission, ring_capacity
-from swarm.node.coordinator import Coordinator
+from swarm.node.compute.runtime import Models
 from swarm.node.errors_util import unwrap
-from swarm.node.links import Link
-from swarm.node.models import Models
 from swarm.node.notices import Notices
+from swarm.node.ring.capacity import SlotQueue, ring_capacity
+from swarm.node.ring.coordinator import Coordinator
+from swarm.node.ring.links import Link
+from swarm.node.ring.stage_worker import StageWorker
 from swarm.node.settings import NodeSettings
-from swarm.node.stage_worker import StageWorker
 from swarm.planner import Plan
 from swarm.proto.messages import Plan as PlanMsg
 from swarm.proto.signed import verify_plan
@@ -145,7 +145,7 @@ class Epochs:
         settings: NodeSettings,
         peer_id: str,
         models: Models,
-        admission: Admission,
+        admission: SlotQueue,
         notices: Notices,
         *,
         leader: Callable[[], str],

@@ -77,7 +77,7 @@ from swarm.model.stage import Head
 from swarm.model.tokenizer import Tokenizer
 from swarm.model.weights import Checkpoint
 
-log = logging.getLogger("swarm.node.drafting")
+log = logging.getLogger("swarm.node.compute.drafting")
 
 # Acceptance assumed before this node has measured any (per token; an EMA of measured rates
 # replaces it): prompt lookup on chat measured 0.2 here; a model draft of the same family 0.5-0.97.

@@ -77,7 +77,8 @@ import trio
 from swarm.errors import PeerLost, PeerTimeout, ProtocolError, SwarmError
 from swarm.model.batched import forward_many
 from swarm.model.stage import Stage
-from swarm.node.activation import (
+from swarm.node.errors_util import unwrap
+from swarm.node.ring.codec import (
     Encoded,
     encode_hidden,
     hidden_chunk,
@@ -85,9 +86,8 @@ from swarm.node.activation import (
     is_replay,
     read_hidden,
 )
-from swarm.node.errors_util import unwrap
-from swarm.node.gathering import Gatherer, GatherStats, drain
-from swarm.node.links import Link
+from swarm.node.ring.gathering import Gatherer, GatherStats, drain
+from swarm.node.ring.links import Link
 from swarm.proto.activation import Chunk, Error, Result, Rollback, SessionEnd
 from swarm.proto.frame import Frame, MsgType
 from swarm.proto.limits import DEFAULT_LIMITS, Limits

@@ -16,8 +16,8 @@ import trio
 
 from swarm.errors import PeerError, PeerTimeout, ProtocolError
 from swarm.net.host import SwarmHost, open_host
-from swarm.node.heartbeat import Liveness, serve_ctl_inbound
 from swarm.node.hosting import Host
+from swarm.node.members.heartbeat import Liveness, serve_ctl_inbound
 from swarm.proto import control as ctl
 from swarm.proto.limits import PROTO_CTL, PROTO_GEN
 from swarm.proto.messages import parse_message

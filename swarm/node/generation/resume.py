@@ -26,9 +26,9 @@ from typing import Any
 import trio
 
 from swarm.errors import FaultyPeer, PeerError, PlanningError
-from swarm.node.coordinator import RingRun
-from swarm.node.epochs import Epoch, Epochs
 from swarm.node.notices import Notices
+from swarm.node.plan.epochs import Epoch, Epochs
+from swarm.node.ring.coordinator import RingRun
 
 RECOVERY_TIMEOUT_S = 120.0  # a re-plan may include loading a block
 NOTICE_EVERY_S = 2.0  # while a run waits for a re-plan, its client hears this often that it does

@@ -12,7 +12,7 @@ MIN_SESSIONS): the KV of that many sessions comes on top of the memory it offere
 (the planner reserves one; a local demo offers just enough for its block), so a swarm whose
 offers are tight still serves several users at once; status ``capacity`` shows both figures.
 
-The coordinator admits that many generations at once (:class:`Admission`); the next ones wait in
+The coordinator admits that many generations at once (:class:`SlotQueue`); the next ones wait in
 a FIFO queue, each told its place in a one-line notice, up to MAX_QUEUED; past that a request is
 refused at once with :class:`Busy` (the API answers 429 with ``Retry-After``), never by running a
 stage out of memory. A slot is held from a generation's start to its end, across re-plans.
@@ -53,7 +53,7 @@ def ring_capacity(spec: ModelSpec, plan: Plan, memory: Mapping[str, int]) -> int
     return min(caps, default=1)
 
 
-class Admission:
+class SlotQueue:
     """At most ``capacity`` generations at once, a FIFO queue of ``max_queued`` behind them."""
 
     def __init__(self, capacity: int = 1, *, max_queued: int = MAX_QUEUED) -> None:

@@ -24,13 +24,13 @@ from typing import Any
 import trio
 
 from swarm.errors import PeerError, PeerTimeout, PlanningError, ProtocolError, SwarmError
-from swarm.node.authority import FaultClaims, check_fault_report
-from swarm.node.control import RPC_TIMEOUT_S, RingClient
-from swarm.node.epochs import Epoch, Epochs
-from swarm.node.gossip import MemberEvent
-from swarm.node.leader import Leader
+from swarm.node.dispatch import RPC_TIMEOUT_S, RingClient
+from swarm.node.members.gossip import MemberEvent
+from swarm.node.members.view import MemberView
 from swarm.node.notices import Notices
-from swarm.node.view import MemberView
+from swarm.node.plan.authority import FaultClaims, check_fault_report
+from swarm.node.plan.epochs import Epoch, Epochs
+from swarm.node.plan.leader import Leader
 from swarm.proto import control as ctl
 from swarm.proto.messages import Message
 

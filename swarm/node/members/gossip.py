@@ -40,16 +40,16 @@ import trio
 from swarm.errors import AdmissionError, PeerError, PeerLost, ProtocolError, SwarmError, UsageError
 from swarm.net.host import HostEvent, is_wildcard
 from swarm.net.streams import FramedStream
-from swarm.node.control import role_of
-from swarm.node.failure import PeerState, Transition
-from swarm.node.heartbeat import DEFAULT_INTERVAL, Liveness, run_ctl_link, serve_ctl_inbound
+from swarm.node.dispatch import role_of
 from swarm.node.hosting import Host
-from swarm.node.membership import Membership
+from swarm.node.members.failure import PeerState, Transition
+from swarm.node.members.heartbeat import DEFAULT_INTERVAL, Liveness, run_ctl_link, serve_ctl_inbound
+from swarm.node.members.membership import Membership
 from swarm.proto.frame import Frame
 from swarm.proto.limits import PROTO_CTL
 from swarm.proto.messages import Advert
 
-log = logging.getLogger("swarm.node.membership")
+log = logging.getLogger("swarm.node.members.membership")
 
 READVERT_PERIOD = 2.0  # seconds between re-adverts for RTTs that merely moved
 READVERT_POLL = 0.25  # a peer's first RTT (or its loss) is advertised within this

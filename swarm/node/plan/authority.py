@@ -6,7 +6,7 @@ Admission proves only that a peer holds the swarm secret: a member gone bad, or 
 stolen invite, passes it. So every ring request is also checked against the sender's role in
 the plan this node serves (pure functions here; leader.py, recovery.py and epochs.py apply them):
 
-- who may send each request at all is the dispatch table of ``control.py`` (a plan only from the
+- who may send each request at all is the dispatch table of ``node/dispatch.py`` (a plan only from the
   leader, ``connect`` and ``serve`` only from the current epoch's signer, ``fault`` only from a
   stage of that epoch, ``ended``/``leave``/``leaving``/``current`` only from members; a client
   only generates and reads status). On top of it:

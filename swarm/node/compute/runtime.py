@@ -26,7 +26,7 @@ from swarm.model.quant import quantize_block
 from swarm.model.stage import Head, Stage
 from swarm.model.tokenizer import Tokenizer
 from swarm.model.weights import Checkpoint, open_checkpoint
-from swarm.node.drafting import DraftHolder
+from swarm.node.compute.drafting import DraftHolder
 from swarm.node.notices import Notices
 from swarm.node.settings import NodeSettings, model_spec
 
