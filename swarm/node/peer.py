@@ -105,7 +105,7 @@ async def open_peer(
     clock: Callable[[], float] = trio.current_time,
 ) -> AsyncIterator[Peer]:
     """A running peer (see the module docstring). ``compute``: where torch work runs
-    (models.Compute; default a worker thread); ``ms_per_layer``: skip measuring (tests);
+    (runtime.Compute; default a worker thread); ``ms_per_layer``: skip measuring (tests);
     ``clock``: the failure detector's clock (an in-memory test stops a frozen node's)."""
     s = settings
     hooks = hooks or Hooks()

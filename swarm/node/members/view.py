@@ -49,7 +49,7 @@ class MemberView:
         return next((p for p in members if p not in self.leaving), members[0])
 
     def admitted_role(self, peer: str) -> str | None:
-        """"member", "client" or None (not admitted), as the host tells it (control.role_of)."""
+        """"member", "client" or None (not admitted), as the host tells it (dispatch.role_of)."""
         return role_of(self.host, peer, advertised=self.service.membership.get(peer) is not None)
 
     def memory(self) -> dict[str, int]:
