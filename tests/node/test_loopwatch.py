@@ -14,8 +14,12 @@ from swarm.node.loopwatch import TICK_S, LoopWatch
 async def test_the_longest_step_and_the_tickers_lateness_are_measured() -> None:
     watch = LoopWatch()
 
+    held: list[float] = []
+
     async def hog() -> None:
+        t0 = time.perf_counter()
         time.sleep(0.3)  # holds the loop: no checkpoint for 0.3 s
+        held.append(time.perf_counter() - t0)
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(watch.serve)
@@ -24,8 +28,10 @@ async def test_the_longest_step_and_the_tickers_lateness_are_measured() -> None:
         await trio.sleep(2 * TICK_S)  # the ticker wakes after the hog, and records it
         nursery.cancel_scope.cancel()
     summary = watch.summary()
-    assert summary["max_step_ms"] >= 300 and summary["max_step_task"] == "hog-task"
-    assert summary["window_max_step_ms"] >= 300 and summary["window_max_step_task"] == "hog-task"
+    # the hog's step is the longest, unless the OS held another step even longer (a loaded box)
+    assert summary["max_step_ms"] >= 1000 * held[0] - 1
+    assert summary["max_step_task"] == "hog-task" or summary["max_step_ms"] > 1000 * held[0]
+    assert summary["window_max_step_ms"] == summary["max_step_ms"]
     assert summary["max_late_ms"] >= 150 and summary["late_over_100ms"] >= 1
 
 
