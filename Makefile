@@ -1,6 +1,7 @@
 # Two entry points for a fresh Debian/Ubuntu machine:
 #   make demo   runs the main job on the bundled model
-#   make test   runs the whole test suite (what CI runs)
+#   make test   runs the whole test suite (what CI runs), printing its 25 slowest tests
+#   make check  the developer's fast lane: unit and in-memory tests (not slow, not netns)
 # Each creates .venv on first use and installs what it needs.
 PY      ?= python3
 VENV    := .venv
@@ -14,7 +15,7 @@ SYSPKGS := gcc libgmp-dev python3-dev
 # (chromium driven through chromium-driver)
 TESTPKGS := iproute2 iptables nftables tshark nginx-light chromium chromium-driver
 
-.PHONY: demo test lint sysdeps testdeps venv bench clean
+.PHONY: demo test check lint sysdeps testdeps venv bench clean
 
 # $(call apt_install,PACKAGES): apt-get install those not yet installed, as root or through sudo,
 # never asking (DEBIAN_FRONTEND=noninteractive also answers tshark's debconf question with its
@@ -51,7 +52,13 @@ demo: $(STAMP)
 	$(BIN)/shard-swarm demo
 
 test: $(STAMP) testdeps
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
+
+# The fast lane while developing: every test not marked slow (node processes, long-running) or
+# netns (namespace labs), with CI's settings otherwise; `make test` stays the whole suite.
+CHECK_MARKS ?= not slow and not netns
+check: $(STAMP)
+	$(BIN)/python -m pytest -q -m "$(CHECK_MARKS)" --durations=10
 
 lint: $(STAMP)
 	$(BIN)/ruff check swarm tests benchmarks

@@ -7,7 +7,7 @@ server (Hypercorn + Starlette in this process's trio.run, a libp2p client of nod
 runs, in alternating order, the same greedy chat generation (same prompt ids, same max tokens,
 the swarm's default drafter) two ways:
 
-- direct: ``swarm.node.client.generate`` (what ``shard-swarm generate`` does);
+- direct: ``swarm.client.generate`` (what ``shard-swarm generate`` does);
 - api: ``POST /v1/chat/completions`` with ``stream: true`` through plain HTTP (httpx), read
   until ``[DONE]``; tokens counted from the ``usage`` chunk.
 
@@ -31,11 +31,11 @@ from typing import Any
 import httpx
 import trio
 
+from swarm import client
 from swarm.api.backend import ClientBackend
 from swarm.api.server import serve_api
+from swarm.launch import start_local_swarm
 from swarm.model.tokenizer import Tokenizer
-from swarm.node import client
-from swarm.node.launch import start_local_swarm
 
 MESSAGES = [{"role": "user", "content": "Explain how a binary search works, step by step."}]
 OUT = Path(__file__).resolve().parent / "results" / "api.json"

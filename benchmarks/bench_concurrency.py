@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/bench_concurrency.py [--levels 1,2,4,8] [--rounds 2] [--new-tokens 48]
                                                      [--wan] [--model DIR] [--dtype auto]
 
-A 3-peer LAN ring of the bundled model (real node processes on loopback, swarm/node/launch.py;
+A 3-peer LAN ring of the bundled model (real node processes on loopback, swarm/launch.py;
 ``--wan``: every hop through a ``--delay-ms`` one-way delaying proxy) and one API server
 (Hypercorn + Starlette in this process, a libp2p client of node 0). Each level runs N chat
 sessions at once, each a different question, streamed (``stream: true``) with greedy decoding
@@ -42,10 +42,10 @@ from typing import Any
 import httpx
 import trio
 
+from swarm import client
 from swarm.api.backend import ClientBackend
 from swarm.api.server import serve_api
-from swarm.node import client
-from swarm.node.launch import start_local_swarm
+from swarm.launch import start_local_swarm
 
 QUESTIONS = [
     "Explain how a binary search works, step by step.",

@@ -37,11 +37,11 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from swarm.api.thread import ThreadedApi  # noqa: E402
+from swarm.launch import start_local_swarm  # noqa: E402
 from swarm.model.devices import resolve_device  # noqa: E402
 from swarm.model.dtypes import resolve_dtype  # noqa: E402
 from swarm.model.weights import open_checkpoint  # noqa: E402
-from swarm.node.drafting import draft_bytes  # noqa: E402
-from swarm.node.launch import start_local_swarm  # noqa: E402
+from swarm.node.compute.drafting import draft_bytes  # noqa: E402
 from swarm.node.settings import model_spec  # noqa: E402
 from tests.api.browser import console_errors, open_browser, wait_for  # noqa: E402
 

@@ -1,6 +1,6 @@
 """Faults: detection time, pause ÷ re-prefill, layers moved, and a seeded chaos run.
 
-Everything goes through real node processes (swarm/node/launch.py) and a real client, greedy
+Everything goes through real node processes (swarm/launch.py) and a real client, greedy
 decoding, bf16, 1 torch thread per process, on a tiny checkpoint (8 layers, hidden 64: fast, so
 the run fits in minutes on 2 shared cores; the figures that depend on model size, the pause and
 the re-prefill, are about the protocol's costs here, not a big model's).
@@ -54,11 +54,11 @@ from typing import Any
 import torch
 import trio
 
+from swarm import client
 from swarm.errors import SwarmError
+from swarm.launch import LocalSwarm, start_local_swarm
 from swarm.model.config import ModelArgs
-from swarm.node import client
 from swarm.node.errors_util import first_leaf
-from swarm.node.launch import LocalSwarm, start_local_swarm
 from swarm.node.settings import model_spec
 from swarm.testing.checkpoints import TinySpec, write_checkpoint
 

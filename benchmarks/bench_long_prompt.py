@@ -32,10 +32,10 @@ from typing import Any
 import torch
 import trio
 
+from swarm import client
+from swarm.launch import start_local_swarm
 from swarm.model.generate import LocalModel, generate
 from swarm.model.packaged import resolve_model
-from swarm.node import client
-from swarm.node.launch import start_local_swarm
 
 OUT = Path(__file__).parent / "results" / "long_prompt.json"
 SHORT = [1, 504, 3458, 281, 260, 1345, 30, 2]

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/bench_ring.py [--quick] [--runs N] [--wan-runs N]
         [--only lan|lan-auto|wan] [--drafts int4,int8,self] [--keep]
 
-Real node processes (swarm/node/launch.py) on loopback, a real client (swarm/node/client.py),
+Real node processes (swarm/launch.py) on loopback, a real client (swarm/client.py),
 greedy decoding, bf16, ``--threads`` (default 1) torch threads in EVERY process.
 
 LAN  3 peers on loopback, ``draft="none"`` (one token per traversal), decode tok/s of the ring
@@ -19,7 +19,7 @@ LAN  3 peers on loopback, ``draft="none"`` (one token per traversal), decode tok
      what our software costs on top.
 LAN-AUTO  3 peers on loopback that hold ``auto``'s draft model (an int4 copy of the model):
      chat requests with ``draft="auto"`` against ``draft="none"``, interleaved; the coordinator
-     decides per request by measured cost (swarm/node/drafting.py) and says so in the receipt.
+     decides per request by measured cost (swarm/node/compute/drafting.py) and says so in the receipt.
      Target: auto >= 0.98 of none (drafting never makes a LAN slower).
 WAN  4 peers behind a delaying proxy (``delay_ms`` one way per hop, default 25). One peer offers
      only the coordinator's memory (embedding + head + the draft model) and three offer 10 layers
@@ -64,6 +64,8 @@ sys.path.insert(0, str(ROOT))
 
 from pipeline_floor import floor_tok_s  # noqa: E402
 
+from swarm import client  # noqa: E402
+from swarm.launch import LocalSwarm, start_local_swarm  # noqa: E402
 from swarm.model.bundled import default_model_dir  # noqa: E402
 from swarm.model.config import ModelArgs  # noqa: E402
 from swarm.model.drafters import NgramDrafter  # noqa: E402
@@ -71,9 +73,7 @@ from swarm.model.draftload import load_draft_model, parse_draft  # noqa: E402
 from swarm.model.generate import DTYPES, LocalModel, generate  # noqa: E402
 from swarm.model.speculative import DEFAULT_PREFILL_CHUNK, KPolicy  # noqa: E402
 from swarm.model.tokenizer import Tokenizer  # noqa: E402
-from swarm.node import client  # noqa: E402
-from swarm.node.drafting import draft_bytes  # noqa: E402
-from swarm.node.launch import LocalSwarm, start_local_swarm  # noqa: E402
+from swarm.node.compute.drafting import draft_bytes  # noqa: E402
 from swarm.node.settings import model_spec  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "ring.json"
@@ -135,7 +135,7 @@ if _dir:
 
     try:
         from swarm.model import stage as _st
-        from swarm.node import coordinator as _co, stage_worker as _sw
+        from swarm.node.ring import coordinator as _co, stage_worker as _sw
 
         _fwd = _st.Stage.forward
         def forward(self, session, h):
@@ -157,7 +157,7 @@ if _dir:
 
         # a chunk's arrival is when the reader took it off the link (the worker notes it there);
         # its batch's forward and the results' sends follow in _run_batch
-        from swarm.node import gathering as _ga
+        from swarm.node.ring import gathering as _ga
         _note = _ga.Gatherer.note_arrival
         def _note_traced(self, session):
             self.__dict__.setdefault("_ring_bench_in", {})[session] = time.perf_counter()
@@ -483,7 +483,7 @@ def wan_memory(model_dir: Path, dtype: str, n_stages: int, draft: str = "none") 
     """One peer fits only the coordinator part (and ``draft``'s model); ``n_stages`` peers fit
     their layer share and no head."""
     args = ModelArgs.from_dir(model_dir)
-    spec = model_spec(args, DTYPES[dtype], 1024)  # launch.py's default context_tokens
+    spec = model_spec(args, DTYPES[dtype], 1024)  # swarm/launch.py's default context_tokens
     per_stage = -(-args.n_layers // n_stages) * spec.bytes_per_layer
     stage_mem = int(per_stage + 0.5 * min(spec.bytes_per_layer, spec.coordinator_bytes))
     coord = spec.coordinator_bytes + draft_bytes(draft, args, DTYPES[dtype], 1024)

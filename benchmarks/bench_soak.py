@@ -43,11 +43,11 @@ from typing import Any
 import torch
 import trio
 
+from swarm import client
 from swarm.errors import SwarmError
+from swarm.launch import LocalSwarm, start_local_swarm
 from swarm.model.config import ModelArgs
 from swarm.model.generate import LocalModel, generate
-from swarm.node import client
-from swarm.node.launch import LocalSwarm, start_local_swarm
 from swarm.node.settings import model_spec
 from swarm.testing.checkpoints import TinySpec, write_checkpoint
 

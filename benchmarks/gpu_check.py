@@ -50,7 +50,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.gpu_shapes import RandomSource, published, small  # noqa: E402
-from swarm.errors import ModelError, UsageError  # noqa: E402
+from swarm import client  # noqa: E402  # noqa: E402
+from swarm.errors import (  # noqa: E402
+    ModelError,
+    UsageError,  # noqa: E402
+)
+from swarm.launch import start_local_swarm  # noqa: E402  # noqa: E402
 from swarm.model import capability  # noqa: E402
 from swarm.model.bundled import default_model_dir  # noqa: E402
 from swarm.model.config import ModelArgs  # noqa: E402
@@ -61,8 +66,6 @@ from swarm.model.quant import QuantExperts, QuantLinear  # noqa: E402
 from swarm.model.quant_formats import int4_from_float, pack  # noqa: E402
 from swarm.model.stage import Stage  # noqa: E402
 from swarm.model.tokenizer import Tokenizer  # noqa: E402
-from swarm.node import client  # noqa: E402
-from swarm.node.launch import start_local_swarm  # noqa: E402
 from swarm.node.settings import model_spec  # noqa: E402
 
 PROMPT = "Explain in two sentences why the sky is blue."

@@ -7,7 +7,10 @@ Subpackages, lowest layer first (dependencies point one way, see tests/test_laye
 - ``manifest`` swarm invite manifests: canonical bytes, signing, verification
 - ``planner``  pure placement: coordinator, ring order, layer blocks
 - ``net``      the only importer of libp2p and zeroconf
-- ``node``     the trio nursery tree that runs a peer
+- ``node``     the trio nursery tree that runs a peer, in planes: compute, ring, members, plan,
+               generation (see swarm/node/__init__.py)
+- ``client``   (client.py) talking to a running swarm as a client
+- ``launch``   (launch.py) a local swarm of node processes on loopback
 - ``api``      OpenAI-compatible HTTP on top of ``node``
 - ``cli``      typer commands; ``cli/ui.py`` is the only importer of rich
 - ``testing``  fakes shipped with the package

@@ -23,8 +23,22 @@ ALLOWED: dict[str, set[str]] = {
     "node": {"model", "proto", "manifest", "planner", "net", "fetch"},
     "api": {"node", "model", "proto", "manifest", "planner", "net"},
     "testing": {"model", "proto", "manifest", "planner", "net", "node", "fetch"},
-    "cli": {"model", "proto", "manifest", "planner", "net", "node", "api", "testing", "fetch"},
+    "cli": {"model", "proto", "manifest", "planner", "net", "node", "api", "testing", "fetch", "client", "launch"},
 }
+# the top-level modules that are not a layer of their own: who they may import
+TOP_MODULES: dict[str, set[str]] = {
+    "client": {"proto", "net", "node"},  # talking to a swarm from outside it
+    "launch": {"model", "manifest", "node"},  # a local swarm of node processes
+}
+# who may import them
+ALLOWED["api"] |= {"client"}
+ALLOWED["testing"] |= {"client", "launch"}
+
+# node/'s planes (swarm/node/__init__.py), lowest first: each may import the ones before it and
+# node/'s shared top-level modules; the composition root (peer, serving, __main__) imports all.
+NODE_PLANES = ["compute", "ring", "members", "plan", "generation"]
+NODE_SHARED = {"settings", "notices", "hosting", "dispatch", "errors_util", "loopwatch"}
+NODE_ROOT = {"peer", "serving", "__main__"}
 # third-party packages confined to one place
 CONFINED: dict[str, str | tuple[str, ...]] = {
     "libp2p": "net", "zeroconf": "net", "multiaddr": "net", "rich": "cli/ui.py",
@@ -59,6 +73,11 @@ def _imports(path: Path) -> list[str]:
 def test_import_direction(path: Path) -> None:
     rel = path.relative_to(ROOT)
     sub = rel.parts[0] if len(rel.parts) > 1 else None
+    if sub is None and path.stem in TOP_MODULES:
+        for name in _imports(path):
+            parts = name.split(".")
+            if parts[0] == "swarm" and len(parts) > 1 and parts[1] not in ("errors", "peerid"):
+                assert parts[1] in TOP_MODULES[path.stem], f"{rel} imports {name}"
     for name in _imports(path):
         top = name.split(".")[0]
         if top in CONFINED:
@@ -73,8 +92,50 @@ def test_import_direction(path: Path) -> None:
             assert parts[1] in ALLOWED[sub], f"{rel} imports {name}: {sub}/ may not import {parts[1]}/"
 
 
+def _node_part(path: Path) -> str:
+    """The plane (sub-package) a module of node/ is in, else its own name (shared or root)."""
+    rel = path.relative_to(ROOT / "node")
+    return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "node").rglob("*.py")), ids=lambda p: str(p.relative_to(ROOT)))
+def test_node_planes_one_way(path: Path) -> None:
+    part = _node_part(path)
+    if part in NODE_ROOT or part == "__init__":
+        return
+    for name in _imports(path):
+        parts = name.split(".")
+        if parts[:2] != ["swarm", "node"] or len(parts) < 3:
+            continue
+        target = parts[2]
+        if part in NODE_SHARED:
+            assert target in NODE_SHARED, f"node/{part}.py imports {name}: the shared modules import no plane"
+        elif target not in NODE_SHARED and target != part:
+            assert target in NODE_PLANES[: NODE_PLANES.index(part)], (
+                f"{path.relative_to(ROOT)} imports {name}: node/{part}/ may import only "
+                f"{NODE_PLANES[: NODE_PLANES.index(part)]} and node/'s shared modules")
+
+
+def test_node_has_no_stray_modules() -> None:
+    """Every module at node/'s top is the root or shared; every folder is a plane."""
+    for path in (ROOT / "node").iterdir():
+        if path.is_dir() and path.name != "__pycache__":
+            assert path.name in NODE_PLANES, f"node/{path.name}/ is not a plane in NODE_PLANES"
+        elif path.suffix == ".py" and path.stem != "__init__":
+            assert path.stem in NODE_ROOT | NODE_SHARED, f"node/{path.name}: a plane's module at node/'s top"
+
+
 def test_every_subpackage_documents_its_files() -> None:
-    for sub in ALLOWED:
+    for sub in [*ALLOWED, *(f"node/{p}" for p in NODE_PLANES)]:
         init = ROOT / sub / "__init__.py"
         assert init.exists(), f"swarm/{sub}/__init__.py missing"
         assert ast.get_docstring(ast.parse(init.read_text())), f"swarm/{sub}/__init__.py has no docstring"
+
+
+@pytest.mark.parametrize("sub", ["node", *(f"node/{p}" for p in NODE_PLANES)])
+def test_node_package_docs_name_every_file(sub: str) -> None:
+    """A package's docstring is its map: each of its files is named there."""
+    doc = ast.get_docstring(ast.parse((ROOT / sub / "__init__.py").read_text())) or ""
+    for path in (ROOT / sub).glob("*.py"):
+        if path.stem != "__init__":
+            assert path.name in doc, f"swarm/{sub}/__init__.py does not say what {path.name} holds"

@@ -3,7 +3,7 @@
 Theory of operation
 -------------------
 Inside a node process the endpoint is a ``NodeBackend``: it calls the node's generation service
-directly (``swarm.node.service.GenService.generate``, which runs the coordinator's generation or relays it
+directly (``swarm.node.generation.service.GenService.generate``, which runs the coordinator's generation or relays it
 to the coordinator), so any peer can serve the API and nothing is serialised on the way in. As a
 client of a swarm (the demo's endpoint, tests) it is a ``ClientBackend``: the same request over
 libp2p on ``/shard-swarm/gen/1`` to a peer we are a client of.
@@ -37,7 +37,7 @@ from swarm.errors import PeerError, SwarmError
 from swarm.model.tokenizer import Tokenizer
 from swarm.model.weights import open_checkpoint
 from swarm.node.errors_util import unwrap
-from swarm.node.genwire import receive_message, send_message
+from swarm.node.generation.genwire import receive_message, send_message
 from swarm.proto import control as ctl
 from swarm.proto.limits import PROTO_GEN
 
@@ -63,7 +63,7 @@ class Backend(Protocol):
     def open_generation(self, req: ctl.Gen) -> contextlib.AbstractAsyncContextManager[Generation]: ...
 
     async def status(self) -> dict[str, Any]:
-        """The serving coordinator's status (swarm/node/report.py), for the web console."""
+        """The serving coordinator's status (swarm/node/generation/report.py), for the web console."""
         ...
 
 
@@ -197,7 +197,7 @@ class ClientBackend:
         self.context_tokens, self.vocab_size = info.context_tokens, info.vocab_size
 
     async def status(self) -> dict[str, Any]:
-        from swarm.node import client
+        from swarm import client
 
         return await client.status(self.host, self.peer, coordinator=True)
 

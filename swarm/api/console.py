@@ -11,7 +11,7 @@ sends the token with ``fetch`` (an ``EventSource`` cannot send a header), so it 
 a URL or a log.
 
 The feed asks the backend for the serving coordinator's status (the same dict ``shard-swarm
-status`` shows, swarm/node/report.py), at most once per FEED_INTERVAL_S however many pages
+status`` shows, swarm/node/generation/report.py), at most once per FEED_INTERVAL_S however many pages
 watch, and only while one does: a closed page costs the node nothing. Each status becomes a
 *state* (the ring as ``build_view`` sees it, plus what a traversal's time goes to, the speed
 history, the sessions and queue) and, through a :class:`Timeline`, *events*: joins, leaves,
@@ -35,8 +35,8 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from swarm.errors import SwarmError
-from swarm.node.failure import DEFAULT_SUSPECT_AFTER
-from swarm.node.ringview import build_view
+from swarm.node.generation.ringview import build_view
+from swarm.node.members.failure import DEFAULT_SUSPECT_AFTER
 
 STATIC = Path(__file__).parent / "static"
 ASSETS = {"console.html", "chat.html", "console.css", "console.js", "ring.js", "chat.js", "sse.js"}

@@ -16,10 +16,10 @@ from typing import Any
 
 import trio
 
+from swarm import client
 from swarm.api.backend import ClientBackend
 from swarm.api.server import serve_api
 from swarm.errors import SwarmError
-from swarm.node import client
 
 START_TIMEOUT_S = 120.0
 

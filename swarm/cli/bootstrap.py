@@ -21,7 +21,7 @@ import typer
 from swarm.cli import ui
 from swarm.errors import PeerError, SwarmError, UsageError
 from swarm.proto.admission import CLIENT, MEMBER
-from swarm.proto.limits import PROTO_GEN  # swarm.node.client's: status and generations
+from swarm.proto.limits import PROTO_GEN  # swarm.client's: status and generations
 
 log = logging.getLogger("swarm.cli.bootstrap")
 
@@ -102,8 +102,8 @@ async def serve_bootstrap(
             await _serve_relay(host, identity.peer_id, ready)
         return
     from swarm.net.host import open_host
-    from swarm.node.gossip import MembershipService
-    from swarm.node.membership import Membership
+    from swarm.node.members.gossip import MembershipService
+    from swarm.node.members.membership import Membership
 
     manifest = read_manifest(manifest_path)
     if manifest.role != "member":

@@ -56,9 +56,9 @@ def demo(
 ) -> None:
     """Start a local swarm of NODES processes on the bundled model and run one generation."""
     from swarm.cli.settings import chosen_device
+    from swarm.launch import start_local_swarm
     from swarm.model.devices import device_label
     from swarm.model.dtypes import dtype_name, resolve_dtype
-    from swarm.node.launch import start_local_swarm
 
     if quant not in QUANTS:
         raise UsageError(f"--quant {quant!r}: choose one of {', '.join(QUANTS)}")
@@ -132,7 +132,7 @@ def generate(
     addr: list[str] = [peer] if peer else list(m.bootstrap)  # every bootstrap address in turn
     if not addr:
         raise UsageError("the invite names no bootstrap peer: give --peer MULTIADDR")
-    from swarm.node.client import client_credential
+    from swarm.client import client_credential
 
     secret, role, mkey = client_credential(m.secret.value, m.role, m.member_key)  # a member invite acts as a client
     result = trio.run(functools.partial(
@@ -146,7 +146,7 @@ def generate(
 
 async def _run_one(addr: str | list[str], secret: bytes, swarm_id: str, timeout: float, req: dict[str, Any], quiet_stream: bool,
                    *, role: str = "member", member_key: bytes = b"") -> dict[str, Any]:  # fmt: skip
-    from swarm.node import client
+    from swarm import client
 
     net_log = logging.getLogger("swarm.net")
     if net_log.getEffectiveLevel() > logging.DEBUG:
@@ -190,8 +190,8 @@ async def _resuming(host: Any, peer: str, req: dict[str, Any], committed: list[i
     coordinator the swarm serves next (the peer waits for it: wait_s), for RESUME_TIMEOUT_S.
     The receipt then covers the whole output. CannotServe (the live peers cannot hold the
     model) is not retried, nor is anything once ``timeout`` has passed without a new token."""
+    from swarm import client
     from swarm.errors import CannotServe, PeerError
-    from swarm.node import client
 
     lost_since: float | None = None
     last_token = [trio.current_time()]
@@ -219,7 +219,7 @@ async def _resuming(host: Any, peer: str, req: dict[str, Any], committed: list[i
             await trio.sleep(0.5)
             continue
         if done:
-            from swarm.node.coordinator import output_sha256
+            from swarm.node.ring.coordinator import output_sha256
 
             n = len(done)
             receipt["prompt_token_ids"] = list(receipt["prompt_token_ids"])[: len(receipt["prompt_token_ids"]) - n]
@@ -230,9 +230,9 @@ async def _resuming(host: Any, peer: str, req: dict[str, Any], committed: list[i
 
 
 async def _serve_api(addr: str, secret: bytes, swarm_id: str, model_dir: Path, bind: str, context: int) -> None:
+    from swarm import client
     from swarm.api.backend import ClientBackend
     from swarm.api.server import serve_api
-    from swarm.node import client
 
     async with client.open_client(addr, secret=secret, swarm_id=swarm_id) as (host, peer), trio.open_nursery() as nursery:
         url = await nursery.start(functools.partial(serve_api, ClientBackend(host, peer, model_dir, context_tokens=context), bind))

@@ -45,7 +45,7 @@ from swarm.manifest.manifest import read_manifest
 from swarm.manifest.pins import check_pin
 from swarm.manifest.schema import Manifest
 from swarm.net.host import SwarmHost, open_host
-from swarm.node.gossip import MemberEvent, MembershipService
+from swarm.node.members.gossip import MemberEvent, MembershipService
 from swarm.node.settings import NodeSettings
 
 log = logging.getLogger("swarm.cli.join")

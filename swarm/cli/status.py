@@ -9,7 +9,7 @@ status dict, so the JSON (``--json``), the plain text (not a TTY) and the live t
 refreshed every ``--interval`` s until Ctrl-C; ``--once`` for one frame) all show the same thing.
 
 Fields the node does not report (yet) are shown as "-" (None in JSON), never guessed. The status
-dict is swarm/node/service.py ``status()``; optional keys read here: ``peer_info`` (peer ->
+dict is swarm/node/generation/service.py ``status()``; optional keys read here: ``peer_info`` (peer ->
 ``device``, ``memory_used_bytes``, ``heartbeat_age_s``, ``path``) and ``recent``
 (``tokens_per_s``, ``accepted_per_traversal``).
 
@@ -29,12 +29,12 @@ from typing import Any
 import trio
 import typer
 
+from swarm import client
 from swarm.cli import ui
 from swarm.errors import PeerError, SwarmError, UsageError
 from swarm.manifest.identity import config_dir
 from swarm.manifest.manifest import read_manifest
-from swarm.node import client
-from swarm.node.ringview import build_view
+from swarm.node.generation.ringview import build_view
 
 
 def _num(v: Any, fmt: str, unit: str = "") -> str:

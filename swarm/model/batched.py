@@ -1,6 +1,6 @@
 """Several sessions through one stage in one call: ``forward_many(stage, [(session, h), ...])``.
 
-The stage worker (swarm/node/stage_worker.py) hands every chunk that waits for it, from
+The stage worker (swarm/node/ring/stage_worker.py) hands every chunk that waits for it, from
 different sessions, to one call. Each session keeps its own KV cache and positions; the result
 for each is what ``stage.forward(session, h)`` alone gives, up to float rounding (below).
 

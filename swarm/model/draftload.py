@@ -10,7 +10,7 @@ A draft *spec* is one of
   layer bytes, plus half the head's;
 - a checkpoint PATH (a directory or ``.gguf``) of a smaller model with the target's tokenizer
   (check_vocabularies): its own head and layers, held in the serving dtype;
-- ``auto``: let the coordinator choose per request by measured cost (swarm.node.drafting); with
+- ``auto``: let the coordinator choose per request by measured cost (swarm.node.compute.drafting); with
   ``auto:SPEC`` naming the model it may choose (``auto`` alone: ``int4``).
 
 Vocabularies (``check_vocabularies``): the draft's tokenizer must map every id to the same token

@@ -205,7 +205,7 @@ def generate(
     t0 = time.perf_counter()
     t_first: float | None = None
     try:
-        # The ring's schedule (swarm/node/coordinator.py): chunks run in the order issued, and
+        # The ring's schedule (swarm/node/ring/coordinator.py): chunks run in the order issued, and
         # the decoder is polled again after every chunk, live or discarded. Same chunks, same
         # shapes, same numbers: a ring's receipt and this function agree token for token.
         queue = deque(dec.poll())

@@ -1,6 +1,6 @@
 """Several chunks of one session through a layer as one pass, where that is bit for bit exact.
 
-Why: a replay after a re-plan (swarm/node/stage_worker.py, ``Stage.forward_seq``) must rebuild a
+Why: a replay after a re-plan (swarm/node/ring/stage_worker.py, ``Stage.forward_seq``) must rebuild a
 new stage's KV cache bit for bit as the lost stage held it, so it recomputes every fed chunk with
 the shape it had: a decoded token is a one-token step, a drafted round a verify chunk of a few
 tokens. Through one layer each such chunk reads every weight of the layer for a few rows, so the
@@ -83,7 +83,7 @@ def prove(stage: Any) -> dict[int, bool]:
     """Row count (2..MAX_ROWS) -> whether it is proven (module doc), for this stage's layer
     signature (its modules' types, shapes and dtypes, the device and the thread count): proven
     once per process and signature, so a node proves it when it measures its speed at start-up
-    (node/models.py) and every block it loads later of that model reuses the verdict."""
+    (node/compute/runtime.py) and every block it loads later of that model reuses the verdict."""
     layers = list(stage.layers)
     if getattr(stage, "runtime", "") != "handwritten" or not layers or any(type(x) is not DecoderLayer for x in layers):
         return dict.fromkeys(range(2, MAX_ROWS + 1), False)

@@ -1,19 +1,27 @@
 """A running peer: the trio nursery tree of membership, heartbeats, the ring, recovery.
 
-Where things live:
+The planes, each a sub-package, lowest first; a plane imports only the ones above it in this
+list and the shared modules at this level (tests/test_layering.py keeps it so):
 
-    peer.py        the composition root: ``open_peer``/``run_peer`` build a peer from its settings
-                   (used by ``join``, ``python -m swarm.node`` and the tests); ``Peer``
-    settings.py    NodeSettings, built once (join's config and flags, or a settings file)
+    compute/     what a node holds of the model and the torch work around it
+    ring/        the ring's data plane: links, the activation codec, stage workers, the coordinator
+    members/     who is in the swarm: adverts, heartbeats, the failure detector, the view, probes
+    plan/        plan epochs: the leader, taking a plan, wiring its hops, recovery
+    generation/  generations as a service: requests, relaying, resume, receipts and status
+
+At this level, the composition root (imports every plane):
+
+    peer.py        ``open_peer``/``run_peer`` build a peer from its settings (used by ``join``,
+                   ``python -m swarm.node`` and the tests); ``Peer``
     serving.py     the serving half of a peer: its components wired with explicit dependencies
+    __main__.py    the node process (``python -m swarm.node``; swarm/launch.py starts several)
+
+and the shared modules every plane may import (they import no plane):
+
+    settings.py    NodeSettings, built once (join's config and flags, or a settings file)
     notices.py     what a node tells its user (notices, membership changes, life events)
-    view.py        this node's view: members, the leader, who may be planned
-    models.py      the checkpoint, the loaded block/head/tokenizer, and where torch work runs
-    epochs.py      one plan epoch at a peer: accept the plan, load the block, end the epoch
-    wiring.py      an epoch's hops: open them, accept them, run the stage worker and result reader
-    leader.py      the leader: when to plan, the plan, the set-up phases, catching up after a cut-off
-    recovery.py    losses, stalls, faults (and exclusion), leaving on purpose, nudging a leader
-    control.py     the control plane: which role may send each request (ROLES), the dispatcher,
+    hosting.py     Host: what node/ needs of a network (libp2p's SwarmHost, memnet's MemHost)
+    dispatch.py    the control plane: which role may send each request (ROLES), the dispatcher,
                    and the ring protocol's client (requests and set-up phases)
     authority.py   the finer rules behind the roles (plans in a catch-up, epoch ends, fault reports,
                    strikes, draft claims), pure
@@ -51,4 +59,7 @@ Where things live:
     gossip.py      MembershipService: membership on a host (links, gossip, dialing)
     errors_util.py unwrapping trio's exception groups at the node's boundaries
     loopwatch.py   how long the trio loop is held (longest task step, timer lateness), for status
+
+Not part of a running peer, so outside node/: ``swarm/client.py`` (talking to a swarm as a
+client) and ``swarm/launch.py`` (a local swarm of node processes on loopback).
 """

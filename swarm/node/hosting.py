@@ -6,7 +6,7 @@ trio run under a mock clock. Everything a node does with its peers goes through 
 admission events, framed streams per protocol, dialing and hanging up, and how a peer is reached.
 
 A peer's *role* (member or client, issue 14) comes from the host when it can tell
-(``admitted_role``, optional: control.role_of falls back to "advertised means member").
+(``admitted_role``, optional: dispatch.role_of falls back to "advertised means member").
 """
 
 from __future__ import annotations

@@ -24,14 +24,14 @@ import trio
 
 from swarm.errors import UsageError
 from swarm.manifest.identity import Identity
-from swarm.node.gossip import MemberEvent, MembershipService
-from swarm.node.heartbeat import Liveness
 from swarm.node.hosting import Host
 from swarm.node.loopwatch import LoopWatch
-from swarm.node.membership import Membership
+from swarm.node.members.gossip import MemberEvent, MembershipService
+from swarm.node.members.heartbeat import Liveness
+from swarm.node.members.membership import Membership
+from swarm.node.members.view import MemberView
 from swarm.node.notices import Hooks, Notices
 from swarm.node.settings import NodeSettings, advertised_resources, plan_memory
-from swarm.node.view import MemberView
 
 SWITCH_INTERVAL_S = 0.001  # the GIL's hand-over interval in a node process (see open_peer)
 HostOpener = Callable[[NodeSettings], contextlib.AbstractAsyncContextManager[Any]]
@@ -105,7 +105,7 @@ async def open_peer(
     clock: Callable[[], float] = trio.current_time,
 ) -> AsyncIterator[Peer]:
     """A running peer (see the module docstring). ``compute``: where torch work runs
-    (models.Compute; default a worker thread); ``ms_per_layer``: skip measuring (tests);
+    (runtime.Compute; default a worker thread); ``ms_per_layer``: skip measuring (tests);
     ``clock``: the failure detector's clock (an in-memory test stops a frozen node's)."""
     s = settings
     hooks = hooks or Hooks()
@@ -115,7 +115,7 @@ async def open_peer(
     if s.model_dir is not None:
         import torch  # a peer without a model never loads torch
 
-        from swarm.node.models import Compute, Models
+        from swarm.node.compute.runtime import Compute, Models
 
         torch.set_num_threads(max(1, s.threads))
         # The trio thread takes the GIL back after every torch call or socket write it makes; while
@@ -166,11 +166,11 @@ async def open_peer(
                 except UsageError as exc:
                     notices.notice(f"skipping bootstrap address: {exc}")
             if s.relay:
-                from swarm.node.discovery import serve_relay_client
+                from swarm.node.members.discovery import serve_relay_client
 
                 nursery.start_soon(serve_relay_client, service, host, list(s.bootstrap), notices)
             if s.mdns:
-                from swarm.node.discovery import serve_mdns
+                from swarm.node.members.discovery import serve_mdns
 
                 nursery.start_soon(serve_mdns, service, host, s.swarm_id, notices)
             if peer.serving is not None:

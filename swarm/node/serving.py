@@ -5,7 +5,7 @@ Construction order follows the dependencies, so nothing reaches through another 
 what it needs: the model store and the epoch state first; then the hops' wiring, the leader
 (planning, catch-up), recovery (losses, faults, leaving), and the generation service; last the
 dispatch tables that say which role may send each request and which component answers it
-(control.py). The peer (peer.py) owns the host and membership and starts :meth:`Serving.run`.
+(dispatch.py). The peer (peer.py) owns the host and membership and starts :meth:`Serving.run`.
 """
 
 from __future__ import annotations
@@ -15,23 +15,23 @@ from typing import Any
 import trio
 
 from swarm.manifest.identity import Identity
-from swarm.node.capacity import Admission
-from swarm.node.control import CLIENT, MEMBER, Dispatcher, RingClient
-from swarm.node.epochs import Epochs
-from swarm.node.gossip import MembershipService
+from swarm.node.compute.runtime import Models
+from swarm.node.dispatch import CLIENT, MEMBER, Dispatcher, RingClient
+from swarm.node.generation.report import Reporter
+from swarm.node.generation.resume import Resumer
+from swarm.node.generation.service import GenService
 from swarm.node.hosting import Host
-from swarm.node.leader import Leader
 from swarm.node.loopwatch import LoopWatch
-from swarm.node.models import Models
+from swarm.node.members.gossip import MembershipService
+from swarm.node.members.probe import Prober
+from swarm.node.members.view import MemberView
 from swarm.node.notices import Notices
-from swarm.node.probe import Prober
-from swarm.node.recovery import Recovery
-from swarm.node.report import Reporter
-from swarm.node.resume import Resumer
-from swarm.node.service import GenService
+from swarm.node.plan.epochs import Epochs
+from swarm.node.plan.leader import Leader
+from swarm.node.plan.recovery import Recovery
+from swarm.node.plan.wiring import Wiring
+from swarm.node.ring.capacity import SlotQueue
 from swarm.node.settings import NodeSettings
-from swarm.node.view import MemberView
-from swarm.node.wiring import Wiring
 from swarm.proto import control as ctl
 from swarm.proto.limits import PROTO_ACT, PROTO_GEN, PROTO_RING
 from swarm.proto.messages import Plan as PlanMsg
@@ -54,12 +54,12 @@ class Serving:
     ) -> None:
         peer_id = identity.peer_id
         self.models = models
-        self.admission = Admission()  # generations the ring's KV memory holds at once (capacity.py)
+        self.admission = SlotQueue()  # generations the ring's KV memory holds at once (capacity.py)
         self.epochs = Epochs(settings, peer_id, models, self.admission, notices, leader=view.leader, memory=view.memory)
 
         def cannot_load(a: int, b: int) -> int:
             """Offer one layer less than the block that did not fit (and less than before): the
-            leader's next plan gives us less, and nobody is blamed (node/memory.py). One layer at a
+            leader's next plan gives us less, and nobody is blamed (node/compute/memory.py). One layer at a
             time, so a swarm that can hold the model without the layer we lack still finds it."""
             offer, per_layer = service.membership.local.memory_bytes, models.spec.bytes_per_layer
             new = max(0, min(offer - per_layer, (b - a - 1) * per_layer))

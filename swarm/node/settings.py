@@ -54,7 +54,7 @@ class NodeSettings:
     fastpath_advertise: tuple[str, ...] = ()  # "ip:port" to announce (e.g. behind a proxy or NAT)
     sessions: int = 8  # generations held at once at least (their KV on top of memory_bytes): capacity.py
     compute_delay_s: float = 0.0  # fault injection (load tests): every forward and head call blocks this much longer
-    relay: bool = False  # use the bootstrap nodes as relays and hole punch (swarm.node.discovery)
+    relay: bool = False  # use the bootstrap nodes as relays and hole punch (swarm.node.members.discovery)
     mdns: bool = False  # announce and discover peers on the LAN
     # fetching its slice (swarm.fetch): the cache directory of the invite's model manifest
     # (model_dir then points into it), the origin's base URLs, and the cache's disk budget (0: none)

@@ -5,7 +5,7 @@ positions ``pos .. pos+T-1`` of one session; the tail answers with a RESULT. Bot
 tensor as the frame's payload: token ids are (T,) or (B, T) ints, hidden states (T, D) or
 (B, T, D) floats (bf16 as its int16 bit pattern), bounded by :class:`~swarm.proto.limits.Limits`
 (tokens per chunk, batch, positions). Turning tensors into these messages and back, with the
-checks a peer's bytes need (dtype, hidden size, finiteness), is ``swarm.node.activation``.
+checks a peer's bytes need (dtype, hidden size, finiteness), is ``swarm.node.ring.codec``.
 
 Header use: ``session`` is the generation session (never 0), ``seq`` the chunk id, ``flags``
 the frame flags; ERROR may be sent about no session (0).

@@ -6,7 +6,7 @@ and JSON lists are capped at ``max_list`` entries). Here every op is its own cla
 fields declared once with their bounds (``swarm.proto.fields``): decoding a frame gives the op's
 class or a ProtocolError naming ``CONTROL <op> field '<key>'``.
 
-Ops, by protocol (who may send each request is ``swarm.node.control``'s dispatch table):
+Ops, by protocol (who may send each request is ``swarm.node.dispatch``'s dispatch table):
 
 - ring set-up (``/shard-swarm/ring/1``): a PLAN message -> :class:`Loaded`; :class:`Connect` ->
   :class:`Linked`; :class:`Serve` -> :class:`Serving`; :class:`Current` -> the serving PLAN or
@@ -74,7 +74,7 @@ MAX_TOP_K = 1 << 20
 MAX_DEPTH = 4  # verify chunks in flight at most
 MAX_DRAFT_K = 32
 MAX_WAIT_S = 600.0
-# what a request may ask for (swarm.node.drafting): prompt lookup, nothing, the coordinator's draft
+# what a request may ask for (swarm.node.compute.drafting): prompt lookup, nothing, the coordinator's draft
 # model (by "model" or its name when it is derived from the model), or a choice by measured cost
 DRAFTS = ("ngram", "none", "model", "auto", "self", "int8", "int4")
 
@@ -268,7 +268,7 @@ class Hop(Control):
 @dataclass(frozen=True, slots=True)
 class Probe(Control):
     """The first frame of a probe on an activation channel, and each ping on it: the other end
-    echoes every one back unchanged (``swarm.node.probe``: the RTT of the path hops take). The
+    echoes every one back unchanged (``swarm.node.members.probe``: the RTT of the path hops take). The
     nonce is random, so an echo cannot be sent before its ping arrived (a shorter RTT)."""
 
     OP: ClassVar[str] = "probe"
@@ -394,7 +394,7 @@ class StatusReply(Control):
 # code -> the error a requester raises; fail_of picks the code of an error raised here
 FAIL_CODES: dict[str, type[SwarmError]] = {
     "bad_request": BadRequest,  # the request itself is wrong (a field out of bounds, a bad prompt)
-    "forbidden": Forbidden,  # the sender's role may not send it (swarm.node.control)
+    "forbidden": Forbidden,  # the sender's role may not send it (swarm.node.dispatch)
     "cannot_serve": CannotServe,  # the live peers cannot hold the model (the planner's words)
     "busy": Busy,  # every slot of the ring is taken and its queue is full
     "context_length_exceeded": ContextTooLong,  # the prompt plus max_new_tokens exceed the swarm's context

@@ -25,12 +25,12 @@ from typing import Any
 import torch
 import trio
 
+from swarm import client
 from swarm.manifest.identity import Identity
 from swarm.model.config import ModelArgs
-from swarm.node import client
+from swarm.node.compute.runtime import Compute
 from swarm.node.errors_util import unwrap
-from swarm.node.heartbeat import Liveness, serve_ctl_inbound
-from swarm.node.models import Compute
+from swarm.node.members.heartbeat import Liveness, serve_ctl_inbound
 from swarm.node.notices import Hooks
 from swarm.node.peer import Peer, run_peer
 from swarm.node.settings import NodeSettings, model_spec

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import trio
 
 from swarm.model.generate import LocalModel
-from swarm.node.coordinator import Coordinator, RingGeneration
-from swarm.node.stage_worker import StageWorker
+from swarm.node.ring.coordinator import Coordinator, RingGeneration
+from swarm.node.ring.stage_worker import StageWorker
 from swarm.testing.memnet import MemLink
 
 

@@ -13,10 +13,10 @@ import trio
 from tokenizers import Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
+from swarm import client
 from swarm.api.backend import ClientBackend
 from swarm.api.server import serve_api
-from swarm.node import client
-from swarm.node.launch import LocalSwarm, start_local_swarm
+from swarm.launch import LocalSwarm, start_local_swarm
 from swarm.testing.checkpoints import TinySpec, write_checkpoint
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

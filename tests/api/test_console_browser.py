@@ -30,8 +30,8 @@ import pytest
 import torch
 
 from swarm.api.thread import ThreadedApi
+from swarm.launch import LocalSwarm, start_local_swarm
 from swarm.model.config import ModelArgs
-from swarm.node.launch import LocalSwarm, start_local_swarm
 from swarm.node.settings import model_spec
 from tests.api.browser import console_errors, open_browser, wait_for
 from tests.api.conftest import MODEL_NAME

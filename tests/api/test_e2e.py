@@ -14,9 +14,9 @@ import openai
 import pytest
 import trio
 
+from swarm import client
+from swarm.launch import LocalSwarm
 from swarm.model.tokenizer import Tokenizer
-from swarm.node import client
-from swarm.node.launch import LocalSwarm
 
 pytestmark = pytest.mark.slow
 MODEL = "tiny-chat"

@@ -8,13 +8,13 @@ import pytest
 import torch
 import trio
 
+from swarm import client
 from swarm.api.backend import ClientBackend
 from swarm.api.server import serve_api
+from swarm.launch import start_local_swarm
 from swarm.model.generate import LocalModel, generate
 from swarm.model.packaged import resolve_model
 from swarm.model.tokenizer import Tokenizer
-from swarm.node import client
-from swarm.node.launch import start_local_swarm
 
 # a 6.4k-token prefill twice (the ring, then one box) on a shared 2-core machine takes minutes
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]

@@ -25,10 +25,10 @@ import pytest
 import torch
 import trio
 
+from swarm import client
+from swarm.launch import start_local_swarm
 from swarm.model.config import ModelArgs
 from swarm.model.tokenizer import Tokenizer
-from swarm.node import client
-from swarm.node.launch import start_local_swarm
 from swarm.node.settings import model_spec
 from tests.api.conftest import MODEL_NAME, api_on
 

@@ -17,13 +17,13 @@ import pytest
 import torch
 import trio
 
+from swarm import client
 from swarm.manifest.identity import Identity, save_identity
 from swarm.manifest.manifest import new_manifest, read_manifest, sign_manifest, write_manifest
 from swarm.manifest.model_manifest import ModelManifest, manifest_of_path
 from swarm.manifest.schema import ModelSpec
 from swarm.model.config import ModelArgs
 from swarm.model.generate import LocalModel, generate
-from swarm.node import client
 from swarm.node.settings import model_spec
 from swarm.testing.checkpoints import TinySpec, write_checkpoint
 from swarm.testing.origin_server import SKIP_REASON, OriginServer, have_nginx, origin_server

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from swarm.launch import start_local_swarm
 from swarm.model.generate import LocalModel, generate
-from swarm.node.coordinator import output_sha256
-from swarm.node.launch import start_local_swarm
+from swarm.node.ring.coordinator import output_sha256
 from swarm.testing.checkpoints import TinySpec, write_checkpoint
 
 pytestmark = pytest.mark.slow

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from swarm.node.recovery import LEAVE_TIMEOUT_S
+from swarm.node.plan.recovery import LEAVE_TIMEOUT_S
 from tests.cli.joinkit import N_LAYERS, JoinProc, Lab
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

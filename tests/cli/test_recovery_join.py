@@ -12,8 +12,8 @@ import pytest
 import torch
 import trio
 
+from swarm import client
 from swarm.model.generate import LocalModel, generate
-from swarm.node import client
 from tests.cli.joinkit import N_LAYERS, Lab
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

@@ -18,10 +18,10 @@ from typer.testing import CliRunner
 
 from swarm.cli import status as status_cmd
 from swarm.cli.status import build_view, format_text
+from swarm.launch import free_ports
 from swarm.manifest.identity import Identity
 from swarm.manifest.manifest import new_manifest, sign_manifest, write_manifest
 from swarm.manifest.schema import SwarmSecret
-from swarm.node.launch import free_ports
 from swarm.node.peer import run_peer
 from swarm.node.settings import NodeSettings
 from swarm.testing.checkpoints import TinySpec, write_checkpoint

@@ -104,6 +104,7 @@ def test_two_processes_convert_once(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert not bundled._is_current(target, bundled_gguf_path())
 
 
+@pytest.mark.slow  # long-running: out of `make check`, still in `make test`
 def test_default_model_answers_paris_under_transformers() -> None:
     from transformers import AutoTokenizer, LlamaForCausalLM
 

@@ -61,6 +61,7 @@ def target(tmp_path_factory: pytest.TempPathFactory) -> MoETarget:
     return MoETarget(LocalModel.load(d, stages=[(0, 1), (1, 3)], dtype=torch.float32))
 
 
+@pytest.mark.slow  # long-running: out of `make check`, still in `make test`
 @pytest.mark.parametrize("kind", ["model-draft", "deterministic-draft"])
 def test_rejection_sampling_keeps_a_moe_target_distribution(kind: str, target: MoETarget) -> None:
     def params_of(run: int) -> SamplingParams:

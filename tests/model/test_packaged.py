@@ -68,6 +68,7 @@ def test_model_names_resolve(tmp_path: Path) -> None:
     assert resolve_model("no-such-model") == Path("no-such-model")  # left for the loader to name
 
 
+@pytest.mark.slow  # long-running: out of `make check`, still in `make test`
 @needs_gemma
 def test_the_real_gemma_gguf() -> None:
     from swarm.model.generate import LocalModel

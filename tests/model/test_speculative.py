@@ -291,6 +291,7 @@ def chi2_tv(counts: collections.Counter[tuple[int, ...]],
     return chi2, tv
 
 
+@pytest.mark.slow  # long-running: out of `make check`, still in `make test`
 @pytest.mark.parametrize("kind", ["model-draft", "deterministic-draft", "top-k-top-p"])
 def test_rejection_sampling_keeps_the_target_distribution(kind: str) -> None:
     target = FakeTarget(V, seed=21, scale=1.0)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from swarm.errors import ProtocolError
-from swarm.node.activation import decode_hidden, encode_hidden
+from swarm.node.ring.codec import decode_hidden, encode_hidden
 from swarm.proto.frame import DType
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from swarm.errors import ProtocolError
-from swarm.node.authority import (
+from swarm.node.plan.authority import (
     MAX_EPOCH_STEP,
     FaultClaims,
     check_epoch_step,
@@ -76,15 +76,15 @@ def test_claims_stay_bounded() -> None:
 
 def _standby_epochs(leader_id: str) -> tuple[object, list[str]]:
     """The real epoch state of a standby (no block: nothing to load) whose leader is ``leader_id``."""
-    from swarm.node.capacity import Admission
-    from swarm.node.epochs import Epochs
     from swarm.node.notices import Hooks, Notices
+    from swarm.node.plan.epochs import Epochs
+    from swarm.node.ring.capacity import SlotQueue
     from swarm.node.settings import NodeSettings
 
     events: list[str] = []
     settings = NodeSettings(seed=b"s" * 32, swarm_id="friends", secret=b"x" * 32, model_dir=None)
     notices = Notices(Hooks(on_life=lambda ev: events.append(ev["event"])))
-    epochs = Epochs(settings, "standby", None, Admission(), notices, leader=lambda: leader_id,  # type: ignore[arg-type]
+    epochs = Epochs(settings, "standby", None, SlotQueue(), notices, leader=lambda: leader_id,  # type: ignore[arg-type]
                     memory=dict)  # fmt: skip
     return epochs, events
 
@@ -93,7 +93,7 @@ async def test_an_old_plan_is_refused_after_the_newer_epoch_ends() -> None:
     """A replayed plan of an earlier epoch, validly signed by the leader, is never taken again,
     not even once the newer epoch has ended (epochs.py ``Epochs.newest``)."""
     from swarm.manifest.identity import Identity
-    from swarm.node.epochs import plan_body
+    from swarm.node.plan.epochs import plan_body
     from swarm.proto.messages import Plan as PlanMsg
     from swarm.proto.signed import sign_plan
 
@@ -120,7 +120,7 @@ async def test_an_old_plan_is_refused_after_the_newer_epoch_ends() -> None:
 
 async def test_a_plan_not_signed_by_the_leader_here_is_refused() -> None:
     from swarm.manifest.identity import Identity
-    from swarm.node.epochs import plan_body
+    from swarm.node.plan.epochs import plan_body
     from swarm.proto.messages import Plan as PlanMsg
     from swarm.proto.signed import sign_plan
 
@@ -157,7 +157,7 @@ def _epoch_roles(epoch: int) -> tuple[str | None, set[str]]:
 
 
 async def test_the_dispatch_table_checks_every_role_before_the_handler() -> None:
-    from swarm.node.control import ROLES, Dispatcher
+    from swarm.node.dispatch import ROLES, Dispatcher
     from swarm.proto import control as ctl
     from swarm.proto.messages import Plan as PlanMsg
 
@@ -197,7 +197,7 @@ async def test_the_dispatch_table_checks_every_role_before_the_handler() -> None
 def test_a_peer_s_role_comes_from_the_host_when_it_can_tell() -> None:
     from types import SimpleNamespace
 
-    from swarm.node.control import role_of
+    from swarm.node.dispatch import role_of
 
     old = SimpleNamespace(is_admitted=lambda p: p != "X")  # today's host: advertised peers are members
     assert role_of(old, "A", advertised=True) == "member" and role_of(old, "C", advertised=False) == "client"
@@ -213,7 +213,7 @@ def test_a_catch_up_takes_only_plans_signed_by_a_leader_verified_and_held_beyond
     import os
 
     from swarm.manifest.identity import Identity
-    from swarm.node.authority import vouched_plans
+    from swarm.node.plan.authority import vouched_plans
     from swarm.proto.messages import Plan as PlanMsg
     from swarm.proto.signed import sign_plan
 
@@ -242,7 +242,7 @@ def test_a_catch_up_takes_only_plans_signed_by_a_leader_verified_and_held_beyond
 
 def test_strikes_hear_one_ended_per_interval_and_reach_the_bench_limit() -> None:
     from swarm.errors import Forbidden
-    from swarm.node.authority import Strikes, check_epoch_end
+    from swarm.node.plan.authority import Strikes, check_epoch_end
 
     s = Strikes(window=300.0, every=3.0, limit=3)
     assert s.hear("A", 0.0) and not s.hear("A", 1.0) and s.hear("B", 1.0) and s.hear("A", 3.5)
@@ -263,7 +263,7 @@ def test_a_claimed_draft_speed_no_longer_outbids_the_measured_one_for_the_coordi
     """Issue 27: a member advertising a 0.01 ms/token draft took the coordinator (the role that
     sees every prompt). The leader now believes no one drafts faster than it measured its own
     draft; running none, no one faster than the upper median of the claims."""
-    from swarm.node.authority import bounded_draft_claims
+    from swarm.node.plan.authority import bounded_draft_claims
     from swarm.planner import GB, ModelSpec, Peer, plan
 
     spec = ModelSpec(n_layers=32, layer_bytes=GB // 2, coordinator_bytes=GB)

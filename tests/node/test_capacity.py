@@ -6,7 +6,7 @@ import pytest
 import trio
 import trio.testing
 
-from swarm.node.capacity import MAX_SESSIONS, Admission, Busy, ring_capacity, stage_capacity
+from swarm.node.ring.capacity import MAX_SESSIONS, Busy, SlotQueue, ring_capacity, stage_capacity
 from swarm.planner import ModelSpec, Plan
 
 SPEC = ModelSpec(n_layers=4, layer_bytes=1000, kv_bytes_per_token_per_layer=2, coordinator_bytes=500, context_tokens=100)
@@ -26,7 +26,7 @@ def test_stage_and_ring_capacity_follow_kv_memory_at_the_context_length() -> Non
 async def test_admission_queues_in_order_with_a_notice_and_refuses_past_the_queue(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    adm = Admission(2, max_queued=2)
+    adm = SlotQueue(2, max_queued=2)
     order: list[str] = []
     notices: list[str] = []
 
@@ -55,7 +55,7 @@ async def test_admission_queues_in_order_with_a_notice_and_refuses_past_the_queu
 
 
 async def test_a_waiter_that_goes_away_gives_its_place_up(autojump_clock: trio.testing.MockClock) -> None:
-    adm = Admission(1)
+    adm = SlotQueue(1)
     await adm.enter()
     with trio.move_on_after(1.0):
         await adm.enter()  # the client hung up while queued

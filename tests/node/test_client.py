@@ -6,11 +6,11 @@ import socket
 
 import trio
 
+from swarm import client
 from swarm.manifest.identity import Identity
 from swarm.net.host import open_host
-from swarm.node import client
-from swarm.node.gossip import MembershipService
-from swarm.node.membership import Membership
+from swarm.node.members.gossip import MembershipService
+from swarm.node.members.membership import Membership
 
 SWARM = "0123456789abcdef0123456789abcdef"
 SECRET = b"c" * 32

@@ -19,14 +19,14 @@ import pytest
 import torch
 import trio
 
+from swarm import client
 from swarm.api.backend import ClientBackend
 from swarm.api.server import serve_api
 from swarm.errors import ContextTooLong
+from swarm.launch import LocalSwarm, start_local_swarm
 from swarm.model.generate import LocalModel, generate
 from swarm.model.packaged import resolve_model
 from swarm.model.tokenizer import Tokenizer
-from swarm.node import client
-from swarm.node.launch import LocalSwarm, start_local_swarm
 
 pytestmark = pytest.mark.slow
 CONTEXT = 2048

@@ -11,7 +11,7 @@ import torch
 from swarm.errors import PlanningError
 from swarm.manifest.identity import Identity
 from swarm.model.devices import GIB, gpu_margin_bytes
-from swarm.node.membership import Membership
+from swarm.node.members.membership import Membership
 from swarm.node.settings import NodeSettings, advertised_resources
 from swarm.planner import ModelSpec, Peer, parse_peers_file
 from swarm.planner import plan as make_plan
@@ -73,7 +73,7 @@ def test_timing_a_layer_waits_for_the_device(monkeypatch: pytest.MonkeyPatch) ->
     """ms/layer on an accelerator must time the work, not the kernel launch: each timed pass
     synchronizes the device (here the CPU, with the synchronize call observed)."""
     from swarm.model.config import ModelArgs
-    from swarm.node import models as runtime
+    from swarm.node.compute import runtime
     from swarm.testing.checkpoints import TinySpec, tiny_config
 
     calls: list[torch.device] = []

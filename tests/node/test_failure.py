@@ -8,8 +8,8 @@ import trio.testing
 
 from swarm.errors import UsageError
 from swarm.net.streams import TrioStreamRaw, open_framed
-from swarm.node.failure import MAX_PATIENCE, PATIENCE_DECAY_S, FailureDetector, PeerState
-from swarm.node.heartbeat import RTT_SAMPLES, Liveness, run_ctl_link, serve_ctl_inbound
+from swarm.node.members.failure import MAX_PATIENCE, PATIENCE_DECAY_S, FailureDetector, PeerState
+from swarm.node.members.heartbeat import RTT_SAMPLES, Liveness, run_ctl_link, serve_ctl_inbound
 from swarm.proto.frame import Frame
 from swarm.proto.messages import Advert
 

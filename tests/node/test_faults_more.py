@@ -19,10 +19,10 @@ import pytest
 import torch
 import trio
 
+from swarm import client
 from swarm.manifest.identity import Identity
 from swarm.manifest.manifest import new_manifest, sign_manifest, write_manifest
 from swarm.model.config import ModelArgs
-from swarm.node import client
 from swarm.node.settings import model_spec
 from swarm.testing.checkpoints import TinySpec, write_checkpoint
 from swarm.testing.netlab import Lab, lab_unavailable_reason, lan_lab

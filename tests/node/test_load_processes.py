@@ -16,9 +16,9 @@ import pytest
 import torch
 import trio
 
+from swarm import client
+from swarm.launch import start_local_swarm
 from swarm.model.generate import LocalModel, generate
-from swarm.node import client
-from swarm.node.launch import start_local_swarm
 from swarm.testing.checkpoints import TinySpec, write_checkpoint
 
 pytestmark = pytest.mark.slow

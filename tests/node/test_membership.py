@@ -12,8 +12,8 @@ import trio
 from swarm.errors import ProtocolError, UsageError
 from swarm.manifest.identity import Identity
 from swarm.net.host import open_host
-from swarm.node.gossip import MemberEvent, MembershipService
-from swarm.node.membership import Membership, detect_device
+from swarm.node.members.gossip import MemberEvent, MembershipService
+from swarm.node.members.membership import Membership, detect_device
 from swarm.planner.peersfile import parse_peers_file
 from swarm.proto.signed import sign_advert, verify_advert
 

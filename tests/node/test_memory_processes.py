@@ -1,4 +1,4 @@
-"""Running out of memory, through real node processes (node/memory.py's hooks inject it).
+"""Running out of memory, through real node processes (node/compute/memory.py's hooks inject it).
 
 An out-of-memory error in a stage's forward (here: any chunk of 40 tokens or more, so a prompt's
 64-token prefill chunk) fails that request with a clear error while another generation on the
@@ -14,11 +14,11 @@ import pytest
 import torch
 import trio
 
+from swarm import client
 from swarm.errors import RequestRefused
+from swarm.launch import start_local_swarm
 from swarm.model.config import ModelArgs
 from swarm.model.generate import LocalModel, generate
-from swarm.node import client
-from swarm.node.launch import start_local_swarm
 from swarm.node.settings import model_spec
 from swarm.testing.checkpoints import TinySpec, write_checkpoint
 

@@ -1,4 +1,4 @@
-"""RTT probes on the hops' path (swarm/node/probe.py): the echo protocol and what Liveness does
+"""RTT probes on the hops' path (swarm/node/members/probe.py): the echo protocol and what Liveness does
 with the result. The real stack's probes: tests/node/test_ring_processes.py."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import trio
 import trio.testing
 
 from swarm.errors import ProtocolError, SwarmError
-from swarm.node.failure import PeerState
-from swarm.node.heartbeat import Liveness
-from swarm.node.links import LocalLink
-from swarm.node.probe import PINGS, echo_probe, probe_once
+from swarm.node.members.failure import PeerState
+from swarm.node.members.heartbeat import Liveness
+from swarm.node.members.probe import PINGS, echo_probe, probe_once
+from swarm.node.ring.links import LocalLink
 from swarm.proto import control as ctl
 from swarm.proto.frame import Frame
 from swarm.proto.messages import parse_message

@@ -14,7 +14,7 @@ from swarm.model.drafters import NgramDrafter
 from swarm.model.generate import LocalModel, generate
 from swarm.model.sampling import SamplingParams
 from swarm.model.speculative import KPolicy
-from swarm.node.coordinator import Coordinator, output_sha256
+from swarm.node.ring.coordinator import Coordinator, output_sha256
 from swarm.testing.checkpoints import TinySpec, write_checkpoint
 from swarm.testing.ring import run_memory_ring
 

@@ -2,7 +2,7 @@
 CPU's ``auto``) and one serving bf16 (a GPU's), on loopback, serve the bundled model together.
 
 The promise: each stage computes in its own dtype and casts what it receives to that dtype at the
-boundary (node/activation.py), so the ring computes exactly what one process computes holding the
+boundary (node/ring/codec.py), so the ring computes exactly what one process computes holding the
 same blocks in the same dtypes with the same casts and the same chunks: greedy tokens identical.
 Both run on this CPU, so this holds on any CPU (no stored figure depends on its bf16 rounding).
 And the planner budgets each peer in its own dtype: the fp32 peer advertises its memory at half
@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from swarm import client
+from swarm.launch import start_local_swarm
 from swarm.model.bundled import default_model_dir
 from swarm.model.dtypes import NAMES
 from swarm.model.stage import Head, Stage
 from swarm.model.tokenizer import Tokenizer
 from swarm.model.weights import open_checkpoint
-from swarm.node import client
-from swarm.node.launch import start_local_swarm
 from swarm.node.settings import model_spec
 
 pytestmark = pytest.mark.slow

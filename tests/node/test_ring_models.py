@@ -22,9 +22,9 @@ from typing import Any
 import pytest
 import torch
 
+from swarm import client
+from swarm.launch import start_local_swarm
 from swarm.model.weights import open_checkpoint
-from swarm.node import client
-from swarm.node.launch import start_local_swarm
 from swarm.node.settings import model_spec
 from swarm.testing.hf_checkpoints import write_family_checkpoint
 

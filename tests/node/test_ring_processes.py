@@ -12,12 +12,12 @@ import pytest
 import torch
 import trio
 
+from swarm import client
+from swarm.launch import start_local_swarm
 from swarm.model.drafters import NgramDrafter
 from swarm.model.generate import LocalModel, generate
 from swarm.model.sampling import SamplingParams
 from swarm.model.speculative import KPolicy
-from swarm.node import client
-from swarm.node.launch import start_local_swarm
 from swarm.testing.checkpoints import TinySpec, write_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -64,7 +64,7 @@ async def test_three_node_ring_matches_one_box(ckpt: Path) -> None:
 
 
 async def _until_probed(h, peer: str, members: set[str], timeout: float = 15.0) -> dict:  # type: ignore[no-untyped-def]
-    """The asked peer's view of the others once each RTT comes from a probe (swarm/node/probe.py)."""
+    """The asked peer's view of the others once each RTT comes from a probe (swarm/node/members/probe.py)."""
     with trio.fail_after(timeout):
         while True:
             st = await client.status(h, peer)

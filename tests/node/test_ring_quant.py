@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from swarm import client
+from swarm.launch import start_local_swarm
 from swarm.model.bundled import default_model_dir
 from swarm.model.tokenizer import Tokenizer
-from swarm.node import client
-from swarm.node.launch import start_local_swarm
 
 pytestmark = pytest.mark.slow
 NEW = 24

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from swarm.node.report import STATUS_BUDGET, bounded
+from swarm.node.generation.report import STATUS_BUDGET, bounded
 from swarm.proto.text import clean, printable
 
 

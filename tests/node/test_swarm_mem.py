@@ -105,7 +105,7 @@ async def test_a_member_lost_is_replanned_after_the_short_settle_and_every_stage
     """Membership lost a member of the ring: the leader plans the next epoch LOSS_SETTLE_S after
     the end, not REPLAN_SETTLE_S (its view is already what the plan is made from); the run
     resumes on it, identical, every stage of the new ring having replayed its fed chunks."""
-    from swarm.node.leader import LOSS_SETTLE_S, REPLAN_SETTLE_S
+    from swarm.node.plan.leader import LOSS_SETTLE_S, REPLAN_SETTLE_S
 
     async with trio.open_nursery() as nursery:
         swarm = MemSwarm(MemNet(), ckpt, nursery, layers=[4, 4, 4, 4])
@@ -223,7 +223,7 @@ async def test_a_member_that_loses_its_neighbour_tells_the_leader_which_replans(
     stages breaks; only the ring sees it (the leader still hears everyone), so only the ring's
     members end the epoch. No new plan coming, they tell the leader after NUDGE_AFTER_S which
     epoch ended; the leader ends it too and re-plans; the generation resumes, unchanged."""
-    from swarm.node.epochs import hops
+    from swarm.node.plan.epochs import hops
 
     async with trio.open_nursery() as nursery:
         net = MemNet()

@@ -23,8 +23,8 @@ import trio
 
 from swarm.manifest.identity import Identity
 from swarm.net.host import open_host
-from swarm.node.gossip import MembershipService
-from swarm.node.membership import Membership
+from swarm.node.members.gossip import MembershipService
+from swarm.node.members.membership import Membership
 from swarm.proto import control as ctl
 from swarm.proto.limits import PROTO_ACT, PROTO_GEN, PROTO_RING
 from swarm.proto.messages import Message, parse_message

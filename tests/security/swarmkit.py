@@ -19,10 +19,10 @@ import pytest
 import torch
 import trio
 
+from swarm import client
+from swarm.launch import LocalSwarm, start_local_swarm
 from swarm.model.generate import LocalModel, generate
 from swarm.net.host import SwarmHost, open_host
-from swarm.node import client
-from swarm.node.launch import LocalSwarm, start_local_swarm
 from swarm.testing.checkpoints import TinySpec, write_checkpoint
 
 PROMPT = [5, 17, 99, 3, 42, 7, 5, 17, 99, 3, 42]

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import trio
 
+from swarm import client
 from swarm.manifest.identity import Identity
-from swarm.node import client
 from swarm.proto.limits import PROTO_CTL
 from swarm.proto.messages import Advert
 from swarm.proto.signed import sign_advert
@@ -82,8 +82,8 @@ async def test_made_up_adverts_never_lock_a_genuine_newcomer_out(live: LiveSwarm
     sends them to node 0, which passes them on. They never connect, so they stay unconfirmed: a
     genuine newcomer that then joins is in every node's view, and status still answers."""
     from swarm.net.host import open_host
-    from swarm.node.gossip import MembershipService
-    from swarm.node.membership import Membership
+    from swarm.node.members.gossip import MembershipService
+    from swarm.node.members.membership import Membership
 
     sw = live.swarm
     fakes = [Identity(os.urandom(32)) for _ in range(300)]

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from swarm.node import client
+from swarm import client
 from swarm.proto.admission import CLIENT, client_secret, member_key
 from swarm.proto.frame import DType, Frame, MsgType, encode_frame
 from swarm.proto.limits import PROTO_GEN

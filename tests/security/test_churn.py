@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import trio
 
-from swarm.node import client
-from swarm.node.launch import start_local_swarm
+from swarm import client
+from swarm.launch import start_local_swarm
 from swarm.proto import control as ctl
 
 from .rogue import identity_between, rogue_member

@@ -20,11 +20,11 @@ from typing import Any
 import pytest
 import trio
 
+from swarm import client
 from swarm.errors import AdmissionError, PeerError
 from swarm.manifest.identity import Identity
 from swarm.manifest.manifest import new_manifest, read_manifest, sign_manifest, write_manifest
 from swarm.manifest.schema import SwarmSecret
-from swarm.node import client
 from swarm.node.errors_util import first_leaf
 from swarm.proto import control as ctl
 from swarm.proto.admission import CLIENT, client_secret, member_key

@@ -12,7 +12,7 @@ import trio
 import trio.testing
 
 from swarm.net.streams import TrioStreamRaw, open_framed
-from swarm.node.heartbeat import Liveness, run_ctl_link
+from swarm.node.members.heartbeat import Liveness, run_ctl_link
 from swarm.proto.frame import Frame
 from swarm.proto.messages import Heartbeat, parse_message
 

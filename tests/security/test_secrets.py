@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from swarm import client
 from swarm.errors import AdmissionError
 from swarm.manifest.identity import Identity, IdentityError, load_identity
 from swarm.manifest.manifest import new_manifest, sign_manifest, write_manifest
-from swarm.node import client
 from swarm.proto.admission import client_secret
 
 from .swarmkit import LiveSwarm, assert_still_serving, honest_client, outsider

@@ -20,8 +20,8 @@ import sys
 import pytest
 import trio
 
+from swarm import client
 from swarm.manifest.identity import Identity
-from swarm.node import client
 from swarm.proto.limits import PROTO_CTL
 from swarm.proto.messages import Advert
 from swarm.proto.signed import sign_advert

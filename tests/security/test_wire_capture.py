@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import trio
 
+from swarm import client
 from swarm.errors import BadRequest
-from swarm.node import client
 from swarm.testing.netlab import missing_tools_reason
 
 from .swarmkit import MAX_NEW, PROMPT, LiveSwarm, honest_client

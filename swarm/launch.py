@@ -1,0 +1,247 @@
+"""Start a swarm of local node processes on loopback (the demo, multi-process tests, benchmarks).
+
+Each node is a real ``python -m swarm.node`` process with its own identity, libp2p host and
+torch threads; they find each other through node 0 (the bootstrap address) and form the ring
+through the real stack. Nothing multicasts: discovery is by the bootstrap address only.
+
+Memory: to show a ring on one machine, each node offers just over 1/N of the model (so the
+planner must use every node), unless ``memory_bytes`` says otherwise. WAN: with ``delay_ms``, a
+delaying proxy process sits in front of every node and each node advertises the proxy's port,
+so every hop costs ``delay_ms`` one way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from swarm.manifest.identity import Identity
+from swarm.manifest.manifest import new_manifest, sign_manifest, write_manifest
+from swarm.model.devices import resolve_device
+from swarm.model.dtypes import resolve_dtype
+from swarm.model.weights import open_checkpoint
+from swarm.node.compute.drafting import draft_bytes
+from swarm.node.settings import model_spec
+
+
+def free_ports(n: int) -> list[int]:
+    socks, ports = [], []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+        ports.append(s.getsockname()[1])
+    for s in socks:
+        s.close()
+    return ports
+
+
+@dataclass
+class LocalSwarm:
+    workdir: Path
+    swarm_id: str  # the invite is workdir / "invite.json"
+    secret: bytes
+    peer_ids: list[str]
+    addrs: list[str]  # dialable multiaddr of each node (through its proxy when delayed)
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    proxy: subprocess.Popen[bytes] | None = None
+    _base_cfg: dict[str, object] = field(default_factory=dict)
+    node_env: dict[int, dict[str, str]] = field(default_factory=dict)  # extra environment of node i (test hooks)
+    _tmp: tempfile.TemporaryDirectory[str] | None = None
+
+    def log(self, i: int) -> str:
+        return (self.workdir / f"node{i}.log").read_text(errors="replace")
+
+    def alive(self) -> list[bool]:
+        return [p.poll() is None for p in self.procs]
+
+    def kill(self, i: int, sig: int = signal.SIGKILL) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            self.procs[i].send_signal(sig)
+
+    def stop(self, grace: float = 5.0) -> None:
+        """SIGTERM every node (they leave cleanly), SIGKILL what is left after ``grace`` s."""
+        for p in self.procs:
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    p.send_signal(signal.SIGCONT)
+                    p.terminate()
+        deadline = time.monotonic() + grace
+        for p in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=5)
+        if self.proxy is not None and self.proxy.poll() is None:
+            self.proxy.kill()
+            self.proxy.wait(timeout=5)
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def restart(self, i: int) -> None:
+        """Start node ``i`` again from its settings file (same key, same port), as a user
+        restarts ``shard-swarm join`` after stopping it; the log goes on in the same file."""
+        self._spawn(i, json.loads((self.workdir / f"node{i}.json").read_text()), append_log=True)
+
+    def _spawn(self, i: int, cfg: dict[str, object], *, append_log: bool = False) -> None:
+        cfg_file = self.workdir / f"node{i}.json"
+        cfg_file.write_text(json.dumps(cfg, indent=2))
+        self._base_cfg = cfg
+        env = {**os.environ, "OMP_NUM_THREADS": str(cfg["threads"]), "PYTHONUNBUFFERED": "1", **self.node_env.get(i, {})}
+        fd = _log_file(self.workdir / f"node{i}.log", append=append_log)
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "swarm.node", str(cfg_file)],
+                stdout=subprocess.DEVNULL, stderr=fd, env=env, start_new_session=True,
+            )  # fmt: skip
+        finally:
+            os.close(fd)  # the child has its own copy
+        if i < len(self.procs):
+            self.procs[i] = proc
+        else:
+            self.procs.append(proc)
+
+    def add_node(self, memory_bytes: int | None = None) -> int:
+        """Start one more node (loopback, no delay proxy) that joins through node 0; its index."""
+        if self.proxy is not None:
+            raise ValueError("add_node does not support delayed swarms")
+        i = len(self.procs)
+        seed = os.urandom(32)
+        self.peer_ids.append(Identity(seed).peer_id)
+        listen, fast = free_ports(2)
+        self.addrs.append(f"/ip4/127.0.0.1/tcp/{listen}/p2p/{self.peer_ids[i]}")
+        seed_file = self.workdir / f"node{i}.seed"
+        _write_private(seed_file, seed.hex())
+        cfg = {
+            **self._base_cfg, "seed_file": str(seed_file), "listen": [f"/ip4/127.0.0.1/tcp/{listen}"],
+            "announce": [], "fastpath_port": fast, "fastpath_advertise": [f"127.0.0.1:{fast}"],
+        }  # fmt: skip
+        if memory_bytes is not None:
+            cfg["memory_bytes"] = memory_bytes
+        self._spawn(i, cfg)
+        return i
+
+    def __enter__(self) -> LocalSwarm:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def start_local_swarm(
+    n: int,
+    model_dir: Path,
+    *,
+    dtype: str | list[str] = "auto",
+    device: str = "auto",
+    threads: int = 1,
+    memory_bytes: list[int] | None = None,
+    delay_ms: float = 0.0,
+    draft: str = "ngram",
+    context_tokens: int = 1024,
+    chunk_timeout: float = 30.0,
+    fastpath: bool = True,
+    workdir: Path | None = None,
+    compute_delay_s: float = 0.0,
+    quant: str = "none",
+    device_names: list[str] | None = None,
+    node_env: dict[int, dict[str, str]] | None = None,
+) -> LocalSwarm:
+    """``n`` node processes (module doc); ``device_names``: what each node's advert calls its
+    machine (NodeSettings.device_name), e.g. a hostile name for the console's escaping test."""
+    if n < 1:
+        raise ValueError("a swarm needs at least one node")
+    tmp = None
+    if workdir is None:
+        tmp = tempfile.TemporaryDirectory(prefix="shard-swarm-")
+        workdir = Path(tmp.name)
+    workdir.mkdir(parents=True, exist_ok=True)
+    seeds = [os.urandom(32) for _ in range(n)]
+    peer_ids = [Identity(s).peer_id for s in seeds]
+    ports = free_ports(4 * n if delay_ms > 0 else 2 * n)
+    listen_ports, fast_ports = ports[:n], ports[n : 2 * n]
+    public_ports, fast_public = (ports[2 * n : 3 * n], ports[3 * n :]) if delay_ms > 0 else (listen_ports, fast_ports)
+    addrs = [f"/ip4/127.0.0.1/tcp/{public_ports[i]}/p2p/{peer_ids[i]}" for i in range(n)]
+    # an invite made on the spot: node 0 is the bootstrap, a throwaway issuer signs it
+    issuer = Identity(os.urandom(32))
+    manifest = sign_manifest(
+        new_manifest(swarm_name="demo", issuer=issuer.public_key, bootstrap=(addrs[0],), lifetime_s=86400,
+                     quant=quant, context=context_tokens),
+        issuer,
+    )
+    manifest_file = workdir / "invite.json"
+    write_manifest(manifest, manifest_file)
+    secret, swarm_id = manifest.secret.value, manifest.swarm_id
+    dtypes = [dtype] * n if isinstance(dtype, str) else list(dtype)  # a mixed ring: one per node
+    if len(dtypes) != n:
+        raise ValueError(f"{len(dtypes)} dtypes for {n} nodes")
+    if memory_bytes is None:
+        args = open_checkpoint(model_dir).args  # a directory or a .gguf
+        memory_bytes = []
+        for dt in dtypes:
+            spec = model_spec(args, resolve_dtype(dt, resolve_device(device)), context_tokens, quant)
+            per = math.ceil(args.n_layers / n) * spec.bytes_per_layer + spec.coordinator_bytes
+            per += draft_bytes(draft, args, resolve_dtype(dt, resolve_device(device)), context_tokens)
+            memory_bytes.append(int(per * 1.02))
+    swarm = LocalSwarm(workdir, swarm_id, secret, peer_ids, addrs, _tmp=tmp, node_env=dict(node_env or {}))
+    try:
+        if delay_ms > 0:
+            pairs = [f"{public_ports[i]}:{listen_ports[i]}" for i in range(n)]
+            pairs += [f"{fast_public[i]}:{fast_ports[i]}" for i in range(n)]
+            fd = _log_file(workdir / "proxy.log")
+            swarm.proxy = subprocess.Popen(
+                [sys.executable, "-m", "swarm.testing.delayproxy", str(delay_ms), *pairs],
+                stdout=subprocess.DEVNULL, stderr=fd,
+            )  # fmt: skip
+            os.close(fd)
+        for i in range(n):
+            seed_file = workdir / f"node{i}.seed"
+            _write_private(seed_file, seeds[i].hex())
+            cfg = {
+                "seed_file": str(seed_file),
+                "manifest": str(manifest_file),
+                "model_dir": str(model_dir),
+                "listen": [f"/ip4/127.0.0.1/tcp/{listen_ports[i]}"],
+                "announce": [addrs[i]] if delay_ms > 0 else [],
+                "fastpath": fastpath,
+                "fastpath_port": fast_ports[i],
+                "fastpath_advertise": [f"127.0.0.1:{fast_public[i]}"],
+                "memory_bytes": memory_bytes[i],
+                "dtype": dtypes[i],
+                "device": device,
+                "threads": threads,
+                "expect_peers": n,
+                "draft": draft,
+                "chunk_timeout": chunk_timeout,
+                "compute_delay_s": compute_delay_s,
+            }
+            if device_names is not None and device_names[i]:
+                cfg["device_name"] = device_names[i]
+            swarm._spawn(i, cfg)
+    except BaseException:
+        swarm.stop()
+        raise
+    return swarm
+
+
+def _log_file(path: Path, *, append: bool = False) -> int:
+    """A file descriptor for a child's stderr (the child keeps it; we close ours after Popen)."""
+    return os.open(path, os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC), 0o600)
+
+
+def _write_private(path: Path, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)

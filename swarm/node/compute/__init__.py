@@ -1,0 +1,10 @@
+"""What a node holds of the model, and the torch work around it (below every other plane).
+
+    runtime.py     the checkpoint, the loaded block/head/tokenizer, and ``Compute``: where torch
+                   work runs (a worker thread, or inline under a mock clock)
+    drafting.py    the coordinator's draft model (load, advert, auto's choice by measured cost) and
+                   drafting off the trio loop, ahead of the chunks in flight
+    headbatch.py   the coordinator's LM head, shared by the sessions whose results arrive together
+    memory.py      running out of memory: what it fails (a request, never the peer), its test hooks
+    fetching.py    a block's tensors fetched from the model's origin (or checked in place) before it loads
+"""

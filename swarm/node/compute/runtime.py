@@ -1,0 +1,159 @@
+"""What a node holds of the model: its checkpoint, the blocks and head it loaded, and where
+torch work runs.
+
+:class:`Compute` is the one place torch work is handed off: a worker thread behind one limiter
+per process (so the trio loop that answers heartbeats never waits on a forward), or inline on
+the trio thread for in-memory tests under a mock clock (a thread hand-off there would let the
+clock jump while the work runs). :class:`Models` loads a stage's block (kept across epochs while
+the block is unchanged), the coordinator's head and the tokenizer, each once, off the loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+import trio
+
+from swarm.errors import SwarmError
+from swarm.model import rows
+from swarm.model.config import ModelArgs
+from swarm.model.devices import synchronize
+from swarm.model.quant import quantize_block
+from swarm.model.stage import Head, Stage
+from swarm.model.tokenizer import Tokenizer
+from swarm.model.weights import Checkpoint, open_checkpoint
+from swarm.node.compute import memory
+from swarm.node.compute.drafting import DraftHolder
+from swarm.node.compute.fetching import BlockFetcher
+from swarm.node.notices import Notices
+from swarm.node.settings import NodeSettings, model_spec
+
+T = TypeVar("T")
+
+
+class Compute:
+    """Where torch work runs (see the module docstring). ``limiter`` is the process's one."""
+
+    def __init__(self, *, threads: bool = True) -> None:
+        self.limiter = trio.CapacityLimiter(1)
+        self.threads = threads
+
+    async def run(self, fn: Callable[..., T], *args: Any, limited: bool = True) -> T:
+        """``fn(*args)`` off the trio loop (``limited``: behind the process's compute limiter)."""
+        if not self.threads:
+            return fn(*args)
+        return await trio.to_thread.run_sync(fn, *args, limiter=self.limiter if limited else None)
+
+
+def measure_ms_per_layer(
+    args: ModelArgs, dtype: torch.dtype, device: str, *, repeats: int = 15, quant: str = "none"
+) -> float:
+    """Median time of one decoder layer on one token, with random weights of the model's shapes
+    (on an accelerator each pass is waited for, so the figure is the work, not its launch)."""
+    dev = torch.device(device)
+    stage = Stage(args, 0, 1, dtype=dtype, device=device)
+    stage = stage.to_empty(device=device).to(dtype)
+    with torch.no_grad():
+        for p in stage.parameters():
+            p.normal_(0.0, 0.02)
+    stage.requires_grad_(False)
+    quantize_block(stage, quant, dtype=dtype)
+    rows.prove(stage)  # which row counts a replay may merge (rows.py): proven here, off the re-plan's path
+    stage.open_session("probe", repeats + 2)
+    h = torch.randn(1, args.dim, dtype=dtype, device=device)
+    times = []
+    stage.forward("probe", h)  # warm-up: kernels chosen, caches allocated (not timed)
+    synchronize(dev)
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        stage.forward("probe", h)
+        synchronize(dev)
+        times.append(time.perf_counter() - t0)
+    stage.close_session("probe")
+    times.sort()
+    return 1000.0 * times[len(times) // 2]
+
+
+class Models:
+    """The checkpoint and what this node loaded of it (one block, the head, the tokenizer)."""
+
+    def __init__(self, settings: NodeSettings, compute: Compute, notices: Notices) -> None:
+        assert settings.model_dir is not None
+        self.settings = settings
+        self.compute = compute
+        self.notices = notices
+        self.ckpt: Checkpoint = open_checkpoint(settings.model_dir)
+        self.args = self.ckpt.args
+        self.dtype: torch.dtype = settings.dtype if settings.dtype is not None else torch.bfloat16
+        # the planner's view at 2 bytes a value whatever this node serves: the same on every peer
+        # of a mixed ring; an fp32 node advertises its memory in that unit (settings.plan_memory)
+        self.spec = model_spec(self.args, torch.bfloat16, settings.context_tokens, settings.quant)
+        self.tokenizer: Tokenizer | None = None
+        self.ms_per_layer = 0.0
+        self._stages: dict[tuple[int, int], Stage] = {}
+        self._head: Head | None = None
+        self.drafts = DraftHolder(settings.draft, threads=compute.threads)  # its draft model (drafting.py)
+        self.fetch = BlockFetcher(settings, compute, notices) if settings.fetch_dir is not None else None
+        # a block that did not fit: lower our offer (serving.py wires it to our advert); the new offer
+        self.on_cannot_load: Callable[[int, int], int] = lambda a, b: 0
+
+    @property
+    def context_tokens(self) -> int:
+        """The context this node serves: the swarm's (settings), at most the model's own."""
+        return min(self.settings.context_tokens, self.args.max_seq_len)
+
+    async def measure(self) -> float:
+        s = self.settings
+        self.ms_per_layer = await self.compute.run(
+            lambda: measure_ms_per_layer(self.args, self.dtype, s.device, quant=s.quant)
+        )
+        return self.ms_per_layer
+
+    async def stage(self, a: int, b: int) -> Stage:
+        """Layers [a, b): the block already held, or loaded (the old one freed first)."""
+        cached = self._stages.get((a, b))
+        if cached is not None:
+            return cached
+        self._stages.clear()  # free the old block before loading the new one
+        if self.fetch is not None:
+            await self.fetch.block(a, b)  # only what the cache does not hold yet moves
+        self.notices.event(f"loading layers [{a}, {b})")
+        self.notices.life("loading", layers=[a, b], done=False)
+        s = self.settings
+        t0 = trio.current_time()
+
+        def load() -> Stage:
+            memory.check_load(b - a)
+            return Stage.load(self.args, self.ckpt.source, a, b, dtype=self.dtype, device=s.device, quant=s.quant)
+
+        try:
+            stage = await self.compute.run(load)
+        except memory.OOM_ERRORS as exc:
+            memory.release(s.device)
+            offer = self.on_cannot_load(a, b)
+            self.notices.event(f"cannot load layers [{a}, {b}): {memory.describe(exc)}; now offering {memory.size(offer)}")
+            self.notices.life("loading", layers=[a, b], done=False, error=memory.describe(exc))
+            raise memory.CannotLoad(f"cannot load layers [{a}, {b}): {memory.describe(exc)}; "
+                                    f"this peer now offers {memory.size(offer)}") from None  # fmt: skip
+        self.notices.life("loading", layers=[a, b], done=True, seconds=round(trio.current_time() - t0, 3))
+        self._stages[(a, b)] = stage
+        return stage
+
+    async def head(self) -> Head:
+        if self._head is None:
+            s = self.settings
+            if self.fetch is not None:
+                await self.fetch.head()
+            self._head = await self.compute.run(
+                lambda: Head.load(self.args, self.ckpt.source, dtype=self.dtype, device=s.device)
+            )
+        return self._head
+
+    async def load_tokenizer(self) -> None:
+        if self.tokenizer is None and self.settings.model_dir is not None:
+            with contextlib.suppress(SwarmError):  # parsing tokenizer.json takes a while: off the loop
+                self.tokenizer = await self.compute.run(Tokenizer.load, self.settings.model_dir, limited=False)  # dir or .gguf

@@ -1,0 +1,279 @@
+"""An epoch's hops: opening the ones that leave this node, taking the ones that enter it, and
+running the stage worker and the coordinator's result reader on them.
+
+Theory of operation
+-------------------
+On ``connect`` a peer opens every hop that leaves it, in traversal order: hop 0 is the
+coordinator's send link, hop i + 1 is ring[i]'s downstream, the last hop enters the coordinator.
+A hop whose two ends are this peer is an in-process LocalLink; any other is a fast-path channel
+(direct sealed socket, or the libp2p stream when none can be opened) whose first frame is a
+``hop`` hello naming the epoch and hop index, checked against the plan by the receiver: only the
+hop's upstream peer may open it. On ``serve`` the coordinator waits for its result link and
+starts taking generations. ``connect`` and ``serve`` run once per epoch: a repeat is a no-op,
+never a second worker nor a replaced link.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import trio
+
+from swarm.errors import PeerTimeout, ProtocolError, SwarmError
+from swarm.node.compute.runtime import Models
+from swarm.node.hosting import Host
+from swarm.node.members.probe import echo_probe
+from swarm.node.notices import Notices
+from swarm.node.plan.epochs import Epoch, Epochs, hops
+from swarm.node.ring.capacity import MAX_SESSIONS, stage_capacity
+from swarm.node.ring.fastlink import FrameLink
+from swarm.node.ring.links import Link, LocalLink
+from swarm.node.ring.stage_worker import StageWorker
+from swarm.proto import control as ctl
+from swarm.proto.limits import PROTO_ACT
+from swarm.proto.messages import parse_message
+
+log = logging.getLogger("swarm.node")
+
+LINK_TIMEOUT_S = 20.0
+PUNCH_SETTLE_S = 8.0  # of the connect phase's LINK_TIMEOUT_S, spent at most on letting a hole punch finish
+HELLO_TIMEOUT_S = 20.0
+
+
+class Wiring:
+    """The hops of the current epoch at this node. ``report_fault(peer, why, epoch)`` tells the
+    leader about bad activations from our upstream; ``offered()`` is the memory we offer."""
+
+    def __init__(
+        self,
+        peer_id: str,
+        host: Host,
+        fastpath: Any,
+        epochs: Epochs,
+        models: Models,
+        notices: Notices,
+        nursery: trio.Nursery,
+        *,
+        report_fault: Callable[[str, str, int], Any],
+        offered: Callable[[], int],
+    ) -> None:
+        self.peer_id = peer_id
+        self.host = host
+        self.fastpath = fastpath
+        self.epochs = epochs
+        self.models = models
+        self.notices = notices
+        self.nursery = nursery
+        self.report_fault = report_fault
+        self.offered = offered
+        self.hop_paths: dict[int, str] = {}  # hop index -> "direct" | "libp2p" | "local", for status
+        self.corrupt = False  # fault injection (chaos tests, SIGUSR1 in python -m swarm.node)
+
+    # -- connect: the hops that leave us, and our stage worker --------------------------------
+
+    async def connect(self, epoch: int) -> dict[int, str]:
+        """Open every hop that leaves this node; start our stage worker; their path labels."""
+        ep = self.epochs.get(epoch)
+        if "connect" in ep.phases:
+            return self.labels(epoch)
+        ep.phases.add("connect")
+        with trio.move_on_after(PUNCH_SETTLE_S):  # a hop opened on a relayed connection dies when DCUtR replaces it
+            async with trio.open_nursery() as settling:
+                for src, dst in hops(ep.plan):
+                    if src == self.peer_id and dst != self.peer_id:
+                        settling.start_soon(functools.partial(self.host.settle_path, dst, timeout=PUNCH_SETTLE_S))
+        for i, (src, dst) in enumerate(hops(ep.plan)):
+            if src != self.peer_id:
+                continue
+            if dst == self.peer_id:
+                link = LocalLink(f"{self.peer_id[:8]} hop {i}")
+                self.hop_paths[i] = "local"
+                self._set_inbound(ep, i, link)
+                self._set_outbound(ep, i, link)
+            else:
+                ready = trio.Event()
+                failed: list[SwarmError] = []
+                self.nursery.start_soon(self._hold_outbound, ep, i, dst, ready, failed)
+                with trio.move_on_after(LINK_TIMEOUT_S):
+                    await ready.wait()
+                if failed:
+                    raise failed[0]
+                if not ready.is_set():
+                    raise PeerTimeout(f"hop {i} to {dst} (epoch {epoch}) not open within {LINK_TIMEOUT_S:.0f} s")
+        if ep.stage is not None:
+            self._start_worker(ep)
+        return self.labels(epoch)
+
+    def _start_worker(self, ep: Epoch) -> None:
+        assert ep.stage is not None
+        s, epoch = self.epochs.settings, ep.plan.epoch
+        idx = ep.plan.ring.index(self.peer_id)
+        upstream = ep.plan.ring[idx - 1] if idx > 0 else ep.plan.coordinator
+        nursery = self.nursery
+        ep.worker = StageWorker(
+            ep.stage, epoch=epoch, upstream=upstream, is_tail=idx == len(ep.plan.ring) - 1,
+            max_len=self.models.context_tokens, limiter=self.models.compute.limiter,
+            on_bad_input=lambda peer, why: nursery.start_soon(self.report_fault, peer, why, epoch),
+            compute_delay_s=s.compute_delay_s, max_sessions=self._stage_capacity(ep),
+            inline=not self.models.compute.threads,
+        )  # fmt: skip
+        if self.corrupt:
+            ep.worker.corrupt_after = 0
+        nursery.start_soon(self._run_worker, ep, idx)
+        if ep.coordinator is None:
+            self.notices.life("serving", epoch=epoch, role="stage")
+
+    def _stage_capacity(self, ep: Epoch) -> int:
+        """Sessions our block's KV caches fit in the memory we offered (capacity.py)."""
+        block = ep.plan.blocks[self.peer_id]
+        fits = stage_capacity(self.models.spec, self.offered(), block, coordinator=ep.plan.coordinator == self.peer_id)
+        return min(MAX_SESSIONS, max(self.epochs.settings.sessions, fits))
+
+    def _set_outbound(self, ep: Epoch, hop: int, link: Link) -> None:
+        """Hop 0 is the coordinator's send link; hop i + 1 is ring[i]'s downstream."""
+        if hop == 0 and ep.coordinator is not None:
+            ep.coordinator.attach(link)
+        if ep.stage is not None and hop == ep.plan.ring.index(self.peer_id) + 1:
+            ep.outbound = link
+
+    def _set_inbound(self, ep: Epoch, hop: int, link: Link) -> None:
+        ep.inbound[hop] = link
+        ep.wait_inbound(hop).set()
+
+    async def _hold_outbound(self, ep: Epoch, hop: int, dst: str, ready: trio.Event, failed: list[SwarmError]) -> None:
+        hello = ctl.Hop(ep.plan.epoch, hop).to_frame()
+        try:
+            if self.fastpath is not None:
+                link = FrameLink(await self.fastpath.dial(dst, timeout=LINK_TIMEOUT_S))
+                try:
+                    await link.send(hello, timeout=LINK_TIMEOUT_S)
+                    self.hop_paths[hop] = link.path
+                    self._set_outbound(ep, hop, link)
+                    ready.set()
+                    await ep.done.wait()
+                finally:
+                    with trio.CancelScope(shield=True), trio.move_on_after(2):
+                        await link.close()
+            else:
+                async with self.host.open_stream(dst, PROTO_ACT, timeout=LINK_TIMEOUT_S) as fs:
+                    await fs.send(hello)
+                    self.hop_paths[hop] = "libp2p"
+                    self._set_outbound(ep, hop, fs)
+                    ready.set()
+                    await ep.done.wait()
+        except SwarmError as exc:
+            log.warning("activation link to %s (epoch %d) ended: %s", dst, ep.plan.epoch, exc)
+            if not ready.is_set():  # the connect phase waiting for it fails now, not at its deadline
+                failed.append(exc)
+                ready.set()
+            self.epochs.end(f"link to {dst} failed: {exc}", only=ep)
+
+    # -- the hops that enter us ------------------------------------------------------------
+
+    async def accept_fast(self) -> None:
+        """Serve the fast path's inbound channels (each is one hop into this node)."""
+        assert self.fastpath is not None
+        async for channel in self.fastpath.incoming:
+            self.nursery.start_soon(self._serve_fast_act, FrameLink(channel))
+
+    async def _serve_fast_act(self, link: FrameLink) -> None:
+        try:
+            await self.serve_act(link.peer, link)
+        except SwarmError as exc:
+            log.warning("activation channel from %s: %s", link.peer, exc)
+        finally:
+            with trio.CancelScope(shield=True), trio.move_on_after(2):
+                await link.close()
+
+    async def serve_act(self, peer: str, fs: Link) -> None:
+        """``/shard-swarm/act/1`` (or a fast-path channel): one hop into this node, opened by its
+        upstream peer with a ``hop`` hello and held until the epoch ends; or a probe of the path
+        (a ``probe`` hello), echoed and closed."""
+        hello = parse_message(await fs.receive(timeout=HELLO_TIMEOUT_S))
+        if isinstance(hello, ctl.Probe):
+            await echo_probe(fs, peer, hello)  # a short channel that measures the path (probe.py)
+            return
+        if not isinstance(hello, ctl.Hop):
+            raise ProtocolError(f"peer {peer}: activation stream must start with a hop hello")
+        ep = self.epochs.get(hello.epoch)
+        path = hops(ep.plan)
+        if hello.hop >= len(path) or path[hello.hop] != (peer, self.peer_id):
+            raise ProtocolError(f"peer {peer} does not send hop {hello.hop} to {self.peer_id} in epoch {hello.epoch}")
+        self._set_inbound(ep, hello.hop, fs)
+        await ep.done.wait()
+
+    async def _run_worker(self, ep: Epoch, idx: int) -> None:
+        worker = ep.worker
+        assert worker is not None
+
+        async def run() -> None:
+            with trio.fail_after(LINK_TIMEOUT_S):
+                await ep.wait_inbound(idx).wait()
+                while ep.outbound is None:
+                    await trio.sleep(0.01)
+            await worker.serve(ep.inbound[idx], ep.outbound)
+
+        try:
+            await ep.until_done(run)
+        except (SwarmError, trio.TooSlowError) as exc:
+            self.epochs.end(f"stage worker: {exc}", only=ep)
+
+    def labels(self, epoch: int) -> dict[int, str]:
+        """How each hop leaving this node travels, for receipts and status: "local" (in this
+        process), "direct" (a direct socket or connection), "hole-punched" (a direct connection
+        DCUtR made from a relayed one) or "relayed via <relay>"."""
+        ep = self.epochs.get(epoch)
+        out: dict[int, str] = {}
+        for i, (src, dst) in enumerate(hops(ep.plan)):
+            if src != self.peer_id:
+                continue
+            kind = self.hop_paths.get(i, "")
+            out[i] = kind if kind in ("local", "direct") else self.host.path_label(dst)
+        return out
+
+    # -- serve: the coordinator takes generations ------------------------------------------
+
+    async def serve(self, epoch: int, hop_labels: dict[int, str]) -> None:
+        ep = self.epochs.get(epoch)
+        ep.hop_labels = dict(hop_labels)
+        if ep.coordinator is None:
+            raise ProtocolError(f"{self.peer_id} is not the coordinator of epoch {epoch}")
+        if "serve" in ep.phases:
+            return
+        ep.phases.add("serve")
+        with trio.move_on_after(LINK_TIMEOUT_S):
+            await ep.wait_inbound(len(ep.plan.ring)).wait()
+        if not ep.wait_inbound(len(ep.plan.ring)).is_set():
+            raise PeerTimeout(f"the result link of epoch {epoch} did not open within {LINK_TIMEOUT_S:.0f} s")
+        self.nursery.start_soon(self._run_results, ep, ep.plan.ring[-1])
+        ep.serving.set()
+        self.notices.event(f"serving epoch {epoch}: ring ready")
+        self.notices.life("serving", epoch=epoch, role="coordinator")
+
+    async def _run_results(self, ep: Epoch, tail: str) -> None:
+        coord = ep.coordinator
+        assert coord is not None
+        try:
+            await ep.until_done(lambda: coord.serve_results(ep.inbound[len(ep.plan.ring)], tail_peer=tail))
+        except SwarmError as exc:
+            self.epochs.end(f"result link: {exc}", only=ep)
+
+    def start_swallowing(self) -> None:
+        """Fault injection: this epoch's stage drops every frame it reads and the node stays up,
+        answering heartbeats (a hop whose stream died silently, as a relayed one can). A new
+        epoch's stage serves normally."""
+        self.notices.notice("fault injection: this node's stage drops what it receives in this epoch")
+        ep = self.epochs.current
+        if ep is not None and ep.worker is not None:
+            ep.worker.swallow = True
+
+    def start_corrupting(self) -> None:
+        """Fault injection for chaos tests: from now on our stage's outputs are NaN."""
+        self.notices.notice("fault injection: this node now sends NaN activations")
+        self.corrupt = True
+        ep = self.epochs.current
+        if ep is not None and ep.worker is not None:
+            ep.worker.corrupt_after = 0

@@ -1,0 +1,117 @@
+"""Capacity: how many sessions a ring holds at once, and the queue in front of it.
+
+Theory of operation
+-------------------
+Each stage preallocates a session's KV cache at the context length (kvcache.py), so what a stage
+can hold is explicit: (the memory its peer offered - its block's weights - the head if it is
+also the coordinator) // (its block's KV bytes for one session at the context length). The
+planner reserves one session's KV per layer (planner/spec.py), so every planned stage holds at
+least one. The ring holds the least of its stages (capped at MAX_SESSIONS, the stage worker's
+own bound). A node also always holds at least ``NodeSettings.sessions`` (default
+MIN_SESSIONS): the KV of that many sessions comes on top of the memory it offered for layers
+(the planner reserves one; a local demo offers just enough for its block), so a swarm whose
+offers are tight still serves several users at once; status ``capacity`` shows both figures.
+
+The coordinator admits that many generations at once (:class:`SlotQueue`); the next ones wait in
+a FIFO queue, each told its place in a one-line notice, up to MAX_QUEUED; past that a request is
+refused at once with :class:`Busy` (the API answers 429 with ``Retry-After``), never by running a
+stage out of memory. A slot is held from a generation's start to its end, across re-plans.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Mapping
+
+import trio
+
+from swarm.errors import Busy
+from swarm.planner import ModelSpec, Plan
+
+MAX_SESSIONS = 64  # a stage never holds more (stage_worker.StageWorker.max_sessions)
+MIN_SESSIONS = 8  # ... and always at least this many (NodeSettings.sessions), KV on top of --memory
+MAX_QUEUED = 32  # generations waiting for a slot at one coordinator
+RETRY_AFTER_S = 5
+
+
+def stage_capacity(spec: ModelSpec, memory_bytes: int, block: tuple[int, int], *, coordinator: bool) -> int:
+    """Sessions a peer offering ``memory_bytes`` holds with layers ``block`` at the spec's context."""
+    layers = block[1] - block[0]
+    per_session = layers * spec.kv_bytes_per_token_per_layer * spec.context_tokens
+    free = memory_bytes - layers * spec.layer_bytes - (spec.coordinator_bytes if coordinator else 0)
+    if per_session <= 0:
+        return MAX_SESSIONS
+    return max(1, min(MAX_SESSIONS, free // per_session))
+
+
+def ring_capacity(spec: ModelSpec, plan: Plan, memory: Mapping[str, int]) -> int:
+    """Sessions the whole ring holds at once: the least of its stages (unknown memory: one)."""
+    caps = [
+        stage_capacity(spec, memory[p], block, coordinator=p == plan.coordinator) if memory.get(p) else 1
+        for p, block in plan.blocks.items()
+    ]
+    return min(caps, default=1)
+
+
+class SlotQueue:
+    """At most ``capacity`` generations at once, a FIFO queue of ``max_queued`` behind them."""
+
+    def __init__(self, capacity: int = 1, *, max_queued: int = MAX_QUEUED) -> None:
+        self.capacity = max(1, capacity)
+        self.max_queued = max_queued
+        self.active = 0
+        self._queue: deque[trio.Event] = deque()
+
+    @property
+    def queued(self) -> int:
+        """Generations waiting for a slot."""
+        return len(self._queue)
+
+    def set_capacity(self, capacity: int) -> None:
+        self.capacity = max(1, capacity)
+        self._wake()
+
+    def _wake(self) -> None:
+        for ev in list(self._queue)[: max(0, self.capacity - self.active)]:
+            ev.set()
+
+    async def enter(self, notify: Callable[[str], None] = lambda text: None) -> None:
+        """Take a slot, waiting in the queue if every slot is taken; Busy when the queue is full."""
+        if self.active < self.capacity and not self._queue:
+            self.active += 1
+            return
+        if len(self._queue) >= self.max_queued:
+            raise Busy(
+                f"the swarm is busy: {self.active} generations run (the ring's KV memory holds {self.capacity} "
+                f"at a time) and {len(self._queue)} wait; retry in {RETRY_AFTER_S} s",
+                RETRY_AFTER_S,
+            )
+        ev = trio.Event()
+        self._queue.append(ev)
+        notify(
+            f"queued: the ring holds {self.capacity} generations at a time (its KV memory at the context "
+            f"length) and {self.active} run; {len(self._queue) - 1} wait ahead of this one"
+        )
+        try:
+            while not (ev.is_set() and self.active < self.capacity):
+                ev = self._requeue(ev)
+                await ev.wait()
+        except BaseException:
+            if ev in self._queue:
+                self._queue.remove(ev)
+            self._wake()
+            raise
+        self._queue.remove(ev)
+        self.active += 1
+
+    def _requeue(self, ev: trio.Event) -> trio.Event:
+        """A woken waiter that found no slot waits again, keeping its place."""
+        if not ev.is_set():
+            return ev
+        fresh = trio.Event()
+        self._queue[self._queue.index(ev)] = fresh
+        return fresh
+
+    def leave(self) -> None:
+        self.active = max(0, self.active - 1)
+        self._wake()

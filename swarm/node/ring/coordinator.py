@@ -1,0 +1,414 @@
+"""The coordinator's side of the ring: embed, send verify chunks, take results, commit tokens.
+
+Theory of operation
+-------------------
+The coordinator holds the embedding, the final norm and LM head, and (optionally) a drafter
+(drafting.py: a draft model runs off this loop, and each chunk is sent as soon as it is drafted). For
+each generation it runs a ``SpeculativeDecoder`` (swarm/model/speculative.py), the same sans-IO
+state machine the in-process reference uses, and pumps it over two links: ``first`` (to ring[0])
+and the result link from the tail, read by one reader task that dispatches RESULT/ERROR frames to
+the session they belong to.
+
+Schedule (this is what makes the ring exactly reproducible): the decoder is polled once at the
+start and once after every result received, live or stale, and chunks are sent in the order
+polled. Results come back in send order (every hop is FIFO), so the sequence of chunks issued
+depends only on the results, never on timing; ``swarm.model.generate`` drives the decoder with
+the same rule, so the ring and one box compute the same chunks, hence the same numbers.
+
+Several chunks may be in flight (the decoder's depth policy). A rejection discards later chunks:
+stages still compute them, and their results are skipped here (no LM head work). An ERROR from
+any stage or a lost link fails the generation with an error naming the peer, and the session is
+closed on every stage.
+
+Slow is not gone. Each wait for a result has a deadline (``chunk_timeout``), but a ring that
+keeps delivering results, to any session, within that deadline is busy, not broken: the wait
+goes on (a session queued behind seven others on a loaded ring may wait longer than one chunk's
+deadline), up to SLOW_WAIT_FACTOR deadlines. Only a ring silent for a whole deadline times out.
+
+Before its first decode chunk is polled (the prompt's prefill is out, the first result is in),
+a run's ``before_decode`` hears how many other generations share the ring: a default prompt
+lookup stands down then (drafting.py: sharing the ring).
+
+The LM head is batched across sessions whose results arrive together (headbatch.py), and runs
+off the trio loop unless predicted quick, so the loop answering heartbeats is never held long by
+compute; the receipt counts ``shared_head_calls``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import trio
+
+from swarm.errors import (
+    ContextTooLong,
+    FaultyPeer,
+    PeerError,
+    PeerLost,
+    PeerTimeout,
+    ProtocolError,
+    RequestRefused,
+    SwarmError,
+    UsageError,
+)
+from swarm.model.generate import output_sha256
+from swarm.model.sampling import SamplingParams
+from swarm.model.speculative import Committed, DraftSource, KPolicy, SpeculativeDecoder, VerifyChunk
+from swarm.model.stage import Head
+from swarm.node.compute import drafting, memory
+from swarm.node.compute.headbatch import SharedHead
+from swarm.node.ring.codec import REPLAY_ID_BASE, hidden_chunk, read_hidden
+from swarm.node.ring.links import Link
+from swarm.proto.activation import Error, Result, SessionEnd
+from swarm.proto.frame import Frame
+from swarm.proto.limits import DEFAULT_LIMITS, Limits
+from swarm.proto.messages import parse_message
+
+log = logging.getLogger("swarm.node.ring.coordinator")
+
+DEFAULT_CHUNK_TIMEOUT_S = 30.0
+SEND_TIMEOUT_S = 10.0
+# a stage's ERROR codes that fail only the request they name (no re-plan, no blame)
+REQUEST_ERRORS: dict[str, type[SwarmError]] = {"context_exceeded": ContextTooLong, "out_of_memory": RequestRefused}
+SLOW_WAIT_FACTOR = 10  # a busy ring (results flowing to other sessions) is waited for this many deadlines
+
+
+@dataclass
+class RingGeneration:
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    finish_reason: str
+    prefill_s: float
+    decode_s: float
+    rounds: int
+    proposed: int
+    accepted: int
+    chunks: list[tuple[int, int]] = field(default_factory=list)  # (base, tokens) sent, in order
+    shared_head_calls: int = 0  # LM head calls computed together with other sessions' rows
+    traversal_ms: list[float] = field(default_factory=list)  # send -> result, per live chunk
+
+    @property
+    def tokens_per_s(self) -> float:
+        total = self.prefill_s + self.decode_s
+        return len(self.output_token_ids) / total if total > 0 else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        n = max(len(self.output_token_ids) - 1, 0)
+        return n / self.decode_s if self.decode_s > 0 else 0.0
+
+    @property
+    def accepted_per_round(self) -> float | None:
+        return self.accepted / self.rounds if self.rounds else None
+
+    @property
+    def tokens_per_traversal(self) -> float | None:
+        """Committed tokens per live decode chunk (1.0 without drafting)."""
+        n = len([c for c in self.chunks if c[1] > 0]) - self._prefill_chunks
+        return len(self.output_token_ids) / n if n > 0 else None
+
+    _prefill_chunks: int = 0
+
+    @property
+    def output_sha256(self) -> str:
+        return output_sha256(self.output_token_ids)
+
+
+
+@dataclass
+class RingRun:
+    """One generation's state across rings: the decoder, what it fed, its timing."""
+
+    decoder: SpeculativeDecoder
+    gen: RingGeneration
+    on_tokens: Callable[[Sequence[int]], None] | None = None
+    on_progress: Callable[[int, int], None] | None = None  # (prompt tokens prefilled, prompt length)
+    fed_log: list[VerifyChunk] = field(default_factory=list)  # live chunks fed, in order
+    draft_limiter: trio.CapacityLimiter | None = None  # a model drafter's forwards (drafting.py)
+    # called once, with the number of other generations on the ring, when the prompt's prefill is
+    # out and before any decode chunk is polled (it may change the drafter: drafting.py, sharing)
+    before_decode: Callable[[int], None] | None = None
+    t0: float | None = None
+    t_first: float | None = None
+    t_last: float | None = None
+
+
+class Coordinator:
+    """Serves generations over one ring (one plan epoch)."""
+
+    _session_ids = itertools.count(1)
+
+    def __init__(
+        self,
+        head: Head,
+        *,
+        epoch: int,
+        first_hop: str,
+        chunk_timeout: float = DEFAULT_CHUNK_TIMEOUT_S,
+        limiter: trio.CapacityLimiter | None = None,
+        limits: Limits = DEFAULT_LIMITS,
+        compute_delay_s: float = 0.0,
+        inline: bool = False,
+        max_len: int | None = None,
+    ) -> None:
+        self.head = head
+        self.max_len = max_len  # the swarm's context (None: the model's own)
+        self.args = head.args
+        self.epoch = epoch
+        self.first_hop = first_hop
+        self.chunk_timeout = chunk_timeout
+        self.limiter = limiter or trio.CapacityLimiter(1)
+        self.limits = limits
+        self.dtype = next(head.parameters()).dtype
+        self._sessions: dict[int, trio.MemorySendChannel[Frame | SwarmError]] = {}
+        self._send_lock = trio.Lock()
+        self._first: Link | None = None
+        self._tail_peer = "?"
+        self._broken: SwarmError | None = None
+        self._last_result = -math.inf  # trio time the tail last delivered anything
+        self.inline = inline  # head calls and drafting on the trio thread (in-memory tests on a mock clock)
+        self.shared_head = SharedHead(
+            head, limiter=self.limiter, live=self._sessions.keys, compute_delay_s=compute_delay_s, inline=inline
+        )  # the LM head, batched across sessions (headbatch.py)
+
+    # -- the result reader -----------------------------------------------------------------
+
+    async def serve_results(self, inbound: Link, *, tail_peer: str) -> None:
+        """Read RESULT/ERROR frames from the tail and hand them to their sessions."""
+        self._tail_peer = tail_peer
+        try:
+            while True:
+                try:
+                    frame = await inbound.receive(timeout=5.0)
+                except PeerTimeout:
+                    continue
+                self._last_result = trio.current_time()
+                self.shared_head.note_result(frame.session)
+                chan = self._sessions.get(frame.session)
+                if chan is not None:  # else a session that already ended (its discarded chunks drain here)
+                    with contextlib.suppress(trio.WouldBlock):  # unbounded buffer: never blocks
+                        chan.send_nowait(frame)
+                await trio.lowlevel.checkpoint()  # the fast path's hot receive never yields
+        except PeerLost as exc:
+            self._fail_all(PeerLost(f"tail {tail_peer}: result link closed ({exc})"))
+            raise
+
+    def _fail_all(self, exc: SwarmError) -> None:
+        self._broken = exc
+        for chan in self._sessions.values():
+            with contextlib.suppress(trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+                chan.send_nowait(exc)
+
+    def attach(self, first: Link) -> None:
+        self._first = first
+
+    # -- one generation -------------------------------------------------------------------
+
+    def new_run(
+        self,
+        prompt_ids: Sequence[int],
+        *,
+        params: SamplingParams | None = None,
+        max_new_tokens: int = 64,
+        drafter: DraftSource | None = None,
+        policy: KPolicy | None = None,
+        eos_token_ids: Sequence[int] | None = None,
+        prefill_chunk: int | None = None,
+        on_tokens: Callable[[Sequence[int]], None] | None = None,
+    ) -> RingRun:
+        """The state of one generation; it outlives the epoch it started in (see drive)."""
+        params = params or SamplingParams()
+        prompt = [int(t) for t in prompt_ids]
+        bad = [t for t in prompt if not 0 <= t < self.args.vocab_size]
+        if bad:
+            raise UsageError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.args.vocab_size})")
+        eos = self.args.eos_token_ids if eos_token_ids is None else tuple(eos_token_ids)
+        kw = {} if prefill_chunk is None else {"prefill_chunk": prefill_chunk}
+        dec = SpeculativeDecoder(
+            prompt, params=params, max_new_tokens=max_new_tokens, eos_token_ids=eos,
+            drafter=drafter, policy=policy, max_len=self.max_len or self.args.max_seq_len, **kw,
+        )  # fmt: skip
+        return RingRun(dec, RingGeneration(prompt, [], "length", 0.0, 0.0, 0, 0, 0), on_tokens)
+
+    async def generate(self, prompt_ids: Sequence[int], **kw: Any) -> RingGeneration:
+        """One generation on this ring from start to end (no recovery: see drive)."""
+        return await self.drive(self.new_run(prompt_ids, **kw))
+
+    async def drive(self, run: RingRun) -> RingGeneration:
+        """Run ``run`` on this ring until it finishes, or raise when the ring fails.
+
+        A run that already made progress on an earlier ring resumes exactly: the chunks it fed
+        before are replayed first, with the same shapes in the same order, so every stage's cache
+        holds bit-for-bit what it held before (results ignored), then the chunks that were in
+        flight are sent again, then decoding goes on. Tokens are never lost or repeated: only
+        fed results commit tokens, and each chunk is fed once.
+        """
+        if self._first is None:
+            raise UsageError("coordinator has no ring attached")
+        if self._broken is not None:
+            raise self._broken
+        dec, gen = run.decoder, run.gen
+        session = next(self._session_ids)
+        send_chan, recv_chan = trio.open_memory_channel[Frame | SwarmError](math.inf)
+        self._sessions[session] = send_chan
+        sent: dict[int, tuple[VerifyChunk | None, float]] = {}
+        if run.t0 is None:
+            run.t0 = time.perf_counter()
+        try:
+            if run.fed_log:
+                await self._replay(run.fed_log, session, sent)
+            if dec.inflight:  # the chunks in flight when the last ring failed: sent again
+                await self._send(list(dec.inflight), session, sent, gen, dec)
+            else:
+                await self._issue(run, session, sent)
+            if gen._prefill_chunks == 0:
+                gen._prefill_chunks = len(gen.chunks)
+            while not dec.done:
+                if not sent:
+                    raise AssertionError("speculative decoder idle with nothing in flight")
+                chunk_id, h = await drafting.drafting_ahead(  # the draft model works while we wait
+                    dec, self._draft_limiter(run), lambda: self._next_result(recv_chan, session)
+                )
+                entry = sent.pop(chunk_id, None)
+                if entry is None:
+                    raise ProtocolError(f"tail {self._tail_peer}: result for unknown chunk {chunk_id}")
+                chunk, t_sent = entry
+                if chunk is None:
+                    continue  # a replayed chunk: it only rebuilt the caches
+                if dec.is_live(chunk_id):
+                    gen.traversal_ms.append(1000 * (time.perf_counter() - t_sent))
+                    rows = h[chunk.logits_from:]
+                    if rows.shape[0]:
+                        try:
+                            logits, shared = await self.shared_head.logits(rows, session)
+                        except memory.OOM_ERRORS as exc:  # this request fails alone (node/compute/memory.py)
+                            memory.release(str(rows.device))
+                            raise RequestRefused(f"the coordinator's LM head: {memory.describe(exc)}") from None
+                        gen.shared_head_calls += shared
+                    else:
+                        logits = torch.empty(0, self.args.vocab_size)
+                    run.fed_log.append(chunk)
+                    if chunk.prefill and run.on_progress is not None:
+                        run.on_progress(chunk.base + len(chunk.tokens), dec.prompt_len)
+                    for ev in dec.feed(chunk_id, logits):
+                        if isinstance(ev, Committed):
+                            run.t_last = time.perf_counter()
+                            if run.t_first is None:
+                                run.t_first = run.t_last
+                            if run.on_tokens is not None:
+                                run.on_tokens(ev.tokens)
+                if not dec.done:
+                    await self._issue(run, session, sent)
+        finally:
+            del self._sessions[session]
+            self.shared_head.forget(session)
+            with trio.move_on_after(SEND_TIMEOUT_S) as scope:
+                scope.shield = True
+                try:
+                    async with self._send_lock:
+                        await self._first.send(SessionEnd(session).to_frame(), timeout=SEND_TIMEOUT_S)
+                except SwarmError as exc:
+                    log.info("session %d: could not send SESSION_END: %s", session, exc)
+        t_end = time.perf_counter()
+        t_first = run.t_first if run.t_first is not None else t_end
+        st = dec.stats
+        gen.output_token_ids = dec.output_ids
+        gen.finish_reason = dec.finish_reason or "length"
+        gen.prefill_s, gen.decode_s = t_first - run.t0, t_end - t_first
+        gen.rounds, gen.proposed, gen.accepted = st.rounds, st.proposed, st.accepted
+        return gen
+
+    def _draft_limiter(self, run: RingRun) -> trio.CapacityLimiter | None:
+        """Where a drafter's work runs: a worker thread behind this limiter; None: inline."""
+        return None if self.inline else (run.draft_limiter or self.limiter)
+
+    async def _issue(self, run: RingRun, session: int, sent: dict[int, tuple[VerifyChunk | None, float]]) -> None:
+        """The decoder's next chunks, each sent as soon as it exists (a model drafter drafts off
+        this loop, drafting.py); the same chunks a plain poll() gives, in the same order."""
+        dec = run.decoder
+        if run.before_decode is not None and dec.stats.chunks and not dec.stats.decode_chunks:
+            hook, run.before_decode = run.before_decode, None  # once: the prefill is out, no decode chunk yet
+            hook(len(self._sessions) - 1)
+        send = lambda c: self._send([c], session, sent, run.gen, run.decoder)  # noqa: E731
+        await drafting.issue(run.decoder, send, self._draft_limiter(run))
+
+    async def _replay(self, chunks: list[VerifyChunk], session: int, sent: dict[int, tuple[VerifyChunk | None, float]]) -> None:
+        assert self._first is not None
+        for i, chunk in enumerate(chunks):
+            ids = torch.tensor(chunk.tokens, dtype=torch.long)
+            h = self.head.embed(ids)
+            cid = REPLAY_ID_BASE + i
+            sent[cid] = (None, time.perf_counter())
+            frame = hidden_chunk(session, cid, chunk.base, "prefill", h, self.epoch).to_frame()
+            async with self._send_lock:
+                await self._first.send(frame, timeout=SEND_TIMEOUT_S)
+
+    async def _send(
+        self,
+        chunks: list[VerifyChunk],
+        session: int,
+        sent: dict[int, tuple[VerifyChunk | None, float]],
+        gen: RingGeneration,
+        dec: SpeculativeDecoder,
+    ) -> None:
+        assert self._first is not None
+        for chunk in chunks:
+            ids = torch.tensor(chunk.tokens, dtype=torch.long)
+            h = self.head.embed(ids)  # (T, D): a table lookup, cheaper than a thread hand-off
+            mode = "prefill" if chunk.prefill else ("verify" if len(chunk.tokens) > 1 else "decode")
+            frame = hidden_chunk(session, chunk.chunk_id, chunk.base, mode, h, self.epoch).to_frame()
+            sent[chunk.chunk_id] = (chunk, time.perf_counter())
+            gen.chunks.append((chunk.base, len(chunk.tokens)))
+            async with self._send_lock:
+                await self._first.send(frame, timeout=SEND_TIMEOUT_S)
+
+    async def _receive(self, chan: trio.MemoryReceiveChannel[Frame | SwarmError], session: int) -> Frame | SwarmError:
+        """The session's next result, waiting while the ring is busy (module doc: slow is not gone)."""
+        start = trio.current_time()
+        while True:
+            with trio.move_on_after(self.chunk_timeout):
+                return await chan.receive()
+            now = trio.current_time()
+            busy = now - self._last_result < self.chunk_timeout
+            if not busy or now - start >= SLOW_WAIT_FACTOR * self.chunk_timeout:
+                what = (
+                    f"the ring is busy but sent nothing for this session within {now - start:.0f} s"
+                    if busy else f"no result from the ring within {self.chunk_timeout:.0f} s"
+                )
+                raise PeerTimeout(
+                    f"session {session}: {what} (first hop {self.first_hop}, tail {self._tail_peer})"
+                )
+            log.info("session %d: the ring is busy: still waiting for a result after %.0f s", session, now - start)
+
+    async def _next_result(
+        self, chan: trio.MemoryReceiveChannel[Frame | SwarmError], session: int
+    ) -> tuple[int, torch.Tensor]:
+        item = await self._receive(chan, session)
+        if isinstance(item, SwarmError):
+            raise item
+        msg = parse_message(item, self.limits)
+        if isinstance(msg, Error):
+            text = f"ring error on session {session} chunk {msg.chunk_id}: {msg.code}: {msg.message}"
+            if msg.code in REQUEST_ERRORS:  # this request alone fails: the ring is sound, nobody is to blame
+                raise REQUEST_ERRORS[msg.code](text)
+            # an ERROR's "upstream=<id>" is a claim relayed by the ring, which any stage on
+            # the way could forge: no blame here (the observing stage reports its upstream
+            # to the leader itself, see authority.py); the run waits for the re-plan
+            raise PeerError(text)
+        if not isinstance(msg, Result) or msg.kind != "hidden":
+            raise ProtocolError(f"tail {self._tail_peer}: expected RESULT(hidden), got {msg!r}")
+        if msg.epoch != self.epoch:
+            raise ProtocolError(f"tail {self._tail_peer}: result for epoch {msg.epoch}, serving {self.epoch}")
+        try:
+            h = read_hidden(msg, dim=self.args.dim, expect=self.dtype, peer=self._tail_peer)
+        except ProtocolError as exc:
+            raise FaultyPeer(self._tail_peer, str(exc)) from None
+        return msg.chunk_id, h

@@ -1,0 +1,446 @@
+"""One stage of the ring: verify chunks in from upstream, through its layer block, out downstream.
+
+Theory of operation
+-------------------
+A stage worker owns one ``Stage`` (layers [start, end)) for one plan epoch and two links: the
+inbound one from the previous hop and the outbound one to the next (the tail's next hop is the
+coordinator). Two tasks share it:
+
+- the *reader* drains the inbound link into an unbounded queue as fast as frames come, so the
+  upstream peer never waits on our compute (its sends do not stall, a libp2p stream is never
+  left unread) and the trio loop stays free for heartbeats and control messages;
+- the *compute loop* takes a *batch* from the queue and runs it as one forward.
+
+Batches (continuous batching). Frames of one session must be handled in arrival order (every
+hop is FIFO, which is what makes speculative rollback simple); frames of different sessions are
+independent (each has its own KV cache and positions). So a batch takes, scanning the queue in
+order, at most one CHUNK per session: the first frame of each session not yet in the batch. A
+later frame of a session already in the batch waits for the next round, as does everything after
+it of that session. Control frames met on the way (SESSION_END, ROLLBACK, ERROR) are handled at
+once, being their session's next frame. Sessions therefore join and leave the batch between
+forwards, and a long prompt (prefilled in ``prefill_chunk`` pieces by the coordinator) takes one
+piece per round, so it never stalls the others' decoding by more than one piece's compute.
+Results go downstream in batch order; per session that is arrival order.
+
+Gathering (what keeps sessions in one batch): before a forward the worker may wait, bounded,
+for sessions on their way (gathering.py).
+
+Replay (after a re-plan the coordinator replays a run's fed chunks, coordinator.py): a session's
+consecutive queued replay chunks (ids from REPLAY_ID_BASE) are taken together and computed in one
+call (``Stage.forward_seq``: bit for bit the chunks one by one, layer by layer), with no gathering
+wait; their results go on in order. A group is at most as long as the session's replay so far
+here (1, 1, 2, 4, ... up to REPLAY_GROUP chunks), so the next stage gets its first chunk after
+one chunk's compute, not a whole group's, and the stages work in step (a pipeline).
+
+Per chunk (session, chunk id, base position ``pos``, T hidden states): the session's cache is
+first truncated to ``pos`` (this drops tokens the coordinator rejected after the previous chunk
+was sent), then the block runs, and the result goes downstream with the same header. A stage
+that holds fewer than ``pos`` positions cannot run the chunk (its context is missing): it reports
+an ERROR downstream instead. The first chunk of a session (``pos == 0``) opens its cache.
+SESSION_END frees the session's cache and travels on; ERROR and ROLLBACK travel on too, so
+whatever a stage reports reaches the coordinator through the tail.
+
+The tail sends RESULT(kind="hidden") frames: the coordinator holds the final norm and LM head, and
+D hidden values per token are far smaller than V logits.
+
+Liveness never waits on compute. A forward runs in a worker thread behind one limiter per
+process (``swarm.model.batched.forward_many``), except a batch predicted to take under
+INLINE_MAX_S, which runs on the trio thread (a thread hand-off costs 0.2 ms idle and several ms
+on a loaded box, more than such a forward); the prediction rises at once with any slower forward
+and decays slowly, and the loop checkpoints after every inline forward, so the trio loop is never
+held longer than about INLINE_MAX_S by compute (``swarm.node.loopwatch`` measures the longest
+hold; the fast-path sockets' hot path does not pass through the scheduler by itself). One
+session's small chunk alone in its batch runs inline up to LONE_INLINE_MAX_S: the same forward
+ran ~13% slower in a worker thread than in the thread that received it (bundled model, two
+stages: 26.8 and 21.4 ms in the nodes against 23.6 and 18.4 ms in plain processes on pipes,
+benchmarks/pipeline_floor.py), and one session alone is the ring's latency-bound case (LAN
+ring ÷ one process 0.81 -> 0.86, one API session 15.8 -> 17.8 tok/s, concurrent sessions' total
+unchanged). A loop held 50 ms is 2% of the failure detector's patience.
+
+Bad input from the upstream peer (a malformed frame, a NaN activation, a wrong shape or epoch)
+never reaches the model: the chunk is answered with an ERROR naming the peer and the field, and
+the worker keeps serving the other sessions.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import trio
+
+from swarm.errors import PeerLost, PeerTimeout, ProtocolError, SwarmError
+from swarm.model.batched import forward_many
+from swarm.model.stage import Stage
+from swarm.node.compute import memory
+from swarm.node.errors_util import unwrap
+from swarm.node.ring.codec import (
+    Encoded,
+    encode_hidden,
+    hidden_chunk,
+    hidden_result,
+    is_replay,
+    read_hidden,
+)
+from swarm.node.ring.gathering import Gatherer, GatherStats, drain
+from swarm.node.ring.links import Link
+from swarm.proto.activation import Chunk, Error, Result, Rollback, SessionEnd
+from swarm.proto.frame import Frame, MsgType
+from swarm.proto.limits import DEFAULT_LIMITS, Limits
+from swarm.proto.messages import parse_message
+
+log = logging.getLogger("swarm.node.stage")
+
+INLINE_MAX_S = 0.005  # a batch predicted to compute in less runs on the trio thread (see above)
+LONE_INLINE_MAX_S = 0.05  # ... and one session's small chunk predicted to compute in less (see above)
+MAX_BATCH = 16  # sessions in one forward
+MAX_BATCH_TOKENS = 512  # tokens in one forward (a prefill piece is 64 by default)
+REPLAY_GROUP = 16  # the most replay chunks of a session computed in one call (module doc: replay)
+IDLE_POLL_S = 5.0  # an idle inbound link is fine; we only wake to notice cancellation
+SEND_TIMEOUT_S = 10.0
+
+
+@dataclass
+class StageStats(GatherStats):
+    chunks: int = 0
+    tokens: int = 0
+    errors: int = 0
+    compute_s: float = 0.0
+    batches: int = 0
+    max_batch: int = 0  # the most sessions computed in one forward
+    batched_chunks: int = 0  # chunks that shared a forward with another session's
+    sizes: list[int] = field(default_factory=list)  # sizes[k]: forwards of k + 1 sessions
+    replayed: int = 0  # replay chunks computed (module doc: replay)
+    replay_groups: int = 0  # ... in this many calls
+
+
+class StageWorker:
+    def __init__(
+        self,
+        stage: Stage,
+        *,
+        epoch: int,
+        upstream: str,
+        is_tail: bool,
+        max_sessions: int = 64,
+        max_len: int | None = None,
+        limiter: trio.CapacityLimiter | None = None,
+        limits: Limits = DEFAULT_LIMITS,
+        on_bad_input: Callable[[str, str], None] | None = None,
+        compute_delay_s: float = 0.0,
+        max_batch: int = MAX_BATCH,
+        inline: bool = False,
+    ) -> None:
+        self.stage = stage
+        self.epoch = epoch
+        self.upstream = upstream
+        self.is_tail = is_tail
+        self.max_sessions = max_sessions
+        self.max_len = max_len or stage.args.max_seq_len
+        self.limiter = limiter or trio.CapacityLimiter(1)
+        self.limits = limits
+        # bad activations are reported to the leader by us, the receiving end of the hop: an
+        # in-band ERROR naming a peer is only a claim that any stage on the way could forge
+        self.on_bad_input = on_bad_input
+        self._reported = False
+        self.dtype = next(stage.parameters()).dtype
+        self.stats = StageStats()
+        self.max_batch = max(1, max_batch)
+        self._predict_s = math.inf  # a small batch's forward time: rises at once, decays slowly
+        self.corrupt_after: int | None = None  # fault injection for chaos tests: NaN after N chunks
+        self.swallow = False  # fault injection: drop every frame read (a hop that silently stopped)
+        # fault injection for load tests: every forward blocks this much longer (a blocking sleep
+        # inside the compute, as a busy box's compute does), wherever the forward runs
+        self.compute_delay_s = compute_delay_s
+        self.inline = inline  # every forward on the trio thread (in-memory tests on a mock clock)
+        self._pending: deque[Frame] = deque()  # read, not yet handled (sessions busy in a batch)
+        self.gathering = Gatherer(stage, self.stats, self.max_batch)  # waits for sessions due (gathering.py)
+        self._replayed: dict[int, int] = {}  # session -> replay chunks computed (module doc: replay)
+        self.trace: list[list[tuple[int, int, int]]] | None = None  # tests: (session, pos, tokens) per batch
+
+    def __repr__(self) -> str:
+        return f"StageWorker([{self.stage.start}, {self.stage.end}), epoch={self.epoch})"
+
+    async def serve(self, inbound: Link, outbound: Link) -> None:
+        """Run until the inbound link closes (PeerLost) or the caller cancels."""
+        send, recv = trio.open_memory_channel[Frame](math.inf)
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._read, inbound, send)
+                await self._compute_loop(recv, outbound)
+                nursery.cancel_scope.cancel()
+        except BaseExceptionGroup as eg:
+            exc = unwrap(eg)
+            if not isinstance(exc, PeerLost):
+                raise exc from None
+            log.info("%r: downstream link closed: %s", self, exc)
+        except PeerLost as exc:
+            log.info("%r: downstream link closed: %s", self, exc)
+        finally:
+            for session in list(self.stage.sessions()):
+                self.stage.close_session(session)
+
+    async def _read(self, inbound: Link, send: trio.MemorySendChannel[Frame]) -> None:
+        async with send:
+            try:
+                while True:
+                    try:
+                        frame = await inbound.receive(timeout=IDLE_POLL_S)
+                    except PeerTimeout:
+                        continue
+                    if not self.swallow:
+                        if frame.msg_type == MsgType.CHUNK:
+                            self.gathering.note_arrival(frame.session)
+                        send.send_nowait(frame)  # unbounded: what is in flight is bounded upstream
+                    await trio.lowlevel.checkpoint()  # the fast path's hot receive never yields
+            except PeerLost:
+                log.info("%r: upstream %s closed", self, self.upstream)
+
+    async def _compute_loop(self, recv: trio.MemoryReceiveChannel[Frame], outbound: Link) -> None:
+        while True:
+            if not self._pending:
+                try:
+                    self._pending.append(await recv.receive())
+                except trio.EndOfChannel:
+                    return
+            drain(recv, self._pending)
+            await self.gathering.wait(recv, self._pending)
+            batch = await self._take_batch(outbound)
+            if batch:
+                await self._run_batch(batch, outbound)
+            await trio.lowlevel.checkpoint()
+
+    async def _take_batch(self, outbound: Link) -> list[list[tuple[Chunk, torch.Tensor]]]:
+        """Scan the queue in order: each session's first frame is handled (a control frame) or
+        joins the batch (a chunk, with the replay chunks queued behind it if it is one); later
+        frames of a session in the batch wait (module doc)."""
+        batch: list[list[tuple[Chunk, torch.Tensor]]] = []
+        busy: set[int] = set()
+        keep: deque[Frame] = deque()
+        tokens = 0
+        while self._pending:
+            frame = self._pending.popleft()
+            if frame.session in busy or len(batch) >= self.max_batch:
+                keep.append(frame)
+                busy.add(frame.session)
+                continue
+            try:
+                msg = parse_message(frame, self.limits)
+            except ProtocolError as exc:
+                self.stats.errors += 1
+                log.warning("%r: bad frame from %s: %s", self, self.upstream, exc)
+                await self._report(outbound, frame.session, frame.seq, "bad_frame", str(exc))
+                continue
+            if not isinstance(msg, Chunk):
+                await self._control(msg, frame, outbound)
+                continue
+            if batch and tokens + msg.tokens > MAX_BATCH_TOKENS:
+                keep.append(frame)
+                busy.add(frame.session)
+                continue
+            h = await self._admit(msg, outbound)
+            if h is not None:
+                group = self._replay_group(msg, h, MAX_BATCH_TOKENS - tokens) if is_replay(msg.chunk_id) else [(msg, h)]
+                batch.append(group)
+                busy.add(msg.session)
+                tokens += sum(m.tokens for m, _ in group)
+            await trio.lowlevel.checkpoint()  # one frame per step: heartbeats run in between
+        self._pending = keep
+        return batch
+
+    def _replay_group(self, first: Chunk, h: torch.Tensor, room: int) -> list[tuple[Chunk, torch.Tensor]]:
+        """``first``, an admitted replay chunk, and its session's next queued replay chunks while
+        each is sound and starts within what the ones before hold (up to REPLAY_GROUP chunks and
+        ``room`` tokens); one that is not stays queued and is handled (reported) on its own."""
+        group, end, tokens = [(first, h)], first.pos + first.tokens, first.tokens
+        done = self._replayed.get(first.session, 0)
+        self._replayed[first.session] = done + 1
+        while len(group) < min(REPLAY_GROUP, max(1, done)):
+            i = next((i for i, f in enumerate(self._pending) if f.session == first.session), None)
+            if i is None or self._pending[i].msg_type != MsgType.CHUNK or not is_replay(self._pending[i].seq):
+                break
+            try:
+                msg = parse_message(self._pending[i], self.limits)
+                if not isinstance(msg, Chunk) or msg.epoch != self.epoch or msg.pos > end:
+                    break
+                if msg.pos + msg.tokens > self.max_len or tokens + msg.tokens > room:
+                    break
+                group.append((msg, read_hidden(msg, dim=self.stage.args.dim, expect=self.dtype, peer=self.upstream)))
+            except SwarmError:
+                break
+            del self._pending[i]
+            end, tokens = msg.pos + msg.tokens, tokens + msg.tokens
+            self._replayed[first.session] += 1
+        return group
+
+    async def _control(self, msg: object, frame: Frame, outbound: Link) -> None:
+        if isinstance(msg, SessionEnd):
+            if msg.session in self.stage.sessions():
+                self.stage.close_session(msg.session)
+            self.gathering.forget(msg.session)
+            self._replayed.pop(msg.session, None)
+            if not self.is_tail:
+                await outbound.send(frame, timeout=SEND_TIMEOUT_S)
+        elif isinstance(msg, Rollback):
+            if msg.session in self.stage.sessions() and self.stage.session_len(msg.session) > msg.length:
+                self.stage.rollback(msg.session, msg.length)
+            if not self.is_tail:
+                await outbound.send(frame, timeout=SEND_TIMEOUT_S)
+        elif isinstance(msg, Error):
+            await outbound.send(frame, timeout=SEND_TIMEOUT_S)
+        else:
+            await self._report(
+                outbound, frame.session, frame.seq, "unexpected", f"{MsgType(frame.msg_type).name} on the activation path"
+            )
+
+    async def _admit(self, msg: Chunk, outbound: Link) -> torch.Tensor | None:
+        """Check a chunk and make its session's cache ready; None (reported downstream) if bad."""
+        where = f"stage [{self.stage.start}, {self.stage.end})"
+        try:
+            if msg.epoch != self.epoch:
+                raise ProtocolError(f"chunk for epoch {msg.epoch}, {where} serves epoch {self.epoch}")
+            h = read_hidden(msg, dim=self.stage.args.dim, expect=self.dtype, peer=self.upstream)
+        except SwarmError as exc:  # the upstream peer sent bad activations: name it as faulty
+            self.stats.errors += 1
+            log.warning("%r: bad activations from %s: %s", self, self.upstream, exc)
+            await self._report(outbound, msg.session, msg.chunk_id, "bad_input", f"upstream={self.upstream} {exc}")
+            if self.on_bad_input is not None and not self._reported:  # once: the leader re-plans
+                self._reported = True
+                self.on_bad_input(self.upstream, str(exc))
+            return None
+        if msg.pos + msg.tokens > self.max_len:  # this request is over the context: it fails alone
+            log.warning("%r: refused chunk %d of session %d: over the context", self, msg.chunk_id, msg.session)
+            await self._report(outbound, msg.session, msg.chunk_id, "context_exceeded",
+                               f"{where}: positions up to {msg.pos + msg.tokens} exceed the context of {self.max_len}")
+            return None
+        try:
+            self._prepare_cache(msg, where)
+        except SwarmError as exc:
+            self.stats.errors += 1
+            log.warning("%r: refused chunk %d of session %d: %s", self, msg.chunk_id, msg.session, exc)
+            await self._report(outbound, msg.session, msg.chunk_id, "bad_chunk", str(exc))
+            return None
+        return h
+
+    def _forward(self, batch: list[list[tuple[Chunk, torch.Tensor]]]) -> tuple[list[Encoded], float]:
+        """The batch's forward and its outputs' encoding, in one go (in the worker thread, so the
+        trio loop makes no torch call per result: each would wait for the GIL behind the compute);
+        the outputs in batch order, a replay group's chunk by chunk."""
+        t0 = time.perf_counter()
+        if self.compute_delay_s > 0:
+            time.sleep(self.compute_delay_s)  # fault injection: compute that blocks (module doc)
+        memory.check_forward(max(m.tokens for g in batch for m, _ in g))  # a test hook (memory.py)
+        # encoding copies to the CPU: on a GPU that waits for the kernels here, so the time is the
+        # work's and the trio loop never blocks on the device
+        items = [(g[0][0].session, g[0][1]) for g in batch if len(g) == 1]
+        singles = forward_many(self.stage, items) if items else []
+        outs: list[torch.Tensor] = []
+        for group in batch:
+            if len(group) == 1:
+                outs.append(singles.pop(0))
+            else:  # a replay group: bit for bit its chunks one by one (Stage.forward_seq)
+                outs.extend(self.stage.forward_seq(group[0][0].session, [(m.pos, h) for m, h in group]))
+        if self.corrupt_after is not None and self.stats.chunks >= self.corrupt_after:
+            outs = [torch.full_like(o, float("nan")) for o in outs]  # fault injection (chaos tests): a broken peer
+        return [encode_hidden(o) for o in outs], time.perf_counter() - t0
+
+    async def _run_batch(self, groups: list[list[tuple[Chunk, torch.Tensor]]], outbound: Link) -> None:
+        try:
+            await self._compute_batch(groups, outbound)
+        except memory.OOM_ERRORS as exc:
+            await self._out_of_memory(groups, outbound, exc)
+
+    async def _out_of_memory(self, groups: list[list[tuple[Chunk, torch.Tensor]]], outbound: Link,
+                             exc: BaseException) -> None:  # fmt: skip
+        """A forward ran out of memory (node/compute/memory.py): its sessions' caches are rolled back to
+        where the batch began; a batch of several sessions is tried again one session at a time,
+        and a session that runs out alone fails (an ERROR ``out_of_memory`` to the coordinator,
+        its cache here dropped). Everything else on this stage goes on as before."""
+        memory.release(str(self.stage.device))
+        for group in groups:
+            first = group[0][0]
+            if first.session in self.stage.sessions() and self.stage.session_len(first.session) > first.pos:
+                self.stage.rollback(first.session, first.pos)
+        if len(groups) > 1:
+            for group in groups:
+                await self._run_batch([group], outbound)
+            return
+        session = groups[0][0][0].session
+        self.stats.errors += 1
+        log.warning("%r: session %d: %s", self, session, memory.describe(exc))
+        if session in self.stage.sessions():
+            self.stage.close_session(session)
+        self.gathering.forget(session)
+        self._replayed.pop(session, None)
+        where = f"stage [{self.stage.start}, {self.stage.end})"
+        for msg, _ in groups[0]:
+            await self._report(outbound, session, msg.chunk_id, "out_of_memory", f"{where}: {memory.describe(exc)}")
+
+    async def _compute_batch(self, groups: list[list[tuple[Chunk, torch.Tensor]]], outbound: Link) -> None:
+        batch = [c for g in groups for c in g]  # every chunk, in batch order
+        if self.trace is not None:
+            self.trace.append([(m.session, m.pos, m.tokens) for m, _ in batch])
+        calls = max(len(g) for g in groups)  # a replay group costs a forward per chunk
+        small = calls == 1 and sum(m.tokens for m, _ in batch) <= 16
+        lone = small and len(batch) == 1 and self._predict_s < LONE_INLINE_MAX_S
+        if self.inline or self._predict_s * calls < INLINE_MAX_S or lone:
+            outs, took = self._forward(groups)
+        else:
+            outs, took = await trio.to_thread.run_sync(self._forward, groups, limiter=self.limiter)
+        # the prediction is per forward of a small batch; a big one says nothing about small ones
+        if small or (calls == 1 and took > self._predict_s):
+            p = self._predict_s
+            self._predict_s = took if (p == math.inf or took > p) else 0.9 * p + 0.1 * took
+        if calls > 1:
+            self.stats.replay_groups += sum(len(g) > 1 for g in groups)
+        self.stats.replayed += sum(is_replay(m.chunk_id) for m, _ in batch)
+        self.gathering.note_forward(frozenset(m.session for m, _ in batch), took, small)
+        st = self.stats
+        st.compute_s += took
+        st.batches += 1
+        st.max_batch = max(st.max_batch, len(groups))
+        st.sizes.extend([0] * (len(groups) - len(st.sizes)))
+        st.sizes[len(groups) - 1] += 1
+        if len(groups) > 1:
+            st.batched_chunks += len(groups)
+        for (msg, _), enc in zip(batch, outs, strict=True):
+            st.chunks += 1
+            st.tokens += msg.tokens
+            reply: Chunk | Result
+            if self.is_tail:
+                reply = hidden_result(msg.session, msg.chunk_id, msg.pos, enc, msg.epoch)
+            else:
+                reply = hidden_chunk(msg.session, msg.chunk_id, msg.pos, msg.mode, enc, msg.epoch, msg.flags)
+            await outbound.send(reply.to_frame(), timeout=SEND_TIMEOUT_S)
+            await trio.lowlevel.checkpoint()  # the fast path's hot send never yields
+
+    def _prepare_cache(self, msg: Chunk, where: str) -> None:
+        session = msg.session
+        if session not in self.stage.sessions():
+            if msg.pos != 0:
+                raise ProtocolError(f"{where}: session {session} unknown and chunk starts at {msg.pos}")
+            if len(self.stage.sessions()) >= self.max_sessions:
+                raise ProtocolError(f"{where}: {self.max_sessions} sessions open (limit max_sessions)")
+            self.stage.open_session(session, self.max_len)
+        held = self.stage.session_len(session)
+        if held < msg.pos:
+            raise ProtocolError(
+                f"{where}: chunk {msg.chunk_id} starts at position {msg.pos} but only {held} are cached"
+            )
+        if msg.pos + msg.tokens > self.max_len:
+            raise ProtocolError(f"{where}: positions up to {msg.pos + msg.tokens} exceed max_len {self.max_len}")
+        if held > msg.pos:
+            self.stage.rollback(session, msg.pos)
+
+    async def _report(self, outbound: Link, session: int, chunk_id: int, code: str, text: str) -> None:
+        if session == 0:
+            return
+        try:
+            await outbound.send(Error(session, chunk_id, code, text[:1000]).to_frame(), timeout=SEND_TIMEOUT_S)
+        except SwarmError as exc:
+            log.warning("%r: could not report error downstream: %s", self, exc)

@@ -1,0 +1,150 @@
+"""One stage worker (node/ring/stage_worker.py) between two in-process links, on a tiny model:
+what it sends downstream for a good chunk, for bad activations (reported downstream, the
+upstream named to the leader once, and the worker serves on), for chunks it cannot place, and
+for the control frames that follow a session (rollback, session end). A whole ring is tested in
+test_ring_mem.py; real peers in test_ring_processes.py and tests/security/test_frames.py."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import pytest
+import torch
+import trio
+
+from swarm.model.generate import LocalModel
+from swarm.model.stage import Stage
+from swarm.node.ring.codec import hidden_chunk, hidden_result, read_hidden
+from swarm.node.ring.links import LocalLink
+from swarm.node.ring.stage_worker import StageWorker
+from swarm.proto.activation import Chunk, Error, Result, Rollback, SessionEnd
+from swarm.proto.messages import Message, parse_message
+from swarm.testing.checkpoints import TinySpec, write_checkpoint
+
+EPOCH = 4
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    torch.set_num_threads(1)
+    return write_checkpoint(tmp_path_factory.mktemp("tiny"), TinySpec(n_layers=4), seed=5)
+
+
+def _stages(ckpt: Path) -> list[Stage]:
+    return LocalModel.load(ckpt, stages=[(0, 2), (2, 4)], dtype=torch.float32).stages
+
+
+class _Harness:
+    def __init__(self, worker: StageWorker, inbound: LocalLink, outbound: LocalLink) -> None:
+        self.worker, self.inbound, self.outbound = worker, inbound, outbound
+        self.bad: list[tuple[str, str]] = []
+
+    async def send(self, msg: Message) -> None:
+        await self.inbound.send(msg.to_frame(), timeout=5)
+
+    async def next(self) -> Message:
+        return parse_message(await self.outbound.receive(timeout=30))
+
+
+@asynccontextmanager
+async def _serving(stage: Stage, *, is_tail: bool = False, max_sessions: int = 64) -> AsyncIterator[_Harness]:
+    inbound, outbound = LocalLink("up->stage"), LocalLink("stage->down")
+    h = _Harness(None, inbound, outbound)  # type: ignore[arg-type]
+    worker = StageWorker(stage, epoch=EPOCH, upstream="peer-up", is_tail=is_tail, max_sessions=max_sessions,
+                         on_bad_input=lambda peer, why: h.bad.append((peer, why)), inline=True)
+    h.worker = worker
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(worker.serve, inbound, outbound)
+        yield h
+        await inbound.close()  # the upstream goes: serve returns
+
+
+def _hidden(stage: Stage, t: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(t, stage.args.dim, generator=torch.Generator().manual_seed(seed))
+
+
+async def test_a_chunk_goes_downstream_computed_and_the_tail_answers_with_a_result(ckpt: Path) -> None:
+    stages, ref = _stages(ckpt), _stages(ckpt)
+    h = _hidden(stages[0], 3)
+    ref[0].open_session(1, 64)
+    want = ref[0].forward(1, h)
+    async with _serving(stages[0]) as s:
+        await s.send(hidden_chunk(1, 7, 0, "prefill", h, EPOCH))
+        out = await s.next()
+    assert isinstance(out, Chunk) and (out.session, out.chunk_id, out.pos, out.mode, out.epoch) == (1, 7, 0, "prefill", EPOCH)
+    assert torch.equal(read_hidden(out, dim=stages[0].args.dim, expect=torch.float32, peer="t"), want)
+    async with _serving(stages[1], is_tail=True) as s:
+        await s.send(out)
+        res = await s.next()
+    assert isinstance(res, Result) and res.kind == "hidden" and (res.session, res.chunk_id) == (1, 7)
+    assert s.worker.stats.chunks == 1 and s.worker.stats.tokens == 3
+
+
+async def test_bad_activations_are_reported_downstream_and_named_to_the_leader_once(ckpt: Path) -> None:
+    stage = _stages(ckpt)[0]
+    d = stage.args.dim
+    nan = torch.full((1, d), float("nan"))
+    async with _serving(stage) as s:
+        await s.send(hidden_chunk(1, 1, 0, "prefill", nan, EPOCH))
+        await s.send(hidden_chunk(2, 1, 0, "prefill", torch.zeros(1, d + 1), EPOCH))
+        await s.send(hidden_chunk(3, 1, 0, "prefill", _hidden(stage, 1), EPOCH - 1))  # a stale epoch
+        errors = [await s.next() for _ in range(3)]
+        await s.send(hidden_chunk(4, 1, 0, "prefill", _hidden(stage, 2), EPOCH))  # still serving
+        good = await s.next()
+    assert [(e.session, e.code) for e in errors if isinstance(e, Error)] == [(1, "bad_input"), (2, "bad_input"), (3, "bad_input")]
+    texts = [e.message for e in errors if isinstance(e, Error)]
+    assert all("upstream=peer-up" in t for t in texts)
+    assert "NaN or Inf" in texts[0] and "expected (T," in texts[1] and f"epoch {EPOCH - 1}" in texts[2]
+    assert len(s.bad) == 1 and s.bad[0][0] == "peer-up", "the leader hears of the upstream once"
+    assert isinstance(good, Chunk) and good.session == 4
+    assert s.worker.stats.errors == 3 and 1 not in stage.sessions()
+
+
+async def test_a_chunk_it_cannot_place_is_refused_without_blaming_the_upstream(ckpt: Path) -> None:
+    stage = _stages(ckpt)[0]
+    async with _serving(stage, max_sessions=1) as s:
+        await s.send(hidden_chunk(1, 1, 5, "decode", _hidden(stage, 1), EPOCH))  # unknown session, not at 0
+        await s.send(hidden_chunk(2, 1, 0, "prefill", _hidden(stage, 2), EPOCH))
+        replies = [await s.next() for _ in range(2)]
+        await s.send(hidden_chunk(3, 1, 0, "prefill", _hidden(stage, 1), EPOCH))  # one session open already
+        await s.send(hidden_chunk(2, 2, 4, "decode", _hidden(stage, 1), EPOCH))  # a gap: only 2 cached
+        replies += [await s.next() for _ in range(2)]
+    assert [type(r).__name__ for r in replies] == ["Error", "Chunk", "Error", "Error"]
+    assert replies[1].session == 2  # type: ignore[attr-defined]
+    errors = [r for r in replies if isinstance(r, Error)]
+    assert [(e.session, e.code) for e in errors] == [(1, "bad_chunk"), (3, "bad_chunk"), (2, "bad_chunk")]
+    assert "unknown and chunk starts at 5" in errors[0].message
+    assert "1 sessions open (limit max_sessions)" in errors[1].message
+    assert "starts at position 4 but only 2 are cached" in errors[2].message
+    assert s.bad == [], "the upstream sent sound activations: nobody is named"
+
+
+async def test_rollback_and_session_end_act_here_and_travel_on_except_from_the_tail(ckpt: Path) -> None:
+    for is_tail in (False, True):
+        stage = _stages(ckpt)[1 if is_tail else 0]
+        async with _serving(stage, is_tail=is_tail) as s:
+            await s.send(hidden_chunk(1, 1, 0, "prefill", _hidden(stage, 5), EPOCH))
+            await s.next()
+            await s.send(Rollback(1, 2, EPOCH))
+            await s.send(hidden_chunk(1, 2, 2, "decode", _hidden(stage, 1), EPOCH))  # fits after the rollback
+            forwarded = [await s.next() for _ in range(1 if is_tail else 2)]
+            assert stage.session_len(1) == 3
+            await s.send(SessionEnd(1))
+            if not is_tail:
+                forwarded.append(await s.next())
+            with trio.move_on_after(1):
+                while 1 in stage.sessions():
+                    await trio.sleep(0.01)
+        kinds = [type(m).__name__ for m in forwarded]
+        assert kinds == (["Result"] if is_tail else ["Rollback", "Chunk", "SessionEnd"]), kinds
+        assert 1 not in stage.sessions()
+
+
+async def test_a_message_that_does_not_belong_on_the_activation_path_is_reported(ckpt: Path) -> None:
+    stage = _stages(ckpt)[0]
+    async with _serving(stage) as s:
+        await s.send(hidden_result(9, 3, 0, _hidden(stage, 1), EPOCH))
+        err = await s.next()
+    assert isinstance(err, Error) and err.code == "unexpected" and "RESULT on the activation path" in err.message
