@@ -33,6 +33,8 @@ Files (filled in as the runtime grows; keep this list current):
 - ``draftload.py`` ``--draft`` specs (self, int8, int4, PATH, auto), their memory, loading, and
                   the vocabulary check against the target's tokenizer
 - ``devices.py``  ``--device`` (auto: CUDA, then MPS, else CPU), device names, memory offered there
-- ``dtypes.py``   ``--dtype auto``: bf16 on GPUs and native-bf16 CPUs, else fp32
+- ``dtypes.py``   ``--dtype auto``: bf16 on GPUs and native-bf16 CPUs, else fp32 (by name)
+- ``autotune.py`` a CPU stage's dtype, threads and quantized kernels chosen by a start-up
+                  measurement, cached per machine (``run``'s ``--tune``, its default)
 - ``generate.py`` in-process generation over N stages (the reference a ring is checked against)
 """

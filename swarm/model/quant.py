@@ -105,10 +105,13 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        y = self.layout.matmul(x.reshape(-1, self.in_features), self.qweight, self.scales)  # (T, N)
+        x2 = x.reshape(-1, self.in_features)  # (T, K)
+        if x2.dtype != self.layout.dtype:  # packed in another dtype than the serving one (autotune.py)
+            x2 = x2.to(self.layout.dtype)
+        y = self.layout.matmul(x2, self.qweight, self.scales)  # (T, N)
         if self.bias is not None:
             y = y + self.bias
-        return y.reshape(*lead, self.out_features)  # (..., N)
+        return y.to(x.dtype).reshape(*lead, self.out_features)  # (..., N)
 
     def dequantized(self) -> torch.Tensor:
         """The weight (N, K) the kernel multiplies by, in float32 (for tests and the fallback path)."""
@@ -135,13 +138,17 @@ def quantize_block(
     dtype: torch.dtype | None = None,
     group: int = INT4_GROUP,
     given: Mapping[str, Int4Groups] | None = None,
+    kernel_dtype: torch.dtype | None = None,
 ) -> nn.Module:
     """Replace every ``nn.Linear`` and every experts module of ``module`` (in place) by its compact
     form; returns ``module``.
 
     ``given`` maps a linear's dotted name to int4 groups read straight from a checkpoint (GGUF
     Q4_*): that layer's own weight is then ignored (it may be on the meta device). ``dtype`` is
-    the serving dtype (default: each weight's own dtype). ``quant == "none"`` changes nothing.
+    the serving dtype (default: each weight's own dtype). ``kernel_dtype`` packs the linears in
+    another dtype than the serving one (bf16, so that torch's packed kernels apply under fp32
+    activations: each call rounds its input to bf16; chosen by measurement, autotune.py); the
+    experts of a MoE layer keep the serving dtype. ``quant == "none"`` changes nothing.
     """
     check_quant(quant)
     if quant == "none":
@@ -150,7 +157,7 @@ def quantize_block(
     for path in linear_paths(module):
         lin = module.get_submodule(path)
         assert isinstance(lin, nn.Linear)
-        dt = dtype or lin.weight.dtype
+        dt = kernel_dtype or dtype or lin.weight.dtype
         dev = lin.weight.device if lin.weight.device.type != "meta" else _device_of(lin, given.get(path))
         bias = lin.bias
         if path in given:

@@ -116,13 +116,15 @@ class Stage(nn.Module):
         progress: Progress | None = None,
         quant: str = "none",
         runtime: str | None = None,
+        kernel_dtype: torch.dtype | None = None,
     ) -> Stage:
         """Read only the tensors of layers [start, end) from ``source`` (WeightsError on trouble).
 
         Layers are loaded one at a time and, with ``quant`` int8/int4, quantized before the next
         is read, so loading never holds more than one layer in ``dtype`` beyond the compact rest;
         a source with compact blocks (GGUF Q4_*) hands int4 groups to the hand-written layers
-        without a float copy.
+        without a float copy. ``kernel_dtype``: the dtype quantized linears are packed in where
+        it is not ``dtype`` (quant.quantize_block; chosen by measurement in autotune.py).
         """
         check_quant(quant)
         stage = cls(args, start, end, dtype=dtype, device=device, runtime=runtime)
@@ -138,7 +140,7 @@ class Stage(nn.Module):
                 families.load_modules(model, source, names, {prefix: model.model.layers[i]}, dtype, stage.device)
             else:
                 given = _load_handwritten(stage.layers[i - start], source, prefix, names, dtype, stage.device, compact, quant)
-            quantize_block(stage.layers[i - start], quant, dtype=dtype, given=given)
+            quantize_block(stage.layers[i - start], quant, dtype=dtype, given=given, kernel_dtype=kernel_dtype)
             if progress is not None:
                 progress(done, n)
         stage._model = []  # drop the meta shell; the layers keep their loaded tensors
