@@ -153,6 +153,7 @@ def run_command(
     if quant not in QUANTS:
         raise UsageError(f"--quant {quant!r}: choose one of {', '.join(QUANTS)}")
     dev = chosen_device(device)
+    torch_dtype = resolve_dtype(dtype, dev)  # by name; checked before anything is loaded
     if threads is not None and threads < 1:
         raise UsageError(f"--threads must be >= 1, got {threads}")
     if max_new_tokens < 1:
@@ -170,17 +171,19 @@ def run_command(
             model_path = resolve_model(model, report)  # a path, or a packaged model's name
         name = model_path.name
     tuned, kernel_dtype = None, None
-    if tune and dev.type == "cpu":
+    # a receipt is replayed as the ring computed it (dtype by name, kernels in the serving dtype);
+    # an explicit --dtype keeps its kernels too (the numbers a ring's stages compute), so only the
+    # threads are measured there, and nothing when they are given as well
+    if tune and dev.type == "cpu" and receipt is None and (dtype == "auto" or threads is None):
         from swarm.model.autotune import tune as autotune
         from swarm.model.weights import open_checkpoint
 
-        allowed = ("fp32", "bf16") if dtype == "auto" else (dtype_name(resolve_dtype(dtype, dev)),)
+        allowed = ("fp32", "bf16") if dtype == "auto" else (dtype_name(torch_dtype),)
         with ui.progress("measuring this CPU (first use of this model shape only)"):
-            tuned = autotune(open_checkpoint(model_path).args, quant, dtypes=allowed, threads=[threads] if threads else None)
+            tuned = autotune(open_checkpoint(model_path).args, quant, dtypes=allowed,
+                             threads=[threads] if threads else None, casts=dtype == "auto")
         torch_dtype, kernel_dtype = tuned.best.torch_dtype(), tuned.best.kernel_dtype()
         threads = tuned.best.threads
-    else:
-        torch_dtype = resolve_dtype(dtype, dev)
     dtype = dtype_name(torch_dtype)
     torch.set_num_threads(threads or os.cpu_count() or 1)
     with ui.progress(f"loading {name} in {stages} stage(s)") as report:

@@ -94,13 +94,16 @@ class Choice:
     quant: str
 
 
-def candidates(quant: str, threads: Sequence[int], dtypes: Sequence[str] = ("fp32", "bf16")) -> list[Candidate]:
+def candidates(
+    quant: str, threads: Sequence[int], dtypes: Sequence[str] = ("fp32", "bf16"), casts: bool = True
+) -> list[Candidate]:
     """Every candidate in order of preference: fp32 first, the serving dtype's kernel before a cast
     to bf16, fewer threads first. bf16 is allowed on every CPU (emulated where not native: slower,
-    never wrong); ``dtypes`` narrows it (an explicit ``--dtype``), ``threads`` likewise."""
+    never wrong); ``dtypes`` narrows it (an explicit ``--dtype``), ``threads`` likewise; ``casts``
+    False keeps quantized linears in the serving dtype (the numbers a ring's stages compute)."""
     out: list[Candidate] = []
     for dt in dtypes:
-        kernels = ["same"] if quant == "none" or dt == "bf16" else ["same", "bf16"]
+        kernels = ["same"] if quant == "none" or dt == "bf16" or not casts else ["same", "bf16"]
         for k in kernels:
             out.extend(Candidate(dt, k, t) for t in sorted(set(threads)))
     return out
@@ -223,23 +226,24 @@ def tune(
     *,
     dtypes: Sequence[str] = ("fp32", "bf16"),
     threads: Sequence[int] | None = None,
+    casts: bool = True,
     path: Path | None = None,
     refresh: bool = False,
 ) -> Choice:
     """The cached choice for this machine and layer shape, else measure, choose and cache it.
 
     ``dtypes``: the serving dtypes allowed (``--dtype auto``: both; an explicit one: itself, so
-    only threads and kernels are tuned); ``threads``: the counts allowed (default 1..cores). A
-    cache that cannot be written is only logged."""
+    only threads and kernels are tuned); ``threads``: the counts allowed (default 1..cores);
+    ``casts``: see :func:`candidates`. A cache that cannot be written is only logged."""
     counts = sorted(set(threads or range(1, (os.cpu_count() or 1) + 1)))
     path = path or cache_path()
-    key = _entry_key(args, quant, dtypes, counts)
+    key = _entry_key(args, quant, [*dtypes, "casts" if casts else "nocasts"], counts)
     cache = _read_cache(path)
     hit = cache.get(key)
     if not refresh and isinstance(hit, dict) and "best" in hit:
         with contextlib.suppress(KeyError, ValueError, TypeError):
             return Choice(Candidate.from_key(hit["best"]), {k: float(v) for k, v in hit["ms"].items()}, quant)
-    order = candidates(quant, counts, dtypes)
+    order = candidates(quant, counts, dtypes, casts)
     ms = measure(args, order, quant)
     best = choose(ms, order)
     choice = Choice(best, {c.key: round(v, 4) for c, v in ms.items()}, quant)

@@ -64,6 +64,8 @@ def test_candidates_in_order_of_preference() -> None:
         "fp32/same/1", "fp32/same/2", "fp32/bf16/1", "fp32/bf16/2", "bf16/same/1", "bf16/same/2",
     ]
     assert [c.key for c in candidates("none", [1], dtypes=("bf16",))] == ["bf16/same/1"]
+    # an explicit dtype keeps a ring's kernels: no cast of fp32 activations to bf16
+    assert [c.key for c in candidates("int4", [1], dtypes=("fp32",), casts=False)] == ["fp32/same/1"]
     assert C("fp32/bf16/3").kernel_dtype() is torch.bfloat16 and C("fp32/same/3").kernel_dtype() is None
 
 
