@@ -109,13 +109,14 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--llama-bench", type=Path, default=None)
+    ap.add_argument("--no-llamacpp", action="store_true", help="ours only (no llama.cpp build at hand)")
     ap.add_argument("--configs", default="all", help="all, or a comma list like bf16/int4,fp32/none")
     ap.add_argument("--quick", action="store_true", help="one round, 1 thread, the bundled model, 16 tokens")
     a = ap.parse_args()
     if a.quick:
         a.rounds, a.threads, a.models, a.prompt, a.new = 1, "1", "smollm2", 32, 16
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    binary = a.llama_bench or build_llama_bench(RESULTS.parent / "llamacpp_build.log")
+    binary = None if a.no_llamacpp else (a.llama_bench or build_llama_bench(RESULTS.parent / "llamacpp_build.log"))
     ggufs = {"smollm2": bundled_gguf_path(), "gemma3-270m": gemma_gguf_path()}
     configs = CONFIGS if a.configs == "all" else [tuple(c.split("/")) for c in a.configs.split(",")]
     load0 = os.getloadavg()
@@ -123,29 +124,28 @@ def main() -> None:
     table: dict[str, Any] = {}
     for name in a.models.split(","):
         for t in map(int, a.threads.split(",")):
-            runs: dict[str, list[dict[str, Any]]] = {"llama.cpp": [], "default": []}
+            runs: dict[str, list[dict[str, Any]]] = {"default": []}
             for r in range(a.rounds):
-                runs["llama.cpp"].append(llama_cpp(binary, ggufs[name], t, a.prompt, a.new))
+                if binary is not None:
+                    runs.setdefault("llama.cpp", []).append(llama_cpp(binary, ggufs[name], t, a.prompt, a.new))
                 runs["default"].append(ours(name, t, a.prompt, a.new, None, None))
                 for d, q in configs:
                     runs.setdefault(f"{d}/{q}", []).append(ours(name, t, a.prompt, a.new, d, q))
                 print(name, t, "round", r, {k: v[-1] for k, v in runs.items()}, file=sys.stderr, flush=True)
             med = {k: {m: median([x[m] for x in v]) for m in ("decode", "prefill")} for k, v in runs.items()}
             best = max((k for k in med if k != "llama.cpp"), key=lambda k: med[k]["decode"])
-            table[f"{name}/t{t}"] = {
-                "tok_s_median": med,
-                "default_chose": runs["default"][-1],
-                "best_of_ours": best,
-                "default_decode_vs_llamacpp": round(med["default"]["decode"] / med["llama.cpp"]["decode"], 3),
-                "default_prefill_vs_llamacpp": round(med["default"]["prefill"] / med["llama.cpp"]["prefill"], 3),
-                "best_decode_vs_llamacpp": round(med[best]["decode"] / med["llama.cpp"]["decode"], 3),
-                "default_vs_best_decode": round(med["default"]["decode"] / med[best]["decode"], 3),
-                "rounds": runs,
-            }
+            row: dict[str, Any] = {"tok_s_median": med, "default_chose": runs["default"][-1], "best_of_ours": best,
+                                   "default_vs_best_decode": round(med["default"]["decode"] / med[best]["decode"], 3)}
+            if "llama.cpp" in med:
+                lc = med["llama.cpp"]
+                row["default_decode_vs_llamacpp"] = round(med["default"]["decode"] / lc["decode"], 3)
+                row["default_prefill_vs_llamacpp"] = round(med["default"]["prefill"] / lc["prefill"], 3)
+                row["best_decode_vs_llamacpp"] = round(med[best]["decode"] / lc["decode"], 3)
+            table[f"{name}/t{t}"] = {**row, "rounds": runs}
     out = {
         "what": "decode and prefill tok/s, ours (run --stages 1 --draft none) beside llama-bench, same GGUF, alternated",
         "prompt_tokens": a.prompt, "new_tokens": a.new, "rounds": a.rounds,
-        "llama_bench": str(binary),
+        "llama_bench": None if binary is None else str(binary),
         "machine": {"cpu": _cpu(), "cores": os.cpu_count(), "loadavg_before": load0, "loadavg_after": os.getloadavg()},
         "noisy": "a 2-core box shared with ~6 other engineers' tests and builds (load average well above 2): "
                  "absolute tok/s are far below an idle machine's; ratios are of runs alternated within a round",
