@@ -119,7 +119,8 @@ def run_command(
     dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 where the hardware has it, else fp32), bf16 or fp32."),
     quant: str = typer.Option("none", "--quant", help="Decoder layers held as none (the dtype), int8, int4 or mxfp4 (MoE experts only) (a ring receipt's quant reproduces it)."),
     device: str | None = typer.Option(None, "--device", help="auto (CUDA, then MPS, else CPU), cpu, cuda, cuda:N or mps (default: node.device, else auto)."),
-    threads: int | None = typer.Option(None, "--threads", help="torch threads (default: all cores)."),
+    threads: int | None = typer.Option(None, "--threads", help="torch threads (default: all cores, or measured with --tune)."),
+    tune: bool = typer.Option(False, "--tune/--no-tune", help="On a CPU, choose --dtype auto, the threads and the quantized kernels by a start-up measurement cached per machine (opt-in: a measurement taken under load is cached as it is; default: auto = bf16 where native, all cores)."),
     chat: bool = typer.Option(True, "--chat/--no-chat", help="Wrap --prompt in the chat template."),
     as_json: bool = typer.Option(False, "--json", help="Print a JSON result instead of streaming text."),
 ) -> None:
@@ -152,14 +153,12 @@ def run_command(
     if quant not in QUANTS:
         raise UsageError(f"--quant {quant!r}: choose one of {', '.join(QUANTS)}")
     dev = chosen_device(device)
-    torch_dtype = resolve_dtype(dtype, dev)
-    dtype = dtype_name(torch_dtype)
+    torch_dtype = resolve_dtype(dtype, dev)  # by name; checked before anything is loaded
     if threads is not None and threads < 1:
         raise UsageError(f"--threads must be >= 1, got {threads}")
     if max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-    torch.set_num_threads(threads or os.cpu_count() or 1)
 
     if model is None:
         with ui.progress("converting the bundled model (first use only)") as report:
@@ -171,8 +170,25 @@ def run_command(
         with ui.progress("preparing the model (first use only)") as report:
             model_path = resolve_model(model, report)  # a path, or a packaged model's name
         name = model_path.name
+    tuned, kernel_dtype = None, None
+    # a receipt is replayed as the ring computed it (dtype by name, kernels in the serving dtype);
+    # an explicit --dtype keeps its kernels too (the numbers a ring's stages compute), so only the
+    # threads are measured there, and nothing when they are given as well
+    if tune and dev.type == "cpu" and receipt is None and (dtype == "auto" or threads is None):
+        from swarm.model.autotune import tune as autotune
+        from swarm.model.weights import open_checkpoint
+
+        allowed = ("fp32", "bf16") if dtype == "auto" else (dtype_name(torch_dtype),)
+        with ui.progress("measuring this CPU (first use of this model shape only)"):
+            tuned = autotune(open_checkpoint(model_path).args, quant, dtypes=allowed,
+                             threads=[threads] if threads else None, casts=dtype == "auto")
+        torch_dtype, kernel_dtype = tuned.best.torch_dtype(), tuned.best.kernel_dtype()
+        threads = tuned.best.threads
+    dtype = dtype_name(torch_dtype)
+    torch.set_num_threads(threads or os.cpu_count() or 1)
     with ui.progress(f"loading {name} in {stages} stage(s)") as report:
-        lm = LocalModel.load(model_path, stages=stages, dtype=torch_dtype, device=dev, progress=report, quant=quant)
+        lm = LocalModel.load(model_path, stages=stages, dtype=torch_dtype, device=dev, progress=report, quant=quant,
+                             kernel_dtype=kernel_dtype)
     tok = _load_tokenizer(model_path)
 
     if prompt_ids is not None:
@@ -223,6 +239,8 @@ def run_command(
         "quant": quant,
         "device": dict(zip(("kind", "name"), describe_device(dev), strict=True)),
         "threads": torch.get_num_threads(),
+        "kernel": "same" if kernel_dtype is None else dtype_name(kernel_dtype),
+        "tuned": None if tuned is None else {"chosen": tuned.best.key, "ms_per_layer_step": tuned.ms},
         "stages": len(lm.stages),
         "blocks": [list(b) for b in lm.blocks],
         "sampling": params.to_dict(),

@@ -37,5 +37,7 @@ Files (filled in as the runtime grows; keep this list current):
 - ``dtypes.py``   ``--dtype auto``: bf16 where native, else fp16 on GPUs (fp32 for Gemma) and fp32 on CPUs
 - ``capability.py`` which dtypes and weight-only kernels a device may use (CUDA sm, MPS, CPU bf16):
                   pure rules with a table test, and the one probe of the node's own device
+- ``autotune.py`` a CPU stage's dtype, threads and quantized kernels chosen by a start-up
+                  measurement, cached per machine (``run``'s ``--tune``, its default)
 - ``generate.py`` in-process generation over N stages (the reference a ring is checked against)
 """

@@ -79,6 +79,7 @@ class LocalModel:
         device: str | torch.device = "cpu",
         progress: Callable[[int, int], None] | None = None,
         quant: str = "none",
+        kernel_dtype: torch.dtype | None = None,
     ) -> LocalModel:
         ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path)
         blocks = split_layers(ckpt.args.n_layers, stages) if isinstance(stages, int) else list(stages)
@@ -92,7 +93,8 @@ class LocalModel:
         head = Head.load(ckpt.args, ckpt.source, dtype=dtype, device=device)
         loaded = []
         for a, b in blocks:
-            loaded.append(Stage.load(ckpt.args, ckpt.source, a, b, dtype=dtype, device=device, quant=quant))
+            loaded.append(Stage.load(ckpt.args, ckpt.source, a, b, dtype=dtype, device=device, quant=quant,
+                                     kernel_dtype=kernel_dtype))
             done += b - a
             if progress is not None:
                 progress(done, total)

@@ -109,10 +109,13 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        y = self.layout.matmul(x.reshape(-1, self.in_features), self.qweight, self.scales)  # (T, N)
+        x2 = x.reshape(-1, self.in_features)  # (T, K)
+        if x2.dtype != self.layout.dtype:  # packed in another dtype than the serving one (autotune.py)
+            x2 = x2.to(self.layout.dtype)
+        y = self.layout.matmul(x2, self.qweight, self.scales)  # (T, N)
         if self.bias is not None:
             y = y + self.bias
-        return y.reshape(*lead, self.out_features)  # (..., N)
+        return y.to(x.dtype).reshape(*lead, self.out_features)  # (..., N)
 
     def dequantized(self) -> torch.Tensor:
         """The weight (N, K) the kernel multiplies by, in float32 (for tests and the fallback path)."""
@@ -140,6 +143,7 @@ def quantize_block(
     group: int = INT4_GROUP,
     given: Mapping[str, Int4Groups] | None = None,
     device: torch.device | None = None,
+    kernel_dtype: torch.dtype | None = None,
 ) -> nn.Module:
     """Replace every ``nn.Linear`` and every experts module of ``module`` (in place) by its compact
     form; returns ``module``.
@@ -149,7 +153,10 @@ def quantize_block(
     the serving dtype (default: each weight's own dtype). ``device`` is where the compact weights
     go and which device's kernels they use (default: where each loaded weight already is); a
     layer given as int4 groups has no loaded weight to tell, and its groups come from numpy on the
-    CPU, so a stage on a GPU must pass its device. ``quant == "none"`` changes nothing.
+    CPU, so a stage on a GPU must pass its device. ``kernel_dtype`` packs the linears in another
+    dtype than the serving one (bf16, so that torch's packed kernels apply under fp32 activations:
+    each call rounds its input to bf16; chosen by measurement, autotune.py); the experts of a MoE
+    layer keep the serving dtype. ``quant == "none"`` changes nothing.
     """
     check_quant(quant)
     if quant == "none":
@@ -158,7 +165,7 @@ def quantize_block(
     for path in [] if quant in EXPERTS_ONLY else linear_paths(module):
         lin = module.get_submodule(path)
         assert isinstance(lin, nn.Linear)
-        dt = dtype or lin.weight.dtype
+        dt = kernel_dtype or dtype or lin.weight.dtype
         bias = lin.bias
         if path in given:
             if quant != "int4":

@@ -116,6 +116,7 @@ class Stage(nn.Module):
         progress: Progress | None = None,
         quant: str = "none",
         runtime: str | None = None,
+        kernel_dtype: torch.dtype | None = None,
     ) -> Stage:
         """Read only the tensors of layers [start, end) from ``source`` (WeightsError on trouble).
 
@@ -123,14 +124,15 @@ class Stage(nn.Module):
         before the next is read, so loading never holds more than one layer in ``dtype`` beyond
         the compact rest, and a device only ever receives compact weights;
         a source with compact blocks (GGUF Q4_*) hands int4 groups to the hand-written layers
-        without a float copy.
+        without a float copy. ``kernel_dtype``: the dtype quantized linears are packed in where
+        it is not ``dtype`` (quant.quantize_block; chosen by measurement in autotune.py).
         """
         check_quant(quant)
         stage = cls(args, start, end, dtype=dtype, device=device, runtime=runtime)
         stage.quant = quant
         compact = getattr(source, "compact", None) if quant != "none" else None
         try:
-            stage._load_layers(source, progress, compact)
+            stage._load_layers(source, progress, compact, kernel_dtype)
         except torch.OutOfMemoryError as exc:
             # drop what was loaded before anyone holds on to it (the traceback keeps this frame):
             # the node keeps serving its other work, and a smaller block may still fit
@@ -149,7 +151,8 @@ class Stage(nn.Module):
         stage.eval()
         return stage
 
-    def _load_layers(self, source: TensorSource, progress: Progress | None, compact: Any) -> None:
+    def _load_layers(self, source: TensorSource, progress: Progress | None, compact: Any,
+                     kernel_dtype: torch.dtype | None) -> None:
         stage, start, end, dtype, quant = self, self.start, self.end, self.dtype, self.quant
         n = end - start
         # a layer to be made compact is read and converted on the host, and only its compact
@@ -166,7 +169,7 @@ class Stage(nn.Module):
                 families.load_modules(model, source, names, {prefix: model.model.layers[i]}, dtype, host)
             else:
                 given = _load_handwritten(layer, source, prefix, names, dtype, host, compact, quant)
-            quantize_block(layer, quant, dtype=dtype, given=given, device=stage.device)
+            quantize_block(layer, quant, dtype=dtype, given=given, device=stage.device, kernel_dtype=kernel_dtype)
             if host != stage.device:
                 layer.to(stage.device)  # the dense rest: norms, biases, routers, attention under mxfp4
             if progress is not None:

