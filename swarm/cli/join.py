@@ -197,11 +197,12 @@ def node_settings_of(manifest: Manifest, seed: bytes, listen: list[str], memory:
         from swarm.model.dtypes import resolve_dtype
         from swarm.net.host import dialable_addrs
         from swarm.net.mdns import interface_table
+        from swarm.node.settings import model_type
 
         dialable = dialable_addrs(list(listen), interface_table())
         fastpath_host = next((a.split("/")[2] for a in dialable if a.startswith("/ip4/") and not a.startswith("/ip4/127.")),
                              "127.0.0.1")  # fmt: skip
-        torch_dtype = resolve_dtype(dtype, device)
+        torch_dtype = resolve_dtype(dtype, device, model_type(model_dir))  # auto: never fp16 for Gemma
     return NodeSettings(
         seed=seed, swarm_id=manifest.swarm_id, secret=manifest.secret.value, model_dir=model_dir,
         listen=tuple(listen), bootstrap=tuple(manifest.bootstrap), memory_bytes=memory, dtype=torch_dtype,

@@ -170,6 +170,10 @@ def run_command(
         with ui.progress("preparing the model (first use only)") as report:
             model_path = resolve_model(model, report)  # a path, or a packaged model's name
         name = model_path.name
+    if dtype == "auto":  # the model is known now: auto never picks fp16 for one that overflows it
+        from swarm.node.settings import model_type
+
+        torch_dtype = resolve_dtype("auto", dev, model_type(model_path))
     tuned, kernel_dtype = None, None
     # a receipt is replayed as the ring computed it (dtype by name, kernels in the serving dtype);
     # an explicit --dtype keeps its kernels too (the numbers a ring's stages compute), so only the

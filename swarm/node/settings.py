@@ -63,7 +63,7 @@ class NodeSettings:
     disk_bytes: int = 0
 
 
-def _model_type(model_dir: object) -> str | None:
+def model_type(model_dir: object) -> str | None:
     """The checkpoint's model_type (config.json or GGUF metadata); None when it cannot be read
     here (loading the model reports that properly, with its own error)."""
     if not isinstance(model_dir, str | Path):
@@ -134,9 +134,9 @@ def settings_from_mapping(cfg: Mapping[str, Any], *, seed: bytes, manifest: Any)
     if bad:
         raise UsageError(f"node settings: unknown or invite-only key {bad[0]!r}")
     device = resolve_device(cfg.get("device", "auto"))
-    model_type = _model_type(cfg.get("model_dir"))  # auto never picks fp16 for a model that overflows it
+    mtype = model_type(cfg.get("model_dir"))  # auto never picks fp16 for a model that overflows it
     kw: dict[str, Any] = {"device": device_label(device),
-                          "dtype": resolve_dtype(cfg.get("dtype", "auto"), device, model_type)}
+                          "dtype": resolve_dtype(cfg.get("dtype", "auto"), device, mtype)}
     for name, v in cfg.items():
         if name in kw or name not in fields:
             continue

@@ -121,3 +121,22 @@ def test_a_node_on_a_pre_ampere_gpu_serves_gemma_in_fp32_and_llama_in_fp16(monke
             assert s.dtype == want, family
     finally:
         capability._capability.cache_clear()
+
+
+def test_join_resolves_auto_knowing_the_model_on_a_pre_ampere_gpu(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """``join``'s own settings (not only a settings file's) pass the model to ``--dtype auto``."""
+    from swarm.cli.join import node_settings_of
+    from swarm.manifest.manifest import new_manifest
+    from swarm.testing.hf_checkpoints import write_family_checkpoint
+
+    fake_hardware(monkeypatch, cuda=1, sm=[(7, 5)])
+    capability._capability.cache_clear()
+    try:
+        for family, want in (("gemma3", FP32), ("llama", FP16)):
+            model = write_family_checkpoint(tmp_path / family, family)
+            manifest = new_manifest(swarm_name="t", issuer=b"i" * 32)
+            s = node_settings_of(manifest, b"x" * 32, ["/ip4/127.0.0.1/tcp/0"], 1 << 30, model,
+                                 dtype="auto", device="cuda", threads=1, mdns=False, relay=False)
+            assert s.dtype == want, family
+    finally:
+        capability._capability.cache_clear()
