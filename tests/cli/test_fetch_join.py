@@ -50,7 +50,7 @@ class FetchLab:
         spec = ModelSpec("tiny", cfg, {}, m.digest(), (srv.url,), f"{srv.url}/model-manifest.json")
         self.invite = tmp / "invite.json"
         write_manifest(sign_manifest(new_manifest(swarm_name="fetchlab", issuer=self.ids[0].public_key,
-                                                  bootstrap=(boot,), model=spec), self.ids[0]), self.invite)  # fmt: skip
+                                                  bootstrap=(boot,), model=spec, context=2048), self.ids[0]), self.invite)  # fmt: skip
         planned = model_spec(args or ModelArgs.from_dir(served), torch.float32, 2048)
         mem = layers_each * planned.bytes_per_layer + planned.coordinator_bytes + 1
         self.procs: list[JoinProc] = []
