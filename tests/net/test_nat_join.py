@@ -86,7 +86,8 @@ def _swarm(tmp: Path, *, symmetric: bool) -> None:
         boot_addr = f"/ip4/{relay.addr}/tcp/{BOOT_PORT}/p2p/{boot_id}"
         assert addrs == [boot_addr], out
         invite = tmp / "invite.json"
-        relay.run(*_cli("invite", "create", "--swarm", "lab", "--bootstrap", boot_addr, "-o", str(invite)),
+        relay.run(*_cli("invite", "create", "--swarm", "lab", "--bootstrap", boot_addr, "--context", "2048",
+                       "-o", str(invite)),
                   env=boot_env, timeout=60)  # fmt: skip
         assert json.loads(invite.read_text())["bootstrap"] == [boot_addr]
         ids = {}
