@@ -61,7 +61,7 @@ def start_lab_swarm(
     issuer = Identity(os.urandom(32))
     manifest = sign_manifest(
         new_manifest(
-            swarm_name="lab", issuer=issuer.public_key, bootstrap=(addrs[0],), lifetime_s=3600
+            swarm_name="lab", issuer=issuer.public_key, bootstrap=(addrs[0],), lifetime_s=3600, context=1024
         ),
         issuer,
     )
@@ -71,7 +71,7 @@ def start_lab_swarm(
         cfg = {"seed_file": str(workdir / f"node{i}.seed"), "manifest": str(workdir / "invite.json"),
                "model_dir": str(ckpt), "listen": [f"/ip4/{ips[i]}/tcp/{LAB_PORT}"], "fastpath": True,
                "fastpath_port": LAB_FAST, "fastpath_advertise": [f"{ips[i]}:{LAB_FAST}"], "memory_bytes": memory,
-               "dtype": "bf16", "threads": 1, "expect_peers": n, "context_tokens": 1024, "draft": "ngram",
+               "dtype": "bf16", "threads": 1, "expect_peers": n, "draft": "ngram",
                "chunk_timeout": 3.0}  # fmt: skip
         (workdir / f"node{i}.json").write_text(json.dumps(cfg))
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
