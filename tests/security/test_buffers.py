@@ -99,13 +99,19 @@ async def test_a_client_cannot_make_a_node_hold_big_frames_or_many_streams(live:
 
 
 def test_the_client_frame_cap_admits_every_valid_prompt_frame() -> None:
-    """The longest prompt a gen request may carry (MAX_IDS token ids) with the most metadata a
-    frame may hold still fits a client's frame cap: an honest client is never banned for it."""
+    """The frames of the longest prompt a gen request may carry (ids and text both at their per-frame
+    maximum, text of 4-byte characters) with the most metadata a frame may hold still fit a client's
+    frame cap: an honest client is never banned for a long prompt."""
     from swarm.net.host import CLIENT_FRAME_BYTES
-    from swarm.proto.control import MAX_IDS
+    from swarm.proto.control import IDS_PER_FRAME, TEXT_PER_FRAME, Gen
     from swarm.proto.limits import DEFAULT_LIMITS
+    from swarm.proto.parts import frames_of
 
-    biggest = encode_frame(Frame(MsgType.CONTROL, dtype=DType.INT32, shape=(MAX_IDS,), payload=bytes(4 * MAX_IDS),
+    gen = Gen(ids=tuple(range(3 * IDS_PER_FRAME + 5)), text="\U0001f600" * (3 * TEXT_PER_FRAME + 5))
+    sizes = [len(encode_frame(f)) for f in frames_of(gen)]
+    assert len(sizes) == 4  # three PART frames, then the request with the rest
+    assert max(sizes) >= 4 * IDS_PER_FRAME + 4 * TEXT_PER_FRAME  # full pieces, not a split that hid them
+    biggest = encode_frame(Frame(MsgType.CONTROL, dtype=DType.INT32, shape=(IDS_PER_FRAME,), payload=bytes(4 * IDS_PER_FRAME),
                                  meta={"op": "gen", "body": {"x": ["y" * 4000] * 16}}))  # fmt: skip
-    assert len(biggest) > 4 * MAX_IDS + DEFAULT_LIMITS.max_meta_bytes - 2048  # near the most metadata may hold
-    assert len(biggest) <= CLIENT_FRAME_BYTES < 32 * MiB
+    assert len(biggest) > 4 * IDS_PER_FRAME + DEFAULT_LIMITS.max_meta_bytes - 2048  # near the most metadata may hold
+    assert max(*sizes, len(biggest)) <= CLIENT_FRAME_BYTES < 32 * MiB
