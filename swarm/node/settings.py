@@ -81,7 +81,7 @@ def plan_memory(memory_bytes: int, dtype: torch.dtype) -> int:
 
     A ring mixes dtypes (each peer resolves ``--dtype auto`` for its own device), but the leader
     plans with one ModelSpec, and every peer must compute the same plan. So every spec is built
-    at 2 bytes per value (``PLAN_DTYPE``) and a peer that serves 4-byte fp32 advertises half its
+    at 2 bytes per value (bf16, ``Models.spec``) and a peer that serves 4-byte fp32 advertises half its
     memory: a block whose bf16 bytes fit in the half fits in fp32 in the whole (its compact int
     weights are the same size, so a quantized fp32 peer is budgeted conservatively)."""
     import torch
