@@ -280,3 +280,57 @@ def test_a_claimed_draft_speed_no_longer_outbids_the_measured_one_for_the_coordi
     assert [p.draft_ms for p in bounded_draft_claims(measured, "c")[:3]] == [5.0, 5.0, 20.0]
     alone = [Peer("c", 3 * GB, 0.01), peers[1]]  # a lone claim and nothing to compare it with: kept
     assert bounded_draft_claims(alone, "c")[1].draft_ms == 0.01
+
+
+async def test_a_replan_that_moves_our_block_lets_go_of_the_old_one_before_loading() -> None:
+    """The ended epoch holds no reference to its block while the next epoch's block loads (issue
+    26: a re-plan never needs the old and the new block in memory together)."""
+    import gc
+    import weakref
+
+    from swarm.manifest.identity import Identity
+    from swarm.node.notices import Hooks, Notices
+    from swarm.node.plan.epochs import Epochs, plan_body
+    from swarm.node.ring.capacity import SlotQueue
+    from swarm.node.settings import NodeSettings
+    from swarm.proto.messages import Plan as PlanMsg
+    from swarm.proto.signed import sign_plan
+
+    class Block:  # stands for a loaded Stage: only its lifetime matters here
+        def __init__(self, a: int, b: int) -> None:
+            self.start, self.end = a, b
+
+    class Models:  # Models.stage's contract: one block cached, cleared before the next loads
+        def __init__(self) -> None:
+            self.held: dict[tuple[int, int], Block] = {}
+            self.alive_at_load: list[list[tuple[int, int]]] = []
+            self.made: list[weakref.ref[Block]] = []
+
+        async def stage(self, a: int, b: int) -> Block:
+            if (a, b) in self.held:
+                return self.held[(a, b)]
+            self.held.clear()
+            gc.collect()
+            self.alive_at_load.append([(blk.start, blk.end) for r in self.made if (blk := r()) is not None])
+            block = Block(a, b)
+            self.made.append(weakref.ref(block))
+            self.held[(a, b)] = block
+            return block
+
+    leader = Identity.generate()
+    settings = NodeSettings(seed=b"s" * 32, swarm_id="friends", secret=b"x" * 32, model_dir=None)
+    models = Models()
+    epochs = Epochs(settings, "A", models, SlotQueue(), Notices(Hooks()), leader=lambda: leader.peer_id,  # type: ignore[arg-type]
+                    memory=dict)  # fmt: skip
+
+    def signed(epoch: int, ring: tuple[str, ...]) -> PlanMsg:
+        p = _plan(coord="C", ring=ring)
+        p = Plan(epoch, p.n_layers, p.coordinator, p.ring, p.blocks, p.standbys, 1.0, 1.0)
+        return sign_plan(PlanMsg(epoch, plan_body(p, "test")), leader, "friends")
+
+    await epochs.accept("L", signed(3, ("A", "B", "D")))  # A holds [0, 3)
+    await epochs.accept("L", signed(4, ("A", "B", "D")))  # the same block: kept, nothing loads
+    await epochs.accept("L", signed(5, ("B", "A", "D")))  # A now holds [3, 6)
+    assert models.alive_at_load == [[], []]  # [0, 3) was gone when [3, 6) loaded
+    assert epochs.previous is not None and epochs.previous.stage is None
+    assert epochs.current is not None and (epochs.current.stage.start, epochs.current.stage.end) == (3, 6)

@@ -238,6 +238,11 @@ class Epochs:
         self.notices.life("plan", epoch=plan.epoch, role=role, block=list(plan.blocks.get(me, ())) or None,
                           coordinator=plan.coordinator, ring=list(plan.ring), cause=ep.cause,
                           pause_s=None if pause is None else round(pause, 3))  # fmt: skip
+        if cur is not None and cur.plan.blocks.get(me) != plan.blocks.get(me):
+            # the ended epoch lets go of its block before the new one loads (Models.stage drops its
+            # own reference): a re-plan that moves blocks never holds both (a worker still in its
+            # last forward keeps the old one until that returns)
+            cur.stage = cur.worker = None
         if me in plan.blocks:
             ep.stage = await self.models.stage(*plan.blocks[me])
         if plan.coordinator == me:
