@@ -168,7 +168,7 @@ def main() -> None:
         "wall_s_open_median": med("open", "wall_s"), "wall_s_closed_median": med("closed", "wall_s"),
         "idle_cpu_s": idle, "idle_s": args.idle_s, "browser_console_errors": errors, "runs": rows,
         "machine": {"python": platform.python_version(), "cpus": os.cpu_count(), "load_avg": os.getloadavg()},
-        "note": "2 CPU cores shared with ~6 engineers' builds and tests at the time: CPU times are noisy; "
+        "note": "CPU cores shared with other work at the time (load_avg): CPU times are noisy; "
                 "the browser's own CPU is not counted (it is the viewer's, not the node's)",
     }  # fmt: skip
     OUT.parent.mkdir(parents=True, exist_ok=True)
