@@ -156,6 +156,7 @@ def start_local_swarm(
     workdir: Path | None = None,
     compute_delay_s: float = 0.0,
     quant: str = "none",
+    kv_cache: str = "auto",
     device_names: list[str] | None = None,
     node_env: dict[int, dict[str, str]] | None = None,
 ) -> LocalSwarm:
@@ -178,7 +179,7 @@ def start_local_swarm(
     issuer = Identity(os.urandom(32))
     manifest = sign_manifest(
         new_manifest(swarm_name="demo", issuer=issuer.public_key, bootstrap=(addrs[0],), lifetime_s=86400,
-                     quant=quant, context=context_tokens),
+                     quant=quant, context=context_tokens, kv_cache=kv_cache),
         issuer,
     )
     manifest_file = workdir / "invite.json"
@@ -191,7 +192,7 @@ def start_local_swarm(
         args = open_checkpoint(model_dir).args  # a directory or a .gguf
         memory_bytes = []
         for dt in dtypes:
-            spec = model_spec(args, resolve_dtype(dt, resolve_device(device)), context_tokens, quant)
+            spec = model_spec(args, resolve_dtype(dt, resolve_device(device)), context_tokens, quant, kv_cache)
             per = math.ceil(args.n_layers / n) * spec.bytes_per_layer + spec.coordinator_bytes
             per += draft_bytes(draft, args, resolve_dtype(dt, resolve_device(device)), context_tokens)
             memory_bytes.append(int(per * 1.02))

@@ -23,7 +23,7 @@ from swarm.cli import ui
 from swarm.cli.draftflag import REQUEST_HELP
 from swarm.errors import UsageError
 from swarm.manifest.manifest import read_manifest
-from swarm.manifest.schema import DEFAULT_CONTEXT, MAX_CONTEXT, MIN_CONTEXT, QUANTS
+from swarm.manifest.schema import DEFAULT_CONTEXT, KV_CACHES, MAX_CONTEXT, MIN_CONTEXT, QUANTS
 
 DEFAULT_PROMPT = "Explain in two sentences why the sky is blue."
 
@@ -39,6 +39,7 @@ def demo(
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=1, max=4096),
     context: int = typer.Option(DEFAULT_CONTEXT, "--context", min=MIN_CONTEXT, max=MAX_CONTEXT,
                                 help="The swarm's context in tokens (written into its invite; at most the model's own)."),
+    kv_cache: str = typer.Option("auto", "--kv-cache", help="How every node holds its KV cache: auto (the serving dtype), int8 or fp8 (about half the bytes; fp8 on CUDA sm89+ or a CPU) (written into its invite)."),
     model: str | None = typer.Option(None, "--model", help="Model directory, .gguf file, or packaged model: smollm2 (the default) or gemma3-270m."),
     dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 where the hardware has it, else fp32), bf16, fp16 or fp32."),
     device: str | None = typer.Option(None, "--device", help="auto (CUDA, then MPS, else CPU), cpu, cuda, cuda:N or mps, for every node (default: node.device, else auto)."),
@@ -62,6 +63,8 @@ def demo(
 
     if quant not in QUANTS:
         raise UsageError(f"--quant {quant!r}: choose one of {', '.join(QUANTS)}")
+    if kv_cache not in KV_CACHES:
+        raise UsageError(f"--kv-cache {kv_cache!r}: choose one of {', '.join(KV_CACHES)}")
     dev = device_label(chosen_device(device))  # refuse a bad name or a missing device
     torch_dtype = resolve_dtype(dtype, dev)  # ... before starting anything
     from swarm.model.packaged import resolve_model
@@ -73,12 +76,13 @@ def demo(
     spec = parse_draft(draft)  # a bad --draft: exit 2 before anything starts
     asked = "auto" if spec.auto else ("model" if spec.model else spec.kind)  # what the request names
     held = dtype_name(torch_dtype) + ("" if quant == "none" else f", {quant} weights")
+    held += "" if kv_cache == "auto" else f", {kv_cache} KV cache"
     ui.notice(f"starting {nodes} node processes on loopback ({model_dir.name}, {held} on {dev})")
     from swarm.model.weights import open_checkpoint
 
     context = min(context, open_checkpoint(model_dir).args.max_seq_len)  # the model's own maximum caps it
     with start_local_swarm(nodes, model_dir, dtype=dtype, device=dev, draft=draft, delay_ms=delay_ms,
-                           quant=quant, context_tokens=context) as swarm:
+                           quant=quant, context_tokens=context, kv_cache=kv_cache) as swarm:
         try:
             result = trio.run(
                 _run_one, swarm.addrs[-1], swarm.secret, swarm.swarm_id, timeout,

@@ -31,6 +31,7 @@ from swarm.manifest.modelcheck import check_model, describe_model
 from swarm.manifest.pins import check_pin, pinned_issuer, pins_path
 from swarm.manifest.schema import (
     DEFAULT_CONTEXT,
+    KV_CACHES,
     MAX_CONTEXT,
     MIN_CONTEXT,
     QUANTS,
@@ -99,6 +100,9 @@ def create(
         None, "--context", min=MIN_CONTEXT, max=MAX_CONTEXT,
         help=f"The swarm's context in tokens (prompt + output of one generation; default {DEFAULT_CONTEXT}, at most the model's own; --from keeps it).",
     ),
+    kv_cache: str | None = typer.Option(
+        None, "--kv-cache", help="How every peer holds its KV cache: auto (the serving dtype), int8 or fp8 (about half the bytes; fp8 on CUDA sm89+ or a CPU) (default auto; --from keeps it)."
+    ),
     draft: Path | None = typer.Option(
         None, "--draft", help="A draft model checkpoint a coordinator may run (hashed into the invite; --from keeps it)."
     ),
@@ -130,6 +134,8 @@ def create(
         raise UsageError("--client needs --from MEMBER_INVITE (and no --rotate-secret): the client key is derived from that swarm's secret")
     if quant is not None and quant not in QUANTS:
         raise UsageError(f"--quant {quant!r}: choose one of {', '.join(QUANTS)}")
+    if kv_cache is not None and kv_cache not in KV_CACHES:
+        raise UsageError(f"--kv-cache {kv_cache!r}: choose one of {', '.join(KV_CACHES)}")
     identity = load_or_create_identity()
     old = None
     if from_file is not None:
@@ -165,6 +171,7 @@ def create(
         secret=secret,
         quant=quant or (old.quant if old else "none"),
         context=context if context is not None else (old.context if old else None),
+        kv_cache=kv_cache or (old.kv_cache if old else "auto"),
         draft=describe_draft(draft) or (old.draft if old else None),
         **extra,
     )
@@ -267,6 +274,7 @@ def show(
     else:
         rows.append(["model", "(any)"])
     rows.append(["context", f"{m.context_tokens} tokens (at most the model's own)"])
+    rows.append(["kv cache", m.kv_cache if m.kv_cache != "auto" else "auto (the serving dtype)"])
     rows.append(["quant", m.quant if m.quant != "none" else "none (layers in the serving dtype)"])
     rows.append(["draft", f"{m.draft.name} ({len(m.draft.files)} files)" if m.draft else "none named (peers choose: join --draft)"])
     if not m.bootstrap:

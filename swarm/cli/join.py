@@ -206,7 +206,8 @@ def node_settings_of(manifest: Manifest, seed: bytes, listen: list[str], memory:
     return NodeSettings(
         seed=seed, swarm_id=manifest.swarm_id, secret=manifest.secret.value, model_dir=model_dir,
         listen=tuple(listen), bootstrap=tuple(manifest.bootstrap), memory_bytes=memory, dtype=torch_dtype,
-        device=device, quant=manifest.quant, context_tokens=manifest.context_tokens, threads=threads or max(1, (os.cpu_count() or 2)),
+        device=device, quant=manifest.quant, context_tokens=manifest.context_tokens,
+        kv_cache=manifest.kv_cache, threads=threads or max(1, (os.cpu_count() or 2)),
         revoked=frozenset(manifest.revoked), fastpath_host=fastpath_host, relay=relay, mdns=mdns, draft=draft,
     )  # fmt: skip
 

@@ -16,7 +16,7 @@ import typer
 
 from swarm.cli import ui
 from swarm.errors import TokenizerError, UsageError
-from swarm.manifest.schema import QUANTS
+from swarm.manifest.schema import KV_CACHES, QUANTS
 
 if TYPE_CHECKING:  # torch and the model load in the command, so other commands start fast
     import torch
@@ -118,6 +118,7 @@ def run_command(
     receipt: Path | None = typer.Option(None, "--receipt", help="Replay a ring's run receipt (generate --json / demo --json): its prompt ids, length, sampling, drafter and depth; then say whether the output matches."),
     dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 where the hardware has it, else fp32), bf16 or fp32."),
     quant: str = typer.Option("none", "--quant", help="Decoder layers held as none (the dtype), int8, int4 or mxfp4 (MoE experts only) (a ring receipt's quant reproduces it)."),
+    kv_cache: str = typer.Option("auto", "--kv-cache", help="The KV cache held as auto (the dtype), int8 or fp8 (fp8 on CUDA sm89+ or a CPU) (a ring receipt's kv_cache reproduces it)."),
     device: str | None = typer.Option(None, "--device", help="auto (CUDA, then MPS, else CPU), cpu, cuda, cuda:N or mps (default: node.device, else auto)."),
     threads: int | None = typer.Option(None, "--threads", help="torch threads (default: all cores, or measured with --tune)."),
     tune: bool = typer.Option(False, "--tune/--no-tune", help="On a CPU, choose --dtype auto, the threads and the quantized kernels by a start-up measurement cached per machine (opt-in: a measurement taken under load is cached as it is; default: auto = bf16 where native, all cores)."),
@@ -148,10 +149,13 @@ def run_command(
         draft, ring_policy = _replay_draft(dr, draft)
         depth, draft_k = int(dr.get("max_depth", 1)), dr.get("draft_k")
         quant = str(replay.get("quant", "none"))  # how the ring held its layers
+        kv_cache = str(replay.get("kv_cache", "auto"))  # and its KV cache
     if (prompt is None) == (prompt_ids is None):
         raise UsageError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
     if quant not in QUANTS:
         raise UsageError(f"--quant {quant!r}: choose one of {', '.join(QUANTS)}")
+    if kv_cache not in KV_CACHES:
+        raise UsageError(f"--kv-cache {kv_cache!r}: choose one of {', '.join(KV_CACHES)}")
     dev = chosen_device(device)
     torch_dtype = resolve_dtype(dtype, dev)  # by name; checked before anything is loaded
     if threads is not None and threads < 1:
@@ -192,7 +196,7 @@ def run_command(
     torch.set_num_threads(threads or os.cpu_count() or 1)
     with ui.progress(f"loading {name} in {stages} stage(s)") as report:
         lm = LocalModel.load(model_path, stages=stages, dtype=torch_dtype, device=dev, progress=report, quant=quant,
-                             kernel_dtype=kernel_dtype)
+                             kernel_dtype=kernel_dtype, kv_cache=kv_cache)
     tok = _load_tokenizer(model_path)
 
     if prompt_ids is not None:
@@ -241,6 +245,7 @@ def run_command(
         "model": {"name": name, "path": str(model_path), "config_sha256": lm.ckpt.config_sha256},
         "dtype": dtype,
         "quant": quant,
+        "kv_cache": kv_cache,
         "device": dict(zip(("kind", "name"), describe_device(dev), strict=True)),
         "threads": torch.get_num_threads(),
         "kernel": "same" if kernel_dtype is None else dtype_name(kernel_dtype),

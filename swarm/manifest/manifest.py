@@ -10,6 +10,7 @@ An invite is a JSON object (see ``manifests/schema.json`` and ``manifests/README
      "created": unix s, "expires": unix s, "revoked": [peer ID, ...] (optional),
      "quant": "int8" | "int4" (optional; absent means "none"),
      "context": tokens (optional; absent means 8192, capped by the model's own maximum),
+     "kv_cache": "int8" | "fp8" (optional; absent means "auto": the KV cache in the serving dtype),
      "draft": {"name", "config_sha256", "files"} (optional: a draft model the coordinator may run),
      "role": "client", "member_key": b64(32 bytes) (both or neither), "signature": b64}
 
@@ -50,6 +51,7 @@ from swarm.manifest.schema import (
     FORMAT_VERSION,
     HEX32,
     HEX64,
+    KV_CACHES,
     MAX_BOOTSTRAP,
     MAX_CONTEXT,
     MAX_FILES,
@@ -86,6 +88,7 @@ def new_manifest(
     role: str = "member",
     member_key: bytes = b"",
     context: int | None = None,
+    kv_cache: str = "auto",
 ) -> Manifest:
     """A fresh, unsigned manifest with a random swarm ID and secret (unless given: re-issuing)."""
     now = int(time.time()) if now is None else now
@@ -105,6 +108,7 @@ def new_manifest(
         revoked=tuple(revoked),
         quant=quant,
         context=context,
+        kv_cache=kv_cache,
         draft=draft,
         role=role,
         member_key=member_key,
@@ -296,6 +300,9 @@ def _parse_obj(obj: Any, where: str) -> Manifest:
         context = obj["context"]
         if isinstance(context, bool) or not isinstance(context, int) or not MIN_CONTEXT <= context <= MAX_CONTEXT:
             raise r.bad("context", f"{_show(context)} is not a whole number of tokens in {MIN_CONTEXT}..{MAX_CONTEXT}")
+    kv_cache = obj.get("kv_cache", "auto")
+    if "kv_cache" in obj and (not isinstance(kv_cache, str) or kv_cache not in KV_CACHES[1:]):
+        raise r.bad("kv_cache", f"{_show(kv_cache)} is not one of {', '.join(KV_CACHES[1:])} (omit it for auto)")
     role = obj.get("role", "member")
     if "role" in obj and role != "client":
         raise r.bad("role", f"{_show(role)} is not 'client' (omit it for a member invite)")
@@ -320,6 +327,7 @@ def _parse_obj(obj: Any, where: str) -> Manifest:
         version,
         quant=quant,
         context=context,
+        kv_cache=kv_cache,
         draft=draft,
         role=role,
         member_key=member_key,

@@ -43,12 +43,13 @@ FIELDS = {
     "revoked",
     "quant",
     "context",
+    "kv_cache",
     "draft",
     "role",
     "member_key",
     "signature",
 }
-OPTIONAL_FIELDS = {"revoked", "quant", "context", "draft", "role", "member_key", "signature"}
+OPTIONAL_FIELDS = {"revoked", "quant", "context", "kv_cache", "draft", "role", "member_key", "signature"}
 ROLES = ("member", "client")  # "member" is never written (the field is absent)
 # how every peer holds its layers (swarm.model.quant.QUANTS; a test keeps the two equal). "none"
 # is never written, so invites made before the field existed keep their exact bytes and signature.
@@ -57,6 +58,9 @@ QUANTS = ("none", "int8", "int4", "mxfp4")
 # and every request is checked against it. Absent means DEFAULT_CONTEXT (capped by the model's own).
 DEFAULT_CONTEXT = 8192
 MIN_CONTEXT, MAX_CONTEXT = 64, 1 << 20
+# how every peer holds its KV cache (swarm.model.kvcache.KV_FORMATS; a test keeps the two equal):
+# "auto" (the serving dtype, the default, never written), int8 or fp8 with a scale per (token, head)
+KV_CACHES = ("auto", "int8", "fp8")
 
 
 class Reason(enum.Enum):
@@ -146,6 +150,7 @@ class Manifest:
     version: int = FORMAT_VERSION
     quant: str = "none"
     context: int | None = None  # the swarm's context in tokens; None: DEFAULT_CONTEXT
+    kv_cache: str = "auto"  # how every peer holds its KV cache (KV_CACHES)
     # a draft model a coordinator may run (hashed like the model); absent in older invites
     draft: ModelSpec | None = None
     role: str = "member"  # "client": ``secret`` is the client secret, ``member_key`` is set
@@ -182,6 +187,8 @@ class Manifest:
             out["quant"] = self.quant
         if self.context is not None:
             out["context"] = self.context
+        if self.kv_cache != "auto":
+            out["kv_cache"] = self.kv_cache
         if self.draft is not None:
             out["draft"] = self.draft.to_json()
         if self.role != "member":
@@ -215,6 +222,7 @@ class Manifest:
             "revoked": list(self.revoked),
             "quant": self.quant,
             "context": self.context_tokens,
+            "kv_cache": self.kv_cache,
             "draft": None if self.draft is None else self.draft.to_json(),
             "role": self.role,
             "signed": self.signature is not None,

@@ -6,7 +6,8 @@ Files (filled in as the runtime grows; keep this list current):
 - ``families.py`` transformers' own model classes on the meta device: supported architectures,
                   tensor loading through transformers' checkpoint conversion, windows, rotary
 - ``llama_layers.py`` hand-written Llama/Qwen2 layers, kept where a benchmark measured them faster
-- ``kvcache.py``  per-session KV cache (transformers' ``cache.update`` contract), O(1) rollback
+- ``kvcache.py``  per-session KV cache (transformers' ``cache.update`` contract), O(1) rollback;
+                 held in the stage dtype, int8 or fp8 (a scale per token and head: the invite's kv_cache)
 - ``weights.py``  tensor sources: safetensors (single or sharded) and GGUF, read lazily by name
 - ``gguf.py``     GGUF reading (single files and split sets) as a tensor source with HF names
 - ``gguf_archs.py`` llama.cpp architectures -> transformers families: names, transforms, config.json

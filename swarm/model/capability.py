@@ -99,6 +99,20 @@ def dtype_problem(cap: Capability, dtype: torch.dtype, model_type: str | None = 
     return None
 
 
+def kv_format_problem(cap: Capability, kv_cache: str) -> str | None:
+    """Why the KV cache format ``kv_cache`` (swarm.model.kvcache.KV_FORMATS) cannot be held on
+    ``cap`` (None when it can). fp8 (float8_e4m3fn storage) is CUDA sm89+ (Ada, Hopper and later:
+    the GPUs with fp8 hardware; older ones only emulate its casts) and the CPU, where torch's float8
+    casts are plain software conversions that every torch this project supports implements: the
+    cache is half the size there too (its speed is measured in benchmarks/bench_kv_quant.py). MPS
+    has no float8 dtype. int8 and auto are plain torch ops on every device."""
+    if kv_cache != "fp8" or cap.kind in ("cpu", "meta"):
+        return None
+    if cap.kind == "cuda" and cap.sm is not None and cap.sm >= (8, 9):
+        return None
+    return f"an fp8 KV cache needs a CUDA GPU of compute capability 8.9 or later or a CPU, not {cap.label}; use int8"
+
+
 def int8_kernel(cap: Capability, dtype: torch.dtype) -> str:
     """How an int8 weight multiplies: ``int8pack`` (torch's packed kernel) or ``dequant``."""
     if cap.kind == "cpu":

@@ -80,6 +80,7 @@ class LocalModel:
         progress: Callable[[int, int], None] | None = None,
         quant: str = "none",
         kernel_dtype: torch.dtype | None = None,
+        kv_cache: str = "auto",
     ) -> LocalModel:
         ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path)
         blocks = split_layers(ckpt.args.n_layers, stages) if isinstance(stages, int) else list(stages)
@@ -94,7 +95,7 @@ class LocalModel:
         loaded = []
         for a, b in blocks:
             loaded.append(Stage.load(ckpt.args, ckpt.source, a, b, dtype=dtype, device=device, quant=quant,
-                                     kernel_dtype=kernel_dtype))
+                                     kernel_dtype=kernel_dtype, kv_cache=kv_cache))
             done += b - a
             if progress is not None:
                 progress(done, total)

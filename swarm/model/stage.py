@@ -42,8 +42,9 @@ from torch import nn
 
 from swarm.errors import ModelError, WeightsError
 from swarm.model import families, llama_layers, rows
+from swarm.model.capability import kv_format_problem, probe
 from swarm.model.config import ModelArgs
-from swarm.model.kvcache import KVCache
+from swarm.model.kvcache import KVCache, check_kv_format
 from swarm.model.quant import check_quant, linear_paths, quantize_block
 from swarm.model.weights import TensorSource
 
@@ -62,11 +63,14 @@ class Stage(nn.Module):
         dtype: torch.dtype = torch.bfloat16,
         device: str | torch.device = "cpu",
         runtime: str | None = None,
+        kv_cache: str = "auto",
     ) -> None:
         """Build an *unloaded* stage on the meta device; use :meth:`load` to get a usable one.
 
         ``runtime``: "handwritten" or "transformers"; by default the hand-written layers where
-        ``llama_layers.supports`` the config, else transformers'.
+        ``llama_layers.supports`` the config, else transformers'. ``kv_cache``: how every
+        session's KV cache holds keys and values (kvcache.KV_FORMATS; the swarm's invite key):
+        ModelError where the device cannot hold that format (capability.kv_format_problem).
         """
         super().__init__()
         if not (0 <= start < end <= args.n_layers):
@@ -78,6 +82,9 @@ class Stage(nn.Module):
         self.end = end
         self.dtype = dtype
         self.device = torch.device(device)
+        self.kv_cache = check_kv_format(kv_cache)
+        if kv_cache != "auto" and (problem := kv_format_problem(probe(self.device), kv_cache)):
+            raise ModelError(problem)
         handwritten_ok = llama_layers.supports(args.config)
         self.runtime = runtime or ("handwritten" if handwritten_ok else "transformers")
         if self.runtime not in ("handwritten", "transformers") or (self.runtime == "handwritten" and not handwritten_ok):
@@ -117,6 +124,7 @@ class Stage(nn.Module):
         quant: str = "none",
         runtime: str | None = None,
         kernel_dtype: torch.dtype | None = None,
+        kv_cache: str = "auto",
     ) -> Stage:
         """Read only the tensors of layers [start, end) from ``source`` (WeightsError on trouble).
 
@@ -128,7 +136,7 @@ class Stage(nn.Module):
         it is not ``dtype`` (quant.quantize_block; chosen by measurement in autotune.py).
         """
         check_quant(quant)
-        stage = cls(args, start, end, dtype=dtype, device=device, runtime=runtime)
+        stage = cls(args, start, end, dtype=dtype, device=device, runtime=runtime, kv_cache=kv_cache)
         stage.quant = quant
         compact = getattr(source, "compact", None) if quant != "none" else None
         try:
@@ -184,7 +192,7 @@ class Stage(nn.Module):
             raise ModelError(
                 f"max_len {max_len} exceeds the model's max_position_embeddings {self.args.max_seq_len}"
             )
-        self._sessions[session] = KVCache(max_len, dtype=self.dtype, device=self.device)
+        self._sessions[session] = KVCache(max_len, dtype=self.dtype, device=self.device, kv_cache=self.kv_cache)
 
     def close_session(self, session: Hashable) -> None:
         """Free a session's cache; closing an unknown session is a no-op (idempotent)."""

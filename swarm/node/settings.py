@@ -45,6 +45,7 @@ class NodeSettings:
     expect_peers: int = 0  # plan once this many members (us included) are present
     settle_s: float = 3.0
     context_tokens: int = DEFAULT_CONTEXT  # the invite's (the swarm's context); the model's maximum caps it
+    kv_cache: str = "auto"  # the invite's: how every stage holds its KV cache (swarm.model.kvcache)
     draft: str = "ngram"
     chunk_timeout: float = 30.0
     revoked: frozenset[str] = frozenset()
@@ -89,10 +90,13 @@ def plan_memory(memory_bytes: int, dtype: torch.dtype) -> int:
     return memory_bytes * 2 // torch.empty(0, dtype=dtype).element_size()
 
 
-def model_spec(args: ModelArgs, dtype: torch.dtype, context_tokens: int, quant: str = "none") -> ModelSpec:
-    """The planner's view of the model as this node holds it (bytes per layer in ``dtype``)."""
+def model_spec(args: ModelArgs, dtype: torch.dtype, context_tokens: int, quant: str = "none",
+               kv_cache: str = "auto") -> ModelSpec:
+    """The planner's view of the model as this node holds it (bytes per layer in ``dtype``, the
+    KV cache in the swarm's format ``kv_cache``)."""
     import torch
 
+    from swarm.model.kvcache import kv_bytes_per_token_per_layer
     from swarm.model.quant import layer_bytes as quant_layer_bytes
     from swarm.model.quant import layer_bytes_each as quant_layer_bytes_each
 
@@ -101,7 +105,7 @@ def model_spec(args: ModelArgs, dtype: torch.dtype, context_tokens: int, quant: 
         n_layers=args.n_layers,
         layer_bytes=quant_layer_bytes(args, quant, nbytes),
         layer_bytes_each=tuple(quant_layer_bytes_each(args, quant, nbytes)),  # each layer at its own size
-        kv_bytes_per_token_per_layer=args.kv_bytes_per_token_per_layer(nbytes),
+        kv_bytes_per_token_per_layer=kv_bytes_per_token_per_layer(args, kv_cache, nbytes),
         coordinator_bytes=args.head_bytes(nbytes),
         context_tokens=context_tokens,
     )
@@ -119,7 +123,7 @@ def advertised_resources(s: NodeSettings) -> tuple[int, tuple[str, str]]:
     return s.memory_bytes or auto_memory_bytes(device), (kind, s.device_name[:128] or name)
 
 
-_FROM_MANIFEST = ("seed", "swarm_id", "secret", "revoked", "quant", "bootstrap", "context_tokens")
+_FROM_MANIFEST = ("seed", "swarm_id", "secret", "revoked", "quant", "bootstrap", "context_tokens", "kv_cache")
 
 
 def settings_from_mapping(cfg: Mapping[str, Any], *, seed: bytes, manifest: Any) -> NodeSettings:
@@ -150,7 +154,8 @@ def settings_from_mapping(cfg: Mapping[str, Any], *, seed: bytes, manifest: Any)
         kw[name] = v
     return NodeSettings(
         seed=seed, swarm_id=manifest.swarm_id, secret=manifest.secret.value, revoked=frozenset(manifest.revoked),
-        quant=manifest.quant, bootstrap=tuple(manifest.bootstrap), context_tokens=manifest.context_tokens, **kw,
+        quant=manifest.quant, bootstrap=tuple(manifest.bootstrap), context_tokens=manifest.context_tokens,
+        kv_cache=manifest.kv_cache, **kw,
     )  # fmt: skip
 
 

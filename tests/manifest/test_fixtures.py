@@ -56,5 +56,5 @@ def test_quant_names_agree_with_the_runtime() -> None:
 def test_schema_names_the_same_fields() -> None:
     schema = json.loads((ROOT / "schema.json").read_text())
     assert set(schema["properties"]) == FIELDS
-    assert set(schema["required"]) == FIELDS - {"revoked", "quant", "context", "draft", "role", "member_key", "signature"}
+    assert set(schema["required"]) == FIELDS - {"revoked", "quant", "context", "kv_cache", "draft", "role", "member_key", "signature"}
     assert schema["additionalProperties"] is False

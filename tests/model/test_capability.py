@@ -111,7 +111,7 @@ def test_a_node_on_a_pre_ampere_gpu_serves_gemma_in_fp32_and_llama_in_fp16(monke
     from swarm.testing.hf_checkpoints import write_family_checkpoint
 
     manifest = types.SimpleNamespace(swarm_id="s", secret=types.SimpleNamespace(value=b"k" * 32), revoked=(),
-                                     quant="none", bootstrap=(), context_tokens=2048)
+                                     quant="none", bootstrap=(), context_tokens=2048, kv_cache="auto")
     fake_hardware(monkeypatch, cuda=1, sm=[(7, 5)])
     capability._capability.cache_clear()
     try:

@@ -18,8 +18,9 @@ from typing import Any, TypeVar
 import torch
 import trio
 
-from swarm.errors import SwarmError
+from swarm.errors import ModelError, SwarmError
 from swarm.model import rows
+from swarm.model.capability import kv_format_problem, probe
 from swarm.model.config import ModelArgs
 from swarm.model.devices import synchronize
 from swarm.model.quant import quantize_block
@@ -91,7 +92,10 @@ class Models:
         self.dtype: torch.dtype = settings.dtype if settings.dtype is not None else torch.bfloat16
         # the planner's view at 2 bytes a value whatever this node serves: the same on every peer
         # of a mixed ring; an fp32 node advertises its memory in that unit (settings.plan_memory)
-        self.spec = model_spec(self.args, torch.bfloat16, settings.context_tokens, settings.quant)
+        self.spec = model_spec(self.args, torch.bfloat16, settings.context_tokens, settings.quant, settings.kv_cache)
+        problem = kv_format_problem(probe(torch.device(settings.device)), settings.kv_cache)
+        if problem is not None:  # refused at start, before the leader plans a block onto this peer
+            raise ModelError(f"this swarm's invite holds the KV cache as {settings.kv_cache}: {problem}")
         self.tokenizer: Tokenizer | None = None
         self.ms_per_layer = 0.0
         self._stages: dict[tuple[int, int], Stage] = {}
@@ -128,7 +132,8 @@ class Models:
 
         def load() -> Stage:
             memory.check_load(b - a)
-            return Stage.load(self.args, self.ckpt.source, a, b, dtype=self.dtype, device=s.device, quant=s.quant)
+            return Stage.load(self.args, self.ckpt.source, a, b, dtype=self.dtype, device=s.device, quant=s.quant,
+                              kv_cache=s.kv_cache)
 
         try:
             stage = await self.compute.run(load)
