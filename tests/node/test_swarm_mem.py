@@ -49,6 +49,25 @@ async def test_the_smallest_id_leads_plans_and_the_ring_serves(ckpt: Path, refer
         nursery.cancel_scope.cancel()
 
 
+async def test_a_member_that_over_claims_speed_and_memory_holds_layers_but_never_the_coordinator(
+    ckpt: Path, reference: list[int], autojump_clock
+) -> None:  # type: ignore[no-untyped-def]
+    """Issue 27: a member advertising 0.001 ms per layer and room for a million layers (signed
+    claims that nobody measures) was planned as coordinator and sole stage: the role that sees
+    every prompt. The leader now picks the coordinator with such claims held to its own figures
+    (authority.bounded_coordinator); the layers still go where the claims say."""
+    async with trio.open_nursery() as nursery:
+        swarm = MemSwarm(MemNet(), ckpt, nursery, layers=[4, 4, 4, 10**6], ms_per_layer={3: 0.001})
+        await swarm.start_all()
+        plan = await swarm.ready()
+        rogue = swarm.ids[3]
+        assert plan.coordinator != rogue, plan
+        assert rogue in plan.ring  # its layers: placement believes claims (a stage sees no prompt)
+        got = await swarm.generate(1, PROMPT, N_NEW, draft="none")
+        assert got["output_token_ids"] == reference
+        nursery.cancel_scope.cancel()
+
+
 def _killer(swarm: MemSwarm, at: dict[int, object]) -> object:
     """An ``on_tokens`` that does ``at[n]()`` once ``n`` tokens have streamed."""
     seen: list[int] = []

@@ -38,8 +38,9 @@ import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from swarm.errors import Forbidden, ProtocolError
-from swarm.planner import Peer, Plan
+from swarm.errors import Forbidden, PlanningError, ProtocolError
+from swarm.planner import Latency, ModelSpec, Peer, Plan
+from swarm.planner import plan as make_plan
 from swarm.proto.messages import Plan as PlanMsg
 from swarm.proto.signed import verify_plan
 from swarm.proto.signing import peer_id_of
@@ -141,6 +142,104 @@ def bounded_draft_claims(peers: list[Peer], me: str) -> list[Peer]:
         dataclasses.replace(p, draft_ms=max(p.draft_ms, floor)) if p.id != me and p.draft_ms is not None else p
         for p in peers
     ]
+
+
+def role_bounds(peers: list[Peer], me: str) -> tuple[float, int]:
+    """(floor on ms per layer, cap on memory) that other members' claims are held to when they
+    decide the coordinator (:func:`bounded_role_claims`).
+
+    Our own figures are evidence: we measured our ms per layer (runtime.measure_ms_per_layer) and
+    we know what we offer. So nobody else is believed to be faster per layer than we measured
+    ourselves, nor to hold more than we offer; when we have no figure of our own (we hold no
+    layers, or measured nothing), the conservative median of the claims of the members that offer
+    memory stands in: the upper median of the ms per layer (the slower side) and the lower median
+    of the memory (the smaller side). A member that over-claims moves neither our figures nor, while
+    over-claimers are fewer than half, a median."""
+    hosts = [p for p in peers if p.memory_bytes > 0]
+    own = next((p for p in peers if p.id == me), None)
+    speeds = sorted(p.ms_per_layer for p in hosts)
+    mems = sorted(p.memory_bytes for p in hosts)
+    if own is not None and own.ms_per_layer > 0:
+        floor = own.ms_per_layer
+    else:
+        floor = speeds[len(speeds) // 2] if speeds else 0.0
+    if own is not None and own.memory_bytes > 0:
+        cap = own.memory_bytes
+    else:
+        cap = mems[(len(mems) - 1) // 2] if mems else 0
+    return floor, cap
+
+
+def bounded_role_claims(peers: list[Peer], me: str, *, memory_cap: int | None = None) -> list[Peer]:
+    """``peers`` as the coordinator is chosen from them: every other member's claimed ms per layer
+    floored and its claimed memory capped at :func:`role_bounds` (``memory_cap`` overrides the
+    cap: :func:`bounded_coordinator` raises it when the model needs a larger claim believed). A
+    member claiming 0.001 ms per layer and 10 TB looks like one that claims what we measured
+    ourselves; members that claim no better than that keep what they claim. Our own figures are
+    kept as they are."""
+    floor, cap = role_bounds(peers, me)
+    if memory_cap is not None:
+        cap = memory_cap
+    return [
+        p if p.id == me else dataclasses.replace(p, ms_per_layer=max(p.ms_per_layer, floor),
+                                                 memory_bytes=min(p.memory_bytes, cap))
+        for p in peers
+    ]  # fmt: skip
+
+
+def bounded_coordinator(
+    spec: ModelSpec, peers: list[Peer], latency: Latency, me: str, *, previous: Plan | None, epoch: int
+) -> str:
+    """The coordinator the planner chooses when the other members' claims about themselves
+    (signed, but measured by nobody else) are bounded (:func:`bounded_role_claims`): the
+    coordinator sees every prompt, so an absurd claim must not attract it. When the bounded
+    members cannot hold the model, the memory cap is raised to the next larger claim until they
+    can (a claim is believed as far as the model needs it, no further); PlanningError if they
+    cannot even at the largest (then the claims as made cannot hold it either).
+
+    Only the coordinator is chosen this way: the caller then places the layers on the claims as
+    made, with the coordinator pinned to this choice (leader.py). Honest swarms mix a 4090 with a
+    laptop, claims ten times apart, and layers placed as if every member were the median one
+    would run slower on every token; a member that over-claims its way to more layers sees
+    hidden states, not prompts, and a stage that is slower than it claimed is found by its
+    neighbours' timings, not by the plan. The price in an honest swarm: a member faster than the
+    leader measured itself no longer draws the coordinator for its speed alone (it still gets
+    the layers its speed earns; the coordinator may then sit one hop away from them)."""
+    _, cap = role_bounds(peers, me)
+    caps = [cap, *sorted({p.memory_bytes for p in peers if p.id != me and p.memory_bytes > cap})]
+
+    chosen: dict[int, str | None] = {}
+
+    def choose(i: int) -> str | None:
+        if i not in chosen:
+            try:
+                chosen[i] = make_plan(spec, bounded_role_claims(peers, me, memory_cap=caps[i]), latency,
+                                      previous=previous, epoch=epoch).coordinator  # fmt: skip
+            except PlanningError:
+                chosen[i] = None
+        return chosen[i]
+
+    if (got := choose(0)) is not None:
+        return got
+    hi = len(caps) - 1
+    if choose(hi) is None:  # a larger cap only adds memory: if the largest fails, every one does
+        raise PlanningError(_why(spec, peers, latency, previous, epoch))
+    lo = 0  # caps[lo] fails, caps[hi] holds the model: find the smallest cap that does
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if choose(mid) is not None else (mid, hi)
+    got = choose(hi)
+    assert got is not None
+    return got
+
+
+def _why(spec: ModelSpec, peers: list[Peer], latency: Latency, previous: Plan | None, epoch: int) -> str:
+    """The planner's own words for why ``peers`` cannot hold the model (as their claims stand)."""
+    try:
+        make_plan(spec, peers, latency, previous=previous, epoch=epoch)
+    except PlanningError as exc:
+        return str(exc)
+    return "no plan holds the model with the members' claims bounded"
 
 
 def check_epoch_end(ring: set[str], sender: str, epoch: int) -> None:
