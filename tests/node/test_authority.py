@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from swarm.errors import PlanningError, ProtocolError
@@ -355,7 +357,10 @@ def test_claims_of_memory_and_layer_speed_are_bounded_where_they_pick_the_coordi
     bounded = bounded_role_claims([*honest, rogue], "a")
     assert bounded[:3] == honest  # no better than our figures: unchanged
     assert (bounded[3].ms_per_layer, bounded[3].memory_bytes) == (2.0, 4 * GB)
-    assert bounded_coordinator(spec, [*honest, rogue], lat, "a", previous=None, epoch=1) != "z"
+    coord = bounded_coordinator(spec, [*honest, rogue], lat, "a", previous=None, epoch=1)
+    assert coord != "z"
+    pinned = [dataclasses.replace(p, coordinator_ok=p.id == coord) for p in [*honest, rogue]]
+    assert plan(spec, pinned, lat).blocks == {"z": (0, 32)}  # the layers still go where the claims say
     # the claims as made are what an honest swarm is planned by: the same coordinator as before
     assert bounded_coordinator(spec, honest, lat, "a", previous=None, epoch=1) == plan(spec, honest, lat).coordinator
 
@@ -374,6 +379,10 @@ def test_claims_of_memory_and_layer_speed_are_bounded_where_they_pick_the_coordi
     assert bounded_coordinator(spec, [*small, Peer("z", 10_000 * GB, 0.001)], lat2, "a", previous=None, epoch=1) != "z"
     with pytest.raises(PlanningError, match="not enough memory"):
         bounded_coordinator(spec, [Peer("a", GB, 2.0)], lat2, "a", previous=None, epoch=1)
+    # an RTT not measured yet is no reason to believe more: a rogue that claims to hold it all
+    # alone needs no edge; the leader waits for the RTTs instead (PlanningError: "cannot plan yet")
+    with pytest.raises(PlanningError, match="cannot reach each other"):
+        bounded_coordinator(spec, [*honest, rogue], Latency({}), "a", previous=None, epoch=1)
 
 
 def test_an_honest_mixed_swarm_keeps_its_layers_where_the_speed_is() -> None:

@@ -38,8 +38,8 @@ import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from swarm.errors import Forbidden, PlanningError, ProtocolError
-from swarm.planner import Latency, ModelSpec, Peer, Plan
+from swarm.errors import Forbidden, ProtocolError
+from swarm.planner import Latency, ModelSpec, Peer, Plan, fits
 from swarm.planner import plan as make_plan
 from swarm.proto.messages import Plan as PlanMsg
 from swarm.proto.signed import verify_plan
@@ -193,53 +193,34 @@ def bounded_coordinator(
     """The coordinator the planner chooses when the other members' claims about themselves
     (signed, but measured by nobody else) are bounded (:func:`bounded_role_claims`): the
     coordinator sees every prompt, so an absurd claim must not attract it. When the bounded
-    members cannot hold the model, the memory cap is raised to the next larger claim until they
-    can (a claim is believed as far as the model needs it, no further); PlanningError if they
-    cannot even at the largest (then the claims as made cannot hold it either).
+    members' memory cannot hold the model, the memory cap is raised to the smallest larger claim
+    with which it can (a claim is believed as far as the model needs it, no further); never for
+    want of an RTT. PlanningError (the planner's) when no plan can be made yet.
 
     Only the coordinator is chosen this way: the caller then places the layers on the claims as
     made, with the coordinator pinned to this choice (leader.py). Honest swarms mix a 4090 with a
     laptop, claims ten times apart, and layers placed as if every member were the median one
     would run slower on every token; a member that over-claims its way to more layers sees
-    hidden states, not prompts, and a stage that is slower than it claimed is found by its
-    neighbours' timings, not by the plan. The price in an honest swarm: a member faster than the
+    hidden states, not prompts. The price in an honest swarm: a member faster than the
     leader measured itself no longer draws the coordinator for its speed alone (it still gets
     the layers its speed earns; the coordinator may then sit one hop away from them)."""
     _, cap = role_bounds(peers, me)
+
+    def bounded(c: int) -> list[Peer]:
+        return bounded_role_claims(peers, me, memory_cap=c)
+
     caps = [cap, *sorted({p.memory_bytes for p in peers if p.id != me and p.memory_bytes > cap})]
-
-    chosen: dict[int, str | None] = {}
-
-    def choose(i: int) -> str | None:
-        if i not in chosen:
-            try:
-                chosen[i] = make_plan(spec, bounded_role_claims(peers, me, memory_cap=caps[i]), latency,
-                                      previous=previous, epoch=epoch).coordinator  # fmt: skip
-            except PlanningError:
-                chosen[i] = None
-        return chosen[i]
-
-    if (got := choose(0)) is not None:
-        return got
-    hi = len(caps) - 1
-    if choose(hi) is None:  # a larger cap only adds memory: if the largest fails, every one does
-        raise PlanningError(_why(spec, peers, latency, previous, epoch))
-    lo = 0  # caps[lo] fails, caps[hi] holds the model: find the smallest cap that does
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if choose(mid) is not None else (mid, hi)
-    got = choose(hi)
-    assert got is not None
-    return got
-
-
-def _why(spec: ModelSpec, peers: list[Peer], latency: Latency, previous: Plan | None, epoch: int) -> str:
-    """The planner's own words for why ``peers`` cannot hold the model (as their claims stand)."""
-    try:
-        make_plan(spec, peers, latency, previous=previous, epoch=epoch)
-    except PlanningError as exc:
-        return str(exc)
-    return "no plan holds the model with the members' claims bounded"
+    if not fits(spec, bounded(caps[0])):
+        # memory, not reachability, is short: find the smallest cap that holds the model (a
+        # larger cap only adds memory; the largest is the claims as made, and the planner's
+        # message then says what is missing). An RTT not measured yet never raises the cap: a
+        # rogue that claims to hold everything alone needs no edge, and would win every wait.
+        lo, hi = 0, len(caps) - 1
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if fits(spec, bounded(caps[mid])) else (mid, hi)
+        cap = caps[hi]
+    return make_plan(spec, bounded(cap), latency, previous=previous, epoch=epoch).coordinator
 
 
 def check_epoch_end(ring: set[str], sender: str, epoch: int) -> None:
