@@ -150,6 +150,7 @@ async def open_peer(
             on_stall=lambda gap: peer.serving.recovery.stalled(gap) if peer and peer.serving else None,
         )  # fmt: skip
         view = MemberView(identity.peer_id, service, host)
+        membership.guard_book(pinned=lambda: _pinned(view, peer))
         loopwatch = LoopWatch()
         async with trio.open_nursery() as nursery:
             peer = Peer(s, identity, host, service, view, notices, loopwatch)
@@ -190,6 +191,17 @@ async def run_peer(
     async with open_peer(settings, **kw) as peer:
         task_status.started(peer)
         await trio.sleep_forever()
+
+
+def _pinned(view: MemberView, peer: Peer | None) -> set[str]:
+    """Members whose adverts a connected newcomer never evicts from a full advert book
+    (membership.py): our leader, and the coordinator and stages of the plan we serve or last
+    served (a plan's members must stay in every member's view, or a re-plan would drop them)."""
+    out = {view.leader()}
+    ep = peer.serving.epochs.current if peer is not None and peer.serving is not None else None
+    if ep is not None:
+        out |= {ep.plan.coordinator, *ep.plan.ring}
+    return out
 
 
 def _member_event(peer: Peer | None, ev: MemberEvent) -> None:

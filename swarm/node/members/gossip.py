@@ -112,6 +112,8 @@ class MembershipService:
         self.liveness = liveness or Liveness()
         self.liveness._on_transition = self._on_transition
         self.liveness.on_stall = on_stall
+        # a full advert book makes room for a connected newcomer by the peer heard from least recently
+        membership.guard_book(last_heard=self.liveness.detector.last_heard)
         self._on_event = on_event
         self._outboxes: dict[str, trio.MemorySendChannel[Frame]] = {}
         self._links: dict[str, trio.CancelScope] = {}
@@ -332,6 +334,9 @@ class MembershipService:
     def _age_candidates(self, now: float) -> None:
         """Forget adverts whose peer never connected, and learned addresses (adverts, mDNS) not
         useful for CANDIDATE_TTL_S; a bootstrap or --peer address is kept for good."""
+        for peer in self.membership.unconfirmed():
+            if self.host.is_admitted(peer):  # its advert came before its admission was known here
+                self.membership.confirm(peer)
         for peer in self.membership.expire(now):
             log.info("forgot the advert of %s: it never connected", peer)
         for cand in list(self._candidates.values()):
