@@ -6,6 +6,8 @@ benchmarks) and the in-memory tests all call :func:`open_peer` (or :func:`run_pe
 model's time per layer, opens the host (a real libp2p host, or the one ``open_host`` gives, such
 as ``swarm.testing.memnet``'s), starts membership, and (unless the peer holds no model) the
 serving components (serving.py); the UI hears through :class:`~swarm.node.notices.Hooks`.
+It also tells membership which adverts a full book must keep (:func:`_pinned`: the leader and
+the plan's members, issue 27).
 
 Theory of the tree: one nursery holds the host's tasks, membership (links, heartbeats, gossip,
 dialing), the loop watch, the fast path, discovery and the leader loop; every epoch's tasks run

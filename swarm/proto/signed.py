@@ -3,7 +3,9 @@
 An advert is signed over ``"shard-swarm/advert/1" \\0 canonical_json(advert.body())``: the swarm ID
 and sequence number are inside the signed body, so an advert can be replayed neither into another
 swarm nor (thanks to :class:`AdvertBook`) after a newer one. Its ``peer_id`` must be the peer ID
-of its ``public_key``, so a member cannot publish under another member's name.
+of its ``public_key``, so a member cannot publish under another member's name. The book is
+bounded: made-up identities expire and give way, and a connected newcomer takes the place of the
+connected peer heard from least recently, never a pinned one (the owner's plan and leader).
 """
 
 from __future__ import annotations

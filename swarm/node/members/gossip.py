@@ -11,6 +11,9 @@ member and dials it (the lower peer ID dials first; either dials after a grace p
 failure detector declares a peer lost, its advert is dropped and its connection closed; if it
 comes back it is admitted again and rejoins as a new incarnation.
 
+The advert book is bounded (membership.py); when it is full, a connected newcomer evicts the
+peer this service's failure detector heard from least recently (``Membership.guard_book``).
+
 Discovery hooks: :meth:`MembershipService.add_candidate` takes a dialable multiaddr from any
 source (mDNS, a relay, the manifest's bootstrap list); wildcard addresses and our own peer ID are
 never dialed. A circuit address (``<relay>/p2p-circuit/p2p/<peer>``) names the peer last.

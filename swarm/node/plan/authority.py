@@ -30,6 +30,12 @@ accuser is the coordinator (benching it would fail every generation it holds, an
 already sees and could spoil every session), it benches the accused alone; but an accuser whose
 earlier lone claim was never confirmed is benched instead of its next victim. Framing therefore costs the framer its own place, and in the worst case
 (a swarm that cannot spare two peers) one peer per EXCLUDE_S.
+
+What a member says about itself (memory, ms per layer, a draft's ms per token) is signed but
+measured by nobody else. Where it decides the coordinator, the role that sees every prompt, it
+is bounded first: ``bounded_draft_claims`` (draft speed) and ``bounded_coordinator`` (memory and
+ms per layer, held to the leader's own figures or the claims' conservative medians). Layers are
+still placed on the claims as made (leader.py, and SECURITY.md "What remains trust among friends").
 """
 
 from __future__ import annotations

@@ -27,6 +27,10 @@ that sees no new plan within NUDGE_AFTER_S tells the leader which epoch ended (`
 recovery.py): a leader that finds it is behind catches up the same way, so the swarm never waits
 on it forever.
 
+The coordinator of a fresh plan is chosen with the other members' claims about memory, speed
+and drafts bounded (authority.py: a claim nobody measured must not draw the role that sees every
+prompt); the layers are then placed on the claims as made, with that coordinator pinned.
+
 We chose leader-signs-and-distributes over "everyone computes the plan from one snapshot": RTTs
 are measured by each peer and change all the time, so identical snapshots would need a consensus
 round anyway; with a leader, a plan is computed once and every peer can check who signed it.
