@@ -6,6 +6,8 @@ benchmarks) and the in-memory tests all call :func:`open_peer` (or :func:`run_pe
 model's time per layer, opens the host (a real libp2p host, or the one ``open_host`` gives, such
 as ``swarm.testing.memnet``'s), starts membership, and (unless the peer holds no model) the
 serving components (serving.py); the UI hears through :class:`~swarm.node.notices.Hooks`.
+It also tells membership which adverts a full book must keep (:func:`_pinned`: the leader and
+the plan's members, issue 27).
 
 Theory of the tree: one nursery holds the host's tasks, membership (links, heartbeats, gossip,
 dialing), the loop watch, the fast path, discovery and the leader loop; every epoch's tasks run
@@ -150,6 +152,7 @@ async def open_peer(
             on_stall=lambda gap: peer.serving.recovery.stalled(gap) if peer and peer.serving else None,
         )  # fmt: skip
         view = MemberView(identity.peer_id, service, host)
+        membership.guard_book(pinned=lambda: _pinned(view, peer))
         loopwatch = LoopWatch()
         async with trio.open_nursery() as nursery:
             peer = Peer(s, identity, host, service, view, notices, loopwatch)
@@ -190,6 +193,17 @@ async def run_peer(
     async with open_peer(settings, **kw) as peer:
         task_status.started(peer)
         await trio.sleep_forever()
+
+
+def _pinned(view: MemberView, peer: Peer | None) -> set[str]:
+    """Members whose adverts a connected newcomer never evicts from a full advert book
+    (membership.py): our leader, and the coordinator and stages of the plan we serve or last
+    served (a plan's members must stay in every member's view, or a re-plan would drop them)."""
+    out = {view.leader()}
+    ep = peer.serving.epochs.current if peer is not None and peer.serving is not None else None
+    if ep is not None:
+        out |= {ep.plan.coordinator, *ep.plan.ring}
+    return out
 
 
 def _member_event(peer: Peer | None, ev: MemberEvent) -> None:

@@ -9,14 +9,15 @@ same plan.
                  exact counts for a ring order when layers differ in size (allocate_exact)
     search.py    coordinator + subset + ring order: exact Held-Karp up to 10 peers, local search beyond
     sticky.py    re-planning after loss or join that keeps survivors' blocks; layers moved
-    planner.py   plan(): the entry point, with the error messages and the "fewer peers" note
+    planner.py   plan(): the entry point, with the error messages and the "fewer peers" note;
+                 fits(): whether the peers' memory holds the model at all
     peersfile.py the peers-file JSON format (the one a running swarm exports) -> peers + latencies
     examples/    friends.json: five machines' peers file to try `shard-swarm plan --peers` on
 """
 
 from swarm.planner.peersfile import PeersFile, dump_peers_file, parse_peers_file
 from swarm.planner.plan import Plan
-from swarm.planner.planner import plan
+from swarm.planner.planner import fits, plan
 from swarm.planner.spec import GB, Latency, ModelSpec, Peer
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "PeersFile",
     "Plan",
     "dump_peers_file",
+    "fits",
     "parse_peers_file",
     "plan",
 ]

@@ -52,7 +52,7 @@ def plan(
     try:
         best = _plan(spec, peers, rtt_ms, **kw)  # type: ignore[arg-type]
     except PlanningError:
-        if _fits(spec, peers):
+        if fits(spec, peers):
             raise  # not for want of memory (an RTT not measured yet): the caller tries again later
         # no room for a draft where a coordinator must be: coordinate without one
         bare = [dataclasses.replace(p, draft_ms=None, draft_bytes=0) for p in peers]
@@ -76,7 +76,7 @@ def plan(
     return dataclasses.replace(alt, draft=True, note=f"{alt.note}; {why}" if alt.note else why)
 
 
-def _fits(spec: ModelSpec, peers: Sequence[Peer]) -> bool:
+def fits(spec: ModelSpec, peers: Sequence[Peer]) -> bool:
     """Whether the peers' memory holds the model (coordinators with their drafts), reachability aside."""
     try:
         _check_memory(Ctx.build(spec, peers, Latency({})))

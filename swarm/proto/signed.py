@@ -3,12 +3,16 @@
 An advert is signed over ``"shard-swarm/advert/1" \\0 canonical_json(advert.body())``: the swarm ID
 and sequence number are inside the signed body, so an advert can be replayed neither into another
 swarm nor (thanks to :class:`AdvertBook`) after a newer one. Its ``peer_id`` must be the peer ID
-of its ``public_key``, so a member cannot publish under another member's name.
+of its ``public_key``, so a member cannot publish under another member's name. The book is
+bounded: made-up identities expire and give way, and a connected newcomer takes the place of the
+connected peer heard from least recently, never a pinned one (the owner's plan and leader).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Callable, Collection
 from typing import Any
 
 from swarm.errors import ProtocolError
@@ -52,25 +56,37 @@ class AdvertBook:
     Any member can sign adverts for identities it makes up, so the book is bounded (``max_peers``)
     and an entry is *unconfirmed* until its peer connects to us (``connected=True`` on offer, or
     :meth:`confirm`). Unconfirmed entries expire after ``unconfirmed_ttl`` (:meth:`expire`), and
-    when the book is full a newcomer's advert evicts the oldest unconfirmed one: made-up peers
-    never connect, so they can neither stay nor lock a genuine newcomer out (a genuine peer's
-    advert arrives on its own link, confirmed). Times are the caller's clock (``now``).
+    when the book is full a newcomer's advert evicts the oldest unconfirmed one that is not
+    pinned: made-up peers never connect, so they can neither stay nor lock a genuine newcomer out
+    (a genuine peer's advert arrives on its own link, confirmed).
+
+    A member holding the secret can also connect ``max_peers`` real identities. So when the book
+    is full of connected peers, a newcomer that is connected itself evicts the connected entry
+    heard from least recently (``last_heard``: the failure detector's clock, gossip.py; without
+    it, when the entry's advert was last offered) that is not ``pinned`` (the owner names them:
+    the members of the plan it serves and its leader, membership.py). An advert of a peer not
+    connected to us still evicts no connected entry (nor a pinned one), and a book full of pinned
+    peers refuses every newcomer. Times are the caller's clock (``now``).
     """
 
     def __init__(
         self, swarm_id: str, revoked: frozenset[str] = frozenset(), *, max_peers: int = DEFAULT_LIMITS.max_peers,
-        unconfirmed_ttl: float = UNCONFIRMED_TTL_S,
+        unconfirmed_ttl: float = UNCONFIRMED_TTL_S, pinned: Callable[[], Collection[str]] = frozenset,
+        last_heard: Callable[[str], float | None] | None = None,
     ) -> None:  # fmt: skip
         self.swarm_id = swarm_id
         self.revoked = revoked
         self.max_peers = max_peers
         self.unconfirmed_ttl = unconfirmed_ttl
+        self.pinned = pinned  # peers whose entries a connected newcomer never evicts (asked only when full)
+        self.last_heard = last_heard  # when a peer was last heard (None: never); default: its last offer
         self._latest: dict[str, Advert] = {}
         self._unconfirmed: dict[str, float] = {}  # peer -> when its first advert was taken
+        self._offered: dict[str, float] = {}  # peer -> when its advert was last offered (or confirmed)
 
     def offer(self, advert: Advert, *, now: float = 0.0, connected: bool = True) -> bool:
         """Verify and keep ``advert``; False for a stale or repeated sequence number (ignored);
-        ProtocolError for a forged one, a revoked peer, or a full book of confirmed peers.
+        ProtocolError for a forged one, a revoked peer, or a full book that it may not make room in.
         ``connected``: its peer is connected to us (else the entry is unconfirmed)."""
         verify_advert(advert, self.swarm_id)
         peer = advert.peer_id
@@ -80,12 +96,20 @@ class AdvertBook:
         if old is not None and advert.seq <= old.seq:
             if connected:
                 self._unconfirmed.pop(peer, None)
+                self._offered[peer] = now
             return False
         if old is None and len(self._latest) >= self.max_peers:
             self.expire(now)
             if len(self._latest) >= self.max_peers and not self._evict_oldest_unconfirmed():
-                raise ProtocolError(f"advert from {peer}: {self.max_peers} connected peers known (limit max_peers)")
+                if not connected:
+                    raise ProtocolError(
+                        f"advert from {peer}, which is not connected here: {self.max_peers} connected or "
+                        "pinned peers known (limit max_peers)"
+                    )
+                if not self._evict_least_recently_heard():
+                    raise ProtocolError(f"advert from {peer}: {self.max_peers} pinned peers known (limit max_peers)")
         self._latest[peer] = advert
+        self._offered[peer] = now
         if connected:
             self._unconfirmed.pop(peer, None)
         elif old is None:
@@ -93,15 +117,32 @@ class AdvertBook:
         return True
 
     def _evict_oldest_unconfirmed(self) -> bool:
-        if not self._unconfirmed:
+        pinned = set(self.pinned()) if self._unconfirmed else set()
+        spare = [p for p in self._unconfirmed if p not in pinned]
+        if not spare:
             return False
-        oldest = min(self._unconfirmed, key=self._unconfirmed.__getitem__)
-        self.forget(oldest)
+        self.forget(min(spare, key=lambda p: (self._unconfirmed[p], p)))
         return True
 
-    def confirm(self, peer_id: str) -> None:
-        """``peer_id`` connected to us: its entry no longer expires."""
+    def _evict_least_recently_heard(self) -> bool:
+        """Forget the connected entry heard from least recently that is not pinned (ties: the
+        smallest ID); False if every entry is pinned."""
+        pinned = set(self.pinned())
+        heard = self.last_heard
+        if heard is not None:
+            when = {p: heard(p) for p in self._latest if p not in pinned}
+        else:
+            when = {p: self._offered.get(p) for p in self._latest if p not in pinned}
+        if not when:
+            return False
+        self.forget(min(when, key=lambda p: (-math.inf if when[p] is None else when[p], p)))
+        return True
+
+    def confirm(self, peer_id: str, now: float | None = None) -> None:
+        """``peer_id`` connected to us: its entry no longer expires (and, with ``now``, it was heard)."""
         self._unconfirmed.pop(peer_id, None)
+        if now is not None and peer_id in self._latest:
+            self._offered[peer_id] = now
 
     def expire(self, now: float) -> list[str]:
         """Forget unconfirmed entries older than ``unconfirmed_ttl``; the peers forgotten."""
@@ -119,6 +160,7 @@ class AdvertBook:
     def forget(self, peer_id: str) -> None:
         self._latest.pop(peer_id, None)
         self._unconfirmed.pop(peer_id, None)
+        self._offered.pop(peer_id, None)
 
     def peers(self) -> dict[str, Advert]:
         return dict(self._latest)

@@ -51,6 +51,7 @@ class MemSwarm:
     layers: list[int]
     chunk_timeout: float = 3.0
     overrides: dict[int, dict[str, Any]] = field(default_factory=dict)  # NodeSettings fields, per node
+    ms_per_layer: dict[int, float] = field(default_factory=dict)  # what node i advertises (default 0.05)
     seeds: list[bytes] = field(default_factory=list)
     peers: dict[int, Peer] = field(default_factory=dict)
     scopes: dict[int, trio.CancelScope] = field(default_factory=dict)
@@ -91,7 +92,7 @@ class MemSwarm:
             self.scopes[i] = scope
             await run_peer(
                 self.settings(i), hooks=hooks, open_host=self.net.opener(), compute=Compute(threads=False),
-                ms_per_layer=0.05, clock=self.net.clock(self.ids[i]), task_status=task_status,
+                ms_per_layer=self.ms_per_layer.get(i, 0.05), clock=self.net.clock(self.ids[i]), task_status=task_status,
             )  # fmt: skip
 
     async def start_all(self) -> None:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from swarm.errors import ProtocolError
+from swarm.errors import PlanningError, ProtocolError
 from swarm.node.plan.authority import (
     MAX_EPOCH_STEP,
     FaultClaims,
@@ -334,3 +336,66 @@ async def test_a_replan_that_moves_our_block_lets_go_of_the_old_one_before_loadi
     assert models.alive_at_load == [[], []]  # [0, 3) was gone when [3, 6) loaded
     assert epochs.previous is not None and epochs.previous.stage is None
     assert epochs.current is not None and (epochs.current.stage.start, epochs.current.stage.end) == (3, 6)
+
+
+def test_claims_of_memory_and_layer_speed_are_bounded_where_they_pick_the_coordinator() -> None:
+    """Issue 27: memory and ms per layer are signed claims nobody else measures, and through the
+    planner's predicted speed an absurd one (0.001 ms per layer, 10 TB) drew the coordinator to
+    its claimant. They are now held to the leader's own figures (its measured ms per layer, the
+    memory it offers) or, without them, to the conservative medians of the claims, for the
+    choice of coordinator only; claims no better than that are left as they are."""
+    from swarm.node.plan.authority import bounded_coordinator, bounded_role_claims, role_bounds
+    from swarm.planner import GB, Latency, ModelSpec, Peer, plan
+
+    spec = ModelSpec(n_layers=32, layer_bytes=GB // 4, coordinator_bytes=GB)
+    ids = ["a", "b", "c", "z"]
+    lat = Latency({x: {y: 0.5 for y in ids if y != x} for x in ids})
+    honest = [Peer("a", 4 * GB, 2.0), Peer("b", 4 * GB, 2.0), Peer("c", 4 * GB, 2.1)]
+    rogue = Peer("z", 10_000 * GB, 0.001)
+    assert plan(spec, [*honest, rogue], lat).coordinator == "z"  # the claim alone took it
+    assert role_bounds([*honest, rogue], "a") == (2.0, 4 * GB)  # ours: measured, offered
+    bounded = bounded_role_claims([*honest, rogue], "a")
+    assert bounded[:3] == honest  # no better than our figures: unchanged
+    assert (bounded[3].ms_per_layer, bounded[3].memory_bytes) == (2.0, 4 * GB)
+    coord = bounded_coordinator(spec, [*honest, rogue], lat, "a", previous=None, epoch=1)
+    assert coord != "z"
+    pinned = [dataclasses.replace(p, coordinator_ok=p.id == coord) for p in [*honest, rogue]]
+    assert plan(spec, pinned, lat).blocks == {"z": (0, 32)}  # the layers still go where the claims say
+    # the claims as made are what an honest swarm is planned by: the same coordinator as before
+    assert bounded_coordinator(spec, honest, lat, "a", previous=None, epoch=1) == plan(spec, honest, lat).coordinator
+
+    # without figures of our own (we offer no memory, measured nothing), the medians bound them:
+    # the upper median of ms per layer, the lower median of memory
+    us = Peer("a", 0, 0.0)
+    assert role_bounds([us, *honest[1:], rogue], "a") == (2.0, 4 * GB)  # of 0.001, 2.0, 2.1 ms; 4, 4, 10^4 GB
+    assert role_bounds([us, honest[1], rogue], "a") == (2.0, 4 * GB)  # of two: the honest one's
+
+    # a claim is believed as far as the model needs it: 32 layers need a 9 GB claim believed
+    # (the others offer 4 GB), so the cap rises to the smallest claim that holds the model, not 10 TB
+    big = Peer("g", 9 * GB, 0.5)
+    lat2 = Latency({x: {y: 0.5 for y in "agz" if y != x} for x in "agz"})
+    small = [Peer("a", 3 * GB, 2.0), big]
+    assert bounded_coordinator(spec, small, lat2, "a", previous=None, epoch=1) == plan(spec, small, lat2).coordinator
+    assert bounded_coordinator(spec, [*small, Peer("z", 10_000 * GB, 0.001)], lat2, "a", previous=None, epoch=1) != "z"
+    with pytest.raises(PlanningError, match="not enough memory"):
+        bounded_coordinator(spec, [Peer("a", GB, 2.0)], lat2, "a", previous=None, epoch=1)
+    # an RTT not measured yet is no reason to believe more: a rogue that claims to hold it all
+    # alone needs no edge; the leader waits for the RTTs instead (PlanningError: "cannot plan yet")
+    with pytest.raises(PlanningError, match="cannot reach each other"):
+        bounded_coordinator(spec, [*honest, rogue], Latency({}), "a", previous=None, epoch=1)
+
+
+def test_an_honest_mixed_swarm_keeps_its_layers_where_the_speed_is() -> None:
+    """The bound picks the coordinator only: a 4090 next to the leader's laptop (claims ten
+    times apart) still holds the layers its speed earns; the coordinator may sit one hop away."""
+    from swarm.node.plan.authority import bounded_coordinator
+    from swarm.planner import GB, Latency, ModelSpec, Peer, plan
+
+    spec = ModelSpec(n_layers=32, layer_bytes=GB // 4, coordinator_bytes=GB)
+    lat = Latency({"a": {"g": 0.5}, "g": {"a": 0.5}})
+    peers = [Peer("a", 8 * GB, 10.0), Peer("g", 24 * GB, 1.0)]
+    coord = bounded_coordinator(spec, peers, lat, "a", previous=None, epoch=1)
+    pinned = [Peer(p.id, p.memory_bytes, p.ms_per_layer, coordinator_ok=p.id == coord) for p in peers]
+    got = plan(spec, pinned, lat)
+    assert got.blocks == {"g": (0, 32)}  # every layer on the fast machine
+    assert got.predicted_compute_ms == plan(spec, peers, lat).predicted_compute_ms

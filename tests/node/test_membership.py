@@ -66,6 +66,39 @@ def test_view_keeps_latest_valid_advert_and_ignores_stale_and_forged() -> None:
     assert list(a.view()) == [IDS[0].peer_id]
 
 
+def test_real_identities_filling_the_view_no_longer_lock_a_newcomer_out() -> None:
+    """Issue 27: 256 real connected identities (one member holding the secret) filled every
+    node's view and no newcomer could get in. A connected newcomer now takes the place of the
+    peer the failure detector heard from least recently, never a member of the plan or the
+    leader; an advert of a peer that never connected here takes nobody's place."""
+    from swarm.proto.limits import DEFAULT_LIMITS
+
+    me = _m(0)
+    heard: dict[str, float] = {}
+    honest = [_m(1), _m(2)]  # the plan's coordinator and stage; IDS[3] leads
+    leader = Membership(IDS[3], SWARM, device=("cpu", "x"), first_seq=1)
+    me.guard_book(pinned=lambda: {leader.peer_id, *(m.peer_id for m in honest)}, last_heard=heard.get)
+    for t, m in enumerate([*honest, leader]):
+        assert me.offer(m.local, now=float(t), connected=True)
+        heard[m.peer_id] = float(t)  # heard from before anyone else
+    sybils = [Membership(Identity(bytes([7, i % 256, i // 256]) + bytes(29)), SWARM, device=("cpu", "x"), first_seq=1)
+              for i in range(DEFAULT_LIMITS.max_peers - 3)]  # fmt: skip
+    for t, m in enumerate(sybils):
+        assert me.offer(m.local, now=10.0 + t, connected=True)
+        heard[m.peer_id] = 10.0 + t
+    assert len(me.view()) == DEFAULT_LIMITS.max_peers + 1  # the book is full (we are not in it)
+    made_up = Membership(Identity(b"m" * 32), SWARM, device=("cpu", "x"), first_seq=1)
+    with pytest.raises(ProtocolError, match="not connected here"):
+        me.offer(made_up.local, now=500.0, connected=False)
+    newcomer = Membership(Identity(b"n" * 32), SWARM, device=("cpu", "x"), first_seq=1)
+    assert me.offer(newcomer.local, now=500.0, connected=True)
+    view = me.view()
+    assert newcomer.peer_id in view and made_up.peer_id not in view
+    assert sybils[0].peer_id not in view  # the one heard from least recently, not the plan's
+    assert {leader.peer_id, *(m.peer_id for m in honest)} <= set(view)
+    assert len(view) == DEFAULT_LIMITS.max_peers + 1
+
+
 def test_peers_file_export_is_what_the_planner_reads() -> None:
     a, b = _m(0), _m(1)
     a.update_local(rtt_ms={IDS[1].peer_id: 3.0, "someone-gone": 9.0})

@@ -49,6 +49,71 @@ async def test_the_smallest_id_leads_plans_and_the_ring_serves(ckpt: Path, refer
         nursery.cancel_scope.cancel()
 
 
+async def test_a_member_that_over_claims_speed_and_memory_holds_layers_but_never_the_coordinator(
+    ckpt: Path, reference: list[int], autojump_clock
+) -> None:  # type: ignore[no-untyped-def]
+    """Issue 27: a member advertising 0.001 ms per layer and room for a million layers (signed
+    claims that nobody measures) was planned as coordinator and sole stage: the role that sees
+    every prompt. The leader now picks the coordinator with such claims held to its own figures
+    (authority.bounded_coordinator); the layers still go where the claims say (test_authority)."""
+    async with trio.open_nursery() as nursery:
+        swarm = MemSwarm(MemNet(), ckpt, nursery, layers=[4, 4, 4, 10**6], ms_per_layer={3: 0.001})
+        await swarm.start_all()
+        plan = await swarm.ready()
+        rogue = swarm.ids[3]
+        assert plan.coordinator != rogue, plan  # (the layers it may hold: a stage sees no prompt)
+        got = await swarm.generate(1, PROMPT, N_NEW, draft="none")
+        assert got["output_token_ids"] == reference
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_view_full_of_real_identities_takes_a_newcomer_and_keeps_the_plans_members(
+    ckpt: Path, autojump_clock
+) -> None:  # type: ignore[no-untyped-def]
+    """Issue 27: 256 connected identities (a member holding the secret) filled a node's advert
+    book and locked every newcomer out. On a serving node, a connected newcomer now takes the
+    place of the entry heard from least recently, but never the leader's or a plan member's,
+    however stale the failure detector finds them (node/peer.py pins them); an advert of a peer
+    that never connected takes nobody's place."""
+    from swarm.node.members.membership import Membership
+    from swarm.proto.limits import DEFAULT_LIMITS
+    from swarm.testing.memswarm import SWARM_ID
+
+    async with trio.open_nursery() as nursery:
+        swarm = MemSwarm(MemNet(), ckpt, nursery, layers=[4, 4, 4])
+        await swarm.start_all()
+        plan = await swarm.ready()
+        node = swarm.peers[1]
+        membership, detector = node.service.membership, node.service.liveness.detector
+        await swarm.until(lambda: len(membership.view()) == 3 and not membership.unconfirmed(), 20, "all connected")
+        pinned = {swarm.ids[0], plan.coordinator, *plan.ring} - {node.peer_id}
+        now = trio.current_time()
+        for i in range(DEFAULT_LIMITS.max_peers - (len(membership.view()) - 1)):
+            sybil = Membership(Identity(bytes([9, i]) + bytes(30)), SWARM_ID, device=("cpu", "x"), first_seq=1)
+            assert membership.offer(sybil.local, now=now, connected=True)
+        for p in membership.view():
+            if p not in pinned:  # every other entry heard from after the plan's members: they are the stalest
+                detector.heard(p, now + 100.0)
+        made_up = Membership(Identity(b"m" * 32), SWARM_ID, device=("cpu", "x"), first_seq=1)
+        assert not _takes(membership, made_up.local, now, connected=False)
+        newcomer = Membership(Identity(b"n" * 32), SWARM_ID, device=("cpu", "x"), first_seq=1)
+        assert _takes(membership, newcomer.local, now, connected=True)
+        view = membership.view()
+        assert newcomer.peer_id in view and made_up.peer_id not in view
+        assert pinned and pinned <= set(view)  # the leader and the plan's members
+        assert len(view) == DEFAULT_LIMITS.max_peers + 1
+        nursery.cancel_scope.cancel()
+
+
+def _takes(membership: object, advert: object, now: float, *, connected: bool) -> bool:
+    from swarm.errors import ProtocolError
+
+    try:
+        return membership.offer(advert, now=now, connected=connected)  # type: ignore[attr-defined, no-any-return]
+    except ProtocolError:
+        return False
+
+
 def _killer(swarm: MemSwarm, at: dict[int, object]) -> object:
     """An ``on_tokens`` that does ``at[n]()`` once ``n`` tokens have streamed."""
     seen: list[int] = []

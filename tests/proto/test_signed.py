@@ -134,7 +134,7 @@ def test_book_is_bounded_against_made_up_identities() -> None:
     assert book.offer(_advert(ALICE)) and book.offer(_advert(MALLORY))
     stranger = Identity(hashlib.sha256(b"stranger").digest())
     with pytest.raises(ProtocolError, match="limit max_peers"):
-        book.offer(_advert(stranger))
+        book.offer(_advert(stranger), connected=False)  # made up: it never connected here
     assert book.offer(_advert(ALICE, seq=2))  # news about a known peer is still taken
     assert sorted(book.peers()) == sorted([ALICE.peer_id, MALLORY.peer_id])
 
@@ -180,3 +180,36 @@ def test_made_up_identities_expire_and_never_lock_a_newcomer_out() -> None:
     assert full.offer(_advert(ALICE), connected=True)
     with pytest.raises(ProtocolError, match="limit max_peers"):
         full.offer(_advert(newcomer), connected=False)
+
+
+def test_a_connected_newcomer_gets_into_a_book_full_of_connected_identities() -> None:
+    """Issue 27: a member holding the secret connected 256 real identities, filled the book and
+    locked every newcomer out. Now a connected newcomer evicts the connected entry heard from
+    least recently that is not pinned (the plan's members, the leader); an advert whose peer is
+    not connected here still evicts no connected entry."""
+    ids = [Identity(hashlib.sha256(b"real %d" % i).digest()) for i in range(DEFAULT_LIMITS.max_peers)]
+    plan = {ids[0].peer_id, ids[1].peer_id}  # ids[0] was heard from first of all: still kept
+    book = AdvertBook(SWARM, pinned=lambda: plan)
+    for i, who in enumerate(ids):
+        assert book.offer(_advert(who), now=float(i), connected=True)
+    book.offer(_advert(ids[2]), now=500.0, connected=True)  # heard again: no longer the stalest
+    stranger = Identity(hashlib.sha256(b"made up").digest())
+    with pytest.raises(ProtocolError, match="not connected here"):
+        book.offer(_advert(stranger), now=600.0, connected=False)
+    assert len(book.peers()) == DEFAULT_LIMITS.max_peers and stranger.peer_id not in book.peers()
+    newcomer = Identity(hashlib.sha256(b"newcomer").digest())
+    assert book.offer(_advert(newcomer), now=600.0, connected=True)
+    assert newcomer.peer_id in book.peers() and ids[3].peer_id not in book.peers()  # the stalest unpinned
+    assert plan <= set(book.peers()) and ids[2].peer_id in book.peers()
+    assert len(book.peers()) == DEFAULT_LIMITS.max_peers
+    # the failure detector's clock, when the owner gives it, says who was heard from last
+    heard = {p.peer_id: 1000.0 for p in [*ids, newcomer]} | {ids[7].peer_id: 10.0}
+    book.last_heard = heard.get
+    late = Identity(hashlib.sha256(b"late").digest())
+    assert book.offer(_advert(late), now=700.0, connected=True)
+    assert ids[7].peer_id not in book.peers() and {late.peer_id, newcomer.peer_id, ids[4].peer_id} <= set(book.peers())
+    # a book of pinned peers only makes room for nobody
+    small = AdvertBook(SWARM, max_peers=2, pinned=lambda: {ALICE.peer_id, MALLORY.peer_id})
+    assert small.offer(_advert(ALICE), connected=True) and small.offer(_advert(MALLORY), connected=True)
+    with pytest.raises(ProtocolError, match="pinned"):
+        small.offer(_advert(newcomer), connected=True)

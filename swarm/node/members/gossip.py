@@ -11,6 +11,9 @@ member and dials it (the lower peer ID dials first; either dials after a grace p
 failure detector declares a peer lost, its advert is dropped and its connection closed; if it
 comes back it is admitted again and rejoins as a new incarnation.
 
+The advert book is bounded (membership.py); when it is full, a connected newcomer evicts the
+peer this service's failure detector heard from least recently (``Membership.guard_book``).
+
 Discovery hooks: :meth:`MembershipService.add_candidate` takes a dialable multiaddr from any
 source (mDNS, a relay, the manifest's bootstrap list); wildcard addresses and our own peer ID are
 never dialed. A circuit address (``<relay>/p2p-circuit/p2p/<peer>``) names the peer last.
@@ -112,6 +115,8 @@ class MembershipService:
         self.liveness = liveness or Liveness()
         self.liveness._on_transition = self._on_transition
         self.liveness.on_stall = on_stall
+        # a full advert book makes room for a connected newcomer by the peer heard from least recently
+        membership.guard_book(last_heard=self.liveness.detector.last_heard)
         self._on_event = on_event
         self._outboxes: dict[str, trio.MemorySendChannel[Frame]] = {}
         self._links: dict[str, trio.CancelScope] = {}
@@ -332,6 +337,9 @@ class MembershipService:
     def _age_candidates(self, now: float) -> None:
         """Forget adverts whose peer never connected, and learned addresses (adverts, mDNS) not
         useful for CANDIDATE_TTL_S; a bootstrap or --peer address is kept for good."""
+        for peer in self.membership.unconfirmed():
+            if self.host.is_admitted(peer):  # its advert came before its admission was known here
+                self.membership.confirm(peer)
         for peer in self.membership.expire(now):
             log.info("forgot the advert of %s: it never connected", peer)
         for cand in list(self._candidates.values()):

@@ -11,6 +11,11 @@ newer than anything its previous run published even though it kept no state.
 and the signature; a stale or repeated sequence number is ignored, a forged advert refused). The
 view exports the planner's peers-file format. Running it on a host (links, heartbeats, gossip,
 dialing) is ``gossip.py``.
+
+The book holds at most ``max_peers`` (256) others. Made-up identities never connect, so they
+expire and give way to anyone; when real connected identities fill it, a connected newcomer
+evicts the one heard from least recently, never a peer the node pins (:meth:`Membership.guard_book`:
+the leader and the members of the plan it serves, peer.py); we are never in our own book.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import dataclasses
 import platform
 import sys
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -134,6 +139,18 @@ class Membership:
         if advert.peer_id == self.peer_id:
             return False
         return self._book.offer(advert, now=now, connected=connected)
+
+    def guard_book(
+        self, *, pinned: Callable[[], Collection[str]] | None = None,
+        last_heard: Callable[[str], float | None] | None = None,
+    ) -> None:  # fmt: skip
+        """How a full advert book makes room for a connected newcomer (AdvertBook): it evicts
+        the connected peer heard from least recently (``last_heard``: the failure detector's),
+        never one of ``pinned`` (asked only when the book is full)."""
+        if pinned is not None:
+            self._book.pinned = pinned
+        if last_heard is not None:
+            self._book.last_heard = last_heard
 
     def confirm(self, peer: str) -> None:
         self._book.confirm(peer)

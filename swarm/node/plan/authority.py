@@ -30,6 +30,12 @@ accuser is the coordinator (benching it would fail every generation it holds, an
 already sees and could spoil every session), it benches the accused alone; but an accuser whose
 earlier lone claim was never confirmed is benched instead of its next victim. Framing therefore costs the framer its own place, and in the worst case
 (a swarm that cannot spare two peers) one peer per EXCLUDE_S.
+
+What a member says about itself (memory, ms per layer, a draft's ms per token) is signed but
+measured by nobody else. Where it decides the coordinator, the role that sees every prompt, it
+is bounded first: ``bounded_draft_claims`` (draft speed) and ``bounded_coordinator`` (memory and
+ms per layer, held to the leader's own figures or the claims' conservative medians). Layers are
+still placed on the claims as made (leader.py, and SECURITY.md "What remains trust among friends").
 """
 
 from __future__ import annotations
@@ -39,7 +45,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from swarm.errors import Forbidden, ProtocolError
-from swarm.planner import Peer, Plan
+from swarm.planner import Latency, ModelSpec, Peer, Plan, fits
+from swarm.planner import plan as make_plan
 from swarm.proto.messages import Plan as PlanMsg
 from swarm.proto.signed import verify_plan
 from swarm.proto.signing import peer_id_of
@@ -141,6 +148,85 @@ def bounded_draft_claims(peers: list[Peer], me: str) -> list[Peer]:
         dataclasses.replace(p, draft_ms=max(p.draft_ms, floor)) if p.id != me and p.draft_ms is not None else p
         for p in peers
     ]
+
+
+def role_bounds(peers: list[Peer], me: str) -> tuple[float, int]:
+    """(floor on ms per layer, cap on memory) that other members' claims are held to when they
+    decide the coordinator (:func:`bounded_role_claims`).
+
+    Our own figures are evidence: we measured our ms per layer (runtime.measure_ms_per_layer) and
+    we know what we offer. So nobody else is believed to be faster per layer than we measured
+    ourselves, nor to hold more than we offer; when we have no figure of our own (we hold no
+    layers, or measured nothing), the conservative median of the claims of the members that offer
+    memory stands in: the upper median of the ms per layer (the slower side) and the lower median
+    of the memory (the smaller side). A member that over-claims moves neither our figures nor, while
+    over-claimers are fewer than half, a median."""
+    hosts = [p for p in peers if p.memory_bytes > 0]
+    own = next((p for p in peers if p.id == me), None)
+    speeds = sorted(p.ms_per_layer for p in hosts)
+    mems = sorted(p.memory_bytes for p in hosts)
+    if own is not None and own.ms_per_layer > 0:
+        floor = own.ms_per_layer
+    else:
+        floor = speeds[len(speeds) // 2] if speeds else 0.0
+    if own is not None and own.memory_bytes > 0:
+        cap = own.memory_bytes
+    else:
+        cap = mems[(len(mems) - 1) // 2] if mems else 0
+    return floor, cap
+
+
+def bounded_role_claims(peers: list[Peer], me: str, *, memory_cap: int | None = None) -> list[Peer]:
+    """``peers`` as the coordinator is chosen from them: every other member's claimed ms per layer
+    floored and its claimed memory capped at :func:`role_bounds` (``memory_cap`` overrides the
+    cap: :func:`bounded_coordinator` raises it when the model needs a larger claim believed). A
+    member claiming 0.001 ms per layer and 10 TB looks like one that claims what we measured
+    ourselves; members that claim no better than that keep what they claim. Our own figures are
+    kept as they are."""
+    floor, cap = role_bounds(peers, me)
+    if memory_cap is not None:
+        cap = memory_cap
+    return [
+        p if p.id == me else dataclasses.replace(p, ms_per_layer=max(p.ms_per_layer, floor),
+                                                 memory_bytes=min(p.memory_bytes, cap))
+        for p in peers
+    ]  # fmt: skip
+
+
+def bounded_coordinator(
+    spec: ModelSpec, peers: list[Peer], latency: Latency, me: str, *, previous: Plan | None, epoch: int
+) -> str:
+    """The coordinator the planner chooses when the other members' claims about themselves
+    (signed, but measured by nobody else) are bounded (:func:`bounded_role_claims`): the
+    coordinator sees every prompt, so an absurd claim must not attract it. When the bounded
+    members' memory cannot hold the model, the memory cap is raised to the smallest larger claim
+    with which it can (a claim is believed as far as the model needs it, no further); never for
+    want of an RTT. PlanningError (the planner's) when no plan can be made yet.
+
+    Only the coordinator is chosen this way: the caller then places the layers on the claims as
+    made, with the coordinator pinned to this choice (leader.py). Honest swarms mix a 4090 with a
+    laptop, claims ten times apart, and layers placed as if every member were the median one
+    would run slower on every token; a member that over-claims its way to more layers sees
+    hidden states, not prompts. The price in an honest swarm: a member faster than the
+    leader measured itself no longer draws the coordinator for its speed alone (it still gets
+    the layers its speed earns; the coordinator may then sit one hop away from them)."""
+    _, cap = role_bounds(peers, me)
+
+    def bounded(c: int) -> list[Peer]:
+        return bounded_role_claims(peers, me, memory_cap=c)
+
+    caps = [cap, *sorted({p.memory_bytes for p in peers if p.id != me and p.memory_bytes > cap})]
+    if not fits(spec, bounded(caps[0])):
+        # memory, not reachability, is short: find the smallest cap that holds the model (a
+        # larger cap only adds memory; the largest is the claims as made, and the planner's
+        # message then says what is missing). An RTT not measured yet never raises the cap: a
+        # rogue that claims to hold everything alone needs no edge, and would win every wait.
+        lo, hi = 0, len(caps) - 1
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if fits(spec, bounded(caps[mid])) else (mid, hi)
+        cap = caps[hi]
+    return make_plan(spec, bounded(cap), latency, previous=previous, epoch=epoch).coordinator
 
 
 def check_epoch_end(ring: set[str], sender: str, epoch: int) -> None:

@@ -27,6 +27,10 @@ that sees no new plan within NUDGE_AFTER_S tells the leader which epoch ended (`
 recovery.py): a leader that finds it is behind catches up the same way, so the swarm never waits
 on it forever.
 
+The coordinator of a fresh plan is chosen with the other members' claims about memory, speed
+and drafts bounded (authority.py: a claim nobody measured must not draw the role that sees every
+prompt); the layers are then placed on the claims as made, with that coordinator pinned.
+
 We chose leader-signs-and-distributes over "everyone computes the plan from one snapshot": RTTs
 are measured by each peer and change all the time, so identical snapshots would need a consensus
 round anyway; with a leader, a plan is computed once and every peer can check who signed it.
@@ -57,6 +61,7 @@ from swarm.node.members.view import MemberView
 from swarm.node.notices import Notices
 from swarm.node.plan.authority import (
     ENDED_EVERY_S,
+    bounded_coordinator,
     bounded_draft_claims,
     check_epoch_end,
     check_epoch_step,
@@ -66,7 +71,7 @@ from swarm.node.plan.bench import Bench
 from swarm.node.plan.epochs import Epochs, plan_body, plan_from_body
 from swarm.node.plan.wiring import LINK_TIMEOUT_S
 from swarm.node.settings import NodeSettings
-from swarm.planner import ModelSpec, Plan, parse_peers_file
+from swarm.planner import ModelSpec, Peer, Plan, parse_peers_file
 from swarm.planner import plan as make_plan
 from swarm.proto import control as ctl
 from swarm.proto.messages import Message
@@ -231,18 +236,28 @@ class Leader:
         return None
 
     def plan_for(self, members: list[str], previous: Plan | None, epoch: int) -> Plan:
+        """The plan of ``members`` for ``epoch``. The coordinator is the previous one when it
+        survives and can still be one; otherwise it is chosen with the other members' claims
+        bounded (authority.bounded_coordinator: a claim of 0.001 ms per layer or 10 TB no longer
+        draws the role that sees every prompt). The layers are then placed on the claims as
+        made, the coordinator pinned: honest members differ tenfold, and so do their shares."""
         pf = parse_peers_file(self.peers_file(), where="membership view")
         peers = bounded_draft_claims([
             dataclasses.replace(p, coordinator_ok=self.settings.coordinator_ok if p.id == self.peer_id else p.coordinator_ok)
             for p in pf.peers if p.id in members
         ], self.peer_id)  # fmt: skip
+        lat = pf.latency()
+
+        def pinned(coordinator: str) -> list[Peer]:
+            return [dataclasses.replace(p, coordinator_ok=p.coordinator_ok and p.id == coordinator) for p in peers]
+
         if previous is not None and previous.coordinator in members:
-            keep = [dataclasses.replace(p, coordinator_ok=p.coordinator_ok and p.id == previous.coordinator) for p in peers]
             try:
-                return make_plan(self.spec, keep, pf.latency(), previous=previous, epoch=epoch)
+                return make_plan(self.spec, pinned(previous.coordinator), lat, previous=previous, epoch=epoch)
             except PlanningError:
                 pass
-        return make_plan(self.spec, peers, pf.latency(), previous=previous, epoch=epoch)
+        coordinator = bounded_coordinator(self.spec, peers, lat, self.peer_id, previous=previous, epoch=epoch)
+        return make_plan(self.spec, pinned(coordinator), lat, previous=previous, epoch=epoch)
 
     async def plan_and_start(self, members: list[str], previous: Plan | None = None, cause: str | None = None) -> None:
         plan = self.compute_plan(members, previous)
