@@ -22,6 +22,12 @@ the plan this node serves (pure functions here; leader.py, recovery.py and epoch
   relayed in an ERROR frame (``upstream=<id>``) is no evidence at all; the observing stage
   reports its own upstream directly.
 
+A set-up that fails is a strike only on the leader's own evidence (``setup_blame``): a member
+silent to its own ``connect``/``serve`` past CONNECT_REPLY_S, a hop into a member whose
+activation door the leader's own probe cannot open either, a hop into the leader; a peer that
+says its hop into a neighbour failed strikes nobody (it may be the honest neighbour of a rogue,
+or a rogue framing an honest one).
+
 One party's word is a claim, not proof (``FaultClaims``). A peer is excluded from plans on the
 leader's own observation or when two different parties accuse it. With a single accuser the
 leader cannot tell a faulty sender from a lying receiver, so it benches both ends of the hop

@@ -15,6 +15,11 @@ the epoch's set-up over ``/shard-swarm/ring/1``, one phase at a time, each bound
    ``linked`` once its outbound stream is open;
 3. ``serve`` -> the coordinator waits for its result link and starts taking generations.
 
+``connect`` and ``serve`` wait for every answer (at most ``authority.CONNECT_REPLY_S``), none cut
+short by another's failure: when one fails, the leader strikes whom its own evidence blames (a
+member silent to it, a door its own probe cannot open either: ``authority.setup_blame``), never
+a peer on its neighbour's word, and the set-up is retried; STRIKES such failures bench a member.
+
 A peer that was cut off (stopped, asleep: its heartbeat clock jumped; or it saw every other
 member go) may be the smallest ID again when it comes back, but its view is stale: the others
 re-planned without it, and its view churns while they drop and re-admit it. Before it plans,
