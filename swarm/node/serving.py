@@ -80,7 +80,8 @@ class Serving:
         )  # fmt: skip
         self.leader = Leader(settings, identity, view, self.epochs, self.ring, models.spec, notices,
                              peers_file=service.membership.peers_file,
-                             catch_stall=service.liveness.catch_stall)  # fmt: skip
+                             catch_stall=service.liveness.catch_stall,
+                             door_open=self.wiring.door_open)  # fmt: skip
         self.recovery = Recovery(view, self.epochs, self.leader, self.ring, notices, nursery)
         self.epochs.on_end = self.recovery.epoch_ended
         self.epochs.on_plan = self.leader.took_plan

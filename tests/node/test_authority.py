@@ -399,3 +399,87 @@ def test_an_honest_mixed_swarm_keeps_its_layers_where_the_speed_is() -> None:
     got = plan(spec, pinned, lat)
     assert got.blocks == {"g": (0, 32)}  # every layer on the fast machine
     assert got.predicted_compute_ms == plan(spec, peers, lat).predicted_compute_ms
+
+
+def test_a_broken_hop_at_set_up_counts_only_on_the_leader_s_own_evidence() -> None:
+    """issue 27: a failed set-up is a strike only on what the leader saw itself: a member
+    silent to its own request, a door it could not open either, a hop into itself. A reporter
+    accusing its neighbour alone strikes nobody (the rogue is often the reporter's neighbour,
+    and a rogue reporter must not frame an honest one)."""
+    from swarm.node.plan.authority import doors_to_probe, downstreams_of, setup_blame
+
+    plan = _plan("C", ("A", "B", "D"))  # hops: C->A, A->B, B->D, D->C; the leader is L (a standby)
+    every = {"C": "linked", "A": "linked", "B": "linked", "D": "linked"}
+    assert downstreams_of(plan, "C") == {"A"} and downstreams_of(plan, "D") == {"C"}
+    assert downstreams_of(_plan("C", ("C", "A")), "C") == {"A"}  # its hop into itself is local
+    # A says its hop to B failed: the leader probes B itself; B's door answers: nobody
+    a_fails = {**every, "A": "failed"}
+    assert doors_to_probe(plan, "L", a_fails) == {"B"}
+    assert setup_blame(plan, "L", a_fails, {"B": True}) == {}
+    assert setup_blame(plan, "L", a_fails, {}) == {}  # not probed: no evidence either
+    # B's door does not answer the leader either: B
+    assert set(setup_blame(plan, "L", a_fails, {"B": False})) == {"B"}
+    # a member silent to the leader's own connect: it, whatever else failed
+    assert set(setup_blame(plan, "L", {**every, "B": "silent"}, {})) == {"B"}
+    assert set(setup_blame(plan, "L", {**every, "A": "failed", "B": "silent"}, {"B": True})) == {"B"}
+    # the leader in the ring: a hop into it that failed is its sender's; its own failed hop out
+    # counts against the far end only when that door does not answer its probe either
+    led = _plan("C", ("A", "L", "D"))  # C->A, A->L, L->D, D->C
+    assert set(setup_blame(led, "L", {"C": "linked", "A": "failed", "L": "linked", "D": "linked"}, {})) == {"A"}
+    mine = {"C": "linked", "A": "linked", "L": "failed", "D": "linked"}
+    assert doors_to_probe(led, "L", mine) == {"D"}
+    assert setup_blame(led, "L", mine, {"D": True}) == {}
+    assert set(setup_blame(led, "L", mine, {"D": False})) == {"D"}
+    # the leader as coordinator: no result link after the tail said its hop was open: the tail
+    coord = _plan("L", ("A", "B"))  # L->A, A->B, B->L
+    ok = {"L": "linked", "A": "linked", "B": "linked"}
+    assert set(setup_blame(coord, "L", ok, {}, serve="failed")) == {"B"}
+    assert set(setup_blame(coord, "L", {**ok, "B": "failed"}, {})) == {"B"}  # its only hop enters the leader
+    # another coordinator that says its result link never came: its word against the tail's: nobody;
+    # one silent to the leader's serve: it
+    assert setup_blame(plan, "L", every, {}, serve="failed") == {}
+    assert set(setup_blame(plan, "L", every, {}, serve="silent")) == {"C"}
+    # the leader never strikes itself
+    assert setup_blame(coord, "L", {**ok, "L": "silent"}, {}) == {}
+
+
+def test_a_slow_but_honest_member_s_set_up_within_the_bound_is_no_strike() -> None:
+    """A loaded member that answers (linked, or that its hop failed) before CONNECT_REPLY_S is
+    "linked"/"failed", never "silent": no strike, however late within the bound (the leader's
+    gathering is tested through processes in tests/security/test_setup_failures.py)."""
+    from swarm.node.plan.authority import CONNECT_REPLY_S, setup_blame
+    from swarm.node.plan.wiring import LINK_TIMEOUT_S
+
+    assert CONNECT_REPLY_S >= LINK_TIMEOUT_S + 10  # an honest member's connect gives up by LINK_TIMEOUT_S
+    plan = _plan("C", ("A", "B", "D"))
+    assert setup_blame(plan, "L", {"C": "linked", "A": "linked", "B": "linked", "D": "linked"}, {}) == {}
+    # a slow honest B whose hop to D timed out says so: D's door answers the leader, nobody
+    assert setup_blame(plan, "L", {"C": "linked", "A": "linked", "B": "failed", "D": "linked"}, {"D": True}) == {}
+
+
+async def test_the_leader_counts_a_member_silent_only_past_the_reply_bound(autojump_clock: object) -> None:
+    """The leader's own gathering (``Leader._ask_all``) under a mock clock: a member that answers
+    ``linked`` 1 s before CONNECT_REPLY_S is "linked"; one whose answer is a failure is "failed"
+    (its own timeout, said in a Fail, is no silence); one that never answers is "silent"."""
+    import trio
+
+    from swarm.errors import PeerTimeout
+    from swarm.node.plan.authority import CONNECT_REPLY_S
+    from swarm.node.plan.leader import Leader
+    from swarm.proto import control as ctl
+
+    class Ring:
+        async def call(self, peer: str, msg: object, timeout: float) -> object:
+            if peer == "slow":
+                await trio.sleep(CONNECT_REPLY_S - 1)
+                return ctl.Linked()
+            if peer == "says-timeout":
+                return ctl.fail_of(PeerTimeout("hop 2 to X not open within 20 s"))
+            await trio.sleep(timeout)  # nothing ever comes: the call's own bound
+            raise PeerTimeout("no answer")
+
+    leader = Leader.__new__(Leader)
+    leader.ring = Ring()  # type: ignore[assignment]
+    answers, replies, errors = await leader._ask_all(["slow", "says-timeout", "rogue"], ctl.Connect(7), ctl.Linked)
+    assert answers == {"slow": "linked", "says-timeout": "failed", "rogue": "silent"}
+    assert set(replies) == {"slow"} and len(errors) == 2

@@ -92,9 +92,10 @@ class Rogue:
 
 @contextlib.asynccontextmanager
 async def rogue_member(
-    ls: LiveSwarm, ident: Identity, *, memory_bytes: int, **membership: Any
+    ls: LiveSwarm, ident: Identity, *, memory_bytes: int, takes_hops: bool = True, **membership: Any
 ) -> AsyncIterator[Rogue]:
-    """A rogue member joined through node 0, until the block exits."""
+    """A rogue member joined through node 0, until the block exits. ``takes_hops=False``: it
+    serves no activation protocol at all (it never opens its hops, and refuses those into it)."""
     sw = ls.swarm
     rogue = Rogue(ident)
     async with open_host(ident.seed, ("/ip4/127.0.0.1/tcp/0",), secret=sw.secret, swarm_id=sw.swarm_id) as host:
@@ -104,7 +105,8 @@ async def rogue_member(
         )
         rogue.service = service
         host.handle(PROTO_RING, rogue._ring)
-        host.handle(PROTO_ACT, rogue._act)
+        if takes_hops:
+            host.handle(PROTO_ACT, rogue._act)
         host.handle(PROTO_GEN, rogue._gen)
         async with trio.open_nursery() as nursery:
             await nursery.start(service.run)

@@ -22,6 +22,12 @@ the plan this node serves (pure functions here; leader.py, recovery.py and epoch
   relayed in an ERROR frame (``upstream=<id>``) is no evidence at all; the observing stage
   reports its own upstream directly.
 
+A set-up that fails is a strike only on the leader's own evidence (``setup_blame``): a member
+silent to its own ``connect``/``serve`` past CONNECT_REPLY_S, a hop into a member whose
+activation door the leader's own probe cannot open either, a hop into the leader; a peer that
+says its hop into a neighbour failed strikes nobody (it may be the honest neighbour of a rogue,
+or a rogue framing an honest one).
+
 One party's word is a claim, not proof (``FaultClaims``). A peer is excluded from plans on the
 leader's own observation or when two different parties accuse it. With a single accuser the
 leader cannot tell a faulty sender from a lying receiver, so it benches both ends of the hop
@@ -56,6 +62,17 @@ EXCLUDE_S = 300.0  # a benched peer stays out of plans this long (bad activation
 ENDED_EVERY_S = 3.0  # a member's ``ended`` is heard at most once per this long (an honest one nudges
 # once per ended epoch, NUDGE_AFTER_S = 4 s after it ended: recovery.py)
 STRIKES = 3  # strikes within EXCLUDE_S that bench a member
+# The leader waits this long for a member's answer to its own ``connect`` or ``serve``. An honest
+# member answers within LINK_TIMEOUT_S (20 s: wiring.py bounds its whole ``connect``, a hole
+# punch's settling included, and ``serve``'s wait for the result link by it) and says so with a
+# failure when its hop did not open; the 10 s on top are for a loaded machine whose event loop is
+# late (a block still loading in threads, a busy CPU): a member silent past this is not slow, it
+# withholds its answer. No answer is a strike (``setup_blame``).
+CONNECT_REPLY_S = 30.0
+# The leader's own check of a member's activation door after a hop into it failed: a ``probe``
+# hello on a fast channel, as every node sends each member once a minute (members/probe.py), and
+# its echo. 10 s is 3x the prober's own per-echo bound (3 s) and far past a loaded loopback or LAN.
+DOOR_PROBE_S = 10.0
 
 
 def check_epoch_step(epoch: int, newest_known: int, what: str) -> None:
@@ -117,6 +134,70 @@ def upstreams_of(plan: Plan, peer: str) -> set[str]:
         i = plan.ring.index(peer)
         out.add(plan.ring[i - 1] if i > 0 else plan.coordinator)
     out.discard(peer)  # a hop from a node to itself is local: nothing to accuse
+    return out
+
+
+def downstreams_of(plan: Plan, peer: str) -> set[str]:
+    """The peers that ``peer``'s hops enter in ``plan`` (the coordinator sends to ring[0], the
+    tail to the coordinator); a hop from a node to itself is local and left out."""
+    path = [plan.coordinator, *plan.ring, plan.coordinator]
+    return {path[i + 1] for i in range(len(path) - 1) if path[i] == peer and path[i + 1] != peer}
+
+
+def doors_to_probe(plan: Plan, leader: str, answers: dict[str, str]) -> set[str]:
+    """Whose activation door the leader checks itself after a failed ``connect``: the far end of
+    every hop whose sender answered that it failed, except the leader (its own door is open: it
+    is us) and a sender that did not answer at all (that is evidence enough)."""
+    out: set[str] = set()
+    for peer, answer in answers.items():
+        if answer == "failed":
+            out |= downstreams_of(plan, peer)
+    return out - {leader}
+
+
+def setup_blame(
+    plan: Plan, leader: str, answers: dict[str, str], doors: dict[str, bool], serve: str | None = None
+) -> dict[str, str]:
+    """Who a failed set-up is a strike against, and why, on the leader's own evidence only.
+
+    ``answers``: each participant's answer to the leader's ``connect``: "linked", "failed" (it
+    answered that a hop of its own did not open, or refused), or "silent" (no answer within
+    CONNECT_REPLY_S). ``doors``: the leader's own probe of a peer's activation door (True: it
+    echoed within DOOR_PROBE_S; see ``doors_to_probe``). ``serve``: the coordinator's answer to
+    ``serve`` when that phase ran ("served", "failed", "silent").
+
+    - a participant silent to the leader's own request is struck;
+    - a hop that failed into a peer whose door the leader could not open either is the peer's;
+    - a sender whose only hop enters the leader and that failed is struck (the leader takes hops:
+      it is us);
+    - a coordinator that is the leader and never got its result link, after the tail answered
+      that it had opened it, was told a lie by the tail;
+    - a sender accusing a neighbour whose door answers the leader strikes nobody: the leader
+      cannot tell a lying sender from a withholding receiver, and a rogue must not be able to
+      frame its honest neighbour (nor the neighbour its sender).
+    """
+    out: dict[str, str] = {}
+    for peer, answer in sorted(answers.items()):
+        if peer == leader:
+            continue
+        if answer == "silent":
+            out[peer] = f"it did not answer the leader's connect of epoch {plan.epoch} within {CONNECT_REPLY_S:.0f} s"
+    for peer, answer in sorted(answers.items()):
+        if answer != "failed":
+            continue
+        dsts = downstreams_of(plan, peer)
+        if dsts == {leader} and peer != leader:  # its only hop enters the leader, which takes hops
+            out.setdefault(peer, f"its hop into the leader in epoch {plan.epoch} did not open (the leader takes hops)")
+        for dst in sorted(dsts):
+            if dst != leader and doors.get(dst) is False:
+                out.setdefault(
+                    dst, f"a hop into it failed in epoch {plan.epoch} and the leader could not open its door either"
+                )
+    coord, tail = plan.coordinator, plan.ring[-1] if plan.ring else plan.coordinator
+    if serve == "silent" and coord != leader:
+        out.setdefault(coord, f"it did not answer the leader's serve of epoch {plan.epoch} within {CONNECT_REPLY_S:.0f} s")
+    if serve == "failed" and coord == leader and tail != leader and answers.get(tail) == "linked":
+        out.setdefault(tail, f"it answered that its hop into the leader was open in epoch {plan.epoch}; none arrived")
     return out
 
 
@@ -240,7 +321,7 @@ def check_epoch_end(ring: set[str], sender: str, epoch: int) -> None:
 class Strikes:
     """What the leader holds against each member: when its last ``ended`` was heard (one per
     ``every`` seconds) and its strikes (an ``ended`` past that rate, an epoch end it forced, a
-    set-up it failed), each kept ``window`` seconds; ``limit`` strikes bench it, by the same
+    set-up it failed on the leader's own evidence: ``setup_blame``), each kept ``window`` seconds; ``limit`` strikes bench it, by the same
     bench as bad activations. Pure: ``now`` is an input; bounded whatever members send."""
 
     window: float = EXCLUDE_S

@@ -1,7 +1,8 @@
 """The leader's bench: one place where a member is left out of plans (issue 27).
 
 Bad activations (a fault report weighed by ``authority.FaultClaims``, recovery.py) and strikes
-(``authority.Strikes``: ``ended`` reports past their rate, epoch ends a member's report forced)
+(``authority.Strikes``: ``ended`` reports past their rate, epoch ends a member's report forced,
+set-ups it failed on the leader's own evidence: ``authority.setup_blame``)
 lead to the same :meth:`Bench.bench`: the member stays out of plans for EXCLUDE_S, and the
 epoch ends now if it is in the ring.
 """

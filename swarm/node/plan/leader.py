@@ -15,6 +15,11 @@ the epoch's set-up over ``/shard-swarm/ring/1``, one phase at a time, each bound
    ``linked`` once its outbound stream is open;
 3. ``serve`` -> the coordinator waits for its result link and starts taking generations.
 
+``connect`` and ``serve`` wait for every answer (at most ``authority.CONNECT_REPLY_S``), none cut
+short by another's failure: when one fails, the leader strikes whom its own evidence blames (a
+member silent to it, a door its own probe cannot open either: ``authority.setup_blame``), never
+a peer on its neighbour's word, and the set-up is retried; STRIKES such failures bench a member.
+
 A peer that was cut off (stopped, asleep: its heartbeat clock jumped; or it saw every other
 member go) may be the smallest ID again when it comes back, but its view is stale: the others
 re-planned without it, and its view churns while they drop and re-admit it. Before it plans,
@@ -49,27 +54,30 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
 
-from swarm.errors import Forbidden, PlanningError, SwarmError
+from swarm.errors import Forbidden, PeerError, PeerTimeout, PlanningError, SwarmError
 from swarm.node.dispatch import RingClient
 from swarm.node.members.failure import DEFAULT_LOST_AFTER, MAX_PATIENCE
 from swarm.node.members.view import MemberView
 from swarm.node.notices import Notices
 from swarm.node.plan.authority import (
+    CONNECT_REPLY_S,
+    DOOR_PROBE_S,
     ENDED_EVERY_S,
     bounded_coordinator,
     bounded_draft_claims,
     check_epoch_end,
     check_epoch_step,
+    doors_to_probe,
+    setup_blame,
     vouched_plans,
 )
 from swarm.node.plan.bench import Bench
 from swarm.node.plan.epochs import Epochs, plan_body, plan_from_body
-from swarm.node.plan.wiring import LINK_TIMEOUT_S
 from swarm.node.settings import NodeSettings
 from swarm.planner import ModelSpec, Peer, Plan, parse_peers_file
 from swarm.planner import plan as make_plan
@@ -112,9 +120,11 @@ class Leader:
         *,
         peers_file: Callable[[], dict[str, Any]],
         catch_stall: Callable[[], None] = lambda: None,
+        door_open: Callable[[str, float], Awaitable[bool]] | None = None,
     ) -> None:
         self.settings = settings
         self.catch_stall = catch_stall  # heartbeat.Liveness.catch_stall: were we stopped just now?
+        self.door_open = door_open  # wiring.Wiring.door_open: our own probe of a member's activation door
         self.signer = signer
         self.peer_id = view.peer_id
         self.view = view
@@ -277,10 +287,16 @@ class Leader:
         t0 = trio.current_time()
         await self.ring.phase(participants, msg, ctl.Loaded, LOAD_TIMEOUT_S, best_effort=others)
         t1 = trio.current_time()
-        linked = await self.ring.phase(participants, ctl.Connect(plan.epoch), ctl.Linked, LINK_TIMEOUT_S)
+        answers, linked, errors = await self._ask_all(participants, ctl.Connect(plan.epoch), ctl.Linked)
+        if errors:
+            await self._blame_setup(plan, answers)
+            raise PeerError(f"connect of epoch {plan.epoch}: " + "; ".join(errors))
         t2 = trio.current_time()
         labels = {k: v for reply in linked.values() for k, v in reply.hops.items()}
-        await self.ring.phase([plan.coordinator], ctl.Serve(plan.epoch, labels), ctl.Serving, LINK_TIMEOUT_S)
+        served, _replies, errors = await self._ask_all([plan.coordinator], ctl.Serve(plan.epoch, labels), ctl.Serving)
+        if errors:
+            await self._blame_setup(plan, answers, serve="served" if served[plan.coordinator] == "linked" else served[plan.coordinator])
+            raise PeerError(f"serve of epoch {plan.epoch}: " + "; ".join(errors))
         t3 = trio.current_time()
         since = "" if ended_at is None else f", {t3 - ended_at:.3f} s after the last one ended"
         log.info(
@@ -288,6 +304,63 @@ class Leader:
             plan.epoch, t1 - t0, t2 - t1, t3 - t2, since,
         )  # fmt: skip
         self._plan_msg, self._informed = msg, set(members)
+
+    async def _ask_all(self, peers: list[str], msg: Any, want: type[Any]) -> tuple[dict[str, str], dict[str, Any], list[str]]:
+        """A set-up phase after loading: ``msg`` to every peer, each answer awaited (at most
+        CONNECT_REPLY_S), none cut short by another's failure, so that the leader knows who
+        answered what (``authority.setup_blame``): each peer's "linked" (the wanted reply),
+        "failed" (it answered a failure, or could not be asked) or "silent" (no answer in time);
+        the wanted replies; the failures in words."""
+        answers: dict[str, str] = {}
+        replies: dict[str, Any] = {}
+        errors: list[str] = []
+
+        async def one(peer: str) -> None:
+            try:
+                reply = await self.ring.call(peer, msg, CONNECT_REPLY_S)
+            except (PeerTimeout, trio.TooSlowError):
+                answers[peer] = "silent"
+                errors.append(f"{peer} did not answer within {CONNECT_REPLY_S:.0f} s")
+                return
+            except SwarmError as exc:
+                answers[peer], reply = "failed", None
+                errors.append(f"{peer}: {exc}")
+                return
+            if isinstance(reply, want):
+                answers[peer], replies[peer] = "linked", reply
+                return
+            answers[peer] = "failed"
+            errors.append(str(reply.error(f"{peer}: ")) if isinstance(reply, ctl.Fail) else f"{peer} answered {reply!r}")
+
+        with trio.move_on_after(CONNECT_REPLY_S + 5):
+            async with trio.open_nursery() as nursery:
+                for p in peers:
+                    nursery.start_soon(one, p)
+        for p in peers:
+            if p not in answers:
+                answers[p] = "silent"
+                errors.append(f"{p} did not answer within {CONNECT_REPLY_S:.0f} s")
+        return answers, replies, errors
+
+    async def _blame_setup(self, plan: Plan, answers: dict[str, str], serve: str | None = None) -> None:
+        """A set-up failed: strike whom the leader's own evidence blames (``authority.setup_blame``),
+        after probing the door of every peer a failed hop entered. A peer the failure detector
+        lost or suspects meanwhile is left to it (a crash, a freeze: not a strike)."""
+        doors: dict[str, bool] = {}
+        if self.door_open is not None:
+            probe = self.door_open
+
+            async def check(peer: str) -> None:
+                doors[peer] = await probe(peer, DOOR_PROBE_S)
+
+            async with trio.open_nursery() as nursery:
+                for p in sorted(doors_to_probe(plan, self.peer_id, answers)):
+                    nursery.start_soon(check, p)
+        live = set(self.view.members()) - set(self.view.suspects())
+        for peer, why in setup_blame(plan, self.peer_id, answers, doors, serve).items():
+            if peer in live:
+                log.warning("set-up of epoch %d failed: a strike against %s: %s", plan.epoch, peer, why)
+                self.benches.strike(peer, why)
 
     async def _inform_joiners(self, members: list[str]) -> bool:
         """A peer that joined while a ring serves becomes a standby; it learns the plan (so it

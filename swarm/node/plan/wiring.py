@@ -25,7 +25,7 @@ import trio
 from swarm.errors import PeerTimeout, ProtocolError, SwarmError
 from swarm.node.compute.runtime import Models
 from swarm.node.hosting import Host
-from swarm.node.members.probe import echo_probe
+from swarm.node.members.probe import echo_probe, probe_once
 from swarm.node.notices import Notices
 from swarm.node.plan.epochs import Epoch, Epochs, hops
 from swarm.node.ring.capacity import MAX_SESSIONS, stage_capacity
@@ -80,6 +80,19 @@ class Wiring:
         if "connect" in ep.phases:
             return self.labels(epoch)
         ep.phases.add("connect")
+        # the whole of it within LINK_TIMEOUT_S, settling included: the leader waits
+        # authority.CONNECT_REPLY_S for our answer and counts a member silent past it as a rogue
+        try:
+            with trio.fail_after(LINK_TIMEOUT_S):
+                await self._open_hops(ep)
+        except trio.TooSlowError:
+            raise PeerTimeout(f"the hops of epoch {epoch} did not open within {LINK_TIMEOUT_S:.0f} s") from None
+        if ep.stage is not None:
+            self._start_worker(ep)
+        return self.labels(epoch)
+
+    async def _open_hops(self, ep: Epoch) -> None:
+        epoch = ep.plan.epoch
         with trio.move_on_after(PUNCH_SETTLE_S):  # a hop opened on a relayed connection dies when DCUtR replaces it
             async with trio.open_nursery() as settling:
                 for src, dst in hops(ep.plan):
@@ -103,9 +116,27 @@ class Wiring:
                     raise failed[0]
                 if not ready.is_set():
                     raise PeerTimeout(f"hop {i} to {dst} (epoch {epoch}) not open within {LINK_TIMEOUT_S:.0f} s")
-        if ep.stage is not None:
-            self._start_worker(ep)
-        return self.labels(epoch)
+
+    async def door_open(self, peer: str, timeout: float) -> bool:
+        """Whether ``peer`` takes an activation channel from us: a ``probe`` hello on a fast channel
+        (the libp2p act stream without a fast path), echoed within ``timeout``. The leader's own
+        evidence about a hop into ``peer`` that failed at set-up (authority.setup_blame)."""
+        try:
+            with trio.fail_after(timeout):
+                if self.fastpath is not None:
+                    link = FrameLink(await self.fastpath.dial(peer, timeout=timeout))
+                    try:
+                        await probe_once(link, timeout=timeout)
+                    finally:
+                        with trio.CancelScope(shield=True), trio.move_on_after(1.0):
+                            await link.close()
+                else:
+                    async with self.host.open_stream(peer, PROTO_ACT, timeout=timeout) as fs:
+                        await probe_once(fs, timeout=timeout)
+        except (SwarmError, trio.TooSlowError) as exc:
+            log.warning("the activation door of %s did not answer the leader's probe: %s", peer, exc)
+            return False
+        return True
 
     def _start_worker(self, ep: Epoch) -> None:
         assert ep.stage is not None
