@@ -61,8 +61,8 @@ def _one_swarm(lab: Lab, tmp: Path, kind: str, *, generations: int, new_tokens: 
     boot_id = relay.run(*_cli("id"), env=boot_env, timeout=60).stdout.split()[0]
     boot_addr = f"/ip4/{relay.addr}/tcp/{BOOT_PORT}/p2p/{boot_id}"
     invite = tmp / f"invite-{kind}.json"
-    relay.run(*_cli("invite", "create", "--swarm", f"bench-{kind}", "--bootstrap", boot_addr, "-o", str(invite),
-                    "--force"), env=boot_env, timeout=60)  # fmt: skip
+    relay.run(*_cli("invite", "create", "--swarm", f"bench-{kind}", "--bootstrap", boot_addr, "--context", "2048",
+                    "-o", str(invite), "--force"), env=boot_env, timeout=60)  # fmt: skip
     procs: dict[str, LabProcess] = {}
     try:
         procs["boot"] = relay.spawn(_cli("bootstrap", "--listen", f"/ip4/0.0.0.0/tcp/{BOOT_PORT}",
