@@ -29,7 +29,7 @@ from typing import Any, Protocol, TypeVar
 
 import trio
 
-from swarm.errors import Forbidden, PeerError, ProtocolError, SwarmError
+from swarm.errors import Forbidden, PeerError, PeerTimeout, ProtocolError, SwarmError
 from swarm.node.errors_util import first_leaf
 from swarm.node.hosting import Host
 from swarm.proto import control as ctl
@@ -171,6 +171,42 @@ class RingClient:
             return
         reply = await self.local(peer, msg)
         await fs.send(reply.to_frame())
+
+    async def ask_each(
+        self, peers: Sequence[str], msg: Message, want: type[R], timeout: float
+    ) -> tuple[dict[str, str], dict[str, R], list[str]]:
+        """Like :meth:`phase`, but every peer's answer is awaited (each at most ``timeout``), none
+        cut short by another's failure, so the asker knows who answered what: each peer's
+        "linked" (a ``want`` reply), "failed" (it answered a failure, or could not be asked) or
+        "silent" (no answer in time); the ``want`` replies; the failures in words."""
+        answers: dict[str, str] = {}
+        replies: dict[str, R] = {}
+        errors: list[str] = []
+
+        async def one(peer: str) -> None:
+            try:
+                reply = await self.call(peer, msg, timeout)
+            except (PeerTimeout, trio.TooSlowError):
+                return  # silent: counted below
+            except SwarmError as exc:
+                answers[peer] = "failed"
+                errors.append(f"{peer}: {exc}")
+                return
+            if isinstance(reply, want):
+                answers[peer], replies[peer] = "linked", reply
+                return
+            answers[peer] = "failed"
+            errors.append(str(reply.error(f"{peer}: ")) if isinstance(reply, ctl.Fail) else f"{peer} answered {reply!r}")
+
+        with trio.move_on_after(timeout + 5):
+            async with trio.open_nursery() as nursery:
+                for p in peers:
+                    nursery.start_soon(one, p)
+        for p in peers:
+            if p not in answers:
+                answers[p] = "silent"
+                errors.append(f"{p} did not answer within {timeout:.0f} s")
+        return answers, replies, errors
 
     async def phase(
         self, peers: Sequence[str], msg: Message, want: type[R], timeout: float, best_effort: Sequence[str] = ()

@@ -458,17 +458,20 @@ def test_a_slow_but_honest_member_s_set_up_within_the_bound_is_no_strike() -> No
 
 
 async def test_the_leader_counts_a_member_silent_only_past_the_reply_bound(autojump_clock: object) -> None:
-    """The leader's own gathering (``Leader._ask_all``) under a mock clock: a member that answers
-    ``linked`` 1 s before CONNECT_REPLY_S is "linked"; one whose answer is a failure is "failed"
+    """The leader's own gathering (``RingClient.ask_each`` at CONNECT_REPLY_S) under a mock
+    clock: a member that answers ``linked`` 1 s before CONNECT_REPLY_S is "linked"; one whose answer is a failure is "failed"
     (its own timeout, said in a Fail, is no silence); one that never answers is "silent"."""
     import trio
 
     from swarm.errors import PeerTimeout
+    from swarm.node.dispatch import RingClient
     from swarm.node.plan.authority import CONNECT_REPLY_S
-    from swarm.node.plan.leader import Leader
     from swarm.proto import control as ctl
 
-    class Ring:
+    class Ring(RingClient):
+        def __init__(self) -> None:
+            pass
+
         async def call(self, peer: str, msg: object, timeout: float) -> object:
             if peer == "slow":
                 await trio.sleep(CONNECT_REPLY_S - 1)
@@ -478,8 +481,7 @@ async def test_the_leader_counts_a_member_silent_only_past_the_reply_bound(autoj
             await trio.sleep(timeout)  # nothing ever comes: the call's own bound
             raise PeerTimeout("no answer")
 
-    leader = Leader.__new__(Leader)
-    leader.ring = Ring()  # type: ignore[assignment]
-    answers, replies, errors = await leader._ask_all(["slow", "says-timeout", "rogue"], ctl.Connect(7), ctl.Linked)
+    answers, replies, errors = await Ring().ask_each(["slow", "says-timeout", "rogue"], ctl.Connect(7), ctl.Linked,
+                                                     CONNECT_REPLY_S)  # fmt: skip
     assert answers == {"slow": "linked", "says-timeout": "failed", "rogue": "silent"}
     assert set(replies) == {"slow"} and len(errors) == 2

@@ -59,7 +59,7 @@ from typing import Any
 
 import trio
 
-from swarm.errors import Forbidden, PeerError, PeerTimeout, PlanningError, SwarmError
+from swarm.errors import Forbidden, PeerError, PlanningError, SwarmError
 from swarm.node.dispatch import RingClient
 from swarm.node.members.failure import DEFAULT_LOST_AFTER, MAX_PATIENCE
 from swarm.node.members.view import MemberView
@@ -287,13 +287,14 @@ class Leader:
         t0 = trio.current_time()
         await self.ring.phase(participants, msg, ctl.Loaded, LOAD_TIMEOUT_S, best_effort=others)
         t1 = trio.current_time()
-        answers, linked, errors = await self._ask_all(participants, ctl.Connect(plan.epoch), ctl.Linked)
+        answers, linked, errors = await self.ring.ask_each(participants, ctl.Connect(plan.epoch), ctl.Linked, CONNECT_REPLY_S)
         if errors:
             await self._blame_setup(plan, answers)
             raise PeerError(f"connect of epoch {plan.epoch}: " + "; ".join(errors))
         t2 = trio.current_time()
         labels = {k: v for reply in linked.values() for k, v in reply.hops.items()}
-        served, _replies, errors = await self._ask_all([plan.coordinator], ctl.Serve(plan.epoch, labels), ctl.Serving)
+        served, _replies, errors = await self.ring.ask_each([plan.coordinator], ctl.Serve(plan.epoch, labels), ctl.Serving,
+                                                             CONNECT_REPLY_S)  # fmt: skip
         if errors:
             await self._blame_setup(plan, answers, serve="served" if served[plan.coordinator] == "linked" else served[plan.coordinator])
             raise PeerError(f"serve of epoch {plan.epoch}: " + "; ".join(errors))
@@ -304,43 +305,6 @@ class Leader:
             plan.epoch, t1 - t0, t2 - t1, t3 - t2, since,
         )  # fmt: skip
         self._plan_msg, self._informed = msg, set(members)
-
-    async def _ask_all(self, peers: list[str], msg: Any, want: type[Any]) -> tuple[dict[str, str], dict[str, Any], list[str]]:
-        """A set-up phase after loading: ``msg`` to every peer, each answer awaited (at most
-        CONNECT_REPLY_S), none cut short by another's failure, so that the leader knows who
-        answered what (``authority.setup_blame``): each peer's "linked" (the wanted reply),
-        "failed" (it answered a failure, or could not be asked) or "silent" (no answer in time);
-        the wanted replies; the failures in words."""
-        answers: dict[str, str] = {}
-        replies: dict[str, Any] = {}
-        errors: list[str] = []
-
-        async def one(peer: str) -> None:
-            try:
-                reply = await self.ring.call(peer, msg, CONNECT_REPLY_S)
-            except (PeerTimeout, trio.TooSlowError):
-                answers[peer] = "silent"
-                errors.append(f"{peer} did not answer within {CONNECT_REPLY_S:.0f} s")
-                return
-            except SwarmError as exc:
-                answers[peer], reply = "failed", None
-                errors.append(f"{peer}: {exc}")
-                return
-            if isinstance(reply, want):
-                answers[peer], replies[peer] = "linked", reply
-                return
-            answers[peer] = "failed"
-            errors.append(str(reply.error(f"{peer}: ")) if isinstance(reply, ctl.Fail) else f"{peer} answered {reply!r}")
-
-        with trio.move_on_after(CONNECT_REPLY_S + 5):
-            async with trio.open_nursery() as nursery:
-                for p in peers:
-                    nursery.start_soon(one, p)
-        for p in peers:
-            if p not in answers:
-                answers[p] = "silent"
-                errors.append(f"{p} did not answer within {CONNECT_REPLY_S:.0f} s")
-        return answers, replies, errors
 
     async def _blame_setup(self, plan: Plan, answers: dict[str, str], serve: str | None = None) -> None:
         """A set-up failed: strike whom the leader's own evidence blames (``authority.setup_blame``),
