@@ -82,7 +82,7 @@ class AdvertBook:
         self.last_heard = last_heard  # when a peer was last heard (None: never); default: its last offer
         self._latest: dict[str, Advert] = {}
         self._unconfirmed: dict[str, float] = {}  # peer -> when its first advert was taken
-        self._offered: dict[str, float] = {}  # peer -> when its advert was last offered (or confirmed)
+        self._offered: dict[str, float] = {}  # peer -> when its advert was last offered
 
     def offer(self, advert: Advert, *, now: float = 0.0, connected: bool = True) -> bool:
         """Verify and keep ``advert``; False for a stale or repeated sequence number (ignored);
@@ -138,11 +138,9 @@ class AdvertBook:
         self.forget(min(when, key=lambda p: (-math.inf if when[p] is None else when[p], p)))
         return True
 
-    def confirm(self, peer_id: str, now: float | None = None) -> None:
-        """``peer_id`` connected to us: its entry no longer expires (and, with ``now``, it was heard)."""
+    def confirm(self, peer_id: str) -> None:
+        """``peer_id`` connected to us: its entry no longer expires."""
         self._unconfirmed.pop(peer_id, None)
-        if now is not None and peer_id in self._latest:
-            self._offered[peer_id] = now
 
     def expire(self, now: float) -> list[str]:
         """Forget unconfirmed entries older than ``unconfirmed_ttl``; the peers forgotten."""
