@@ -78,6 +78,22 @@ def live(security_ckpt: Path) -> Iterator[LiveSwarm]:
         swarm.stop()
 
 
+def own_swarm(ckpt: Path, **kw: Any) -> Iterator[LiveSwarm]:
+    """A 3-node swarm of one test module's own (for a module-scoped fixture: ``yield from``), for
+    attacks that kill nodes and so cannot share ``live``; ``kw`` go to start_local_swarm."""
+    swarm = start_local_swarm(3, ckpt, dtype="fp32", chunk_timeout=10.0, **kw)
+    try:
+        yield LiveSwarm(swarm, ckpt, reference_output(ckpt))
+    finally:
+        swarm.stop()
+
+
+async def ready_status(ls: LiveSwarm, node: int) -> dict[str, Any]:
+    """Node ``node``'s status once it serves (client.wait_ready)."""
+    async with honest_client(ls, node) as (h, peer):
+        return await client.wait_ready(h, peer, timeout=120)
+
+
 @contextlib.asynccontextmanager
 async def honest_client(ls: LiveSwarm, node: int = 1) -> AsyncIterator[tuple[SwarmHost, str]]:
     async with client.open_client(

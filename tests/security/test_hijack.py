@@ -22,13 +22,12 @@ import pytest
 import trio
 
 from swarm import client
-from swarm.launch import start_local_swarm
 from swarm.proto import control as ctl
 from swarm.proto.messages import Plan as PlanMsg
 from swarm.proto.signed import sign_plan
 
 from .rogue import identity_between, rogue_member
-from .swarmkit import MAX_NEW, PROMPT, LiveSwarm, reference_output
+from .swarmkit import MAX_NEW, PROMPT, LiveSwarm, own_swarm, ready_status
 
 pytestmark = pytest.mark.slow
 
@@ -38,16 +37,8 @@ COORDINATOR_ONLY = 150_000  # bytes: room for the tiny model's head (131 kB), no
 @pytest.fixture(scope="module")
 def own(security_ckpt: Path) -> Iterator[LiveSwarm]:
     """A swarm of its own: this test kills one of its nodes."""
-    swarm = start_local_swarm(3, security_ckpt, dtype="fp32", chunk_timeout=10.0)
-    try:
-        yield LiveSwarm(swarm, security_ckpt, reference_output(security_ckpt))
-    finally:
-        swarm.stop()
+    yield from own_swarm(security_ckpt)
 
-
-async def _status(ls: LiveSwarm, node: int) -> dict:  # type: ignore[type-arg]
-    async with client.open_client(ls.swarm.addrs[node], secret=ls.swarm.secret, swarm_id=ls.swarm.swarm_id) as (h, p):
-        return await client.wait_ready(h, p, timeout=120)
 
 
 def forged_plan_body(rogue: str, n_layers: int) -> dict:  # type: ignore[type-arg]
@@ -60,15 +51,15 @@ async def test_a_member_cannot_make_itself_coordinator_through_a_catch_up(own: L
     ids = sorted(sw.peer_ids)
     leader = ids[0]
     ident = identity_between(ids[0], ids[1])  # the second-smallest ID: the one a thawed leader listens to
-    await _status(own, 0)
+    await ready_status(own, 0)
     async with rogue_member(own, ident, memory_bytes=COORDINATOR_ONLY) as rogue:
         with trio.fail_after(60):
             while True:  # every node sees the rogue as a member
-                seen = [rogue.peer_id in (await _status(own, i))["members"] for i in range(3)]
+                seen = [rogue.peer_id in (await ready_status(own, i))["members"] for i in range(3)]
                 if all(seen):
                     break
                 await trio.sleep(0.5)
-        st = await _status(own, 0)
+        st = await ready_status(own, 0)
         epoch, plan = st["epoch"], st["plan"]
         assert rogue.peer_id not in (plan["coordinator"], *plan["ring"]), plan
         n_layers = max(b for _a, b in plan["blocks"].values())

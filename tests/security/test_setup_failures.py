@@ -24,13 +24,12 @@ import torch
 import trio
 
 from swarm import client
-from swarm.launch import start_local_swarm
 from swarm.model.weights import open_checkpoint
 from swarm.node.plan.authority import STRIKES
 from swarm.node.settings import model_spec
 
 from .rogue import identity_between, rogue_member
-from .swarmkit import MAX_NEW, PROMPT, LiveSwarm, reference_output
+from .swarmkit import MAX_NEW, PROMPT, LiveSwarm, own_swarm, ready_status
 
 pytestmark = pytest.mark.slow
 
@@ -48,11 +47,7 @@ def two_layers_no_head(ckpt: Path) -> int:
 @pytest.fixture(scope="module")
 def own(security_ckpt: Path) -> Iterator[LiveSwarm]:
     """A swarm of its own: this test kills one of its nodes."""
-    swarm = start_local_swarm(3, security_ckpt, dtype="fp32", chunk_timeout=10.0)
-    try:
-        yield LiveSwarm(swarm, security_ckpt, reference_output(security_ckpt))
-    finally:
-        swarm.stop()
+    yield from own_swarm(security_ckpt)
 
 
 def _gist(log: str) -> str:
@@ -60,16 +55,12 @@ def _gist(log: str) -> str:
     return "\n".join(ln for ln in log.splitlines() if "TCP stream" not in ln)[-8000:]
 
 
-async def _status(ls: LiveSwarm, node: int) -> dict:  # type: ignore[type-arg]
-    async with client.open_client(ls.swarm.addrs[node], secret=ls.swarm.secret, swarm_id=ls.swarm.swarm_id) as (h, p):
-        return await client.wait_ready(h, p, timeout=120)
-
 
 async def test_a_member_that_never_opens_its_hops_is_benched_after_a_bounded_number_of_set_ups(own: LiveSwarm) -> None:
     sw = own.swarm
     ids = sorted(sw.peer_ids)
     leader = ids[0]
-    await _status(own, 0)
+    await ready_status(own, 0)
     # the rogue sorts after the leader (it never leads); it claims fast layers
     async with rogue_member(
         own, identity_between(leader, "2"), memory_bytes=two_layers_no_head(own.ckpt), ms_per_layer=0.01,
@@ -77,7 +68,7 @@ async def test_a_member_that_never_opens_its_hops_is_benched_after_a_bounded_num
     ) as rogue:
         with trio.fail_after(60):
             while True:  # every node sees the rogue as a member
-                if all([rogue.peer_id in (await _status(own, i))["members"] for i in range(3)]):
+                if all([rogue.peer_id in (await ready_status(own, i))["members"] for i in range(3)]):
                     break
                 await trio.sleep(0.5)
         survivor = sw.peer_ids.index(leader)
