@@ -16,6 +16,7 @@ import contextlib
 import json
 import math
 import os
+import selectors
 import signal
 import socket
 import subprocess
@@ -44,6 +45,9 @@ def free_ports(n: int) -> list[int]:
     for s in socks:
         s.close()
     return ports
+
+
+PROXY_START_S = 30.0  # a delay proxy's start-up, to its listeners bound (python and trio imported)
 
 
 @dataclass
@@ -171,20 +175,6 @@ def start_local_swarm(
     workdir.mkdir(parents=True, exist_ok=True)
     seeds = [os.urandom(32) for _ in range(n)]
     peer_ids = [Identity(s).peer_id for s in seeds]
-    ports = free_ports(4 * n if delay_ms > 0 else 2 * n)
-    listen_ports, fast_ports = ports[:n], ports[n : 2 * n]
-    public_ports, fast_public = (ports[2 * n : 3 * n], ports[3 * n :]) if delay_ms > 0 else (listen_ports, fast_ports)
-    addrs = [f"/ip4/127.0.0.1/tcp/{public_ports[i]}/p2p/{peer_ids[i]}" for i in range(n)]
-    # an invite made on the spot: node 0 is the bootstrap, a throwaway issuer signs it
-    issuer = Identity(os.urandom(32))
-    manifest = sign_manifest(
-        new_manifest(swarm_name="demo", issuer=issuer.public_key, bootstrap=(addrs[0],), lifetime_s=86400,
-                     quant=quant, context=context_tokens, kv_cache=kv_cache),
-        issuer,
-    )
-    manifest_file = workdir / "invite.json"
-    write_manifest(manifest, manifest_file)
-    secret, swarm_id = manifest.secret.value, manifest.swarm_id
     dtypes = [dtype] * n if isinstance(dtype, str) else list(dtype)  # a mixed ring: one per node
     if len(dtypes) != n:
         raise ValueError(f"{len(dtypes)} dtypes for {n} nodes")
@@ -196,17 +186,27 @@ def start_local_swarm(
             per = math.ceil(args.n_layers / n) * spec.bytes_per_layer + spec.coordinator_bytes
             per += draft_bytes(draft, args, resolve_dtype(dt, resolve_device(device)), context_tokens)
             memory_bytes.append(int(per * 1.02))
+    ports = free_ports(2 * n)
+    listen_ports, fast_ports = ports[:n], ports[n:]
+    public_ports, fast_public = listen_ports, fast_ports
+    proxy = None
+    if delay_ms > 0:  # the proxy picks its own public ports: none freed here for another process to take
+        proxy, public = _start_delay_proxy(delay_ms, ports, workdir)
+        public_ports, fast_public = public[:n], public[n:]
+    addrs = [f"/ip4/127.0.0.1/tcp/{public_ports[i]}/p2p/{peer_ids[i]}" for i in range(n)]
+    # an invite made on the spot: node 0 is the bootstrap, a throwaway issuer signs it
+    issuer = Identity(os.urandom(32))
+    manifest = sign_manifest(
+        new_manifest(swarm_name="demo", issuer=issuer.public_key, bootstrap=(addrs[0],), lifetime_s=86400,
+                     quant=quant, context=context_tokens, kv_cache=kv_cache),
+        issuer,
+    )
+    manifest_file = workdir / "invite.json"
+    write_manifest(manifest, manifest_file)
+    secret, swarm_id = manifest.secret.value, manifest.swarm_id
     swarm = LocalSwarm(workdir, swarm_id, secret, peer_ids, addrs, _tmp=tmp, node_env=dict(node_env or {}))
+    swarm.proxy = proxy
     try:
-        if delay_ms > 0:
-            pairs = [f"{public_ports[i]}:{listen_ports[i]}" for i in range(n)]
-            pairs += [f"{fast_public[i]}:{fast_ports[i]}" for i in range(n)]
-            fd = _log_file(workdir / "proxy.log")
-            swarm.proxy = subprocess.Popen(
-                [sys.executable, "-m", "swarm.testing.delayproxy", str(delay_ms), *pairs],
-                stdout=subprocess.DEVNULL, stderr=fd,
-            )  # fmt: skip
-            os.close(fd)
         for i in range(n):
             seed_file = workdir / f"node{i}.seed"
             _write_private(seed_file, seeds[i].hex())
@@ -235,6 +235,30 @@ def start_local_swarm(
         swarm.stop()
         raise
     return swarm
+
+
+def _start_delay_proxy(delay_ms: float, targets: list[int], workdir: Path) -> tuple[subprocess.Popen[bytes], list[int]]:
+    """A delaying proxy process in front of each target port; returns it once every one of its
+    listeners is bound, with their ports (in ``targets``' order), or raises naming its log."""
+    fd = _log_file(workdir / "proxy.log")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "swarm.testing.delayproxy", str(delay_ms), *(f"0:{t}" for t in targets)],
+        stdout=subprocess.PIPE, stderr=fd,
+    )  # fmt: skip
+    os.close(fd)
+    assert proc.stdout is not None
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        ready = sel.select(timeout=PROXY_START_S)
+    line = proc.stdout.readline().decode() if ready else ""
+    proc.stdout.close()
+    parts = line.split()
+    if len(parts) != len(targets) + 1 or parts[0] != "ports":
+        proc.kill()
+        proc.wait(timeout=5)
+        log = (workdir / "proxy.log").read_text(errors="replace")[-2000:]
+        raise RuntimeError(f"the delay proxy did not start within {PROXY_START_S:.0f} s (its log: {log!r})")
+    return proc, [int(p) for p in parts[1:]]
 
 
 def _log_file(path: Path, *, append: bool = False) -> int:

@@ -107,20 +107,24 @@ async def open_delay_proxy(target_port: int, *, delay: float, jitter: float = 0.
 
 
 async def _serve_many(pairs: list[tuple[int, int]], delay: float, jitter: float, seed: int) -> None:
+    """Bind every listener first (port 0: one the kernel picks), print the bound ports on one
+    line (``ports P1 P2 ...``, in the order given) so a parent that waits for it knows they all
+    listen, then serve them all."""
+    bound = []
+    for i, (listen, target) in enumerate(pairs):
+        proxy = DelayProxy(target, delay=delay, jitter=jitter, seed=seed + i)
+        listeners = await trio.open_tcp_listeners(listen, host=proxy.listen_host)
+        proxy.port = listeners[0].socket.getsockname()[1]
+        bound.append((proxy, listeners))
+    print("ports", *(proxy.port for proxy, _ in bound), flush=True)
     async with trio.open_nursery() as nursery:
-        for i, (listen, target) in enumerate(pairs):
-            proxy = DelayProxy(target, delay=delay, jitter=jitter, seed=seed + i)
-            nursery.start_soon(_serve_on, proxy, listen)
-
-
-async def _serve_on(proxy: DelayProxy, port: int) -> None:
-    listeners = await trio.open_tcp_listeners(port, host=proxy.listen_host)
-    proxy.port = port
-    await trio.serve_listeners(proxy._handle, listeners)
+        for proxy, listeners in bound:
+            nursery.start_soon(trio.serve_listeners, proxy._handle, listeners)
 
 
 def main(argv: list[str]) -> int:
-    """``python -m swarm.testing.delayproxy DELAY_MS [JITTER_MS] LISTEN:TARGET ...`` (loopback only)."""
+    """``python -m swarm.testing.delayproxy DELAY_MS [JITTER_MS] LISTEN:TARGET ...`` (loopback only;
+    LISTEN 0 binds a port the kernel picks; the bound ports are printed once all listen)."""
     import sys
 
     if len(argv) < 2:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import trio
 
 from swarm.testing.delayproxy import open_delay_proxy
@@ -57,4 +59,22 @@ async def test_jitter_never_reorders() -> None:
                     while len(got) < 100:
                         got += await stream.receive_some(65536)
             assert [int.from_bytes(got[i:i + 2], "big") for i in range(0, 100, 2)] == list(range(50))
+        nursery.cancel_scope.cancel()
+
+
+async def test_the_proxy_process_binds_its_own_ports_and_says_which(tmp_path: Path) -> None:
+    """start_local_swarm's proxy process picks its public ports itself (no port freed by the parent
+    for another process to take first) and returns only once they listen."""
+    from swarm.launch import _start_delay_proxy
+
+    async with trio.open_nursery() as nursery:
+        target = await nursery.start(_echo_server)
+        proc, ports = await trio.to_thread.run_sync(_start_delay_proxy, 20.0, [target, target], tmp_path)
+        try:
+            assert len(ports) == 2 and len(set(ports)) == 2 and target not in ports
+            for port in ports:
+                assert await _rtt(port, b"x" * 1000) >= 0.035  # 20 ms each way, through this port
+        finally:
+            proc.kill()
+            proc.wait(timeout=5)
         nursery.cancel_scope.cancel()
