@@ -111,9 +111,9 @@ class Serving:
         labels = await self.wiring.connect(msg.epoch)
         return ctl.Linked({str(k): v for k, v in labels.items()})
 
-    async def _on_serve(self, peer: str, msg: ctl.Serve) -> ctl.Serving:
+    async def _on_serve(self, peer: str, msg: ctl.Serve) -> ctl.Ack:
         await self.wiring.serve(msg.epoch, {int(k): v for k, v in msg.hops.items() if k.isdigit()})
-        return ctl.Serving()
+        return ctl.Ack()
 
     async def run(self, nursery: trio.Nursery) -> None:
         """Start the serving tasks: the fast path's inbound channels and the leader loop."""

@@ -167,7 +167,7 @@ async def test_the_dispatch_table_checks_every_role_before_the_handler() -> None
 
     async def handler(peer: str, msg: object) -> ctl.Control:
         handled.append(f"{type(msg).__name__}:{peer}")
-        return ctl.Serving()
+        return ctl.Ack()
 
     table = Dispatcher(_View(), _epoch_roles, {t: handler for t in ROLES}, "test")
     cases = [  # (message, sender, refused with)
@@ -185,13 +185,13 @@ async def test_the_dispatch_table_checks_every_role_before_the_handler() -> None
     for msg, sender, refused in cases:
         reply = await table(sender, msg)
         if refused is None:
-            assert isinstance(reply, ctl.Serving), (msg, sender, reply)
+            assert isinstance(reply, ctl.Ack), (msg, sender, reply)
         else:
             assert isinstance(reply, ctl.Fail) and refused in reply.message, (msg, sender, reply)
             assert reply.code == ("bad_request" if "not current" in refused else "forbidden"), reply
     assert len(handled) == sum(r is None for _, _, r in cases)
-    unexpected = await Dispatcher(_View(), _epoch_roles, {}, "test")("M1", ctl.Serving())
-    assert isinstance(unexpected, ctl.Fail) and "unexpected Serving" in unexpected.message
+    unexpected = await Dispatcher(_View(), _epoch_roles, {}, "test")("M1", ctl.Ack())
+    assert isinstance(unexpected, ctl.Fail) and "unexpected Ack" in unexpected.message
     with pytest.raises(TypeError, match="no role declared"):
         Dispatcher(_View(), _epoch_roles, {ctl.Done: handler}, "test")
 
