@@ -153,12 +153,14 @@ def file_pieces(manifest: ModelManifest, paths: Iterable[str]) -> list[Piece]:
 
 
 def tensor_pieces(tensors: Iterable[TensorEntry], max_bytes: int = PIECE_BYTES) -> list[Piece]:
-    """Runs of tensors adjacent in their file (no gap), each run at most ``max_bytes`` (a larger
-    tensor alone)."""
+    """Runs of tensors of one layer (or of none) adjacent in their file (no gap), each run at
+    most ``max_bytes`` (a larger tensor alone): members hold whole layers, so a piece never
+    straddles two, and a member holding one layer can serve each of its pieces."""
     runs: list[list[TensorEntry]] = []
     for t in sorted(tensors, key=lambda t: (t.file, t.start)):
         last = runs[-1] if runs else None
-        if last and last[-1].file == t.file and last[-1].end == t.start and t.end - last[0].start <= max_bytes:
+        if (last and last[-1].file == t.file and last[-1].end == t.start and last[-1].layer == t.layer
+                and t.end - last[0].start <= max_bytes):  # fmt: skip
             last.append(t)
         else:
             runs.append([t])

@@ -56,7 +56,8 @@ def test_pieces_join_adjacent_tensors_up_to_the_cap(model: tuple[Path, ModelMani
     pieces = tensor_pieces(ts, 1 << 20)
     assert sorted(t.name for p in pieces for t in p.tensors) == sorted(t.name for t in ts)
     assert all(p.tensors[-1].end == p.end and p.tensors[0].start == p.start for p in pieces)
-    assert all(a.end == b.start for p in pieces for a, b in zip(p.tensors, p.tensors[1:], strict=False))
+    assert all(a.end == b.start and a.layer == b.layer for p in pieces for a, b in zip(p.tensors, p.tensors[1:], strict=False))
+    assert len(tensor_pieces(m.block(0, 4) + m.head(), 1 << 30)) >= 4 + len({t.file for t in m.head()})  # never two layers
     big = max(ts, key=lambda t: t.nbytes)
     alone = tensor_pieces(ts, big.nbytes - 1)
     assert any(p.tensors == (big,) for p in alone) and all(p.nbytes < big.nbytes or len(p.tensors) == 1 for p in alone)
