@@ -237,12 +237,17 @@ class Assignment:
     def landed(self, piece: Piece, peer: str) -> None:
         self.by_peer[peer] = self.by_peer.get(peer, 0) + piece.nbytes
 
-    def give_back(self, piece: Piece, peer: str, why: str, *, lied: bool = False) -> None:
+    def give_back(self, piece: Piece, peer: str, why: str, *, lied: bool = False, drop: bool = True) -> None:
         """``peer`` did not land ``piece``: it goes back (never to ``peer``) and ``peer`` is
-        dropped: a liar for bytes that failed their hash, else as failed (timeout, refusal, loss)."""
+        dropped: a liar for bytes that failed their hash, else as failed (timeout, loss, a broken
+        protocol); with ``drop`` False (it refused that piece: its advert was out of date) it
+        keeps serving the others."""
         self.tried.setdefault(piece, set()).add(peer)
         self.pending.append(piece)
-        (self.liars if lied else self.failed).setdefault(peer, why)
+        if lied:
+            self.liars.setdefault(peer, why)
+        elif drop:
+            self.failed.setdefault(peer, why)
 
     def left_for_origin(self) -> list[Piece]:
         """What is still pending (call when every peer's worker has stopped)."""
@@ -302,6 +307,7 @@ class PieceSink:
             if hashlib.sha256(data).hexdigest() != p.sha256:
                 return [p.file]
             c.land_file_bytes(c.manifest.files[p.file], data)
+            c.fetched_total += p.nbytes
             c.save()
             return []
         self.close()

@@ -88,7 +88,9 @@ def test_each_piece_goes_to_a_holder_and_a_liar_gets_nothing_more(model: tuple[P
     while (p := a.take("A")) is not None:
         a.landed(p, "A")
     assert {t.layer for p in a.left_for_origin() for t in p.tensors} == {2, 3}
-    a.give_back(pieces[0], "A", "timed out")
+    a.give_back(pieces[0], "A", "not held (an advert older than its cache)", drop=False)
+    assert not a.failed and a.usable("A") and pieces[0] in a.left_for_origin()  # A refused it: not again
+    a.give_back(pieces[1], "A", "timed out")
     assert a.failed == {"A": "timed out"} and a.take("A") is None
 
 

@@ -181,3 +181,56 @@ async def test_refusals_are_typed_and_only_members_are_served(model: tuple[Path,
                 async with client.open_stream(a.peer_id, PROTO_TENSORS, timeout=5) as fs:
                     await fs.send(RangeRequest(1, t_held.file, t_held.start, 8).to_frame())
                     await fs.receive(timeout=5)
+
+
+def _fetcher(fetch_dir: Path, model_dir: Path | None, origin: tuple[str, ...] = ()) -> Any:
+    from types import SimpleNamespace
+
+    from swarm.node.compute.fetching import BlockFetcher
+    from swarm.node.compute.runtime import Compute
+    from swarm.node.notices import Hooks, Notices
+
+    settings = SimpleNamespace(fetch_dir=fetch_dir, model_dir=model_dir, origin=origin, disk_bytes=0)
+    lives: list[dict[str, Any]] = []
+    f = BlockFetcher(settings, Compute(), Notices(Hooks(on_life=lives.append)))  # type: ignore[arg-type]
+    f.lives = lives
+    return f
+
+
+async def test_a_node_fetches_its_block_from_members_that_checked_their_own_copies(model: tuple[Path, ModelManifest],
+                                                                                    tmp_path: Path) -> None:  # fmt: skip
+    """The node's own wiring (BlockFetcher.join_members): two members verify parts of their own
+    copies in place and serve them; a third, with no origin, fetches its block and the head from
+    them and advertises what it then holds."""
+    from swarm.node.members.membership import layer_ranges
+
+    d, m = model
+    dirs = [ModelCache(tmp_path / f"c{i}", m).dir for i in range(3)]
+    a, b, c = _fetcher(dirs[0], d), _fetcher(dirs[1], d), _fetcher(dirs[2], None)
+    await a.block(0, 3)
+    await a.head()
+    await b.block(3, 6)
+    assert a.held() == ([0, 1, 2], True) and b.held() == ([3, 4, 5], False)
+    said: list[tuple[list[int], bool]] = []
+    async with _members(3) as (hc, ha, hb):
+        serve_tensors(ha, a.holdings)
+        serve_tensors(hb, b.holdings)
+
+        def holders() -> dict[str, Holds]:  # as serving.py reads them from adverts
+            out = {}
+            for peer, f in ((ha.peer_id, a), (hb.peer_id, b)):
+                layers, head = f.held()
+                adv_layers = sorted(i for k, e in layer_ranges(layers).items() for i in range(int(k), e))
+                out[peer] = Holds.of_layers(m, adv_layers, head=head)
+            return out
+
+        c.join_members(hc, holders, lambda layers, head: said.append((layers, head)))
+        rep = await c.block(1, 5)
+        assert set(rep.by_source) == {ha.peer_id, hb.peer_id} and rep.fetched >= m.block_bytes(1, 5)
+        await c.head()
+    assert said[-1] == ([1, 2, 3, 4], True) and c.cache.holds(m.block(1, 5) + m.head())
+    assert [e["sources"] for e in c.lives if e.get("event") == "fetched"][0].keys() == {ha.peer_id, hb.peer_id}
+    ca, cb = open_checkpoint(d), open_checkpoint(local_path(c.cache))
+    sa = Stage.load(ca.args, ca.source, 1, 5, dtype=torch.float32).state_dict()
+    sb = Stage.load(cb.args, cb.source, 1, 5, dtype=torch.float32).state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)

@@ -12,7 +12,8 @@ tensors, each phase an ``Assignment`` worked by one task per member that holds s
 needed, all at once, each over its own stream, one request in flight per stream. Bytes land
 through ``PieceSink`` (sha256 per tensor). A member whose bytes fail their hash is a liar: named
 in a warning and to ``on_liar`` (the caller reports it), given no more pieces, and its pieces go
-to the others; a member that times out, refuses or breaks the protocol just stops being asked.
+to the others; a member that times out or breaks the protocol stops being asked; one that
+refuses a piece as not held or busy (its advert was older than its cache) keeps the others.
 What no member could serve comes from the origins (``ModelCache.ensure``), or is a FetchError
 naming it and every member dropped on the way.
 """
@@ -40,8 +41,7 @@ from swarm.fetch.peers import (
     tensor_pieces,
 )
 from swarm.manifest.model_manifest import TensorEntry
-from swarm.net.host import SwarmHost
-from swarm.net.streams import FramedStream
+from swarm.node.hosting import Host, Stream
 from swarm.proto.limits import PROTO_TENSORS, Limits
 from swarm.proto.messages import parse_message
 from swarm.proto.tensors import RangeReader, RangeRequest, data_frames
@@ -58,13 +58,13 @@ SERVE_SLOTS = 4  # ranges read from disk at once for other members
 # ---------------------------------------------------------------------------- serving
 
 
-def serve_tensors(host: SwarmHost, holdings: Callable[[], Holdings | None], *, io_s: float = IO_S) -> None:
+def serve_tensors(host: Host, holdings: Callable[[], Holdings | None], *, io_s: float = IO_S) -> None:
     """Answer byte-range requests from admitted members on PROTO_TENSORS. ``holdings()`` is what
     this node holds verified at the moment of each request (None: nothing)."""
     limits = host.limits
     slots = trio.Semaphore(SERVE_SLOTS)
 
-    async def handler(peer: str, fs: FramedStream) -> None:
+    async def handler(peer: str, fs: Stream) -> None:
         while True:
             msg = parse_message(await fs.receive(timeout=IDLE_S), limits)
             if not isinstance(msg, RangeRequest):
@@ -104,7 +104,7 @@ class MembersReport:
 
 
 async def fetch_from_members(
-    host: SwarmHost,
+    host: Host,
     cache: ModelCache,
     tensors: Sequence[TensorEntry],
     files: Collection[str],
@@ -162,19 +162,26 @@ async def _from_origin(cache: ModelCache, left: list[Piece], origins: Sequence[S
         rep.by_source[k] = rep.by_source.get(k, 0) + n
 
 
-async def _worker(host: SwarmHost, cache: ModelCache, a: Assignment, peer: str, ids: itertools.count[int],
+async def _worker(host: Host, cache: ModelCache, a: Assignment, peer: str, ids: itertools.count[int],
                   io_s: float) -> None:  # fmt: skip
     piece: Piece | None = None
     try:
         async with host.open_stream(peer, PROTO_TENSORS, timeout=io_s) as fs:
             while (piece := a.take(peer)) is not None:
-                bad = await _fetch_piece(fs, cache, piece, ids, host.limits, io_s)
+                try:
+                    bad = await _fetch_piece(fs, cache, piece, ids, host.limits, io_s)
+                except RangeRefused as e:
+                    if e.code not in ("not-held", "busy"):
+                        raise
+                    a.give_back(piece, peer, str(e), drop=False)  # the stream is fine: go on with the rest
+                    piece = None
+                    continue
                 if bad:
                     a.give_back(piece, peer, f"{piece.file}: {', '.join(bad[:3])} failed sha256", lied=True)
                 else:
                     a.landed(piece, peer)
                 piece = None
-    except (PeerError, ProtocolError, FetchError) as e:  # RangeRefused is a FetchError
+    except (PeerError, ProtocolError, FetchError) as e:  # a refusal other than not-held/busy included
         why = f"{type(e).__name__}: {e}"
         if piece is not None:
             a.give_back(piece, peer, why)
@@ -183,7 +190,7 @@ async def _worker(host: SwarmHost, cache: ModelCache, a: Assignment, peer: str, 
         log.info("member %s stops serving this fetch: %s", peer, printable(why)[:300])
 
 
-async def _fetch_piece(fs: FramedStream, cache: ModelCache, piece: Piece, ids: itertools.count[int],
+async def _fetch_piece(fs: Stream, cache: ModelCache, piece: Piece, ids: itertools.count[int],
                        limits: Limits, io_s: float) -> list[str]:  # fmt: skip
     sink = PieceSink(cache, piece)
     try:
