@@ -129,7 +129,7 @@ class Serving:
                 service.readvertise()
 
         fetcher.join_members(host, holders, on_held)
-        serve_tensors(host, fetcher.holdings)
+        serve_tensors(host, fetcher.holdings, widen=fetcher.widen if fetcher.local is not None else None)
         on_held(*fetcher.held())  # a restarted node says at once what its cache holds
 
     async def _on_connect(self, peer: str, msg: ctl.Connect) -> ctl.Linked:

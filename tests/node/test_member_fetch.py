@@ -197,24 +197,33 @@ def _fetcher(fetch_dir: Path, model_dir: Path | None, origin: tuple[str, ...] = 
     return f
 
 
-async def test_a_node_fetches_its_block_from_members_that_checked_their_own_copies(model: tuple[Path, ModelManifest],
-                                                                                    tmp_path: Path) -> None:  # fmt: skip
-    """The node's own wiring (BlockFetcher.join_members): two members verify parts of their own
-    copies in place and serve them; a third, with no origin, fetches its block and the head from
-    them and advertises what it then holds."""
+async def test_a_node_fetches_its_block_from_members_with_their_own_copies(model: tuple[Path, ModelManifest],
+                                                                          tmp_path: Path) -> None:  # fmt: skip
+    """The node's own wiring (BlockFetcher): two members with their own copies of the model (one
+    with a flipped byte in a layer-4 tensor) serve it, each tensor checked in place when first
+    asked for; a third, with no origin, fetches its block and the head from them, never the bad
+    tensor, and advertises what it then holds."""
+    import shutil
+
     from swarm.node.members.membership import layer_ranges
 
     d, m = model
+    bad_copy = tmp_path / "bad"
+    shutil.copytree(d, bad_copy)
+    flip = next(t for t in m.block(4, 5) if t.nbytes > 64)
+    with open(bad_copy / flip.file, "r+b") as fh:
+        fh.seek(flip.start + 7)
+        b = fh.read(1)
+        fh.seek(flip.start + 7)
+        fh.write(bytes([b[0] ^ 1]))
     dirs = [ModelCache(tmp_path / f"c{i}", m).dir for i in range(3)]
-    a, b, c = _fetcher(dirs[0], d), _fetcher(dirs[1], d), _fetcher(dirs[2], None)
-    await a.block(0, 3)
-    await a.head()
-    await b.block(3, 6)
-    assert a.held() == ([0, 1, 2], True) and b.held() == ([3, 4, 5], False)
+    a, b, c = _fetcher(dirs[0], bad_copy), _fetcher(dirs[1], d), _fetcher(dirs[2], None)
+    await a.block(0, 2)  # its own plan: checked in place as it loads
+    assert a.held() == (list(range(m.n_layers)), True) and b.held() == a.held()  # a full copy serves it all
     said: list[tuple[list[int], bool]] = []
     async with _members(3) as (hc, ha, hb):
-        serve_tensors(ha, a.holdings)
-        serve_tensors(hb, b.holdings)
+        serve_tensors(ha, a.holdings, widen=a.widen)
+        serve_tensors(hb, b.holdings, widen=b.widen)
 
         def holders() -> dict[str, Holds]:  # as serving.py reads them from adverts
             out = {}
@@ -225,12 +234,17 @@ async def test_a_node_fetches_its_block_from_members_that_checked_their_own_copi
             return out
 
         c.join_members(hc, holders, lambda layers, head: said.append((layers, head)))
-        rep = await c.block(1, 5)
-        assert set(rep.by_source) == {ha.peer_id, hb.peer_id} and rep.fetched >= m.block_bytes(1, 5)
+        rep = await c.block(1, 6)
+        assert set(rep.by_source) == {ha.peer_id, hb.peer_id} and rep.fetched >= m.block_bytes(1, 6)
         await c.head()
-    assert said[-1] == ([1, 2, 3, 4], True) and c.cache.holds(m.block(1, 5) + m.head())
+    assert not c.liars
+    assert flip.name not in a._local_held[0]  # the flipped tensor was refused, never served
+    assert not a.widen(flip.file, flip.start, flip.nbytes) and b.widen(flip.file, flip.start, flip.nbytes)
+    assert not b.widen(flip.file, m.files[flip.file].size - 1, 5)  # past the last tensor: not the model's bytes
+    assert not b.widen("config.json", 0, 1)  # a small file is a copy's only if checked whole (not widened)
+    assert said[-1] == ([1, 2, 3, 4, 5], True) and c.cache.holds(m.block(1, 6) + m.head())
     assert [e["sources"] for e in c.lives if e.get("event") == "fetched"][0].keys() == {ha.peer_id, hb.peer_id}
     ca, cb = open_checkpoint(d), open_checkpoint(local_path(c.cache))
-    sa = Stage.load(ca.args, ca.source, 1, 5, dtype=torch.float32).state_dict()
-    sb = Stage.load(cb.args, cb.source, 1, 5, dtype=torch.float32).state_dict()
+    sa = Stage.load(ca.args, ca.source, 1, 6, dtype=torch.float32).state_dict()
+    sb = Stage.load(cb.args, cb.source, 1, 6, dtype=torch.float32).state_dict()
     assert all(torch.equal(sa[k], sb[k]) for k in sa)

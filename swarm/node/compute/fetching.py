@@ -16,6 +16,7 @@ cache, or the tensors of its own copy checked in place) is what it serves to the
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -23,6 +24,7 @@ from typing import Any
 
 import trio
 
+from swarm.errors import WeightsError
 from swarm.fetch.cache import FetchReport, ModelCache
 from swarm.fetch.origin import Origin
 from swarm.fetch.peers import Holdings, Holds
@@ -32,6 +34,7 @@ from swarm.fetch.slices import (
     fetch_head,
     verify_block_in_place,
     verify_head_in_place,
+    verify_in_place,
 )
 from swarm.manifest.model_manifest import TensorEntry
 from swarm.node.compute.members import fetch_from_members
@@ -59,6 +62,7 @@ class BlockFetcher:
         self.on_held: Callable[[list[int], bool], None] = lambda layers, head: None
         self.liars: dict[str, str] = {}  # members whose bytes failed their hash: never asked again
         self._holdings: tuple[tuple[int, int], Holdings] | None = None
+        self._widening = threading.Lock()
 
     def join_members(self, host: Host, holders: Callable[[], Mapping[str, Holds]],
                      on_held: Callable[[list[int], bool], None]) -> None:  # fmt: skip
@@ -77,10 +81,39 @@ class BlockFetcher:
         return self._holdings[1]
 
     def held(self) -> tuple[list[int], bool]:
-        """The layers held verified whole, and whether the head is (for the advert)."""
-        h = self.holdings()
+        """The layers held verified whole, and whether the head is (for the advert); a node with
+        its own full copy holds every layer and the head (each checked when first asked for)."""
         m = self.cache.manifest
+        if self.local is not None:
+            return sorted({t.layer for t in m.tensors.values() if t.layer is not None}), bool(m.head())
+        h = self.holdings()
         return h.layers(), bool(m.head()) and all(h.covers(t.file, t.start, t.end) for t in m.head())
+
+    def widen(self, path: str, offset: int, length: int) -> bool:
+        """Own copy only (a worker thread): check in place the tensors (and header) that make up
+        [offset, offset + length) of ``path``; True if the range is now held verified."""
+        m, local = self.cache.manifest, self.local
+        f = m.files.get(path)
+        if local is None or f is None or not f.is_weights:
+            return False
+        end = offset + length
+        inside = [t for t in m.tensors.values() if t.file == path and t.start < end and offset < t.end]
+        spans = sorted([(0, f.header_end)] * (offset < f.header_end) + [(t.start, t.end) for t in inside])
+        pos = offset
+        for a, b in spans:  # the range must be header and tensors only, no gap
+            if a > pos:
+                return False
+            pos = max(pos, b)
+        if pos < end:
+            return False
+        with self._widening:  # verify_in_place rewrites one memo file
+            try:
+                verify_in_place(self.cache, local, inside, [path])
+            except WeightsError:
+                return False
+            self._local_held[0].update(t.name for t in inside)
+            self._local_held[1].add(path)
+        return True
 
     async def block(self, a: int, b: int) -> FetchReport:
         m = self.cache.manifest
@@ -104,7 +137,12 @@ class BlockFetcher:
 
     async def _verify(self, what: str, fn: Callable[[], int], tensors: list[TensorEntry], files: list[str]) -> FetchReport:
         t0 = time.monotonic()
-        hashed = await self.compute.run(fn, limited=False)
+
+        def locked() -> int:
+            with self._widening:  # one writer of the in-place memo at a time (widen, for members)
+                return fn()
+
+        hashed = await self.compute.run(locked, limited=False)
         self.notices.life("verified", what=what, bytes=hashed, seconds=round(time.monotonic() - t0, 3))
         self._local_held[0].update(t.name for t in tensors)  # checked: served to members from now on
         self._local_held[1].update(files, (t.file for t in tensors))  # the tensors' files' headers too

@@ -58,11 +58,32 @@ SERVE_SLOTS = 4  # ranges read from disk at once for other members
 # ---------------------------------------------------------------------------- serving
 
 
-def serve_tensors(host: Host, holdings: Callable[[], Holdings | None], *, io_s: float = IO_S) -> None:
+def serve_tensors(host: Host, holdings: Callable[[], Holdings | None], *, io_s: float = IO_S,
+                  widen: Callable[[str, int, int], bool] | None = None) -> None:  # fmt: skip
     """Answer byte-range requests from admitted members on PROTO_TENSORS. ``holdings()`` is what
-    this node holds verified at the moment of each request (None: nothing)."""
+    this node holds verified at the moment of each request (None: nothing). ``widen(file,
+    offset, length)`` (a node with its own full copy) checks the tensors of a range not verified
+    yet against the manifest, in a worker thread: True if they are now held."""
     limits = host.limits
     slots = trio.Semaphore(SERVE_SLOTS)
+
+    async def check(h: Holdings | None, msg: RangeRequest) -> Holdings:
+        if h is None:
+            raise RangeRefused("not-held", "this member holds none of the model's files")
+        try:
+            h.check(msg.file, msg.offset, msg.length, limits.max_range_bytes)
+            return h
+        except RangeRefused as e:
+            if e.code != "not-held" or widen is None:
+                raise
+        async with slots:
+            if not await trio.to_thread.run_sync(widen, msg.file, msg.offset, msg.length):
+                raise RangeRefused("not-held", f"{msg.file}: bytes [{msg.offset}, {msg.offset + msg.length}) "
+                                   "are not tensors of this member's copy that match the manifest")  # fmt: skip
+        h = holdings()
+        assert h is not None
+        h.check(msg.file, msg.offset, msg.length, limits.max_range_bytes)
+        return h
 
     async def handler(peer: str, fs: Stream) -> None:
         while True:
@@ -70,10 +91,7 @@ def serve_tensors(host: Host, holdings: Callable[[], Holdings | None], *, io_s: 
             if not isinstance(msg, RangeRequest):
                 raise ProtocolError(f"{PROTO_TENSORS}: expected RANGE_REQUEST, got {type(msg).__name__}")
             try:
-                h = holdings()
-                if h is None:
-                    raise RangeRefused("not-held", "this member holds none of the model's files")
-                h.check(msg.file, msg.offset, msg.length, limits.max_range_bytes)
+                h = await check(holdings(), msg)
                 if slots.value == 0:
                     raise RangeRefused("busy", f"{SERVE_SLOTS} ranges are being read for other members: ask another")
                 async with slots:
