@@ -117,6 +117,18 @@ class ModelCache:
                 by[t.layer] = by.get(t.layer, True) and t.name in self.verified
         return sorted(k for k, v in by.items() if v)
 
+    def check_budget(self, todo: Sequence[TensorEntry], todo_files: Sequence[FileEntry]) -> int:
+        """The bytes fetching ``todo`` and ``todo_files`` (none held yet) adds; DiskBudgetError
+        if the cache would then exceed the disk budget."""
+        adding = sum(_file_bytes(f) for f in todo_files) + sum(t.nbytes - self.partial.get(t.name, 0) for t in todo)
+        if self.disk_budget is not None and self.held_bytes() + adding > self.disk_budget:
+            raise DiskBudgetError(
+                f"disk budget {_gb(self.disk_budget)}: this block needs {_gb(adding)} more and the cache "
+                f"({self.dir}) already holds {_gb(self.held_bytes())}: raise --disk, or offer less memory "
+                "so that the plan gives this peer fewer layers"
+            )
+        return adding
+
     # ------------------------------------------------------------------ fetching
     def ensure(self, tensors: Sequence[TensorEntry], files: Sequence[str], sources: Sequence[Source],
                progress: Progress | None = None) -> FetchReport:  # fmt: skip
@@ -133,14 +145,7 @@ class ModelCache:
         if not sources:
             raise FetchError(f"{self.dir}: {len(todo)} tensors and {len(todo_files)} files are not in the cache "
                              "and there is no source to fetch them from (the invite names no origin)")  # fmt: skip
-        adding = sum(_file_bytes(f) for f in todo_files) + sum(t.nbytes - self.partial.get(t.name, 0) for t in todo)
-        if self.disk_budget is not None and self.held_bytes() + adding > self.disk_budget:
-            raise DiskBudgetError(
-                f"disk budget {_gb(self.disk_budget)}: this block needs {_gb(adding)} more and the cache "
-                f"({self.dir}) already holds {_gb(self.held_bytes())}: raise --disk, or offer less memory "
-                "so that the plan gives this peer fewer layers"
-            )
-        total, done = adding, 0
+        total, done = self.check_budget(todo, todo_files), 0
 
         def tick(n: int) -> None:
             nonlocal done
@@ -149,7 +154,7 @@ class ModelCache:
             if progress is not None:
                 progress(done, total)
 
-        src = sources[0]  # several sources at once: not yet (the first one that answers is used)
+        src = sources[0]  # one origin at a time (members serve each other: swarm.fetch.peers)
         key = src.url("").rstrip("/")
         bad: list[str] = []
         try:
@@ -176,6 +181,11 @@ class ModelCache:
             what = "header" if f.is_weights else "contents"
             raise FetchError(f"{src.url(f.path)}: the file's {what} differ from the manifest's (sha256): "
                              "the origin's file changed since the manifest was made")  # fmt: skip
+        self.land_file_bytes(f, data)
+
+    def land_file_bytes(self, f: FileEntry, data: bytes) -> None:
+        """Write a weight file's header (laying the file out at its true length) or a small
+        file whole, already checked against the manifest, and list it as held."""
         path = self.dir / f.path
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "r+b" if path.exists() else "wb") as fh:

@@ -41,6 +41,7 @@ Handler = Callable[[str, Any], Awaitable[None]]
 
 class Host(Protocol):
     peer_id: str
+    limits: Limits  # the caps its streams decode with
 
     def addrs(self) -> list[str]:
         """Our dialable addresses, each ending in ``/p2p/<peer id>``."""

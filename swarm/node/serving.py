@@ -14,7 +14,10 @@ from typing import Any
 
 import trio
 
+from swarm.fetch.peers import Holds
 from swarm.manifest.identity import Identity
+from swarm.node.compute.fetching import BlockFetcher
+from swarm.node.compute.members import serve_tensors
 from swarm.node.compute.runtime import Models
 from swarm.node.dispatch import CLIENT, MEMBER, Dispatcher, RingClient
 from swarm.node.generation.report import Reporter
@@ -104,8 +107,30 @@ class Serving:
         host.handle(PROTO_RING, self.ring.serve)
         host.handle(PROTO_ACT, self.wiring.serve_act)
         host.handle(PROTO_GEN, self.gen.serve, roles=(MEMBER, CLIENT))  # ring, act: members only (the door)
+        if models.fetch is not None:
+            self._share_model_bytes(models.fetch, host, service, view)
         self._fastpath = fastpath
         self._service = service
+
+    @staticmethod
+    def _share_model_bytes(fetcher: BlockFetcher, host: Host, service: MembershipService, view: MemberView) -> None:
+        """Members fetch from each other (issue 25): serve what we hold verified on
+        /shard-swarm/tensors/1, say in our advert which layers that is, and ask the members whose
+        adverts say they hold what we need (not the benched or leaving) before the origin."""
+        manifest = fetcher.cache.manifest
+
+        def holders() -> dict[str, Holds]:
+            ok = set(view.plannable())
+            return {p: Holds.of_layers(manifest, a.held_layers(), head=bool(a.held_head))
+                    for p, a in service.membership.view().items() if p in ok and (a.held or a.held_head)}  # fmt: skip
+
+        def on_held(layers: list[int], head: bool) -> None:
+            if service.membership.update_local(held=(layers, head)):
+                service.readvertise()
+
+        fetcher.join_members(host, holders, on_held)
+        serve_tensors(host, fetcher.holdings, widen=fetcher.widen if fetcher.local is not None else None)
+        on_held(*fetcher.held())  # a restarted node says at once what its cache holds
 
     async def _on_connect(self, peer: str, msg: ctl.Connect) -> ctl.Linked:
         labels = await self.wiring.connect(msg.epoch)

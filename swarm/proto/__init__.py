@@ -2,7 +2,7 @@
 
 Files:
 
-- ``limits.py``     every protocol ID (``/shard-swarm/{admit,ctl,act,ring,gen}/1``) and
+- ``limits.py``     every protocol ID (``/shard-swarm/{admit,ctl,act,ring,gen,tensors}/1``) and
                     :class:`Limits`, the caps every decoder takes
 - ``frame.py``      the binary frame (32-byte header, dims, JSON meta, raw tensor bytes),
                     ``encode_frame``, the incremental ``FrameDecoder`` and ``decode_frame``
@@ -18,13 +18,15 @@ Files:
                     message (``frames_of``), joined and bounded by an ``Assembler``
 - ``signing.py``    canonical JSON, Ed25519 sign/verify helpers, peer ID of a public key
 - ``signed.py``     ``sign_advert``/``verify_advert``/``AdvertBook`` and ``sign_plan``/``verify_plan``
+- ``tensors.py``    /shard-swarm/tensors/1: a model file's byte range asked of a member
+                    (RANGE_REQUEST), answered in RANGE_DATA pieces or a typed RANGE_REFUSED
 - ``admission.py``  the challenge-response admission handshake as sans-IO ``Initiator``/``Responder``
 
 Errors: FrameError for a bad frame, ProtocolError for a bad message, AdmissionError for a failed
 proof (all from ``swarm.errors``).
 """
 
-from swarm.proto import activation, control  # noqa: F401  (register their message types)
+from swarm.proto import activation, control, tensors  # noqa: F401  (register their message types)
 from swarm.proto.activation import Chunk, Error, Result, Rollback, SessionEnd
 from swarm.proto.control import Control
 from swarm.proto.frame import DType, Flag, Frame, FrameDecoder, MsgType, decode_frame, encode_frame

@@ -28,6 +28,8 @@ RESULT_KINDS = ("hidden", "logits", "tokens")
 
 def tokens_axis(name: str, dtype: DType, shape: tuple[int, ...], limits: Limits) -> int:
     """T of a chunk: tokens are (T,) or (B, T) ints; hidden states (T, D) or (B, T, D) floats."""
+    if not (dtype.is_int or dtype.is_float):
+        raise ProtocolError(f"{name} field 'dtype': {dtype.name}, a chunk carries token ids or hidden states")
     if dtype.is_int:
         if len(shape) not in (1, 2):
             raise ProtocolError(f"{name} field 'shape': token ids are (T,) or (B, T), got {shape}")

@@ -52,6 +52,7 @@ class DType(enum.IntEnum):
     FP32 = 3
     INT32 = 4
     INT64 = 5
+    U8 = 6  # raw bytes (a model file's byte range, /shard-swarm/tensors/1): never an activation
 
     @property
     def itemsize(self) -> int:
@@ -73,6 +74,7 @@ _ITEMSIZE = {
     DType.FP32: 4,
     DType.INT32: 4,
     DType.INT64: 8,
+    DType.U8: 1,
 }
 
 
@@ -93,6 +95,9 @@ class MsgType(enum.IntEnum):
     ROLLBACK = 0x22
     SESSION_END = 0x23
     ERROR = 0x2F
+    RANGE_REQUEST = 0x30  # a model file's byte range asked of a member (swarm.proto.tensors)
+    RANGE_DATA = 0x31
+    RANGE_REFUSED = 0x32
 
 
 class Flag(enum.IntFlag):

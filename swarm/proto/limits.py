@@ -16,7 +16,8 @@ PROTO_CTL = "/shard-swarm/ctl/1"  # adverts and heartbeats
 PROTO_ACT = "/shard-swarm/act/1"  # activation/verify chunks, results, rollbacks, errors
 PROTO_RING = "/shard-swarm/ring/1"  # plans and the ring's set-up and recovery (control.py)
 PROTO_GEN = "/shard-swarm/gen/1"  # generation requests and status (control.py)
-PROTOCOL_IDS = (PROTO_ADMIT, PROTO_CTL, PROTO_ACT, PROTO_RING, PROTO_GEN)
+PROTO_TENSORS = "/shard-swarm/tensors/1"  # byte ranges of model files a member holds verified (tensors.py)
+PROTOCOL_IDS = (PROTO_ADMIT, PROTO_CTL, PROTO_ACT, PROTO_RING, PROTO_GEN, PROTO_TENSORS)
 
 WIRE_VERSION = 1  # the frame header's version byte
 
@@ -38,6 +39,8 @@ class Limits:
     max_list: int = 1024  # any one JSON array or object
     max_addresses: int = 16  # multiaddrs in an advert
     max_peers: int = 256  # RTT entries in an advert
+    max_range_bytes: int = 16 * 1024 * 1024  # one byte-range request on /shard-swarm/tensors/1
+    max_range_chunk: int = 1024 * 1024  # one RANGE_DATA frame's payload
 
     def __post_init__(self) -> None:
         for name in self.__dataclass_fields__:

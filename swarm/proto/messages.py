@@ -46,6 +46,8 @@ CLIENT_ROLE = "client"  # the one role an ADMIT_HELLO may name (absent: a member
 MAX_ID = 128  # peer IDs, swarm IDs
 MAX_REASON = 256
 I63 = (1 << 63) - 1
+MAX_HELD_RANGES = 64  # layer ranges an advert says its peer holds
+MAX_LAYER = 1 << 16
 
 
 class Message:
@@ -200,10 +202,24 @@ class Advert(Message):
     draft_name: str | None = meta("draft", Str(128, min_len=1), optional=True, default=None)
     draft_bytes: int | None = meta("draft_bytes", Int(0, 1 << 56), optional=True, default=None)
     draft_us: int | None = meta("draft_us", Int(0, 10**9), optional=True, default=None)
+    # the model's layers this peer holds verified and serves to members on /shard-swarm/tensors/1
+    # (swarm.proto.tensors), as ranges {"start": end}, and whether it holds the head; absent: none
+    held: dict[str, int] | None = meta(
+        "held", IntMap(MAX_HELD_RANGES, 7, 1, MAX_LAYER, what="layer ranges", unit="an end layer"),
+        optional=True, default=None,
+    )  # fmt: skip
+    held_head: bool | None = meta("held_head", Bool(), optional=True, default=None)
 
     def check(self, limits: Limits, fail: Any) -> None:
         if len({self.draft_name is None, self.draft_bytes is None, self.draft_us is None}) > 1:
             raise fail("draft", "draft, draft_bytes and draft_us come together or not at all")
+        for k, end in (self.held or {}).items():
+            if not (k.isascii() and k.isdigit() and str(int(k)) == k and int(k) < end):
+                raise fail("held", f"entry {k[:8]!r}: expected a start layer below its end {end}")
+
+    def held_layers(self) -> list[int]:
+        """Every layer of :attr:`held` (bounded by MAX_LAYER and MAX_HELD_RANGES)."""
+        return sorted({i for k, end in (self.held or {}).items() for i in range(int(k), end)})
 
     def body(self) -> dict[str, Any]:
         """Everything that is signed (all but the signature)."""

@@ -38,6 +38,11 @@ def test_local_advert_is_signed_and_updates_bump_the_sequence() -> None:
     verify_advert(m.local, SWARM)
     with pytest.raises(UsageError, match="memory"):
         m.update_local(memory_bytes=-1)
+    assert m.update_local(held=([0, 1, 2, 5, 7, 8], True))
+    assert m.local.held == {"0": 3, "5": 6, "7": 9} and m.local.held_head and m.local.seq == 12
+    assert not m.update_local(held=([2, 1, 0, 8, 7, 5], True))
+    assert m.update_local(held=([], False)) and m.local.held is None and m.local.held_head is None
+    verify_advert(m.local, SWARM)
 
 
 def test_view_keeps_latest_valid_advert_and_ignores_stale_and_forged() -> None:

@@ -24,6 +24,7 @@ from swarm.proto.messages import (
     decode_message,
     parse_message,
 )
+from swarm.proto.tensors import RangeData, RangeRefused, RangeRequest
 
 PEER = "12D3KooWD527tGVJ6SFGnFEZsR4vuwx2u9xQwf1Dg6WoyHRS1Dgi"
 
@@ -61,6 +62,9 @@ SAMPLES: list[Message] = [
     Error(0, 0, "overloaded"),
     ctl.Gen.checked((1, 2, 3), max_new_tokens=8),
     ctl.Status(),
+    RangeRequest(1, "model.safetensors", 8, 4096),
+    RangeData.of(1, 8, bytes(16), last=False),
+    RangeRefused(1, "too-large", "at most 16 MiB a request"),
 ]
 # one sample of every CONTROL op (all CONTROL frames: their class is the op's)
 CONTROLS: list[ctl.Control] = [

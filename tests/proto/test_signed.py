@@ -154,6 +154,21 @@ def test_an_advert_names_the_draft_model_its_peer_runs() -> None:
         Advert.from_frame(frame, DEFAULT_LIMITS)
 
 
+def test_an_advert_says_which_layers_its_peer_holds_and_serves() -> None:
+    adv = _advert(held={"0": 3, "10": 12}, held_head=True)
+    got = decode_message(adv.encode())
+    assert isinstance(got, Advert) and got == adv and got.held_layers() == [0, 1, 2, 10, 11]
+    verify_advert(got, SWARM)
+    assert "held" not in _advert().body() and _advert().held_layers() == []  # none: the body is as before
+    with pytest.raises(ProtocolError, match="forged or corrupted signature"):
+        verify_advert(decode_message(dataclasses.replace(adv, held={"0": 40}).encode()), SWARM)  # type: ignore[arg-type]
+    for bad in ({"3": 3}, {"03": 5}, {"-1": 2}, {"x": 2}, {"0": 1 << 17}, {str(i): i + 1 for i in range(65)}):
+        frame = adv.to_frame()
+        frame.meta["held"] = bad
+        with pytest.raises(ProtocolError, match="held"):
+            Advert.from_frame(frame, DEFAULT_LIMITS)
+
+
 def test_made_up_identities_expire_and_never_lock_a_newcomer_out() -> None:
     """A member gossips adverts of identities it made up: they stay unconfirmed (they never
     connect), a newcomer that connects evicts the oldest of them from a full book, and the rest

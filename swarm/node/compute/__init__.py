@@ -7,4 +7,6 @@
     headbatch.py   the coordinator's LM head, shared by the sessions whose results arrive together
     memory.py      running out of memory: what it fails (a request, never the peer), its test hooks
     fetching.py    a block's tensors fetched from the model's origin (or checked in place) before it loads
+    members.py     /shard-swarm/tensors/1: serving the byte ranges this node holds verified to other
+                   members, and fetching a block's tensors from several members at once (origin last)
 """

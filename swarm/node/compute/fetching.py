@@ -6,20 +6,39 @@ tensors are verified in place instead, each once (a ``verified`` life event).
 The fetch runs in a worker thread outside the compute limiter, so the forwards of a block already
 held keep running meanwhile; what moved is told as a ``fetched`` life event (bytes, the bytes of
 what was asked for, seconds, the source) and kept in ``fetched_bytes`` for status.
+
+Once :meth:`BlockFetcher.join_members` wired it (serving.py), the members whose adverts say they
+hold the tensors are asked first, several at once (members.py), the origin last; a member whose
+bytes failed their hash is never asked again by this node. What this node holds verified (its
+cache, or the tensors of its own copy checked in place) is what it serves to the others and what
+``on_held`` advertises after each fetch.
 """
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import trio
 
+from swarm.errors import WeightsError
 from swarm.fetch.cache import FetchReport, ModelCache
 from swarm.fetch.origin import Origin
-from swarm.fetch.slices import fetch_block, fetch_head, verify_block_in_place, verify_head_in_place
+from swarm.fetch.peers import Holdings, Holds
+from swarm.fetch.slices import (
+    CONFIG_FILES,
+    fetch_block,
+    fetch_head,
+    verify_block_in_place,
+    verify_head_in_place,
+    verify_in_place,
+)
+from swarm.manifest.model_manifest import TensorEntry
+from swarm.node.compute.members import fetch_from_members
+from swarm.node.hosting import Host
 from swarm.node.notices import Notices
 from swarm.node.settings import NodeSettings
 
@@ -37,33 +56,132 @@ class BlockFetcher:
         md = settings.model_dir
         inside = md is not None and (md == settings.fetch_dir or settings.fetch_dir in md.parents)
         self.local: Path | None = None if inside or md is None else (md.parent if md.is_file() else md)
+        self._local_held: tuple[set[str], set[str]] = (set(), set())  # tensors, files checked in place
+        self.host: Host | None = None
+        self.holders: Callable[[], Mapping[str, Holds]] = dict
+        self.on_held: Callable[[list[int], bool], None] = lambda layers, head: None
+        self.liars: dict[str, str] = {}  # members whose bytes failed their hash: never asked again
+        self._holdings: tuple[tuple[int, int], Holdings] | None = None
+        self._widening = threading.Lock()
+
+    def join_members(self, host: Host, holders: Callable[[], Mapping[str, Holds]],
+                     on_held: Callable[[list[int], bool], None]) -> None:  # fmt: skip
+        """Ask the members ``holders()`` names (peer -> what its advert says it holds) before the
+        origin; ``on_held(layers, head)`` after each fetch or check (to advertise it)."""
+        self.host, self.holders, self.on_held = host, holders, on_held
+
+    def holdings(self) -> Holdings:
+        """What this node may serve to members: only bytes it holds verified (rebuilt when that
+        grew, not at every request)."""
+        tensors, files = self._local_held if self.local is not None else (self.cache.verified, self.cache.files)
+        key = (len(tensors), len(files))
+        if self._holdings is None or self._holdings[0] != key:
+            base = self.local if self.local is not None else self.cache.dir
+            self._holdings = (key, Holdings(self.cache.manifest, base, set(tensors), set(files)))
+        return self._holdings[1]
+
+    def held(self) -> tuple[list[int], bool]:
+        """The layers held verified whole, and whether the head is (for the advert); a node with
+        its own full copy holds every layer and the head (each checked when first asked for)."""
+        m = self.cache.manifest
+        if self.local is not None:
+            return sorted({t.layer for t in m.tensors.values() if t.layer is not None}), bool(m.head())
+        h = self.holdings()
+        return h.layers(), bool(m.head()) and all(h.covers(t.file, t.start, t.end) for t in m.head())
+
+    def widen(self, path: str, offset: int, length: int) -> bool:
+        """Own copy only (a worker thread): check in place the tensors (and header) that make up
+        [offset, offset + length) of ``path``; True if the range is now held verified."""
+        m, local = self.cache.manifest, self.local
+        f = m.files.get(path)
+        if local is None or f is None or not f.is_weights:
+            return False
+        end = offset + length
+        inside = [t for t in m.tensors.values() if t.file == path and t.start < end and offset < t.end]
+        spans = sorted([(0, f.header_end)] * (offset < f.header_end) + [(t.start, t.end) for t in inside])
+        pos = offset
+        for a, b in spans:  # the range must be header and tensors only, no gap
+            if a > pos:
+                return False
+            pos = max(pos, b)
+        if pos < end:
+            return False
+        with self._widening:  # verify_in_place rewrites one memo file
+            try:
+                verify_in_place(self.cache, local, inside, [path])
+            except WeightsError:
+                return False
+            self._local_held[0].update(t.name for t in inside)
+            self._local_held[1].add(path)
+        return True
 
     async def block(self, a: int, b: int) -> FetchReport:
+        m = self.cache.manifest
         if self.local is not None:
             local = self.local
-            return await self._verify(f"layers [{a}, {b})", lambda: verify_block_in_place(self.cache, local, a, b))
-        return await self._run(f"layers [{a}, {b})", [a, b], lambda: fetch_block(self.cache, a, b, self.sources))
+            return await self._verify(f"layers [{a}, {b})", lambda: verify_block_in_place(self.cache, local, a, b),
+                                      m.block(a, b), [p for p in CONFIG_FILES if p in m.files])  # fmt: skip
+        files = [f.path for f in m.weight_files()] + [p for p in CONFIG_FILES if p in m.files]
+        return await self._run(f"layers [{a}, {b})", [a, b], lambda: fetch_block(self.cache, a, b, self.sources),
+                               m.block(a, b), files)  # fmt: skip
 
     async def head(self) -> FetchReport:
+        m = self.cache.manifest
         if self.local is not None:
             local = self.local
-            return await self._verify("the head", lambda: verify_head_in_place(self.cache, local))
-        return await self._run("the head and tokenizer", None, lambda: fetch_head(self.cache, self.sources))
+            return await self._verify("the head", lambda: verify_head_in_place(self.cache, local),
+                                      m.head(), [f.path for f in m.small_files()])  # fmt: skip
+        files = [f.path for f in m.weight_files()] + [p for p in CONFIG_FILES if p in m.files]
+        return await self._run("the head and tokenizer", None, lambda: fetch_head(self.cache, self.sources),
+                               m.head() + m.block(0, 0), files + [f.path for f in m.small_files()])  # fmt: skip
 
-    async def _verify(self, what: str, fn: Callable[[], int]) -> FetchReport:
+    async def _verify(self, what: str, fn: Callable[[], int], tensors: list[TensorEntry], files: list[str]) -> FetchReport:
         t0 = time.monotonic()
-        hashed = await self.compute.run(fn, limited=False)
+
+        def locked() -> int:
+            with self._widening:  # one writer of the in-place memo at a time (widen, for members)
+                return fn()
+
+        hashed = await self.compute.run(locked, limited=False)
         self.notices.life("verified", what=what, bytes=hashed, seconds=round(time.monotonic() - t0, 3))
+        self._local_held[0].update(t.name for t in tensors)  # checked: served to members from now on
+        self._local_held[1].update(files, (t.file for t in tensors))  # the tensors' files' headers too
+        self.on_held(*self.held())
         return FetchReport(needed=hashed)
 
-    async def _run(self, what: str, layers: list[int] | None, fn: Callable[[], FetchReport]) -> FetchReport:
+    def _asking_members(self) -> dict[str, Holds]:
+        if self.host is None:
+            return {}
+        return {p: h for p, h in self.holders().items() if p not in self.liars and p != self.host.peer_id}
+
+    async def _from_members(self, tensors: list[TensorEntry], files: list[str], holders: Mapping[str, Holds]) -> FetchReport:
+        assert self.host is not None
+        m = self.cache.manifest
+        needed = sum(t.nbytes for t in tensors) + sum(
+            m.files[p].header_end if m.files[p].is_weights else m.files[p].size for p in set(files) | {t.file for t in tensors})
+        rep = await fetch_from_members(self.host, self.cache, tensors, files, holders, self.sources,
+                                       on_liar=self._liar)  # fmt: skip
+        return FetchReport(fetched=rep.fetched, needed=needed, tensors=len(tensors), by_source=rep.by_source)
+
+    def _liar(self, peer: str, why: str) -> None:
+        self.liars[peer] = why
+        self.notices.notice(f"member {peer} served model bytes that fail the manifest's sha256 ({why[:200]}): "
+                            "not asking it again; the bytes were fetched elsewhere")  # fmt: skip
+
+    async def _run(self, what: str, layers: list[int] | None, fn: Callable[[], FetchReport],
+                   tensors: list[TensorEntry], files: list[str]) -> FetchReport:  # fmt: skip
         async with self.lock:  # one fetch at a time writes the cache's state
             t0 = time.monotonic()
-            rep = await self.compute.run(fn, limited=False)
+            holders = self._asking_members()
+            if holders and not self.cache.holds(tensors):
+                rep = await self._from_members(tensors, files, holders)
+            else:
+                rep = await self.compute.run(fn, limited=False)
             self.fetched_bytes += rep.fetched
             secs = round(time.monotonic() - t0, 3)
             if rep.fetched:
                 self.notices.event(f"fetched {what}: {rep.fetched / 1e6:.1f} MB in {secs:.1f} s")
             self.notices.life("fetched", layers=layers, what=what, bytes=rep.fetched, needed=rep.needed,
                               seconds=secs, sources=rep.by_source)  # fmt: skip
+            self.on_held(*self.held())
             return rep

@@ -25,7 +25,7 @@ import dataclasses
 import platform
 import sys
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,7 @@ from swarm.errors import UsageError
 from swarm.planner.peersfile import dump_peers_file
 from swarm.planner.spec import Peer
 from swarm.proto.limits import DEFAULT_LIMITS
-from swarm.proto.messages import Advert
+from swarm.proto.messages import MAX_HELD_RANGES, Advert
 from swarm.proto.signed import AdvertBook, sign_advert
 from swarm.proto.signing import Signer, peer_id_of
 
@@ -65,6 +65,21 @@ def detect_device() -> tuple[str, str]:
                 name = line.split(":", 1)[1].strip()
                 break
     return "cpu", (name or platform.processor() or platform.machine() or "cpu")[:128]
+
+
+def layer_ranges(layers: Iterable[int]) -> dict[str, int]:
+    """Layers as an advert's ranges {"start": end}, the first MAX_HELD_RANGES of them."""
+    out: dict[str, int] = {}
+    start = end = -1
+    for i in sorted(set(layers)):
+        if i != end:
+            if end > start >= 0:
+                out[str(start)] = end
+            start = i
+        end = i + 1
+    if end > start >= 0:
+        out[str(start)] = end
+    return dict(list(out.items())[:MAX_HELD_RANGES])
 
 
 # ---------------------------------------------------------------------------- the view
@@ -114,9 +129,15 @@ class Membership:
         memory_bytes: int | None = None,
         ms_per_layer: float | None = None,
         rtt_ms: dict[str, float] | None = None,
+        held: tuple[Sequence[int], bool] | None = None,
     ) -> bool:
-        """Change our advert; re-signs with the next sequence number. False if nothing changed."""
+        """Change our advert; re-signs with the next sequence number. False if nothing changed.
+        ``held``: the layers this node holds verified and whether it holds the head (it serves
+        them to members on /shard-swarm/tensors/1)."""
         changes: dict[str, object] = {}
+        if held is not None:
+            changes["held"] = layer_ranges(held[0]) or None
+            changes["held_head"] = True if held[1] else None
         if addrs is not None:
             changes["addrs"] = tuple(addrs)[: DEFAULT_LIMITS.max_addresses]
         if memory_bytes is not None:
