@@ -13,11 +13,24 @@ care what the numbers are), its model manifest, and serves it with Debian's ngin
 
 Reports medians of MB/s and the ratio a/b (the issue's target: >= 0.8), and the bytes fetched
 ÷ the block's bytes. Writes benchmarks/results/fetch.json.
+
+    .venv/bin/python benchmarks/bench_fetch.py --members [--gb 0.5] [--rounds 5]
+
+From another member instead (issue 25), both ends in one process on loopback, interleaved:
+
+  (a) ours  ``fetch_from_members`` of the block into an empty cache from one member serving its
+            own copy on /shard-swarm/tensors/1 (libp2p: Noise + yamux; 1 MiB frames; each
+            tensor's sha256 checked; written in place)
+  (b) tcp   the same byte ranges read from the files and sent over one plain trio TCP stream,
+            received and written to a file, nothing checked
+
+Writes benchmarks/results/fetch_members.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -28,6 +41,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -74,13 +88,127 @@ def write_model(out: Path, gb: float, layers: int) -> None:
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
 
 
+async def _members_round(model: Path, m: Any, lo: int, hi: int, cache_root: Path) -> tuple[float, int]:
+    """(seconds, bytes) of one fetch of layers [lo, hi) from a member serving ``model``."""
+    import hashlib
+
+    from swarm.fetch.peers import Holdings, Holds
+    from swarm.net.host import open_host
+    from swarm.node.compute.members import fetch_from_members, serve_tensors
+
+    secret, swarm = hashlib.sha256(b"bench").digest(), "0" * 32
+    loop = ("/ip4/127.0.0.1/tcp/0",)
+    async with open_host(b"\x01" * 32, loop, secret=secret, swarm_id=swarm) as server, \
+            open_host(b"\x02" * 32, loop, secret=secret, swarm_id=swarm) as client:  # fmt: skip
+        held = Holdings(m, model, m.tensors, m.files)
+        serve_tensors(server, lambda: held)
+        await client.dial(server.addrs()[0])
+        cache = ModelCache(cache_root, m)
+        files = [f.path for f in m.weight_files()]
+        t = time.perf_counter()
+        rep = await fetch_from_members(client, cache, m.block(lo, hi), files, {server.peer_id: Holds(frozenset(m.tensors), frozenset(m.files))})
+        dt = time.perf_counter() - t
+    assert cache.holds(m.block(lo, hi)) and not rep.liars and not rep.failed
+    return dt, rep.fetched
+
+
+async def _tcp_round(model: Path, ranges: list[tuple[str, int, int]], dest: Path) -> tuple[float, int]:
+    """(seconds, bytes) of the same ranges over one plain trio TCP stream, written to ``dest``."""
+    import trio
+
+    chunk = 1 << 20
+    total = sum(e - s for _, s, e in ranges)
+
+    async def serve(stream: trio.SocketStream) -> None:
+        for path, s, e in ranges:
+            fd = os.open(model / path, os.O_RDONLY)
+            try:
+                for a in range(s, e, chunk):
+                    await stream.send_all(await trio.to_thread.run_sync(os.pread, fd, min(chunk, e - a), a))
+            finally:
+                os.close(fd)
+        await stream.aclose()
+
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(functools.partial(trio.serve_tcp, serve, 0, host="127.0.0.1"))
+        port = listeners[0].socket.getsockname()[1]
+        t = time.perf_counter()
+        got = 0
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        with open(dest, "wb") as fh:
+            while got < total:
+                data = await stream.receive_some(chunk)
+                if not data:
+                    break
+                await trio.to_thread.run_sync(fh.write, data)
+                got += len(data)
+        dt = time.perf_counter() - t
+        await stream.aclose()
+        nursery.cancel_scope.cancel()
+    assert got == total
+    return dt, got
+
+
+def members(a: argparse.Namespace) -> None:
+    import trio
+
+    out = a.out if a.out != DEFAULT_OUT else ROOT / "benchmarks" / "results" / "fetch_members.json"
+    work = Path(tempfile.mkdtemp(prefix="bench-fetch-members-"))
+    try:
+        model = work / "model"
+        write_model(model, a.gb, a.layers)
+        m = manifest_of_path(model)
+        lo, hi = a.layers // 3, 2 * a.layers // 3
+        block = m.block_bytes(lo, hi)
+        todo = sorted(m.block(lo, hi), key=lambda x: (x.file, x.start))
+        ranges = [(f.path, 0, f.header_end) for f in m.weight_files()]
+        ranges += [(run[0].file, run[0].start, run[-1].end) for run in _runs(todo, {})]
+        ours, tcp = [], []
+        for r in range(a.rounds):
+            dt, n = trio.run(_members_round, model, m, lo, hi, work / f"cache{r}")
+            ours.append(n / dt / 1e6)
+            shutil.rmtree(work / f"cache{r}")
+            dt, n = trio.run(_tcp_round, model, ranges, work / "tcp.out")
+            tcp.append(n / dt / 1e6)
+            (work / "tcp.out").unlink()
+            print(f"round {r}: members {ours[-1]:.0f} MB/s, plain tcp {tcp[-1]:.0f} MB/s", file=sys.stderr)
+        result = {
+            "machine_note": "2 shared CPU cores, other engineers running tests at the same time: noisy",
+            "command": "benchmarks/bench_fetch.py " + " ".join(sys.argv[1:]),
+            "machine": platform.machine(),
+            "block_layers": [lo, hi],
+            "block_bytes": block,
+            "rounds": a.rounds,
+            "members_mb_s": [round(x, 1) for x in ours],
+            "tcp_mb_s": [round(x, 1) for x in tcp],
+            "members_mb_s_median": round(statistics.median(ours), 1),
+            "tcp_mb_s_median": round(statistics.median(tcp), 1),
+            "ratio_members_over_tcp": round(statistics.median(ours) / statistics.median(tcp), 3),
+            "ratio_per_round": [round(x / y, 3) for x, y in zip(ours, tcp, strict=True)],
+            "what": "members: fetch_from_members from one member over py-libp2p (Noise + yamux), 1 MiB frames, "
+                    "one request in flight, each tensor's sha256 checked, written in place; tcp: the same ranges "
+                    "over one plain trio TCP stream to a file, nothing checked; both ends in one process",  # fmt: skip
+        }
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        print(json.dumps(result, indent=2))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+DEFAULT_OUT = ROOT / "benchmarks" / "results" / "fetch.json"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gb", type=float, default=2.0)
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "fetch.json")
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument("--members", action="store_true", help="from another member over libp2p, against plain TCP")
     a = ap.parse_args()
+    if a.members:
+        members(a)
+        return
     if not have_nginx() or shutil.which("curl") is None:
         sys.exit("needs nginx (apt-get install nginx-light) and curl")
     work = Path(tempfile.mkdtemp(prefix="bench-fetch-"))

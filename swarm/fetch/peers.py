@@ -275,6 +275,10 @@ class PieceSink:
             if not path.is_file() or piece.file not in cache.files:
                 raise FetchError(f"{path}: its header is not in the cache yet (fetch the files first)")
             self.fh = open(path, "r+b")  # noqa: SIM115  (closed in finish/close)
+            if any(t.name in cache.partial for t in piece.tensors):  # these bytes are rewritten: an
+                for t in piece.tensors:  # origin's cut transfer resumes no more, even after a restart
+                    cache.partial.pop(t.name, None)
+                cache.save()
 
     def take(self, data: bytes) -> None:
         p = self.piece

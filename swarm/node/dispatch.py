@@ -51,6 +51,7 @@ ROLES: dict[type[Message], str] = {
     ctl.Leaving: MEMBER,
     ctl.Leave: MEMBER,
     ctl.Fault: STAGE,
+    ctl.BadBytes: MEMBER,  # any member may fetch model bytes from another
     ctl.Gen: CLIENT,
     ctl.Status: CLIENT,
 }

@@ -102,6 +102,7 @@ class Serving:
             ctl.Leaving: self.recovery.on_leaving,
             ctl.Leave: self.recovery.on_leave,
             ctl.Fault: self.recovery.on_fault,
+            ctl.BadBytes: self.recovery.on_bad_bytes,
         }
         ring_table.__post_init__()  # every handled type has a role
         host.handle(PROTO_RING, self.ring.serve)
@@ -109,6 +110,8 @@ class Serving:
         host.handle(PROTO_GEN, self.gen.serve, roles=(MEMBER, CLIENT))  # ring, act: members only (the door)
         if models.fetch is not None:
             self._share_model_bytes(models.fetch, host, service, view)
+            recovery = self.recovery
+            models.fetch.report_liar = lambda peer, why: nursery.start_soon(recovery.report_bad_bytes, peer, why)
         self._fastpath = fastpath
         self._service = service
 

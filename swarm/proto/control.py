@@ -10,7 +10,7 @@ Ops, by protocol (who may send each request is ``swarm.node.dispatch``'s dispatc
 
 - ring set-up (``/shard-swarm/ring/1``): a PLAN message -> :class:`Loaded`; :class:`Connect` ->
   :class:`Linked`; :class:`Serve` -> :class:`Ack`; :class:`Current` -> the serving PLAN or
-  :class:`NoPlan`; :class:`Ended`, :class:`Leaving`, :class:`Leave`, :class:`Fault` ->
+  :class:`NoPlan`; :class:`Ended`, :class:`Leaving`, :class:`Leave`, :class:`Fault`, :class:`BadBytes` ->
   :class:`Ack`.
 - activation streams (``/shard-swarm/act/1``): :class:`Hop` opens one; :class:`Probe` opens a
   short one whose pings the other end echoes.
@@ -251,6 +251,17 @@ class Fault(Control):
     OP: ClassVar[str] = "fault"
     peer: str = meta("peer", Str(MAX_PEER_ID))
     epoch: int = meta("epoch", Int(0, EPOCH_MAX))
+    reason: str = meta("reason", Str(1000), optional=True, default="")
+
+
+@op
+@dataclass(frozen=True, slots=True)
+class BadBytes(Control):
+    """Leader: ``peer`` served the sender model bytes (/shard-swarm/tensors/1) that fail the
+    model manifest's sha256."""
+
+    OP: ClassVar[str] = "bad_bytes"
+    peer: str = meta("peer", Str(MAX_PEER_ID))
     reason: str = meta("reason", Str(1000), optional=True, default="")
 
 

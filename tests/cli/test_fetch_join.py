@@ -1,7 +1,8 @@
 """Join with the invite alone: ``join`` processes with no model on disk; only an HTTP origin
 (nginx on loopback) has the files. Each fetches only its block (the coordinator also the head),
 the ring serves with one box's greedy tokens, and after a peer is killed the survivors fetch
-only the layers they newly hold."""
+only the layers they newly hold. With one member holding its own copy, the others fetch their
+blocks from it (/shard-swarm/tensors/1), the origin only the headers read before a node starts."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import torch
 import trio
 
 from swarm import client
+from swarm.fetch.slices import CONFIG_FILES
 from swarm.manifest.identity import Identity, save_identity
 from swarm.manifest.manifest import new_manifest, read_manifest, sign_manifest, write_manifest
 from swarm.manifest.model_manifest import ModelManifest, manifest_of_path
@@ -41,7 +43,7 @@ class FetchLab:
     manifest hash with the nginx origin."""
 
     def __init__(self, tmp: Path, srv: OriginServer, served: Path, m: ModelManifest, n: int, layers_each: int,
-                 args: ModelArgs | None = None) -> None:  # fmt: skip
+                 args: ModelArgs | None = None, own_copy: frozenset[int] = frozenset()) -> None:  # fmt: skip
         self.tmp, self.m, self.served = tmp, m, served
         self.ids = sorted((Identity(bytes([i + 31]) * 32) for i in range(n)), key=lambda ident: ident.peer_id)
         port = free_port()
@@ -63,6 +65,8 @@ class FetchLab:
             listen = f"/ip4/127.0.0.1/tcp/{port if i == 0 else 0}"
             args = ["--manifest", str(self.invite), "--key", str(key), "--listen", listen, "--dtype", "fp32",
                     "--threads", "1", "--memory", str(mem), "--no-mdns", "--no-relay", "--json"]  # fmt: skip
+            if i in own_copy:  # the user's own copy of the model (checked in place, served to members)
+                args += ["--model", str(served)]
             self.procs.append(JoinProc(f"n{i}", args, env))
 
     def state(self, i: int) -> dict[str, Any]:
@@ -134,6 +138,32 @@ async def test_three_peers_with_no_model_fetch_only_their_blocks_and_serve(tmp_p
                 assert sum(e["bytes"] for e in p.of("fetched")) <= lab.state(i)["fetched_total"]
             assert srv.bytes_sent() == total  # the origin's own count: every byte it sent is accounted for
             assert total < 1.1 * sum(t.nbytes for t in m.tensors.values())  # the model crossed the wire about once
+        finally:
+            lab.close()
+
+
+async def test_peers_fetch_their_blocks_from_a_member_with_its_own_copy(tmp_path: Path) -> None:
+    served, m = _origin(tmp_path)
+    with origin_server(served, tmp_path / "nginx") as srv:
+        lab = FetchLab(tmp_path, srv, served, m, 3, layers_each=2, own_copy=frozenset({0}))
+        try:
+            await trio.to_thread.run_sync(lambda: lab.wait(
+                lambda: sum(1 for p in lab.procs if p.of("serving")) == 3 and lab.coordinator() is not None, "serving"))
+            got = await lab.generate()
+            assert got["output_token_ids"] == _one_box(served)
+            owner = lab.ids[0].peer_id
+            headers = sum(f.header_end for f in m.weight_files()) + sum(m.files[p].size for p in CONFIG_FILES if p in m.files)
+            # the origin sent the manifest to each and the headers and config to the two without a
+            # copy (join reads them before its node starts), and not one tensor
+            assert srv.bytes_sent() == 3 * len(m.canonical_bytes()) + 2 * headers, srv.requests()
+            for i in (1, 2):
+                plan = lab.procs[i].of("plan")[-1]
+                a, b = plan["block"] or (0, 0)
+                mine = m.block_bytes(a, b) + (sum(t.nbytes for t in m.head()) if plan["role"].startswith("coordinator") else 0)
+                fetched = [e for e in lab.procs[i].of("fetched") if e["bytes"]]
+                print(f"peer {i} {plan['role']} [{a}, {b}): {[e['sources'] for e in fetched]}")
+                assert fetched and all(set(e["sources"]) == {owner} for e in fetched), fetched
+                assert lab.state(i)["fetched_total"] == headers + mine, (i, plan)
         finally:
             lab.close()
 

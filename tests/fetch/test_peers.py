@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from swarm.fetch.cache import ModelCache
 from swarm.fetch.peers import (
@@ -114,7 +116,9 @@ def test_a_piece_lands_only_the_tensors_whose_hash_matches(model: tuple[Path, Mo
     piece = next(p for p in tensor_pieces(m.block(1, 2), 1 << 20) if len(p.tensors) >= 2)
     raw = bytearray((d / piece.file).read_bytes()[piece.start : piece.end])
     raw[piece.tensors[1].start - piece.start] ^= 1  # the second tensor's first byte
+    cache.partial[piece.tensors[1].name] = 3  # an origin's cut transfer: its prefix is overwritten now
     s = PieceSink(cache, piece)
+    assert piece.tensors[1].name not in cache.partial
     for i in range(0, len(raw), 100):  # any cut of the bytes
         s.take(bytes(raw[i : i + 100]))
     assert s.finish() == [piece.tensors[1].name]
@@ -126,3 +130,34 @@ def test_a_piece_lands_only_the_tensors_whose_hash_matches(model: tuple[Path, Mo
     assert s.finish() == [bad_header.file]
     with pytest.raises(Exception, match="header is not in the cache"):
         PieceSink(ModelCache(tmp_path / "c3", m), piece)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 10**6), st.integers(-64, 64), st.integers(-2, 1 << 14), st.integers(0, 2**32 - 1),
+       st.booleans())  # fmt: skip
+def test_a_request_is_served_only_inside_held_bytes(model: tuple[Path, ModelManifest], which: int, delta: int,
+                                                    length: int, seed: int, odd_path: bool) -> None:  # fmt: skip
+    """For any request: refused with a RangeRefused, or every byte of it lies in a held tensor or
+    header (never a hole, never another file's path, never over the cap)."""
+    import random
+
+    d, m = model
+    rnd = random.Random(seed)
+    names = sorted(m.tensors)
+    held_t = {n for n in names if rnd.random() < 0.7}
+    held_f = {f.path for f in m.files.values() if rnd.random() < 0.7}
+    h = Holdings(m, d, held_t, held_f)
+    t = m.tensors[names[which % len(names)]]
+    path = "../" + t.file if odd_path else t.file
+    offset = rnd.choice([t.start, t.end, 0]) + delta
+    try:
+        h.check(path, offset, length, 1 << 13)
+    except RangeRefused as e:
+        assert e.code in ("not-held", "too-large", "unknown-file")
+        return
+    assert 1 <= length <= 1 << 13 and path in m.files and offset >= 0
+    spans = [(m.tensors[n].start, m.tensors[n].end) for n in held_t if m.tensors[n].file == path]
+    f = m.files[path]
+    if path in held_f:
+        spans.append((0, f.header_end if f.is_weights else f.size))
+    assert all(any(a <= i < b for a, b in spans) for i in range(offset, offset + length))

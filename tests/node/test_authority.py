@@ -181,6 +181,8 @@ async def test_the_dispatch_table_checks_every_role_before_the_handler() -> None
         (ctl.Current(), "C", "not an advertised member"), (ctl.Current(), "M2", None),
         (ctl.Gen.checked([1]), "C", None), (ctl.Status(), "C", None), (ctl.Status(), "X", "not admitted"),
         (ctl.Leave(), "ME", None),  # our own request, in-process (the leader's own phases)
+        (ctl.BadBytes("M2", "sha256"), "M1", None), (ctl.BadBytes("M2"), "C", "not an advertised member"),
+        (ctl.BadBytes("M1"), "X", "not admitted"),
     ]  # fmt: skip
     for msg, sender, refused in cases:
         reply = await table(sender, msg)
@@ -485,3 +487,37 @@ async def test_the_leader_counts_a_member_silent_only_past_the_reply_bound(autoj
                                                      CONNECT_REPLY_S)  # fmt: skip
     assert answers == {"slow": "linked", "says-timeout": "failed", "rogue": "silent"}
     assert set(replies) == {"slow"} and len(errors) == 2
+
+
+def test_one_member_s_bad_bytes_reports_count_once_however_many_it_sends() -> None:
+    from swarm.node.plan.authority import ByteReports
+
+    r = ByteReports(window=300.0, max_entries=8)
+    assert r.hear("A", "Z", 0.0) and not r.hear("A", "Z", 10.0) and r.hear("B", "Z", 11.0)
+    assert r.hear("A", "Z", 301.0)  # a new window
+    for i in range(50):
+        r.hear(f"acc{i}", "Z", 400.0 + i)
+    assert len(r._heard) <= 8
+
+
+async def test_the_leader_strikes_a_reported_member_and_benches_what_it_saw_itself() -> None:
+    from types import SimpleNamespace
+
+    from swarm.node.plan.recovery import Recovery
+    from swarm.proto import control as ctl
+
+    struck: list[str] = []
+    benched: list[str] = []
+    benches = SimpleNamespace(strike=lambda p, why: struck.append(p), bench=lambda p, why: benched.append(p))
+    view = SimpleNamespace(peer_id="L", leader=lambda: "L")
+    rec = Recovery(view, None, SimpleNamespace(benches=benches), None, None, None)  # type: ignore[arg-type]
+    for accuser in ("A", "A", "A", "B"):  # A's three reports count once
+        assert isinstance(await rec.on_bad_bytes(accuser, ctl.BadBytes("Z", "bytes")), ctl.Ack)
+    assert struck == ["Z", "Z"] and not benched
+    await rec.on_bad_bytes("A", ctl.BadBytes("L", "bytes"))  # the leader does not bench itself on a word
+    await rec.on_bad_bytes("A", ctl.BadBytes("A", "bytes"))
+    rec.bad_bytes_report("L", "Y", "seen here")  # the leader's own fetch: benched at once
+    assert struck == ["Z", "Z"] and benched == ["Y"]
+    view.leader = lambda: "M"
+    with pytest.raises(ProtocolError, match="not the leader"):
+        await rec.on_bad_bytes("A", ctl.BadBytes("Z"))

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+import trio
 
 from swarm.errors import PeerError
 from swarm.fetch.cache import ModelCache
@@ -139,6 +140,28 @@ async def test_a_lying_member_is_named_and_its_pieces_come_from_another(model: t
     assert set(rep.by_source) <= {honest.peer_id, liar.peer_id} and rep.by_source[honest.peer_id] > 0
     assert cache.holds(tensors)
     _same(d, cache, m.n_layers)
+
+
+async def test_a_member_that_goes_silent_is_dropped_after_its_deadline(model: tuple[Path, ModelManifest],
+                                                                      tmp_path: Path) -> None:  # fmt: skip
+    d, m = model
+    everything = Holds.of_layers(m, range(m.n_layers), head=True)
+    async with _members(3) as (c, honest, frozen):
+        serve_tensors(honest, lambda: Slow(m, d, everything, delay=0.02))
+
+        async def silent(peer: str, fs: Any) -> None:  # takes the request, never answers
+            await fs.receive(timeout=60)
+            await trio.sleep(60)
+
+        frozen.handle(PROTO_TENSORS, silent)
+        cache = ModelCache(tmp_path / "cache", m)
+        tensors, files = _everything(m)
+        t0 = trio.current_time()
+        rep = await fetch_from_members(c, cache, tensors, files, {honest.peer_id: everything, frozen.peer_id: everything},
+                                       io_s=1.0)  # fmt: skip
+        assert trio.current_time() - t0 < 20
+    assert list(rep.failed) == [frozen.peer_id] and "PeerTimeout" in rep.failed[frozen.peer_id]
+    assert set(rep.by_source) == {honest.peer_id} and cache.holds(tensors)
 
 
 async def test_what_no_member_holds_without_an_origin_is_an_error_naming_it(model: tuple[Path, ModelManifest],

@@ -61,6 +61,7 @@ class BlockFetcher:
         self.holders: Callable[[], Mapping[str, Holds]] = dict
         self.on_held: Callable[[list[int], bool], None] = lambda layers, head: None
         self.liars: dict[str, str] = {}  # members whose bytes failed their hash: never asked again
+        self.report_liar: Callable[[str, str], None] = lambda peer, why: None  # to the leader (serving.py)
         self._holdings: tuple[tuple[int, int], Holdings] | None = None
         self._widening = threading.Lock()
 
@@ -166,7 +167,8 @@ class BlockFetcher:
     def _liar(self, peer: str, why: str) -> None:
         self.liars[peer] = why
         self.notices.notice(f"member {peer} served model bytes that fail the manifest's sha256 ({why[:200]}): "
-                            "not asking it again; the bytes were fetched elsewhere")  # fmt: skip
+                            "not asking it again; the bytes were fetched elsewhere; reporting it to the leader")  # fmt: skip
+        self.report_liar(peer, why)
 
     async def _run(self, what: str, layers: list[int] | None, fn: Callable[[], FetchReport],
                    tensors: list[TensorEntry], files: list[str]) -> FetchReport:  # fmt: skip

@@ -356,6 +356,30 @@ class Strikes:
 
 
 @dataclass
+class ByteReports:
+    """Reports that a member served model bytes failing the manifest's sha256 (issue 25). The
+    leader cannot check one (the bytes are not signed by their sender), so one member's reports
+    about another count once per ``window``, however many it sends: a lone member cannot bench
+    anyone with them; STRIKES from several members (or with other strikes) do. Pure."""
+
+    window: float
+    max_entries: int = 256
+    _heard: dict[tuple[str, str], float] = field(default_factory=dict)
+
+    def hear(self, accuser: str, accused: str, now: float) -> bool:
+        """True if this report counts (a strike against ``accused``); False: heard already."""
+        last = self._heard.get((accuser, accused))
+        if last is not None and now - last < self.window:
+            return False
+        self._heard[(accuser, accused)] = now
+        if len(self._heard) > self.max_entries:
+            self._heard = {k: t for k, t in self._heard.items() if now - t < self.window}
+            while len(self._heard) > self.max_entries:
+                del self._heard[min(self._heard, key=lambda k: self._heard[k])]
+        return True
+
+
+@dataclass
 class Verdict:
     """What the leader does with a fault report: peers to bench, and why in words."""
 

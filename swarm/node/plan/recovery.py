@@ -27,7 +27,7 @@ from swarm.node.dispatch import RPC_TIMEOUT_S, RingClient
 from swarm.node.members.gossip import MemberEvent
 from swarm.node.members.view import MemberView
 from swarm.node.notices import Notices
-from swarm.node.plan.authority import EXCLUDE_S, FaultClaims, check_fault_report
+from swarm.node.plan.authority import EXCLUDE_S, ByteReports, FaultClaims, check_fault_report
 from swarm.node.plan.epochs import Epoch, Epochs
 from swarm.node.plan.leader import Leader
 from swarm.proto import control as ctl
@@ -55,6 +55,7 @@ class Recovery:
         self.notices = notices
         self.nursery = nursery
         self.claims = FaultClaims(window=EXCLUDE_S)  # fault reports heard (authority.py)
+        self.byte_reports = ByteReports(window=EXCLUDE_S)  # bad model bytes reports heard (authority.py)
 
     # -- losses ----------------------------------------------------------------------------
 
@@ -132,6 +133,38 @@ class Recovery:
         why = f"{verdict.why}: {printable(reason)[:300]}"
         for p in verdict.bench:
             self._exclude(p, why)
+
+    async def report_bad_bytes(self, peer: str, reason: str) -> None:
+        """Tell the leader that member ``peer`` served us model bytes that fail their hash
+        (bounded; best effort)."""
+        try:
+            if self.view.leader() == self.peer_id:
+                self.bad_bytes_report(self.peer_id, peer, reason)
+                return
+            with trio.fail_after(RPC_TIMEOUT_S):
+                reply = await self.ring.call(self.view.leader(), ctl.BadBytes(peer, reason[:900]))
+            if isinstance(reply, ctl.Fail):
+                log.warning("the leader refused our report about %s: %s", peer, printable(reply.message))
+        except (SwarmError, trio.TooSlowError) as exc:
+            log.warning("could not report %s to the leader: %s", peer, exc)
+
+    def bad_bytes_report(self, accuser: str, accused: str, reason: str) -> None:
+        """Leader: weigh a report that ``accused`` served ``accuser`` model bytes failing their
+        hash. Seen by the leader itself: benched at once; from another member: one strike per
+        accuser and window (authority.ByteReports)."""
+        if self.view.leader() != self.peer_id:
+            raise ProtocolError(f"{self.peer_id} is not the leader; ask {self.view.leader()}")
+        if accused in (accuser, self.peer_id):
+            return  # nobody accuses itself; the leader does not bench itself on a member's word
+        why = f"served {accuser} model bytes that fail the manifest's sha256: {printable(reason)[:300]}"
+        if accuser == self.peer_id:
+            self._exclude(accused, why)
+        elif self.byte_reports.hear(accuser, accused, trio.current_time()):
+            self.leader.benches.strike(accused, why)
+
+    async def on_bad_bytes(self, peer: str, msg: ctl.BadBytes) -> Message:
+        self.bad_bytes_report(peer, msg.peer, msg.reason)
+        return ctl.Ack()
 
     def _exclude(self, peer: str, reason: str) -> None:
         self.leader.benches.bench(peer, reason)
