@@ -85,7 +85,7 @@ def unsupported(stage: Stage) -> str | None:
     if stage.runtime != "handwritten":
         return (f"{where} runs transformers' layers (MoE, Gemma, windowed attention or another "
                 "family the hand-written Llama layers do not cover); the compiled decode step "
-                "covers only the dense Llama-family layers: run it eagerly (without --compile)")
+                "covers only the dense Llama-family layers: run it eagerly")
     if stage.kv_cache != "auto":
         return f"{where} holds a {stage.kv_cache} KV cache; the compiled step covers only the unquantized cache"
     if stage.quant != "none":
