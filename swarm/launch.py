@@ -34,7 +34,8 @@ from swarm.model.dtypes import resolve_dtype
 from swarm.model.weights import open_checkpoint
 from swarm.node.compute.drafting import draft_bytes
 from swarm.node.ring.capacity import MIN_SESSIONS
-from swarm.node.settings import model_spec, peak_bytes, plan_memory
+from swarm.node.settings import model_spec, overhead_bytes, peak_bytes, plan_memory
+from swarm.planner.budget import predicted_peak
 
 
 def free_ports(n: int) -> list[int]:
@@ -254,6 +255,33 @@ def sized_offers(n: int, model_dir: Path, dtypes: list[str], *, device: str = "a
         offers.append(peak_bytes(args, dtype, str(dev), spec, (0, math.ceil(args.n_layers / n)), coordinator=True,
                                  draft_bytes=extra, margin=1.02))  # fmt: skip
     return offers
+
+
+def planned_bytes(model_dir: Path, layers: float, *, context_tokens: int = 1024, quant: str = "none",
+                  kv_cache: str = "auto", sessions: int = MIN_SESSIONS, coordinator: bool = True) -> int:
+    """The planned part (planner/budget.py, in the planner's 2-byte unit: what a node advertises)
+    of holding ``layers`` of the model's largest layers (a fraction adds that much of a layer as
+    slack) and, with ``coordinator``, the head (no draft model)."""
+    import torch
+
+    args = open_checkpoint(model_dir).args
+    spec = model_spec(args, torch.bfloat16, context_tokens, quant, kv_cache, sessions)
+    whole = min(int(layers), spec.n_layers)
+    start = max(range(spec.n_layers - whole + 1), key=lambda a: sum(spec.weights[a:a + whole]))  # the heaviest
+    return predicted_peak(spec, (start, start + whole), coordinator=coordinator) + int((layers - whole) * spec.bytes_per_layer)
+
+
+def offer_for(model_dir: Path, layers: float, *, dtype: str = "fp32", device: str = "cpu", context_tokens: int = 1024,
+              quant: str = "none", kv_cache: str = "auto", sessions: int = MIN_SESSIONS, coordinator: bool = True) -> int:
+    """The ``--memory`` under which a local ``dtype`` node advertises ``planned_bytes`` (hand-sized
+    offers in tests): that part at the dtype's width, plus the node's fixed overhead."""
+    import torch
+
+    args = open_checkpoint(model_dir).args
+    dt = resolve_dtype(dtype, resolve_device(device))
+    planned = planned_bytes(model_dir, layers, context_tokens=context_tokens, quant=quant, kv_cache=kv_cache,
+                            sessions=sessions, coordinator=coordinator)  # fmt: skip
+    return planned * torch.empty(0, dtype=dt).element_size() // 2 + overhead_bytes(args, dt, str(resolve_device(device)))
 
 
 def _start_delay_proxy(delay_ms: float, targets: list[int], workdir: Path) -> tuple[subprocess.Popen[bytes], list[int]]:

@@ -123,10 +123,10 @@ def peak_bytes(args: ModelArgs, dtype: torch.dtype, device: str, spec: ModelSpec
 
 
 def model_spec(args: ModelArgs, dtype: torch.dtype, context_tokens: int, quant: str = "none",
-               kv_cache: str = "auto", sessions: int = 1) -> ModelSpec:
+               kv_cache: str = "auto", sessions: int | None = None) -> ModelSpec:
     """The planner's view of the model as this node holds it (bytes per layer in ``dtype``, the
-    KV cache of ``sessions`` sessions in the swarm's format ``kv_cache``, one prefill chunk's
-    activations)."""
+    KV cache of ``sessions`` sessions (default: a node's, NodeSettings.sessions) in the swarm's
+    format ``kv_cache``, one prefill chunk's activations)."""
     import torch
 
     from swarm.model.kvcache import kv_bytes_per_token_per_layer
@@ -142,7 +142,7 @@ def model_spec(args: ModelArgs, dtype: torch.dtype, context_tokens: int, quant: 
         kv_bytes_per_token_per_layer=kv_bytes_per_token_per_layer(args, kv_cache, nbytes),
         coordinator_bytes=args.head_bytes(nbytes),
         context_tokens=context_tokens,
-        sessions=max(1, sessions),
+        sessions=max(1, NodeSettings.sessions if sessions is None else sessions),
         activation_bytes=args.activation_bytes(PREFILL_CHUNK_TOKENS, nbytes),
     )
 
