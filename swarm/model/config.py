@@ -144,6 +144,14 @@ class ModelArgs:
             return (int(self.config["kv_lora_rank"]) + int(self.config.get("qk_rope_head_dim") or 0)) * dtype_bytes
         return 2 * self.n_kv_heads * self.head_dim * dtype_bytes
 
+    def activation_bytes(self, tokens: int, dtype_bytes: int) -> int:
+        """What a forward of ``tokens`` tokens through one layer holds at once: the residual stream
+        and its norm, queries and attention output, and the MLP's gate, up and product (an MoE
+        layer's routed experts run a few tokens each, so its shared width stands in)."""
+        c = self.config
+        ffn = int(c.get("intermediate_size") or c.get("moe_intermediate_size") or 4 * self.dim)
+        return tokens * (3 * self.dim + 2 * self.n_heads * self.head_dim + 3 * ffn) * dtype_bytes
+
     def head_bytes(self, dtype_bytes: int) -> int:
         """Embedding + final norm + LM head (a tied head is counted once)."""
         _, emb, norm, head, _ = self._sizes(dtype_bytes)
