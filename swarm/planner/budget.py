@@ -21,7 +21,12 @@ from __future__ import annotations
 
 from swarm.planner.spec import ModelSpec
 
-RUNTIME_BYTES = 420 * 10**6  # VmRSS of a node process after importing torch and swarm.node (x86-64, torch 2.x)
+# A running node's own VmHWM besides what it holds: 484 MB on x86-64 Linux with torch 2.x (a head-only
+# coordinator of the bundled model, less its head and one dense layer: benchmarks/bench_memory.py).
+# Importing torch and swarm.node alone is ~300 MB; the host, the tokenizer, the checkpoint's mapped
+# pages and the threads' stacks are the rest. 420 MB (the import-time figure the design started
+# from) left the stages at 1.05 of their predicted peak under 8 sessions.
+RUNTIME_BYTES = 480 * 10**6
 PREFILL_CHUNK_TOKENS = 512  # the most tokens one forward takes (stage_worker.MAX_BATCH_TOKENS)
 
 

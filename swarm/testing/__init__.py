@@ -10,4 +10,5 @@
 - ``origin_server.py`` a real HTTP origin: Debian nginx on loopback serving a directory (Range on/off,
                   a bearer token, a worker to kill mid-transfer, bytes sent from its access log)
 - ``hardware.py``   faked CUDA GPUs and MPS (torch's answers only) for device-choice tests
+- ``memlimit.py``   a memory cgroup (v1 or v2) around test processes: the kernel enforces an offer
 """
