@@ -5,7 +5,8 @@ torch threads; they find each other through node 0 (the bootstrap address) and f
 through the real stack. Nothing multicasts: discovery is by the bootstrap address only.
 
 Memory: to show a ring on one machine, each node offers just over 1/N of the model (so the
-planner must use every node), unless ``memory_bytes`` says otherwise. WAN: with ``delay_ms``, a
+planner must use every node) plus its fixed overhead (``sized_offers``), unless ``memory_bytes``
+says otherwise. WAN: with ``delay_ms``, a
 delaying proxy process sits in front of every node and each node advertises the proxy's port,
 so every hop costs ``delay_ms`` one way.
 """
@@ -32,7 +33,9 @@ from swarm.model.devices import resolve_device
 from swarm.model.dtypes import resolve_dtype
 from swarm.model.weights import open_checkpoint
 from swarm.node.compute.drafting import draft_bytes
-from swarm.node.settings import model_spec
+from swarm.node.ring.capacity import MIN_SESSIONS
+from swarm.node.settings import model_spec, overhead_bytes, peak_bytes, plan_memory
+from swarm.planner.budget import predicted_peak
 
 
 def free_ports(n: int) -> list[int]:
@@ -163,6 +166,7 @@ def start_local_swarm(
     kv_cache: str = "auto",
     device_names: list[str] | None = None,
     node_env: dict[int, dict[str, str]] | None = None,
+    sessions: int = MIN_SESSIONS,
 ) -> LocalSwarm:
     """``n`` node processes (module doc); ``device_names``: what each node's advert calls its
     machine (NodeSettings.device_name), e.g. a hostile name for the console's escaping test."""
@@ -179,13 +183,8 @@ def start_local_swarm(
     if len(dtypes) != n:
         raise ValueError(f"{len(dtypes)} dtypes for {n} nodes")
     if memory_bytes is None:
-        args = open_checkpoint(model_dir).args  # a directory or a .gguf
-        memory_bytes = []
-        for dt in dtypes:
-            spec = model_spec(args, resolve_dtype(dt, resolve_device(device)), context_tokens, quant, kv_cache)
-            per = math.ceil(args.n_layers / n) * spec.bytes_per_layer + spec.coordinator_bytes
-            per += draft_bytes(draft, args, resolve_dtype(dt, resolve_device(device)), context_tokens)
-            memory_bytes.append(int(per * 1.02))
+        memory_bytes = sized_offers(n, model_dir, dtypes, device=device, context_tokens=context_tokens, quant=quant,
+                                    kv_cache=kv_cache, draft=draft, sessions=sessions)  # fmt: skip
     ports = free_ports(2 * n)
     listen_ports, fast_ports = ports[:n], ports[n:]
     public_ports, fast_public = listen_ports, fast_ports
@@ -227,6 +226,7 @@ def start_local_swarm(
                 "draft": draft,
                 "chunk_timeout": chunk_timeout,
                 "compute_delay_s": compute_delay_s,
+                "sessions": sessions,
             }
             if device_names is not None and device_names[i]:
                 cfg["device_name"] = device_names[i]
@@ -235,6 +235,53 @@ def start_local_swarm(
         swarm.stop()
         raise
     return swarm
+
+
+def sized_offers(n: int, model_dir: Path, dtypes: list[str], *, device: str = "auto", context_tokens: int = 1024,
+                 quant: str = "none", kv_cache: str = "auto", draft: str = "ngram",
+                 sessions: int = MIN_SESSIONS) -> list[int]:
+    """Each node's ``--memory`` when ``n`` nodes must share the model (module doc): just over 1/n of
+    the planned part (a 2% margin, on that part only), plus the node's fixed overhead
+    (planner/budget.py), so the planner must use every node and each holds ``sessions`` sessions."""
+    import torch
+
+    args = open_checkpoint(model_dir).args  # a directory or a .gguf
+    dev = resolve_device(device)
+    offers = []
+    for dt in dtypes:
+        dtype = resolve_dtype(dt, dev)
+        spec = model_spec(args, torch.bfloat16, context_tokens, quant, kv_cache, sessions)  # the planner's unit
+        extra = plan_memory(draft_bytes(draft, args, dtype, context_tokens), dtype)
+        offers.append(peak_bytes(args, dtype, str(dev), spec, (0, math.ceil(args.n_layers / n)), coordinator=True,
+                                 draft_bytes=extra, margin=1.02))  # fmt: skip
+    return offers
+
+
+def planned_bytes(model_dir: Path, layers: float, *, context_tokens: int = 1024, quant: str = "none",
+                  kv_cache: str = "auto", sessions: int = MIN_SESSIONS, coordinator: bool = True) -> int:
+    """The planned part (planner/budget.py, in the planner's 2-byte unit: what a node advertises)
+    of holding ``layers`` of the model's largest layers (a fraction adds that much of a layer as
+    slack) and, with ``coordinator``, the head (no draft model)."""
+    import torch
+
+    args = open_checkpoint(model_dir).args
+    spec = model_spec(args, torch.bfloat16, context_tokens, quant, kv_cache, sessions)
+    whole = min(int(layers), spec.n_layers)
+    start = max(range(spec.n_layers - whole + 1), key=lambda a: sum(spec.weights[a:a + whole]))  # the heaviest
+    return predicted_peak(spec, (start, start + whole), coordinator=coordinator) + int((layers - whole) * spec.bytes_per_layer)
+
+
+def offer_for(model_dir: Path, layers: float, *, dtype: str = "fp32", device: str = "cpu", context_tokens: int = 1024,
+              quant: str = "none", kv_cache: str = "auto", sessions: int = MIN_SESSIONS, coordinator: bool = True) -> int:
+    """The ``--memory`` under which a local ``dtype`` node advertises ``planned_bytes`` (hand-sized
+    offers in tests): that part at the dtype's width, plus the node's fixed overhead."""
+    import torch
+
+    args = open_checkpoint(model_dir).args
+    dt = resolve_dtype(dtype, resolve_device(device))
+    planned = planned_bytes(model_dir, layers, context_tokens=context_tokens, quant=quant, kv_cache=kv_cache,
+                            sessions=sessions, coordinator=coordinator)  # fmt: skip
+    return planned * torch.empty(0, dtype=dt).element_size() // 2 + overhead_bytes(args, dt, str(resolve_device(device)))
 
 
 def _start_delay_proxy(delay_ms: float, targets: list[int], workdir: Path) -> tuple[subprocess.Popen[bytes], list[int]]:

@@ -24,7 +24,9 @@ import typer
 from swarm.cli import ui
 from swarm.errors import PlanningError, UsageError
 from swarm.manifest.schema import QUANTS
+from swarm.node.ring.capacity import MIN_SESSIONS
 from swarm.planner import GB, ModelSpec, Plan, parse_peers_file, plan
+from swarm.planner.budget import PREFILL_CHUNK_TOKENS, predicted_peak
 
 SPECULATION_G = (1, 2, 4)  # accepted tokens per traversal shown in the output
 
@@ -55,10 +57,13 @@ def model_spec(
     context: int,
     dtype_bytes: int,
     quant: str = "none",
+    sessions: int = 1,
 ) -> ModelSpec:
     """A ModelSpec from --model (its config.json) or from --layers/--layer-gb."""
     if context < 0:
         raise UsageError("--context must be >= 0")
+    if sessions < 1:
+        raise UsageError("--sessions must be >= 1")
     if quant not in QUANTS:
         raise UsageError(f"--quant {quant!r}: choose one of {', '.join(QUANTS)}")
     if model is not None:
@@ -87,6 +92,8 @@ def model_spec(
             kv_bytes_per_token_per_layer=int(kv),
             coordinator_bytes=int(coord + draft_gb * GB),
             context_tokens=context,
+            sessions=sessions,
+            activation_bytes=args.activation_bytes(PREFILL_CHUNK_TOKENS, dtype_bytes),
         )
     if layers is None or layer_gb is None:
         raise UsageError("give --model PATH, or --layers N with --layer-gb G")
@@ -100,6 +107,7 @@ def model_spec(
         kv_bytes_per_token_per_layer=int(round((kv_kb_per_token or 0.0) * 1000)),
         coordinator_bytes=int(round(((coordinator_gb or 0.0) + draft_gb) * GB)),
         context_tokens=context,
+        sessions=sessions,
     )
 
 
@@ -111,9 +119,21 @@ def plan_json(p: Plan) -> dict[str, Any]:
     return out
 
 
+def predicted_peaks(p: Plan, spec: ModelSpec, peers: Any) -> dict[str, int]:
+    """Each placed peer's predicted peak (planner/budget.py): the planned part, against what it
+    advertises (its offer less its own runtime overhead)."""
+    drafts = {q.id: q.draft_bytes for q in peers}
+    out = {pid: predicted_peak(spec, blk, coordinator=pid == p.coordinator, draft_bytes=drafts.get(pid, 0))
+           for pid, blk in p.blocks.items()}  # fmt: skip
+    if p.coordinator not in out:
+        out[p.coordinator] = predicted_peak(spec, (0, 0), coordinator=True, draft_bytes=drafts.get(p.coordinator, 0))
+    return out
+
+
 def _layer_line(spec: ModelSpec) -> str:
     kv = spec.kv_bytes_per_layer
-    tail = f" + KV {kv / GB:.3f} GB for {spec.context_tokens} tokens"
+    many = f"{spec.sessions} sessions of " if spec.sessions > 1 else ""
+    tail = f" + KV {kv / GB:.3f} GB for {many}{spec.context_tokens} tokens"
     if spec.uniform:
         return f"{spec.bytes_per_layer / GB:.3f} GB = weights {spec.layer_bytes / GB:.3f} GB{tail}"
     runs: list[str] = []  # consecutive layers of one size, e.g. "0-2: 0.402 GB"
@@ -148,13 +168,12 @@ def plan_or_hint(spec_for: Any, quant: str, peers: Any, latency: Any) -> tuple[P
         raise
 
 
-def print_plan(p: Plan, spec: ModelSpec, memory: dict[str, int], speed: dict[str, float]) -> None:
+def print_plan(p: Plan, spec: ModelSpec, memory: dict[str, int], speed: dict[str, float],
+               peaks: dict[str, int]) -> None:
     rows: list[list[Any]] = []
     for k, pid in enumerate(p.ring):
         s, e = p.blocks[pid]
-        used = (e - s) * spec.bytes_per_layer + (
-            spec.coordinator_bytes if pid == p.coordinator else 0
-        )
+        used = peaks[pid]
         role = "stage+coord" if pid == p.coordinator else "stage"
         rows.append(
             [
@@ -177,7 +196,7 @@ def print_plan(p: Plan, spec: ModelSpec, memory: dict[str, int], speed: dict[str
                 "coordinator",
                 "-",
                 0,
-                f"{spec.coordinator_bytes / GB:.2f}/{memory[p.coordinator] / GB:.2f}",
+                f"{peaks[p.coordinator] / GB:.2f}/{memory[p.coordinator] / GB:.2f}",
                 "0.00",
                 "-",
             ],
@@ -190,7 +209,7 @@ def print_plan(p: Plan, spec: ModelSpec, memory: dict[str, int], speed: dict[str
             "role",
             "layers",
             "n",
-            "GB used/offered",
+            "GB peak/offered",
             "compute ms",
             "hop in ms",
         ],
@@ -250,6 +269,9 @@ def register(app: typer.Typer) -> None:
         quant: str = typer.Option(
             "none", "--quant", help="Layers held as none (the dtype), int8, int4 or mxfp4 (MoE experts only) (needs --model)."
         ),
+        sessions: int = typer.Option(
+            MIN_SESSIONS, "--sessions", help="Sessions whose KV cache every stage reserves (a node's `sessions`)."
+        ),
         as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
     ) -> None:
         """Show the coordinator, ring order, layer blocks and predicted speed for a set of peers."""
@@ -264,6 +286,7 @@ def register(app: typer.Typer) -> None:
                 context=context,
                 dtype_bytes=dtype_bytes,
                 quant=q,
+                sessions=sessions,
             )
 
         spec_for(quant)  # bad flags are usage errors before the peers file is read
@@ -279,6 +302,8 @@ def register(app: typer.Typer) -> None:
             out["layer_bytes"] = spec.layer_bytes
             out["layer_bytes_each"] = list(spec.weights)
             out["kv_bytes_per_layer"] = spec.kv_bytes_per_token_per_layer * spec.context_tokens
+            out["sessions"] = spec.sessions
+            out["predicted_peak_bytes"] = predicted_peaks(p, spec, pf.peers)  # each peer's, against its offer
             ui.print_json(out)
         else:
             print_plan(
@@ -286,4 +311,5 @@ def register(app: typer.Typer) -> None:
                 spec,
                 {q.id: q.memory_bytes for q in pf.peers},
                 {q.id: q.ms_per_layer for q in pf.peers},
+                predicted_peaks(p, spec, pf.peers),
             )

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import typer
 
 from swarm.cli import ui
-from swarm.errors import TokenizerError, UsageError
+from swarm.errors import ModelError, TokenizerError, UsageError
 from swarm.manifest.schema import KV_CACHES, QUANTS
 
 if TYPE_CHECKING:  # torch and the model load in the command, so other commands start fast
@@ -122,6 +122,7 @@ def run_command(
     device: str | None = typer.Option(None, "--device", help="auto (CUDA, then MPS, else CPU), cpu, cuda, cuda:N or mps (default: node.device, else auto)."),
     threads: int | None = typer.Option(None, "--threads", help="torch threads (default: all cores, or measured with --tune)."),
     tune: bool = typer.Option(False, "--tune/--no-tune", help="On a CPU, choose --dtype auto, the threads and the quantized kernels by a start-up measurement cached per machine (opt-in: a measurement taken under load is cached as it is; default: auto = bf16 where native, all cores)."),
+    compile_: bool = typer.Option(False, "--compile/--no-compile", help="Run one-token decode steps as a compiled static-shape graph (torch.compile on a CPU; dense Llama-family layers, unquantized; compiled before the first token). fp32 gives eager's tokens; bf16 may differ at near-ties."),
     chat: bool = typer.Option(True, "--chat/--no-chat", help="Wrap --prompt in the chat template."),
     as_json: bool = typer.Option(False, "--json", help="Print a JSON result instead of streaming text."),
 ) -> None:
@@ -215,6 +216,7 @@ def run_command(
     eos = tok.eos_token_ids if tok is not None and tok.eos_token_ids else None
 
     max_len = len(ids) + max_new_tokens
+    compiled = _compile_stages(lm, max_len) if compile_ else None
     drafter, draft_name = _make_drafter(draft or "ngram", lm, torch_dtype, device_label(dev), max_len + 16, tok)
     if ring_policy is not None:  # the ring's measured constants: the same K/depth schedule
         policy = _policy_from(ring_policy)
@@ -251,6 +253,7 @@ def run_command(
         "kernel": "same" if kernel_dtype is None else dtype_name(kernel_dtype),
         "tuned": None if tuned is None else {"chosen": tuned.best.key, "ms_per_layer_step": tuned.ms},
         "stages": len(lm.stages),
+        "compiled": compiled,
         "blocks": [list(b) for b in lm.blocks],
         "sampling": params.to_dict(),
         "draft": draft_name,
@@ -274,6 +277,28 @@ def run_command(
     if matches is not None:
         obj["matches_receipt"] = matches
     ui.print_json(obj)
+
+
+def _compile_stages(lm: LocalModel, max_len: int) -> dict[str, Any]:
+    """Compile every stage's one-token decode step for sessions of ``max_len`` tokens and warm
+    it, so the first token pays no compile time (ModelError naming why where a stage cannot)."""
+    import time
+
+    from swarm.model.compiled import warm_compiled
+
+    capacity = 1
+    while capacity < max_len:  # a power of two: its spans are all powers of two
+        capacity *= 2
+    capacity = min(capacity, lm.args.max_seq_len)
+    t0 = time.perf_counter()
+    with ui.progress("compiling the decode step (cached after the first run)"):
+        for st in lm.stages:
+            try:
+                st.enable_compiled(capacity)
+            except ModelError as exc:
+                raise ModelError(f"--compile: {exc} (run without --compile)") from None
+            spans = warm_compiled(st)
+    return {"capacity": capacity, "spans": spans, "warm_s": round(time.perf_counter() - t0, 2)}
 
 
 def _policy_from(settings: dict[str, Any]) -> Any:

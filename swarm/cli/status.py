@@ -44,7 +44,7 @@ def _num(v: Any, fmt: str, unit: str = "") -> str:
 short = ui.short
 
 
-COLUMNS = ["#", "peer", "role", "layers", "device", "memory used/offered", "ms/layer", "rtt→next", "heartbeat",
+COLUMNS = ["#", "peer", "role", "layers", "device", "memory peak/offered", "ms/layer", "rtt→next", "heartbeat",
            "reached"]  # fmt: skip
 
 
@@ -67,6 +67,12 @@ def headline(view: dict[str, Any]) -> list[str]:
     lines.append(f"ring: {_num(view['ring_rtt_ms'], '.1f', ' ms')} of hops per traversal · recent "
                  f"{_num(view['tokens_per_s'], '.1f', ' tok/s')} · "
                  f"{_num(view['accepted_per_traversal'], '.2f')} tokens per traversal · {view['replans']} replans")  # fmt: skip
+    mem = view.get("memory") or {}
+    if mem.get("predicted_peak_gb") is not None or mem.get("measured_peak_gb") is not None:
+        lines.append(f"memory of {short(view['asked'])}: predicted peak {_num(mem.get('predicted_peak_gb'), '.2f', ' GB')}"
+                     f" · measured peak {_num(mem.get('measured_peak_gb'), '.2f', ' GB')}"
+                     f" (now {_num(mem.get('measured_rss_gb'), '.2f', ' GB')})"
+                     f" · offered {_num(mem.get('offered_gb'), '.2f', ' GB')}")  # fmt: skip
     if view.get("hops"):
         lines.append("hops: " + " · ".join(f"{short(h.get('from'))} → {short(h.get('to'))} {h.get('path', '?')}"
                                            for h in view["hops"]))  # fmt: skip

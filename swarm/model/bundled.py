@@ -96,20 +96,29 @@ def convert_bundled(out_dir: Path, progress: Callable[[int, int], None] | None =
 def default_model_dir(progress: Callable[[int, int], None] | None = None) -> Path:
     """The converted bundled model's directory, converting it on first use (file-locked)."""
     gguf = bundled_gguf_path()
-    models = cache_dir() / "models"
-    target = models / BUNDLED_NAME
-    if _is_current(target, gguf):
+    target = cache_dir() / "models" / BUNDLED_NAME
+
+    def convert() -> None:
+        try:
+            convert_bundled(target, progress)
+        except OSError as e:
+            raise ModelError(f"converting the bundled model into {target} failed: {e}") from e
+
+    return built_once(target, lambda: _is_current(target, gguf), convert)
+
+
+def built_once(target: Path, is_current: Callable[[], bool], build: Callable[[], None]) -> Path:
+    """``target`` in the model cache, made by ``build`` unless ``is_current()``: one process
+    builds it while the others wait on a file lock beside it, then find it current."""
+    if is_current():
         return target
     try:
-        models.mkdir(parents=True, exist_ok=True)
-        lock = open(models / f".{BUNDLED_NAME}.lock", "a+")  # noqa: SIM115 (closed by the with below)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(target.parent / f".{target.name}.lock", "a+")  # noqa: SIM115 (closed by the with below)
     except OSError as e:
-        raise ModelError(f"cannot create the model cache in {models}: {e.strerror or e}") from e
+        raise ModelError(f"cannot create the model cache in {target.parent}: {e.strerror or e}") from e
     with lock:
         fcntl.flock(lock.fileno(), fcntl.LOCK_EX)  # released when the file closes
-        if not _is_current(target, gguf):
-            try:
-                convert_bundled(target, progress)
-            except OSError as e:
-                raise ModelError(f"converting the bundled model into {target} failed: {e}") from e
+        if not is_current():
+            build()
     return target

@@ -110,18 +110,8 @@ class ModelArgs:
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelArgs:
         """Read ``path/config.json``."""
-        file = Path(path) / "config.json"
-        try:
-            text = file.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise ConfigError(f"{file}: not found (is {path} a model directory?)") from None
-        except OSError as e:
-            raise ConfigError(f"{file}: cannot read: {e}") from None
-        try:
-            config = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{file}: not valid JSON: {e}") from None
-        return cls.from_config(config, where=str(file))
+        _raw, config = read_config(path)
+        return cls.from_config(config, where=str(Path(path) / "config.json"))
 
     # ----------------------------------------------------------------------------- sizes
     def _sizes(self, dtype_bytes: int = 2) -> tuple[list[int], int, int, int, list[list[tuple[int, int, int]]]]:
@@ -153,6 +143,14 @@ class ModelArgs:
         if self.architecture == "deepseek_v3" and self.config.get("kv_lora_rank"):
             return (int(self.config["kv_lora_rank"]) + int(self.config.get("qk_rope_head_dim") or 0)) * dtype_bytes
         return 2 * self.n_kv_heads * self.head_dim * dtype_bytes
+
+    def activation_bytes(self, tokens: int, dtype_bytes: int) -> int:
+        """What a forward of ``tokens`` tokens through one layer holds at once: the residual stream
+        and its norm, queries and attention output, and the MLP's gate, up and product (an MoE
+        layer's routed experts run a few tokens each, so its shared width stands in)."""
+        c = self.config
+        ffn = int(c.get("intermediate_size") or c.get("moe_intermediate_size") or 4 * self.dim)
+        return tokens * (3 * self.dim + 2 * self.n_heads * self.head_dim + 3 * ffn) * dtype_bytes
 
     def head_bytes(self, dtype_bytes: int) -> int:
         """Embedding + final norm + LM head (a tied head is counted once)."""
@@ -193,3 +191,18 @@ def _bool(config: dict[str, Any], key: str, where: str, default: bool) -> bool:
     if not isinstance(v, bool):
         raise ConfigError(f"{where}: field {key!r} must be true or false, got {v!r}")
     return v
+
+
+def read_config(path: str | Path) -> tuple[bytes, dict[str, Any]]:
+    """``path/config.json`` as its bytes and its JSON; ConfigError naming the file if unreadable."""
+    file = Path(path) / "config.json"
+    try:
+        raw = file.read_bytes()
+    except FileNotFoundError:
+        raise ConfigError(f"{file}: not found (is {path} a model directory?)") from None
+    except OSError as e:
+        raise ConfigError(f"{file}: cannot read: {e}") from None
+    try:
+        return raw, json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{file}: not valid JSON: {e}") from None

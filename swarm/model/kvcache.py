@@ -152,6 +152,16 @@ class KVCache:
             out.append(dequantize(c[:, :, :end], s[:, :, :end], new.dtype))  # (1, KV, end, hd)
         return out[0], out[1]
 
+    def allocate(self, layer_idx: int, kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer_idx``'s whole key and value buffers (1, KV, max_len, hd), allocated here
+        if no chunk wrote that layer yet: what the compiled decode step writes into (compiled.py)."""
+        if self.kv_cache != "auto":
+            raise ModelError(f"a {self.kv_cache} KV cache has no plain buffers to hand out")
+        if layer_idx not in self._k:
+            like = torch.empty((1, kv_heads, 0, head_dim), dtype=self.dtype, device=self.device)
+            self._k[layer_idx], self._v[layer_idx] = self._alloc(like), self._alloc(like)
+        return self._k[layer_idx], self._v[layer_idx]
+
     def _alloc(self, like: torch.Tensor, dtype: torch.dtype | None = None, d: int | None = None) -> torch.Tensor:
         b, h, _, hd = like.shape
         return torch.zeros((b, h, self.max_len, d or hd), dtype=dtype or like.dtype, device=like.device)

@@ -13,7 +13,6 @@ metadata). Terms: the Gemma Terms of Use (the package ships them as ``GEMMA_TERM
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import importlib.util
 import os
@@ -22,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from swarm.errors import ModelError
-from swarm.model.bundled import cache_dir, default_model_dir
+from swarm.model.bundled import built_once, cache_dir, default_model_dir
 
 GEMMA_NAME = "gemma3-270m"
 GEMMA_FILE = "gemma-3-270m-q4_k_m.gguf"
@@ -56,21 +55,9 @@ def gemma_gguf_path(progress: Progress | None = None) -> Path:
     size = sum(c.stat().st_size for c in chunks)
     if size != GEMMA_SIZE:
         raise ModelError(f"the {GEMMA_NAME} chunk packages hold {size} bytes, not {GEMMA_SIZE}; reinstall them ({GEMMA_HINT})")
-    models = cache_dir() / "models"
-    target = models / GEMMA_FILE
+    target = cache_dir() / "models" / GEMMA_FILE
     stamp = target.with_name(target.name + ".sha256")
-    if _is_current(target, stamp):
-        return target
-    try:
-        models.mkdir(parents=True, exist_ok=True)
-        lock = open(models / f".{GEMMA_FILE}.lock", "a+")  # noqa: SIM115 (closed by the with below)
-    except OSError as e:
-        raise ModelError(f"cannot create the model cache in {models}: {e.strerror or e}") from e
-    with lock:
-        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)  # released when the file closes
-        if not _is_current(target, stamp):
-            _join(chunks, target, stamp, progress)
-    return target
+    return built_once(target, lambda: _is_current(target, stamp), lambda: _join(chunks, target, stamp, progress))
 
 
 def _is_current(target: Path, stamp: Path) -> bool:

@@ -35,7 +35,7 @@ Threads: torch's intra-op thread count is a per-process setting; the process tha
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -47,6 +47,9 @@ from swarm.model.config import ModelArgs
 from swarm.model.kvcache import KVCache, check_kv_format
 from swarm.model.quant import check_quant, linear_paths, quantize_block
 from swarm.model.weights import TensorSource
+
+if TYPE_CHECKING:
+    from swarm.model.compiled import CompiledStep
 
 Progress = Callable[[int, int], None]
 
@@ -109,6 +112,7 @@ class Stage(nn.Module):
         self._bound: nn.ModuleList | None = None
         self.quant = "none"  # set by load: how the linear layers are held (see swarm.model.quant)
         self._plan: list[tuple[nn.Module, int | None, str]] = []
+        self.compiled: CompiledStep | None = None  # set by enable_compiled (compiled.py)
 
     @classmethod
     def load(
@@ -125,6 +129,8 @@ class Stage(nn.Module):
         runtime: str | None = None,
         kernel_dtype: torch.dtype | None = None,
         kv_cache: str = "auto",
+        compile: bool = False,
+        compile_capacity: int | None = None,
     ) -> Stage:
         """Read only the tensors of layers [start, end) from ``source`` (WeightsError on trouble).
 
@@ -134,6 +140,8 @@ class Stage(nn.Module):
         a source with compact blocks (GGUF Q4_*) hands int4 groups to the hand-written layers
         without a float copy. ``kernel_dtype``: the dtype quantized linears are packed in where
         it is not ``dtype`` (quant.quantize_block; chosen by measurement in autotune.py).
+        ``compile``: one-token decode steps run compiled (:meth:`enable_compiled`, ModelError
+        where the stage is not supported); call ``compiled.warm_compiled`` before serving.
         """
         check_quant(quant)
         stage = cls(args, start, end, dtype=dtype, device=device, runtime=runtime, kv_cache=kv_cache)
@@ -157,7 +165,21 @@ class Stage(nn.Module):
         stage._model = []  # drop the meta shell; the layers keep their loaded tensors
         stage.requires_grad_(False)
         stage.eval()
+        if compile:
+            stage.enable_compiled(compile_capacity)
         return stage
+
+    def enable_compiled(self, capacity: int | None = None) -> None:
+        """Run one-token decode steps through a compiled static-shape graph (compiled.py).
+
+        Every session opened from now on holds a KV cache of ``capacity`` positions (default:
+        the model's, capped at 4096), so all share the graphs; a session asking for more runs
+        eagerly. ModelError naming why where this stage is not supported (then run eagerly).
+        """
+        from swarm.model.compiled import CompiledStep
+
+        cap = capacity if capacity is not None else min(self.args.max_seq_len, 4096)
+        self.compiled = CompiledStep(self, cap)
 
     def _load_layers(self, source: TensorSource, progress: Progress | None, compact: Any,
                      kernel_dtype: torch.dtype | None) -> None:
@@ -192,6 +214,8 @@ class Stage(nn.Module):
             raise ModelError(
                 f"max_len {max_len} exceeds the model's max_position_embeddings {self.args.max_seq_len}"
             )
+        if self.compiled is not None and max_len <= self.compiled.capacity:
+            max_len = self.compiled.capacity  # one cache shape for every session: no recompiles
         self._sessions[session] = KVCache(max_len, dtype=self.dtype, device=self.device, kv_cache=self.kv_cache)
 
     def close_session(self, session: Hashable) -> None:
@@ -258,6 +282,8 @@ class Stage(nn.Module):
                 f"with T >= 1, got {tuple(h.shape)}"
             )
         T = h.shape[0]
+        if T == 1 and self.compiled is not None and cache.max_len == self.compiled.capacity:
+            return self.compiled.step(cache, h)  # (1, D)
         pos = cache.begin(T)
         x = h.to(device=self.device, dtype=self.dtype).unsqueeze(0)  # (1, T, D)
         if self.runtime == "handwritten":

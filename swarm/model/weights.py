@@ -26,7 +26,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from swarm.errors import ConfigError, WeightsError
-from swarm.model.config import ModelArgs
+from swarm.model.config import ModelArgs, read_config
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -203,18 +203,8 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
         return Checkpoint(path=p, args=args, source=gguf.GGUFSource(p), config_sha256=sha)
     if not p.is_dir():
         raise ConfigError(f"{p}: not a model directory or a .gguf file")
-    cfg = p / "config.json"
-    try:
-        raw = cfg.read_bytes()
-    except FileNotFoundError:
-        raise ConfigError(f"{cfg}: not found (is {p} a model directory?)") from None
-    except OSError as e:
-        raise ConfigError(f"{cfg}: cannot read: {e}") from None
-    try:
-        config = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{cfg}: not valid JSON: {e}") from None
-    args = ModelArgs.from_config(config, where=str(cfg))
+    raw, config = read_config(p)
+    args = ModelArgs.from_config(config, where=str(p / "config.json"))
     return Checkpoint(
         path=p,
         args=args,

@@ -43,7 +43,7 @@ from swarm.net.sealing import Sealer, SessionKeys
 
 _HDR = struct.Struct(">IQ")  # ciphertext length, frame counter
 
-Path = Literal["direct", "libp2p"]
+Carrier = Literal["direct", "libp2p"]
 
 
 # ----------------------------------------------------------------------------- direct transport
@@ -192,7 +192,7 @@ class FastChannel:
         self.on_close: Callable[[], object] | None = None  # e.g. gives the peer's stream slot back
 
     @property
-    def path(self) -> Path:
+    def path(self) -> Carrier:
         return "direct" if self.direct is not None else "libp2p"
 
     @property

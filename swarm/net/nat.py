@@ -24,7 +24,7 @@ from swarm.net.dialback import (
     nat_kind,
 )
 from swarm.net.door import close_raw
-from swarm.net.paths import Path, parse_peer_addr, path_to
+from swarm.net.paths import Route, parse_peer_addr, path_to
 from swarm.net.relay import RelayNode
 
 __all__ = ["Diagnosis", "diagnose"]
@@ -129,7 +129,7 @@ def _advice(d: Diagnosis) -> list[str]:
             tips.append("your NAT changes ports (symmetric NAT?): hole punching will likely "
                         "fail and traffic to NATed peers stays relayed; port forwarding or "
                         "UPnP on the router avoids that")  # fmt: skip
-    if any(p["path"] == Path.RELAYED.value for p in d.peers):
+    if any(p["path"] == Route.RELAYED.value for p in d.peers):
         tips.append("some peers are only relayed: expect higher latency on those hops")
     return tips
 

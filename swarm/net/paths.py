@@ -21,7 +21,7 @@ from swarm.errors import UsageError
 from swarm.net import libp2p_patches
 
 
-class Path(StrEnum):
+class Route(StrEnum):
     """How we are connected to a peer right now."""
 
     DIRECT = "direct"  # at least one non-relayed connection (dialed, or hole-punched)
@@ -63,16 +63,16 @@ def conn_addrs(conn: Any) -> list[str]:
         return []
 
 
-def path_to(host: IHost, peer: ID | str) -> Path:
+def path_to(host: IHost, peer: ID | str) -> Route:
     """Whether ``host`` reaches ``peer`` directly, only through a relay, or not at all."""
     conns = host.get_network().get_connections(as_peer_id(peer))
     if not conns:
-        return Path.NONE
+        return Route.NONE
     for conn in conns:
         addrs = conn_addrs(conn)
         if addrs and all("/p2p-circuit" not in a for a in addrs):
-            return Path.DIRECT
-    return Path.RELAYED
+            return Route.DIRECT
+    return Route.RELAYED
 
 
 HOLE_PUNCHED = "hole-punched"

@@ -46,7 +46,7 @@ from swarm.errors import PeerError, PeerTimeout, UsageError
 from swarm.net import libp2p_patches
 from swarm.net.paths import (
     HOLE_PUNCHED,
-    Path,
+    Route,
     as_peer_id,
     circuit_addr,
     forget_dial_failure,
@@ -248,7 +248,7 @@ class RelayNode:
         NATs do not allow it, hole punching is off, or ``timeout`` passes: relayed still works.
         """
         pid = as_peer_id(peer)
-        if path_to(self.host, pid) is Path.DIRECT:
+        if path_to(self.host, pid) is Route.DIRECT:
             return True
         if self._dcutr is None:
             return False
@@ -259,17 +259,17 @@ class RelayNode:
                 raise
             except Exception as exc:
                 log.info("hole punch to %s failed: %s", pid, exc)
-        return self._observe(pid) is Path.DIRECT
+        return self._observe(pid) is Route.DIRECT
 
-    def _observe(self, peer: ID | str) -> Path:
+    def _observe(self, peer: ID | str) -> Route:
         """The current path to ``peer``, remembering relayed-then-direct upgrades."""
         path = path_to(self.host, peer)
         key = str(peer)
         # Only a peer we reached through relays alone (dial_circuit, or seen so here) counts:
         # a spare relayed connection beside a direct one we dialed is no hole punch.
-        if path is Path.RELAYED:
+        if path is Route.RELAYED:
             self.seen_relayed.add(key)
-        if path is Path.DIRECT and key in self.seen_relayed and key not in self.upgraded:
+        if path is Route.DIRECT and key in self.seen_relayed and key not in self.upgraded:
             self.upgraded.add(key)
             log.info("connection to %s upgraded from relayed to direct (hole punching)", key)
         return path
@@ -278,9 +278,9 @@ class RelayNode:
         """How ``peer`` is reached, for people and JSON: "direct", "hole-punched" (a direct
         connection that DCUtR made from a relayed one), "relayed via <relay peer ID>", "none"."""
         path = self._observe(peer)
-        if path is Path.DIRECT and str(peer) in self.upgraded:
+        if path is Route.DIRECT and str(peer) in self.upgraded:
             return HOLE_PUNCHED
-        if path is Path.RELAYED:
+        if path is Route.RELAYED:
             via = relay_of(self.host, peer)
             if via in ("", str(self.host.get_id())):
                 # an inbound circuit's address names us, not the relay: it came through the
@@ -311,7 +311,7 @@ class RelayNode:
             await trio.sleep(PUNCH_RETRY_S)
             for peer in list(self.host.get_connected_peers()):
                 key = str(peer)
-                if key > me or rounds.get(key, 0) >= PUNCH_ROUNDS or path_to(self.host, peer) is not Path.RELAYED:
+                if key > me or rounds.get(key, 0) >= PUNCH_ROUNDS or path_to(self.host, peer) is not Route.RELAYED:
                     continue
                 if libp2p_patches.dcutr_busy(self._dcutr, peer):
                     continue
@@ -339,13 +339,13 @@ class RelayNode:
         first (the higher peer ID of the pair drives, as in _retry_punches; the other waits).
         Streams on a relayed connection die when a direct one replaces it. Returns the label."""
         pid = as_peer_id(peer)
-        if self._dcutr is None or path_to(self.host, pid) is not Path.RELAYED:
+        if self._dcutr is None or path_to(self.host, pid) is not Route.RELAYED:
             return self.path_label(pid)
         if str(pid) > str(self.host.get_id()):
             await self.wait_direct(pid, timeout=timeout)
         else:
             with trio.move_on_after(timeout):
-                while path_to(self.host, pid) is Path.RELAYED:
+                while path_to(self.host, pid) is Route.RELAYED:
                     libp2p_patches.reset_punch_budget(self._dcutr, pid)
                     if await self.punch(pid, timeout=timeout):
                         break
@@ -358,7 +358,7 @@ class RelayNode:
         """Wait until ``peer`` is reachable directly (e.g. the other side punched); True if so."""
         pid = as_peer_id(peer)
         with trio.move_on_after(timeout):
-            while self._observe(pid) is not Path.DIRECT:
+            while self._observe(pid) is not Route.DIRECT:
                 await trio.sleep(0.1)
             return True
         return False

@@ -33,7 +33,7 @@ from swarm.node.members.heartbeat import Liveness
 from swarm.node.members.membership import Membership
 from swarm.node.members.view import MemberView
 from swarm.node.notices import Hooks, Notices
-from swarm.node.settings import NodeSettings, advertised_resources, plan_memory
+from swarm.node.settings import NodeSettings, advert_memory, advertised_resources, plan_memory
 
 SWITCH_INTERVAL_S = 0.001  # the GIL's hand-over interval in a node process (see open_peer)
 HostOpener = Callable[[NodeSettings], contextlib.AbstractAsyncContextManager[Any]]
@@ -131,7 +131,8 @@ async def open_peer(
         else:
             models.ms_per_layer = ms_per_layer
         memory, device = advertised_resources(s)
-        memory = plan_memory(memory, models.dtype)  # in the planner's unit: a mixed ring plans alike
+        # less this peer's overhead, in the planner's unit (a mixed ring plans alike): planner/budget.py
+        memory = advert_memory(memory, models.dtype, s.device, models.args)
     else:
         memory, device = s.memory_bytes, None
     async with open_host(s) as host, contextlib.AsyncExitStack() as stack:

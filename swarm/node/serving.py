@@ -35,6 +35,7 @@ from swarm.node.plan.recovery import Recovery
 from swarm.node.plan.wiring import Wiring
 from swarm.node.ring.capacity import SlotQueue
 from swarm.node.settings import NodeSettings
+from swarm.planner.budget import predicted_peak
 from swarm.proto import control as ctl
 from swarm.proto.limits import PROTO_ACT, PROTO_GEN, PROTO_RING
 from swarm.proto.messages import Plan as PlanMsg
@@ -64,8 +65,9 @@ class Serving:
             """Offer one layer less than the block that did not fit (and less than before): the
             leader's next plan gives us less, and nobody is blamed (node/compute/memory.py). One layer at a
             time, so a swarm that can hold the model without the layer we lack still finds it."""
-            offer, per_layer = service.membership.local.memory_bytes, models.spec.bytes_per_layer
-            new = max(0, min(offer - per_layer, (b - a - 1) * per_layer))
+            offer, spec = service.membership.local.memory_bytes, models.spec
+            fewer = predicted_peak(spec, (a, b - 1), coordinator=False)  # the budget's arithmetic (planner/budget.py)
+            new = max(0, min(offer - spec.bytes_per_layer, fewer))
             if service.membership.update_local(memory_bytes=new):
                 service.readvertise()
             return new
@@ -139,9 +141,9 @@ class Serving:
         labels = await self.wiring.connect(msg.epoch)
         return ctl.Linked({str(k): v for k, v in labels.items()})
 
-    async def _on_serve(self, peer: str, msg: ctl.Serve) -> ctl.Serving:
+    async def _on_serve(self, peer: str, msg: ctl.Serve) -> ctl.Ack:
         await self.wiring.serve(msg.epoch, {int(k): v for k, v in msg.hops.items() if k.isdigit()})
-        return ctl.Serving()
+        return ctl.Ack()
 
     async def run(self, nursery: trio.Nursery) -> None:
         """Start the serving tasks: the fast path's inbound channels and the leader loop."""

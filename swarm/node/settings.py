@@ -35,7 +35,7 @@ class NodeSettings:
     listen: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
     announce: tuple[str, ...] = ()  # addresses to advertise instead of the listen ones (e.g. behind a proxy)
     bootstrap: tuple[str, ...] = ()
-    memory_bytes: int = 0  # offered for layers; 0 = what the device has free (model/devices.py)
+    memory_bytes: int = 0  # everything the peer uses (planner/budget.py); 0 = what the device has free (model/devices.py)
     dtype: Any = None  # a torch.dtype; None: bfloat16
     quant: str = "none"  # the invite's: how the decoder layers are held (swarm.model.quant)
     device: str = "cpu"  # cpu, cuda:N or mps, already resolved (swarm.model.devices.resolve_device)
@@ -53,7 +53,7 @@ class NodeSettings:
     fastpath_port: int = 0
     fastpath_host: str = ""  # IP the direct socket binds (default: the first /ip4 listen address)
     fastpath_advertise: tuple[str, ...] = ()  # "ip:port" to announce (e.g. behind a proxy or NAT)
-    sessions: int = 8  # generations held at once at least (their KV on top of memory_bytes): capacity.py
+    sessions: int = 8  # generations whose KV every stage reserves inside memory_bytes (planner/budget.py)
     compute_delay_s: float = 0.0  # fault injection (load tests): every forward and head call blocks this much longer
     relay: bool = False  # use the bootstrap nodes as relays and hole punch (swarm.node.members.discovery)
     mdns: bool = False  # announce and discover peers on the LAN
@@ -90,15 +90,49 @@ def plan_memory(memory_bytes: int, dtype: torch.dtype) -> int:
     return memory_bytes * 2 // torch.empty(0, dtype=dtype).element_size()
 
 
+def overhead_bytes(args: ModelArgs, dtype: torch.dtype, device: str) -> int:
+    """This peer's fixed overhead (real bytes) outside the planned part: planner/budget.py."""
+    import torch
+
+    from swarm.model.quant import layer_bytes as quant_layer_bytes
+    from swarm.planner.budget import runtime_overhead
+
+    dense = quant_layer_bytes(args, "none", torch.empty(0, dtype=dtype).element_size())
+    return runtime_overhead(torch.device(device).type, dense)
+
+
+def advert_memory(offered: int, dtype: torch.dtype, device: str, args: ModelArgs) -> int:
+    """What a peer offering ``offered`` bytes in all advertises: the offer less its own overhead,
+    in the planner's unit (plan_memory)."""
+    return plan_memory(max(0, offered - overhead_bytes(args, dtype, device)), dtype)
+
+
+def peak_bytes(args: ModelArgs, dtype: torch.dtype, device: str, spec: ModelSpec, block: tuple[int, int], *,
+               coordinator: bool, draft_bytes: int = 0, margin: float = 1.0) -> int:
+    """A peer's whole predicted peak in real bytes, serving in ``dtype`` on ``device``: the planned
+    part of ``spec`` (the planner's 2-byte unit, as ``draft_bytes``) at ``dtype``'s width, times
+    ``margin``, plus its overhead. The inverse of advert_memory: ``plan`` prints it, ``status``
+    shows it beside the measured peak, local swarms offer it (launch.sized_offers)."""
+    import torch
+
+    from swarm.planner.budget import predicted_peak
+
+    planned = predicted_peak(spec, block, coordinator=coordinator, draft_bytes=draft_bytes)
+    width = torch.empty(0, dtype=dtype).element_size()
+    return int(planned * width / 2 * margin) + overhead_bytes(args, dtype, device)
+
+
 def model_spec(args: ModelArgs, dtype: torch.dtype, context_tokens: int, quant: str = "none",
-               kv_cache: str = "auto") -> ModelSpec:
+               kv_cache: str = "auto", sessions: int | None = None) -> ModelSpec:
     """The planner's view of the model as this node holds it (bytes per layer in ``dtype``, the
-    KV cache in the swarm's format ``kv_cache``)."""
+    KV cache of ``sessions`` sessions (default: a node's, NodeSettings.sessions) in the swarm's
+    format ``kv_cache``, one prefill chunk's activations)."""
     import torch
 
     from swarm.model.kvcache import kv_bytes_per_token_per_layer
     from swarm.model.quant import layer_bytes as quant_layer_bytes
     from swarm.model.quant import layer_bytes_each as quant_layer_bytes_each
+    from swarm.planner.budget import PREFILL_CHUNK_TOKENS
 
     nbytes = torch.empty(0, dtype=dtype).element_size()
     return ModelSpec(
@@ -108,6 +142,8 @@ def model_spec(args: ModelArgs, dtype: torch.dtype, context_tokens: int, quant: 
         kv_bytes_per_token_per_layer=kv_bytes_per_token_per_layer(args, kv_cache, nbytes),
         coordinator_bytes=args.head_bytes(nbytes),
         context_tokens=context_tokens,
+        sessions=max(1, NodeSettings.sessions if sessions is None else sessions),
+        activation_bytes=args.activation_bytes(PREFILL_CHUNK_TOKENS, nbytes),
     )
 
 

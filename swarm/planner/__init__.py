@@ -4,6 +4,7 @@ No I/O, no trio, no torch: every peer runs the same function on the same numbers
 same plan.
 
     spec.py      ModelSpec (layers and each layer's bytes, KV, coordinator part), Peer, Latency (RTT -> one-way hops)
+    budget.py    one memory budget per peer: predicted_peak (the planned part), the per-peer overhead
     plan.py      Plan (the output; to_json / from_json), check_blocks
     alloc.py     layer counts per stage: fit memory, minimise compute, balance equal-speed peers;
                  exact counts for a ring order when layers differ in size (allocate_exact)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from swarm.planner.budget import predicted_peak
 from swarm.planner.spec import Latency, ModelSpec, Peer
 
 
@@ -53,8 +54,9 @@ class Ctx:
 
     def fits(self, i: int, start: int, end: int, coordinator: bool) -> bool:
         """Whether peer ``i`` holds layers [start, end) at their own sizes (and the coordinator part)."""
-        extra = self.peers[i].coordinator_part(self.spec) if coordinator else 0
-        return self.spec.block_bytes(start, end) + extra <= self.peers[i].memory_bytes
+        p = self.peers[i]
+        peak = predicted_peak(self.spec, (start, end), coordinator=coordinator, draft_bytes=p.draft_bytes)
+        return peak <= p.memory_bytes
 
 
 def allocate(ctx: Ctx, nodes: Sequence[int], coord: int) -> tuple[float, list[int]] | None:
@@ -146,6 +148,7 @@ def allocate_exact(ctx: Ctx, nodes: Sequence[int], coord: int) -> tuple[float, l
     """
     spec = ctx.spec
     L, m = spec.n_layers, len(nodes)
+    act = spec.activation_bytes  # a block of any size runs one chunk at a time (budget.predicted_peak)
     pre = [0]
     for w in spec.weights:
         pre.append(pre[-1] + w + spec.kv_bytes_per_layer)
@@ -161,7 +164,7 @@ def allocate_exact(ctx: Ctx, nodes: Sequence[int], coord: int) -> tuple[float, l
         for start in range(L + 1):
             best: tuple[float, int, int] | None = None
             c = lo
-            while start + c <= L and pre[start + c] - pre[start] <= room:
+            while start + c <= L and pre[start + c] - pre[start] + (act if c else 0) <= room:
                 after = rest[k + 1][start + c]
                 if after is not None:
                     cand = (round(after[0] + c * speed, 9), after[1] + c * c, c)

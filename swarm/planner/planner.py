@@ -263,10 +263,15 @@ def _check_memory(ctx: Ctx) -> None:
     short = max(spec.total_bytes - offered, (spec.n_layers - best_layers) * bpl)
     raise PlanningError(
         f"not enough memory: the model needs {spec.total_bytes / GB:.2f} GB ({_layers_phrase(spec)} incl. "
-        f"KV for {spec.context_tokens} tokens, + {spec.coordinator_bytes / GB:.2f} GB on the coordinator) "
+        f"KV for {_sessions_phrase(spec)}, + {spec.coordinator_bytes / GB:.2f} GB on the coordinator) "
         f"but the {ctx.n} peers offer {offered / GB:.2f} GB and fit only {best_layers} whole layers: "
         f"{short / GB:.2f} GB short"
     )
+
+
+def _sessions_phrase(spec: ModelSpec) -> str:
+    one = f"{spec.context_tokens} tokens"
+    return one if spec.sessions == 1 else f"{spec.sessions} sessions of {one}"
 
 
 def _layers_phrase(spec: ModelSpec) -> str:
@@ -282,7 +287,7 @@ def _short_message(ctx: Ctx) -> str:
     offered = sum(p.memory_bytes for p in ctx.peers)
     return (
         f"not enough memory: the model needs {spec.total_bytes / GB:.2f} GB ({_layers_phrase(spec)} incl. KV "
-        f"for {spec.context_tokens} tokens, + {spec.coordinator_bytes / GB:.2f} GB on the coordinator); the "
+        f"for {_sessions_phrase(spec)}, + {spec.coordinator_bytes / GB:.2f} GB on the coordinator); the "
         f"{ctx.n} peers offer {offered / GB:.2f} GB, but no split of the layers into contiguous blocks fits them"
     )
 

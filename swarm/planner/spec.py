@@ -21,7 +21,9 @@ class ModelSpec:
     """What placing one model costs.
 
     ``coordinator_bytes`` is what the coordinator holds besides any layers: embedding, final norm,
-    LM head and the draft model. ``context_tokens`` is the KV-cache length reserved per layer.
+    LM head and the draft model. ``context_tokens`` is the KV-cache length of a session, and every
+    stage reserves ``sessions`` of them per layer. ``activation_bytes`` is what one prefill chunk's
+    forward through a layer holds at once (a stage's transient peak; budget.py).
     ``layer_bytes_each`` gives each layer's own weights where layers differ (DeepSeek-V3 and
     GLM-4.5 have dense first layers and MoE layers after them); empty means every layer weighs
     ``layer_bytes``, which is always the largest layer's weights.
@@ -33,6 +35,8 @@ class ModelSpec:
     coordinator_bytes: int = 0
     context_tokens: int = 0
     layer_bytes_each: tuple[int, ...] = ()
+    sessions: int = 1
+    activation_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.n_layers < 1:
@@ -42,9 +46,12 @@ class ModelSpec:
             "kv_bytes_per_token_per_layer",
             "coordinator_bytes",
             "context_tokens",
+            "activation_bytes",
         ):
             if getattr(self, name) < 0:
                 raise UsageError(f"model: {name} must not be negative, got {getattr(self, name)}")
+        if self.sessions < 1:
+            raise UsageError(f"model: sessions must be at least 1, got {self.sessions}")
         if self.layer_bytes + self.kv_bytes_per_token_per_layer * self.context_tokens <= 0:
             raise UsageError("model: a layer must cost some memory (layer_bytes or KV bytes > 0)")
         each = self.layer_bytes_each
@@ -55,8 +62,14 @@ class ModelSpec:
             )
 
     @property
-    def kv_bytes_per_layer(self) -> int:
+    def session_kv_bytes_per_layer(self) -> int:
+        """One session's KV cache in one layer, at the context length."""
         return self.kv_bytes_per_token_per_layer * self.context_tokens
+
+    @property
+    def kv_bytes_per_layer(self) -> int:
+        """The KV cache a layer reserves: ``sessions`` sessions at the context length."""
+        return self.session_kv_bytes_per_layer * self.sessions
 
     @property
     def bytes_per_layer(self) -> int:
@@ -78,7 +91,8 @@ class ModelSpec:
         return min(self.weights) == self.layer_bytes
 
     def block_bytes(self, start: int, end: int) -> int:
-        """Weights plus reserved KV cache of layers [start, end)."""
+        """Weights plus reserved KV cache of layers [start, end) (budget.predicted_peak adds the
+        activations and the coordinator's part)."""
         return sum(self.weights[start:end]) + (end - start) * self.kv_bytes_per_layer
 
     @property
@@ -117,13 +131,14 @@ class Peer:
         return spec.coordinator_bytes + self.draft_bytes
 
     def layer_capacity(self, spec: ModelSpec, *, coordinator: bool = False, per_layer: int | None = None) -> int:
-        """How many layers fit (with their KV cache), each counted at ``per_layer`` bytes (default:
-        the largest layer's); -1 if it cannot even hold the coordinator part (with its draft
-        model, if it holds one)."""
+        """How many layers fit (with their KV cache and one chunk's activations), each counted at
+        ``per_layer`` bytes (default: the largest layer's); -1 if it cannot even hold the
+        coordinator part (with its draft model, if it holds one). The same sum as
+        budget.predicted_peak."""
         free = self.memory_bytes - (self.coordinator_part(spec) if coordinator else 0)
         if free < 0:
             return -1
-        return min(spec.n_layers, free // (per_layer or spec.bytes_per_layer))
+        return max(0, min(spec.n_layers, (free - spec.activation_bytes) // (per_layer or spec.bytes_per_layer)))
 
 
 class Latency:

@@ -9,9 +9,9 @@ class or a ProtocolError naming ``CONTROL <op> field '<key>'``.
 Ops, by protocol (who may send each request is ``swarm.node.dispatch``'s dispatch table):
 
 - ring set-up (``/shard-swarm/ring/1``): a PLAN message -> :class:`Loaded`; :class:`Connect` ->
-  :class:`Linked`; :class:`Serve` -> :class:`Serving`; :class:`Current` -> the serving PLAN or
+  :class:`Linked`; :class:`Serve` -> :class:`Ack`; :class:`Current` -> the serving PLAN or
   :class:`NoPlan`; :class:`Ended`, :class:`Leaving`, :class:`Leave`, :class:`Fault`, :class:`BadBytes` ->
-  :class:`Serving` (an acknowledgement).
+  :class:`Ack`.
 - activation streams (``/shard-swarm/act/1``): :class:`Hop` opens one; :class:`Probe` opens a
   short one whose pings the other end echoes.
 - generation (``/shard-swarm/gen/1``): :class:`Gen` (the one generation request type) ->
@@ -185,10 +185,10 @@ class Serve(Control):
 
 @op
 @dataclass(frozen=True, slots=True)
-class Serving(Control):
+class Ack(Control):
     """An acknowledgement (of serve, ended, leaving, leave, fault)."""
 
-    OP: ClassVar[str] = "serving"
+    OP: ClassVar[str] = "ack"
 
 
 @op

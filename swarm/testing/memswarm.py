@@ -33,7 +33,7 @@ from swarm.node.errors_util import unwrap
 from swarm.node.members.heartbeat import Liveness, serve_ctl_inbound
 from swarm.node.notices import Hooks
 from swarm.node.peer import Peer, run_peer
-from swarm.node.settings import NodeSettings, model_spec
+from swarm.node.settings import NodeSettings, model_spec, peak_bytes
 from swarm.proto.limits import PROTO_CTL
 from swarm.testing.memnet import MemHost, MemNet
 
@@ -63,10 +63,12 @@ class MemSwarm:
         self.seeds = [s for _, s in pairs]
         self.ids = [p for p, _ in pairs]
         args = ModelArgs.from_dir(self.ckpt)
-        self.spec = model_spec(args, torch.float32, 512)
+        self.args = args
+        self.spec = model_spec(args, torch.bfloat16, 512, sessions=NodeSettings.sessions)  # the planner's unit
 
     def memory(self, layers: int) -> int:
-        return layers * self.spec.bytes_per_layer + self.spec.coordinator_bytes + 1
+        """An offer (fp32, CPU) that holds ``layers`` layers and the coordinator's part: planner/budget.py."""
+        return peak_bytes(self.args, torch.float32, "cpu", self.spec, (0, layers), coordinator=True) + 2
 
     def settings(self, i: int) -> NodeSettings:
         return dataclasses.replace(self._settings(i), **self.overrides.get(i, {}))

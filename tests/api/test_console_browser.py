@@ -27,12 +27,9 @@ from typing import Any
 
 import httpx
 import pytest
-import torch
 
 from swarm.api.thread import ThreadedApi
-from swarm.launch import LocalSwarm, start_local_swarm
-from swarm.model.config import ModelArgs
-from swarm.node.settings import model_spec
+from swarm.launch import LocalSwarm, offer_for, start_local_swarm
 from tests.api.browser import console_errors, open_browser, wait_for
 from tests.api.conftest import MODEL_NAME
 
@@ -51,8 +48,7 @@ def shot(driver: Any, name: str) -> None:
 
 @pytest.fixture(scope="module")
 def live(tiny_chat_dir: Path) -> Iterator[tuple[LocalSwarm, str]]:
-    spec = model_spec(ModelArgs.from_dir(tiny_chat_dir), torch.float32, 1536)
-    two_layers = 2 * spec.bytes_per_layer + spec.coordinator_bytes + 1  # 4 layers: any two peers hold them
+    two_layers = offer_for(tiny_chat_dir, 2, context_tokens=1536)  # 4 layers: any two peers hold them
     with start_local_swarm(3, tiny_chat_dir, dtype="fp32", context_tokens=1536, memory_bytes=[two_layers] * 3,
                            device_names=["", HOSTILE, ""]) as swarm:  # fmt: skip
         api = ThreadedApi(swarm.addrs[0], swarm.secret, swarm.swarm_id, tiny_chat_dir, token=TOKEN, context_tokens=1536)

@@ -22,14 +22,11 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import torch
 import trio
 
 from swarm import client
-from swarm.launch import start_local_swarm
-from swarm.model.config import ModelArgs
+from swarm.launch import offer_for, start_local_swarm
 from swarm.model.tokenizer import Tokenizer
-from swarm.node.settings import model_spec
 from tests.api.conftest import MODEL_NAME, api_on
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,8 +63,7 @@ def _generate_cli(swarm, peer: int, ids: list[int], receipt: Path, kill_after: i
 
 
 async def test_coordinator_killed_mid_stream_resumes_then_503_when_none_can_serve(tiny_chat_dir: Path) -> None:
-    spec = model_spec(ModelArgs.from_dir(tiny_chat_dir), torch.float32, 1536)
-    two_layers = 2 * spec.bytes_per_layer + spec.coordinator_bytes + 1  # 4 layers: any two peers hold them
+    two_layers = offer_for(tiny_chat_dir, 2, context_tokens=1536)  # 4 layers: any two peers hold them
     with start_local_swarm(4, tiny_chat_dir, dtype="fp32", context_tokens=1536, memory_bytes=[two_layers] * 4) as swarm:
         async with api_on(swarm, tiny_chat_dir, relay=True) as (url, st):
             coord = swarm.peer_ids.index(st["plan"]["coordinator"])

@@ -15,13 +15,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from swarm.launch import offer_for
 from swarm.manifest.identity import Identity, save_identity
 from swarm.manifest.manifest import new_manifest, sign_manifest, write_manifest
 from swarm.manifest.modelcheck import describe_model
-from swarm.model.config import ModelArgs
-from swarm.node.settings import model_spec
 from swarm.testing.checkpoints import TinySpec, write_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -71,8 +68,6 @@ class Lab:
     def __init__(self, tmp: Path, n: int) -> None:
         self.tmp = tmp
         self.ckpt = write_checkpoint(tmp / "tiny", TinySpec(n_layers=N_LAYERS), seed=5)
-        spec = model_spec(ModelArgs.from_dir(self.ckpt), torch.float32, 2048)
-        self.layer_bytes, self.coord_bytes = spec.bytes_per_layer, spec.coordinator_bytes
         # sorted by peer ID: node 0 (the invite's bootstrap) is the one every node calls its leader
         self.ids = sorted((Identity(bytes([i + 21]) * 32) for i in range(n)), key=lambda ident: ident.peer_id)
         self.port = free_port()
@@ -84,7 +79,8 @@ class Lab:
         self.procs: list[JoinProc] = []
 
     def memory(self, layers: int) -> int:
-        return layers * self.layer_bytes + self.coord_bytes + 1
+        """An fp32 CPU node's --memory for ``layers`` layers and the head (launch.offer_for)."""
+        return offer_for(self.ckpt, layers, context_tokens=2048)
 
     def start(self, i: int, layers: int) -> JoinProc:
         key = self.tmp / f"node{i}.key"

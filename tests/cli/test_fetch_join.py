@@ -20,13 +20,12 @@ import trio
 
 from swarm import client
 from swarm.fetch.slices import CONFIG_FILES
+from swarm.launch import offer_for
 from swarm.manifest.identity import Identity, save_identity
 from swarm.manifest.manifest import new_manifest, read_manifest, sign_manifest, write_manifest
 from swarm.manifest.model_manifest import ModelManifest, manifest_of_path
 from swarm.manifest.schema import ModelSpec
-from swarm.model.config import ModelArgs
 from swarm.model.generate import LocalModel, generate
-from swarm.node.settings import model_spec
 from swarm.testing.checkpoints import TinySpec, write_checkpoint
 from swarm.testing.origin_server import SKIP_REASON, OriginServer, have_nginx, origin_server
 from tests.cli.joinkit import ROOT, JoinProc, free_port
@@ -43,7 +42,7 @@ class FetchLab:
     manifest hash with the nginx origin."""
 
     def __init__(self, tmp: Path, srv: OriginServer, served: Path, m: ModelManifest, n: int, layers_each: int,
-                 args: ModelArgs | None = None, own_copy: frozenset[int] = frozenset(), origin: bool = True) -> None:  # fmt: skip
+                 model: Path | None = None, own_copy: frozenset[int] = frozenset(), origin: bool = True) -> None:  # fmt: skip
         self.tmp, self.m, self.served = tmp, m, served
         self.ids = sorted((Identity(bytes([i + 31]) * 32) for i in range(n)), key=lambda ident: ident.peer_id)
         port = free_port()
@@ -53,8 +52,7 @@ class FetchLab:
         self.invite = tmp / "invite.json"
         write_manifest(sign_manifest(new_manifest(swarm_name="fetchlab", issuer=self.ids[0].public_key,
                                                   bootstrap=(boot,), model=spec, context=2048), self.ids[0]), self.invite)  # fmt: skip
-        planned = model_spec(args or ModelArgs.from_dir(served), torch.float32, 2048)
-        mem = layers_each * planned.bytes_per_layer + planned.coordinator_bytes + 1
+        mem = offer_for(model or served, layers_each, context_tokens=2048)  # the checkpoint sizes the offers
         self.procs: list[JoinProc] = []
         for i in range(n):
             key = tmp / f"n{i}.key"
@@ -250,7 +248,7 @@ async def test_the_bundled_gguf_fetched_by_three_peers_serves_like_one_box(tmp_p
     (served / "model-manifest.json").write_bytes(m.canonical_bytes())
     args = open_checkpoint(gguf).args
     with origin_server(served, tmp_path / "nginx") as srv:
-        lab = FetchLab(tmp_path, srv, served, m, 3, layers_each=10, args=args)  # 30 layers: all three hold 10
+        lab = FetchLab(tmp_path, srv, served, m, 3, layers_each=10, model=gguf)  # 30 layers: all three hold 10
         try:
             await trio.to_thread.run_sync(lambda: lab.wait(
                 lambda: sum(1 for p in lab.procs if p.of("serving")) == 3 and lab.coordinator() is not None, "serving"))

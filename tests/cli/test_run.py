@@ -97,3 +97,31 @@ def test_quant_flags(tiny: Path, capsys: pytest.CaptureFixture[str]) -> None:
     obj = run_json(capsys, ["--model", str(tiny), "--prompt-ids", "5,17,99", "--max-new-tokens", "4",
                             "--dtype", "fp32", "--quant", "int8"])  # fmt: skip
     assert obj["quant"] == "int8" and len(obj["output_token_ids"]) == 4  # type: ignore[arg-type]
+
+
+def test_compile_flag_gives_eager_tokens_in_fp32(tiny: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["--model", str(tiny), "--prompt-ids", "3,14,15,92,65", "--max-new-tokens", "70",
+            "--dtype", "fp32", "--stages", "2"]  # fmt: skip
+    eager = run_json(capsys, base)
+    compiled = run_json(capsys, [*base, "--compile"])
+    assert eager["compiled"] is None
+    assert compiled["compiled"]["capacity"] == 128 and compiled["compiled"]["spans"] == [64, 128]  # type: ignore[index]
+    assert compiled["output_token_ids"] == eager["output_token_ids"]
+    # a stage the compiled step does not cover is refused by name, before any token
+    assert main(["run", *base, "--compile", "--quant", "int8", "--threads", "1"]) == 3
+    assert "--compile:" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_compile_flag_in_a_real_process(tiny: Path) -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "swarm.cli.main", "run", "--model", str(tiny), "--prompt-ids", "3,14,15",
+         "--max-new-tokens", "10", "--dtype", "fp32", "--threads", "1", "--compile", "--json"],
+        capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    obj = json.loads(out.stdout)
+    assert obj["compiled"]["spans"] == [16] and len(obj["output_token_ids"]) == 10

@@ -53,6 +53,16 @@ def test_view_follows_the_ring() -> None:
     json.dumps(v)  # JSON-ready
 
 
+def test_the_asked_nodes_predicted_peak_is_shown_beside_the_measured_one() -> None:
+    st = {**STATUS, "memory": {"offered_bytes": 2_000_000_000, "predicted_peak_bytes": 1_500_000_000,
+                               "measured_peak_bytes": 1_400_000_000, "measured_rss_bytes": 1_100_000_000}}
+    v = build_view(st)
+    assert v["memory"] == {"offered_gb": 2.0, "predicted_peak_gb": 1.5, "measured_peak_gb": 1.4, "measured_rss_gb": 1.1}
+    line = next(x for x in format_text(v).splitlines() if x.startswith("memory of"))
+    assert "predicted peak 1.50 GB · measured peak 1.40 GB (now 1.10 GB) · offered 2.00 GB" in line
+    assert not any(x.startswith("memory of") for x in format_text(build_view(STATUS)).splitlines())  # none reported
+
+
 def test_unknown_rtt_and_no_plan() -> None:
     st = {**STATUS, "peers_file": {**STATUS["peers_file"], "rtt_ms": {A: {C: 10.0}}}}
     v = build_view(st)
@@ -138,6 +148,8 @@ def test_status_command_against_a_node(one_node: tuple[Path, str, str]) -> None:
     assert view["serving"] and view["coordinator"] == peer and view["asked"] == peer
     assert [(x["peer"], x["role"], x["block"]) for x in view["ring"]] == [(peer, "coordinator+stage", [0, 4])]
     assert view["ring"][0]["ms_per_layer"] > 0 and view["ring"][0]["memory_offered_gb"] > 0
+    mem = view["memory"]  # the whole predicted peak (runtime included) beside what /proc measured
+    assert mem["predicted_peak_gb"] > 0.42 and mem["measured_peak_gb"] >= mem["measured_rss_gb"] > 0, mem
     text = CliRunner().invoke(app, ["status", "--manifest", str(path), "--peer", addr])  # not a TTY: plain text
     assert text.exit_code == 0 and "coordinator+stage" in text.stdout and "[0, 4)" in text.stdout
     bad = CliRunner().invoke(app, ["status", "--manifest", str(path), "--peer", "/ip4/127.0.0.1/tcp/1"])

@@ -33,7 +33,8 @@ ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
 BOOT_PORT = 4001
 PEER_PORT = 4101
-MEMORY = "250M"  # fp32 SmolLM2-135M needs ~0.63 GB with its KV cache: two peers cannot hold it, three can
+MEMORY = "1000M"  # fp32 SmolLM2-135M: 10 layers, the head and 8 sessions at 2048 tokens take 0.96 GB (launch.offer_for,
+# the runtime included), 15 layers and the head 1.15 GB: two peers cannot hold it, three can
 PROMPT_IDS = "1,9690,314,253,4226,1744,30,2"
 NEW_TOKENS = 12
 ROLES = ("public0", "home0", "home1")

@@ -21,8 +21,7 @@ from swarm.errors import PeerError, PeerTimeout, UsageError
 from swarm.net.dialback import Reachability, dialback_check, serve_dialback
 from swarm.net.host import SwarmHost, open_host
 from swarm.net.nat import diagnose
-from swarm.net.paths import Path as ConnPath
-from swarm.net.paths import circuit_addr, connection_addrs, parse_peer_addr, path_to
+from swarm.net.paths import Route, circuit_addr, connection_addrs, parse_peer_addr, path_to
 from swarm.net.relay import RelayNode, RelayPolicy, open_relay, open_relay_host
 
 SECRET = os.urandom(32)
@@ -54,7 +53,7 @@ async def test_reserve_relayed_dial_admission_and_upgrade() -> None:
         got = await rb.dial(circuit, timeout=10)
         assert got == a.peer_id
         # The connection is relayed, and admission ran over it (both directions).
-        assert path_to(b.libp2p, a.peer_id) is ConnPath.RELAYED
+        assert path_to(b.libp2p, a.peer_id) is Route.RELAYED
         assert all("/p2p-circuit" in x for x in connection_addrs(b.libp2p, a.peer_id))
         assert b.is_admitted(a.peer_id)
         with trio.fail_after(5):
@@ -64,7 +63,7 @@ async def test_reserve_relayed_dial_admission_and_upgrade() -> None:
 
         # On loopback nothing blocks a direct dial: DCUtR upgrades the relayed connection.
         assert await rb.punch(a.peer_id, timeout=20) is True
-        assert path_to(b.libp2p, a.peer_id) is ConnPath.DIRECT
+        assert path_to(b.libp2p, a.peer_id) is Route.DIRECT
         assert rb.path_label(a.peer_id) == "hole-punched"
         assert await b.libp2p_ping(a.peer_id, timeout=5) > 0
 
@@ -115,7 +114,7 @@ async def test_dialback_on_loopback_is_public_and_dead_ports_fail() -> None:
         assert [p for p, _ in res.failed] == [9]  # nothing listens on 9: no false "public"
         assert res.observed.startswith("/ip4/127.0.0.1/tcp/")
         # The probe connection was closed; our main connection to the helper survived it.
-        assert a.is_admitted(r.peer_id) and path_to(a.libp2p, r.peer_id) is ConnPath.DIRECT
+        assert a.is_admitted(r.peer_id) and path_to(a.libp2p, r.peer_id) is Route.DIRECT
         d = await diagnose(a.libp2p, bootstrap_addrs=[r.addrs()[0]], relay=ra,
                            local_ips=["127.0.0.1"], timeout=10)  # fmt: skip
         assert d.reachability is Reachability.PUBLIC

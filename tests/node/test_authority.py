@@ -167,7 +167,7 @@ async def test_the_dispatch_table_checks_every_role_before_the_handler() -> None
 
     async def handler(peer: str, msg: object) -> ctl.Control:
         handled.append(f"{type(msg).__name__}:{peer}")
-        return ctl.Serving()
+        return ctl.Ack()
 
     table = Dispatcher(_View(), _epoch_roles, {t: handler for t in ROLES}, "test")
     cases = [  # (message, sender, refused with)
@@ -187,13 +187,13 @@ async def test_the_dispatch_table_checks_every_role_before_the_handler() -> None
     for msg, sender, refused in cases:
         reply = await table(sender, msg)
         if refused is None:
-            assert isinstance(reply, ctl.Serving), (msg, sender, reply)
+            assert isinstance(reply, ctl.Ack), (msg, sender, reply)
         else:
             assert isinstance(reply, ctl.Fail) and refused in reply.message, (msg, sender, reply)
             assert reply.code == ("bad_request" if "not current" in refused else "forbidden"), reply
     assert len(handled) == sum(r is None for _, _, r in cases)
-    unexpected = await Dispatcher(_View(), _epoch_roles, {}, "test")("M1", ctl.Serving())
-    assert isinstance(unexpected, ctl.Fail) and "unexpected Serving" in unexpected.message
+    unexpected = await Dispatcher(_View(), _epoch_roles, {}, "test")("M1", ctl.Ack())
+    assert isinstance(unexpected, ctl.Fail) and "unexpected Ack" in unexpected.message
     with pytest.raises(TypeError, match="no role declared"):
         Dispatcher(_View(), _epoch_roles, {ctl.Done: handler}, "test")
 
@@ -512,7 +512,7 @@ async def test_the_leader_strikes_a_reported_member_and_benches_what_it_saw_itse
     view = SimpleNamespace(peer_id="L", leader=lambda: "L")
     rec = Recovery(view, None, SimpleNamespace(benches=benches), None, None, None)  # type: ignore[arg-type]
     for accuser in ("A", "A", "A", "B"):  # A's three reports count once
-        assert isinstance(await rec.on_bad_bytes(accuser, ctl.BadBytes("Z", "bytes")), ctl.Serving)
+        assert isinstance(await rec.on_bad_bytes(accuser, ctl.BadBytes("Z", "bytes")), ctl.Ack)
     assert struck == ["Z", "Z"] and not benched
     await rec.on_bad_bytes("A", ctl.BadBytes("L", "bytes"))  # the leader does not bench itself on a word
     await rec.on_bad_bytes("A", ctl.BadBytes("A", "bytes"))

@@ -81,3 +81,28 @@ def test_timing_a_layer_waits_for_the_device(monkeypatch: pytest.MonkeyPatch) ->
     args = ModelArgs.from_config(tiny_config(TinySpec(family="llama", n_layers=1)))
     ms = runtime.measure_ms_per_layer(args, torch.float32, "cpu", repeats=5)
     assert ms > 0 and len(calls) == 6 and all(d == torch.device("cpu") for d in calls)
+
+
+@pytest.mark.parametrize(("device", "dtype"), [("cpu", torch.float32), ("cpu", torch.bfloat16), ("cuda:0", torch.float16)])
+def test_a_node_advertises_its_offer_less_its_overhead_and_peak_bytes_is_its_inverse(
+    monkeypatch: pytest.MonkeyPatch, device: str, dtype: torch.dtype
+) -> None:
+    """--memory is the whole budget (planner/budget.py): a CPU node's advert leaves out the runtime
+    and one dense layer, a GPU node's nothing; the offer that peak_bytes names for a block is
+    advertised as room for exactly that block's predicted peak."""
+    from swarm.model.config import ModelArgs
+    from swarm.model.quant import layer_bytes
+    from swarm.node.settings import advert_memory, model_spec, peak_bytes
+    from swarm.planner.budget import RUNTIME_BYTES, predicted_peak
+    from swarm.testing.checkpoints import TinySpec, tiny_config
+
+    fake_hardware(monkeypatch, cuda=1)
+    args = ModelArgs.from_config(tiny_config(TinySpec(n_layers=6)))
+    width = torch.empty(0, dtype=dtype).element_size()
+    overhead = 0 if device.startswith("cuda") else RUNTIME_BYTES + layer_bytes(args, "none", width)
+    assert advert_memory(GIB + overhead, dtype, device, args) == GIB * 2 // width  # the planner's 2-byte unit
+    assert advert_memory(overhead // 2, dtype, device, args) == 0
+    spec = model_spec(args, torch.bfloat16, 256, sessions=8)
+    for block, coord in (((0, 3), True), ((3, 6), False)):
+        offer = peak_bytes(args, dtype, device, spec, block, coordinator=coord)
+        assert advert_memory(offer, dtype, device, args) == predicted_peak(spec, block, coordinator=coord)

@@ -16,14 +16,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 import trio
 
 from swarm import client
+from swarm.launch import offer_for
 from swarm.manifest.identity import Identity
 from swarm.manifest.manifest import new_manifest, sign_manifest, write_manifest
-from swarm.model.config import ModelArgs
-from swarm.node.settings import model_spec
 from swarm.testing.checkpoints import TinySpec, write_checkpoint
 from swarm.testing.netlab import Lab, lab_unavailable_reason, lan_lab
 
@@ -39,9 +37,8 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def memory_for(ckpt: Path, layers_each: int) -> int:
-    """Bytes a node offers so that it holds ``layers_each`` layers or coordinates plus a few."""
-    spec = model_spec(ModelArgs.from_dir(ckpt), torch.bfloat16, 1024)
-    return layers_each * spec.bytes_per_layer + spec.coordinator_bytes + 1
+    """Bytes a bf16 node offers so that it holds ``layers_each`` layers or coordinates plus a few."""
+    return offer_for(ckpt, layers_each, dtype="bf16")
 
 
 # -- silent link cut inside a network-namespace lab -------------------------------------------------

@@ -17,7 +17,7 @@ import torch
 import trio
 
 from swarm import client
-from swarm.launch import start_local_swarm
+from swarm.launch import offer_for, start_local_swarm
 from swarm.model.generate import LocalModel, generate
 from swarm.testing.checkpoints import TinySpec, write_checkpoint
 
@@ -86,15 +86,11 @@ async def test_a_kill_during_a_batch_of_four_sessions_resumes_them_all_identical
     """Fault tolerance carries over to batches: four sessions share the ring's forwards, a stage is
     killed mid-way, the swarm re-plans once, and every session resumes and ends exactly as it
     would alone (fp32; replay rebuilds each session's caches on the new ring)."""
-    from swarm.model.config import ModelArgs
-    from swarm.node.settings import model_spec
-
     torch.set_num_threads(1)
     model = LocalModel.load(ckpt, stages=1, dtype=torch.float32)
     jobs = [(p, 40) for p, _ in _jobs()[:4]]
     want = [generate(model, p, max_new_tokens=n, eos_token_ids=()).output_token_ids for p, n in jobs]
-    spec = model_spec(ModelArgs.from_dir(ckpt), torch.float32, 1024)
-    memory = 3 * spec.bytes_per_layer + spec.coordinator_bytes + 1  # 3 of the 4 hold the 6 layers: one can go
+    memory = offer_for(ckpt, 3)  # 3 of the 4 hold the 6 layers (and 8 sessions' KV each): one can go
     with start_local_swarm(4, ckpt, dtype="fp32", memory_bytes=[memory] * 4, chunk_timeout=5.0) as swarm:
         async with client.open_client(swarm.addrs[0], secret=swarm.secret, swarm_id=swarm.swarm_id) as (h, peer):
             st = await client.wait_ready(h, peer, timeout=120)

@@ -16,10 +16,8 @@ import trio
 
 from swarm import client
 from swarm.errors import RequestRefused
-from swarm.launch import start_local_swarm
-from swarm.model.config import ModelArgs
+from swarm.launch import offer_for, start_local_swarm
 from swarm.model.generate import LocalModel, generate
-from swarm.node.settings import model_spec
 from swarm.testing.checkpoints import TinySpec, write_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -78,12 +76,9 @@ async def test_out_of_memory_in_a_forward_fails_that_request_alone(ckpt: Path) -
 
 async def test_a_peer_that_cannot_load_its_block_offers_less_and_is_not_blamed(ckpt: Path) -> None:
     want = _one_box(ckpt, SHORT, 16)
-    spec = model_spec(ModelArgs.from_dir(ckpt), torch.float32, 1024)  # the local swarm's context
-    per = spec.bytes_per_layer
     # node 0 offers room for the whole model but can load two layers at most; the others hold
     # three and one, so the first plan gives node 0 more than it can load
-    head = spec.coordinator_bytes
-    memory = [6 * per + head, int(3.5 * per) + head, int(1.5 * per) + head]
+    memory = [offer_for(ckpt, layers) for layers in (6, 3.5, 1.5)]  # at the local swarm's context, 1024
     env = {0: {"SWARM_INJECT_OOM_LOAD_LAYERS": "2"}}
     with start_local_swarm(3, ckpt, dtype="fp32", draft="none", memory_bytes=memory, node_env=env) as swarm:
         async with client.open_client(swarm.addrs[1], secret=swarm.secret, swarm_id=swarm.swarm_id) as (h, peer):

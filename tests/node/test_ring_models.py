@@ -20,12 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from swarm import client
-from swarm.launch import start_local_swarm
-from swarm.model.weights import open_checkpoint
-from swarm.node.settings import model_spec
+from swarm.launch import offer_for, start_local_swarm
 from swarm.testing.hf_checkpoints import write_family_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -33,15 +30,14 @@ NEW = 12
 TEXT = "The capital of France is"
 
 
-def _memory(path: Path, coordinator_layers: int, stage_layers: int, dtype: torch.dtype, context: int,
+def _memory(path: Path, coordinator_layers: int, stage_layers: int, dtype: str, context: int,
             quant: str = "none") -> list[int]:  # fmt: skip
-    """One node may coordinate with a few layers, the other two hold a few layers each: sized in
-    the planner's unit (a layer at 2 bytes a value) and given as what a ``dtype`` peer must offer
-    for it (an fp32 peer advertises half its memory: settings.plan_memory)."""
-    spec = model_spec(open_checkpoint(path).args, torch.bfloat16, context, quant)
-    per, width = spec.bytes_per_layer, torch.empty(0, dtype=dtype).element_size()
-    plan = [spec.coordinator_bytes + coordinator_layers * per + per // 2] + [stage_layers * per + per // 2] * 2
-    return [m * width // 2 for m in plan]
+    """One node may coordinate with a few layers, the other two hold a few layers each (and half a
+    layer of slack): what a ``dtype`` peer must offer for it (launch.offer_for: the planned part
+    at its width, plus its overhead)."""
+    kw: dict[str, Any] = {"dtype": dtype, "context_tokens": context, "quant": quant}
+    return [offer_for(path, coordinator_layers + 0.5, **kw)] + [offer_for(path, stage_layers + 0.5, coordinator=False,
+                                                                          **kw)] * 2  # fmt: skip
 
 
 async def _ring(path: Path, memory: list[int], context: int, quant: str = "none", **gen: Any) -> dict[str, Any]:
@@ -72,7 +68,7 @@ async def test_gemma3_gguf_ring_with_a_text_prompt_matches_one_process(tmp_path:
     from swarm.model.packaged import resolve_model
 
     path = resolve_model("gemma3-270m")
-    receipt = await _ring(path, _memory(path, 4, 7, torch.float32, 256), 256, text=TEXT, chat=False)
+    receipt = await _ring(path, _memory(path, 4, 7, "fp32", 256), 256, text=TEXT, chat=False)
     assert receipt["prompt_token_ids"][0] == 2  # <bos>: the GGUF's tokenizer asks for it
     assert len(receipt["output_token_ids"]) == NEW or receipt["finish_reason"] == "eos"
     (tmp_path / "r.json").write_text(json.dumps(receipt))
@@ -93,7 +89,7 @@ async def test_gemma3_gguf_ring_with_a_text_prompt_matches_one_process(tmp_path:
 async def test_tiny_moe_ring_matches_one_process(tmp_path: Path, quant: str) -> None:
     ckpt = write_family_checkpoint(tmp_path / "moe", "qwen3_moe", seed=3, num_hidden_layers=6)
     ids = [1, 5, 9, 33, 7, 100, 3, 44, 12, 19, 200, 150]
-    receipt = await _ring(ckpt, _memory(ckpt, 2, 2, torch.float32, 64, quant), 64, quant=quant, prompt_ids=ids)
+    receipt = await _ring(ckpt, _memory(ckpt, 2, 2, "fp32", 64, quant), 64, quant=quant, prompt_ids=ids)
     assert receipt["quant"] == quant and len(receipt["output_token_ids"]) == NEW
     local = _run(["--model", str(ckpt), "--stages", "1", "--prompt-ids", ",".join(map(str, ids)), "--quant", quant,
                   "--max-new-tokens", str(NEW), "--draft", "ngram", "--depth", str(receipt["draft"]["max_depth"])])

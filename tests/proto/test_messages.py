@@ -69,7 +69,7 @@ SAMPLES: list[Message] = [
 # one sample of every CONTROL op (all CONTROL frames: their class is the op's)
 CONTROLS: list[ctl.Control] = [
     ctl.Loaded(3), ctl.Connect(3), ctl.Linked({"0": "direct", "1": "relayed via x"}), ctl.Serve(3, {"0": "local"}),
-    ctl.Serving(), ctl.Current(), ctl.NoPlan(), ctl.NoPlan(2, {"ring": [PEER]}), ctl.Ended(2), ctl.Leaving(),
+    ctl.Ack(), ctl.Current(), ctl.NoPlan(), ctl.NoPlan(2, {"ring": [PEER]}), ctl.Ended(2), ctl.Leaving(),
     ctl.Leave(), ctl.Fault(PEER, 3, "NaN"), ctl.BadBytes(PEER, "model-00001.safetensors: tensor x failed sha256"), ctl.Hop(3, 1), ctl.Probe(2), SAMPLES[19],  # type: ignore[list-item]
     ctl.Gen.checked(text="hi", chat=True, temperature=0.7, top_p=0.9, top_k=5, seed=3, draft="none", depth=2,
                     draft_k=4, wait_s=1.5),

@@ -75,7 +75,7 @@ class Rogue:
         elif isinstance(msg, ctl.Connect):
             reply = ctl.Linked()
         else:
-            reply = ctl.Serving()
+            reply = ctl.Ack()
         await fs.send(reply.to_frame())
 
     async def _act(self, peer: str, fs: Any) -> None:

@@ -20,13 +20,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 import trio
 
 from swarm import client
-from swarm.model.weights import open_checkpoint
+from swarm.launch import planned_bytes
 from swarm.node.plan.authority import STRIKES
-from swarm.node.settings import model_spec
 
 from .rogue import identity_between, rogue_member
 from .swarmkit import MAX_NEW, PROMPT, LiveSwarm, own_swarm, ready_status
@@ -39,9 +37,8 @@ def two_layers_no_head(ckpt: Path) -> int:
     """Bytes for two of the tiny model's 4 layers but not for two and the coordinator's head: with
     the leader alone left (two layers and the head), the only plan is the leader as coordinator
     and the rogue as a stage, so the leader's own hop enters the rogue."""
-    args = open_checkpoint(ckpt).args
-    spec = model_spec(args, torch.bfloat16, 1024, "none")  # adverts are in the planner's unit (settings.plan_memory)
-    return 2 * spec.bytes_per_layer + spec.coordinator_bytes // 2
+    head = planned_bytes(ckpt, 0)  # adverts are in the planner's unit (planner/budget.py)
+    return planned_bytes(ckpt, 2, coordinator=False) + head // 2
 
 
 @pytest.fixture(scope="module")

@@ -61,5 +61,20 @@ def describe(exc: BaseException) -> str:
     return f"out of memory ({first[:200]})"
 
 
+def measured_memory() -> tuple[int | None, int | None]:
+    """(VmHWM, VmRSS) of this process in bytes, from /proc/self/status: its peak and current
+    resident memory, what ``status`` shows beside the predicted peak; (None, None) without /proc."""
+    found: dict[str, int] = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key in ("VmHWM", "VmRSS"):
+                    found[key] = int(rest.split()[0]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        return None, None
+    return found.get("VmHWM"), found.get("VmRSS")
+
+
 def size(nbytes: int) -> str:
     return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.1f} MB"

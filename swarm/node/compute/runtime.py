@@ -92,7 +92,8 @@ class Models:
         self.dtype: torch.dtype = settings.dtype if settings.dtype is not None else torch.bfloat16
         # the planner's view at 2 bytes a value whatever this node serves: the same on every peer
         # of a mixed ring; an fp32 node advertises its memory in that unit (settings.plan_memory)
-        self.spec = model_spec(self.args, torch.bfloat16, settings.context_tokens, settings.quant, settings.kv_cache)
+        self.spec = model_spec(self.args, torch.bfloat16, settings.context_tokens, settings.quant, settings.kv_cache,
+                               settings.sessions)
         problem = kv_format_problem(probe(torch.device(settings.device)), settings.kv_cache)
         if problem is not None:  # refused at start, before the leader plans a block onto this peer
             raise ModelError(f"this swarm's invite holds the KV cache as {settings.kv_cache}: {problem}")

@@ -18,6 +18,7 @@ from typing import Any
 
 from swarm import __version__
 from swarm.model.sampling import SamplingParams
+from swarm.node.compute.memory import measured_memory
 from swarm.node.compute.runtime import Models
 from swarm.node.hosting import Host
 from swarm.node.loopwatch import LoopWatch
@@ -27,7 +28,9 @@ from swarm.node.plan.epochs import Epoch, Epochs, hops
 from swarm.node.plan.wiring import Wiring
 from swarm.node.ring.capacity import SlotQueue
 from swarm.node.ring.coordinator import RingGeneration
+from swarm.node.settings import peak_bytes
 from swarm.planner import Plan
+from swarm.planner.budget import predicted_peak
 from swarm.proto.text import clean
 
 STATUS_OTHER_ADVERTS = 32  # adverts of non-members a status reply lists (without RTTs)
@@ -145,9 +148,23 @@ class Reporter:
             "replans": list(self.epochs.replans),
             "loop": self.loopwatch.summary(loop_window_s),  # how long the trio loop was held (loopwatch.py)
             "stage": dataclasses.asdict(worker.stats) if worker is not None else None,  # this epoch's batching
+            "memory": self._memory(plan),  # this node's predicted peak beside its measured one
             "capacity": {"sessions": self.admission.capacity, "active": self.admission.active, "queued": self.admission.queued,
                          "stage_sessions": worker.max_sessions if worker is not None else None},  # fmt: skip
         }
+
+    def _memory(self, plan: Plan | None) -> dict[str, Any]:
+        """This node's whole predicted peak (real bytes: planner/budget.py) and what the OS
+        measured of it (VmHWM, VmRSS; None where there is no /proc)."""
+        s, m = self.models.settings, self.models
+        block = plan.blocks.get(self.peer_id) if plan is not None else None
+        coord = plan is not None and plan.coordinator == self.peer_id
+        draft = (self.service.membership.local.draft_bytes or 0) if coord else 0  # as the planner counts it
+        predicted = peak_bytes(m.args, m.dtype, s.device, m.spec, block or (0, 0), coordinator=coord,
+                               draft_bytes=draft) if block or coord else None  # fmt: skip
+        hwm, rss = measured_memory()
+        return {"offered_bytes": s.memory_bytes or None, "predicted_peak_bytes": predicted,
+                "measured_peak_bytes": hwm, "measured_rss_bytes": rss}  # fmt: skip
 
     def _recent(self) -> dict[str, Any]:
         """Medians over the last generations this node coordinated."""
@@ -171,9 +188,10 @@ class Reporter:
             adv = view[peer]
             heard = detector.last_heard(peer)
             block = plan.blocks.get(peer) if plan is not None else None
-            used = (block[1] - block[0]) * spec.bytes_per_layer if block else 0
-            if plan is not None and plan.coordinator == peer:
-                used += spec.coordinator_bytes
+            coord = plan is not None and plan.coordinator == peer
+            # the planned part of its peak, against its advert (planner/budget.py)
+            used = predicted_peak(spec, block or (0, 0), coordinator=coord, draft_bytes=adv.draft_bytes or 0) \
+                if block or coord else 0
             out[peer] = {
                 "device": clean(f"{adv.device_kind}:{adv.device_name}", DEVICE_CHARS),
                 "memory_used_bytes": used,

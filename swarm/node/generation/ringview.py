@@ -68,7 +68,20 @@ def build_view(st: dict[str, Any]) -> dict[str, Any]:
         "tokens_per_s": recent.get("tokens_per_s"), "accepted_per_traversal": recent.get("accepted_per_traversal"),
         "replans": len(st.get("replans") or []),
         "hops": [h for h in st.get("hops") or [] if isinstance(h, dict)],
+        "memory": _memory(st.get("memory")),  # the asked node's predicted peak beside its measured one
     }  # fmt: skip
+
+
+def _memory(m: Any) -> dict[str, float | None]:
+    """The asked node's memory in GB: offered, predicted peak (planner/budget.py), measured peak and now."""
+    m = m if isinstance(m, dict) else {}
+
+    def gb(key: str) -> float | None:
+        v = m.get(key)
+        return v / GB if isinstance(v, int | float) and not isinstance(v, bool) else None
+
+    return {"offered_gb": gb("offered_bytes"), "predicted_peak_gb": gb("predicted_peak_bytes"),
+            "measured_peak_gb": gb("measured_peak_bytes"), "measured_rss_gb": gb("measured_rss_bytes")}  # fmt: skip
 
 
 def _text(v: Any) -> str | None:

@@ -254,7 +254,7 @@ class Epochs:
                 inline=not self.models.compute.threads, max_len=self.models.context_tokens,
             )  # fmt: skip
             # how many generations the ring's KV memory holds (capacity.py)
-            self.admission.set_capacity(max(s.sessions, ring_capacity(self.models.spec, plan, self.memory())))
+            self.admission.set_capacity(ring_capacity(self.models.spec, plan, self.memory()))
             await self.models.load_tokenizer()
             await self.models.drafts.use(plan.draft, head=head, ckpt=self.models.ckpt, dtype=self.models.dtype,
                                          device=s.device, tokenizer=self.models.tokenizer,

@@ -293,7 +293,7 @@ class Leader:
             raise PeerError(f"connect of epoch {plan.epoch}: " + "; ".join(errors))
         t2 = trio.current_time()
         labels = {k: v for reply in linked.values() for k, v in reply.hops.items()}
-        served, _replies, errors = await self.ring.ask_each([plan.coordinator], ctl.Serve(plan.epoch, labels), ctl.Serving,
+        served, _replies, errors = await self.ring.ask_each([plan.coordinator], ctl.Serve(plan.epoch, labels), ctl.Ack,
                                                              CONNECT_REPLY_S)  # fmt: skip
         if errors:
             await self._blame_setup(plan, answers, serve="served" if served[plan.coordinator] == "linked" else served[plan.coordinator])
@@ -497,7 +497,7 @@ class Leader:
         mine = ep.plan.epoch if ep is not None else 0
         check_epoch_step(n, mine, f"ended from {peer}")
         if self.view.leader() != self.peer_id:
-            return ctl.Serving()  # not ours to act on
+            return ctl.Ack()  # not ours to act on
         if not self.benches.strikes.hear(peer, trio.current_time()):
             self.benches.strike(peer, f"ended reports more often than one per {ENDED_EVERY_S:.0f} s")
             raise Forbidden(f"ended from {peer}: at most one per {ENDED_EVERY_S:.0f} s")
@@ -507,9 +507,9 @@ class Leader:
             check_epoch_end(ep.members, peer, n)
             self.epochs.end(f"{peer} reports that epoch {n} ended")
             self.benches.strike(peer, f"its report ended epoch {n}")
-            return ctl.Serving()
+            return ctl.Ack()
         if n > mine and self.cut_off_since is None:
             self.notices.notice(f"{peer} served epoch {n}, newer than ours ({mine}): catching up with the swarm")
             self.cut_off_since = float("-inf")  # no settling: the swarm waits on us
             self.view.kick()
-        return ctl.Serving()
+        return ctl.Ack()

@@ -164,14 +164,14 @@ class Recovery:
 
     async def on_bad_bytes(self, peer: str, msg: ctl.BadBytes) -> Message:
         self.bad_bytes_report(peer, msg.peer, msg.reason)
-        return ctl.Serving()
+        return ctl.Ack()
 
     def _exclude(self, peer: str, reason: str) -> None:
         self.leader.benches.bench(peer, reason)
 
     async def on_fault(self, peer: str, msg: ctl.Fault) -> Message:
         self.fault_report(peer, msg.peer, msg.epoch, msg.reason)
-        return ctl.Serving()
+        return ctl.Ack()
 
     # -- leaving on purpose ------------------------------------------------------------------
 
@@ -211,7 +211,7 @@ class Recovery:
                 reply = await self.ring.call(leader, ctl.Leave(), timeout)
             if isinstance(reply, ctl.Fail):
                 raise reply.error("the leader refused our leave: ")
-            ctl.expect(reply, ctl.Serving, leader, "leave")
+            ctl.expect(reply, ctl.Ack, leader, "leave")
             self.notices.life("handover", result="done", leader=leader)
         except trio.TooSlowError:
             self.notices.notice(f"leaving without a hand-over (no new ring within {timeout:.0f} s)")
@@ -230,7 +230,7 @@ class Recovery:
         """``peer`` leaves: never plan with it, nor take its plans."""
         self.view.leaving.add(peer)
         self.view.kick()
-        return ctl.Serving()
+        return ctl.Ack()
 
     async def on_leave(self, peer: str, msg: ctl.Leave) -> Message:
         """Leader: re-plan without ``peer``; answer once an epoch without it is set up here
@@ -251,7 +251,7 @@ class Recovery:
             while True:
                 ep = self.epochs.serving
                 if ep is not None and peer not in ep.members:
-                    return ctl.Serving()
+                    return ctl.Ack()
                 await trio.sleep(LEAVE_POLL_S)
         raise PeerTimeout(f"no ring without {peer} within {LEAVE_TIMEOUT_S:.0f} s")
 

@@ -28,7 +28,7 @@ from swarm.node.hosting import Host
 from swarm.node.members.probe import echo_probe, probe_once
 from swarm.node.notices import Notices
 from swarm.node.plan.epochs import Epoch, Epochs, hops
-from swarm.node.ring.capacity import MAX_SESSIONS, stage_capacity
+from swarm.node.ring.capacity import stage_capacity
 from swarm.node.ring.fastlink import FrameLink
 from swarm.node.ring.links import Link, LocalLink
 from swarm.node.ring.stage_worker import StageWorker
@@ -158,10 +158,9 @@ class Wiring:
             self.notices.life("serving", epoch=epoch, role="stage")
 
     def _stage_capacity(self, ep: Epoch) -> int:
-        """Sessions our block's KV caches fit in the memory we offered (capacity.py)."""
+        """Sessions our block's KV caches fit in the memory we advertised (capacity.py)."""
         block = ep.plan.blocks[self.peer_id]
-        fits = stage_capacity(self.models.spec, self.offered(), block, coordinator=ep.plan.coordinator == self.peer_id)
-        return min(MAX_SESSIONS, max(self.epochs.settings.sessions, fits))
+        return stage_capacity(self.models.spec, self.offered(), block, coordinator=ep.plan.coordinator == self.peer_id)
 
     def _set_outbound(self, ep: Epoch, hop: int, link: Link) -> None:
         """Hop 0 is the coordinator's send link; hop i + 1 is ring[i]'s downstream."""

@@ -3,14 +3,13 @@
 Theory of operation
 -------------------
 Each stage preallocates a session's KV cache at the context length (kvcache.py), so what a stage
-can hold is explicit: (the memory its peer offered - its block's weights - the head if it is
-also the coordinator) // (its block's KV bytes for one session at the context length). The
-planner reserves one session's KV per layer (planner/spec.py), so every planned stage holds at
-least one. The ring holds the least of its stages (capped at MAX_SESSIONS, the stage worker's
-own bound). A node also always holds at least ``NodeSettings.sessions`` (default
-MIN_SESSIONS): the KV of that many sessions comes on top of the memory it offered for layers
-(the planner reserves one; a local demo offers just enough for its block), so a swarm whose
-offers are tight still serves several users at once; status ``capacity`` shows both figures.
+can hold is explicit: the sessions whose KV fits beside the rest of its predicted peak (its
+block's weights, one prefill chunk's activations, the head if it is also the coordinator) in the
+memory its peer advertised, which is already what it offered less its own overhead
+(planner/budget.py: the planner, this and ``plan``/``status`` share that arithmetic). The planner
+reserves ``NodeSettings.sessions`` sessions' KV per layer (default MIN_SESSIONS), so every planned
+stage holds at least that many, all inside ``--memory``. The ring holds the least of its stages
+(capped at MAX_SESSIONS, the stage worker's own bound).
 
 The coordinator admits that many generations at once (:class:`SlotQueue`); the next ones wait in
 a FIFO queue, each told its place in a one-line notice, up to MAX_QUEUED; past that a request is
@@ -27,21 +26,19 @@ import trio
 
 from swarm.errors import Busy
 from swarm.planner import ModelSpec, Plan
+from swarm.planner.budget import sessions_that_fit
 
 MAX_SESSIONS = 64  # a stage never holds more (stage_worker.StageWorker.max_sessions)
-MIN_SESSIONS = 8  # ... and always at least this many (NodeSettings.sessions), KV on top of --memory
+MIN_SESSIONS = 8  # ... and the planner reserves this many in every stage (NodeSettings.sessions)
 MAX_QUEUED = 32  # generations waiting for a slot at one coordinator
 RETRY_AFTER_S = 5
 
 
 def stage_capacity(spec: ModelSpec, memory_bytes: int, block: tuple[int, int], *, coordinator: bool) -> int:
-    """Sessions a peer offering ``memory_bytes`` holds with layers ``block`` at the spec's context."""
-    layers = block[1] - block[0]
-    per_session = layers * spec.kv_bytes_per_token_per_layer * spec.context_tokens
-    free = memory_bytes - layers * spec.layer_bytes - (spec.coordinator_bytes if coordinator else 0)
-    if per_session <= 0:
-        return MAX_SESSIONS
-    return max(1, min(MAX_SESSIONS, free // per_session))
+    """Sessions a peer advertising ``memory_bytes`` holds with layers ``block`` at the spec's
+    context (at least one: a planned stage holds the spec's reserve)."""
+    fits = sessions_that_fit(spec, memory_bytes, block, coordinator=coordinator)
+    return MAX_SESSIONS if fits is None else max(1, min(MAX_SESSIONS, fits))
 
 
 def ring_capacity(spec: ModelSpec, plan: Plan, memory: Mapping[str, int]) -> int:

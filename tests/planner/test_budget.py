@@ -1,0 +1,62 @@
+"""One memory budget per peer (planner/budget.py): the planned part's arithmetic, the overhead,
+and the planner's feasibility agreeing with it exactly."""
+
+from __future__ import annotations
+
+import pytest
+
+from swarm.errors import PlanningError
+from swarm.planner import Latency, ModelSpec, Peer, plan
+from swarm.planner.budget import RUNTIME_BYTES, predicted_peak, runtime_overhead, sessions_that_fit
+
+# 4 layers of 1000 bytes; one session's KV is 2 * 100 = 200 bytes a layer; 3 sessions reserved
+SPEC = ModelSpec(n_layers=4, layer_bytes=1000, kv_bytes_per_token_per_layer=2, coordinator_bytes=500,
+                 context_tokens=100, sessions=3, activation_bytes=70)  # fmt: skip
+
+
+def test_the_planned_part_counts_weights_reserved_kv_activations_and_the_coordinator_part() -> None:
+    assert SPEC.session_kv_bytes_per_layer == 200 and SPEC.kv_bytes_per_layer == 600
+    assert predicted_peak(SPEC, (0, 2), coordinator=False) == 2 * 1000 + 2 * 600 + 70
+    assert predicted_peak(SPEC, (0, 2), coordinator=True, draft_bytes=9) == 2 * 1000 + 2 * 600 + 70 + 500 + 9
+    assert predicted_peak(SPEC, (0, 2), coordinator=False, sessions=5) == 2 * 1000 + 2 * 5 * 200 + 70
+    # a head-only coordinator runs no stage: no KV, no activations
+    assert predicted_peak(SPEC, (0, 0), coordinator=True) == 500
+
+
+def test_sessions_that_fit_is_predicted_peak_solved_for_sessions() -> None:
+    for memory in range(2000, 4000, 37):
+        n = sessions_that_fit(SPEC, memory, (1, 3), coordinator=True)
+        assert n is not None
+        assert predicted_peak(SPEC, (1, 3), coordinator=True, sessions=n) <= memory
+        assert predicted_peak(SPEC, (1, 3), coordinator=True, sessions=n + 1) > memory
+    assert sessions_that_fit(SPEC, 10**6, (0, 0), coordinator=True) is None  # no layers: sessions cost nothing
+
+
+def test_the_overhead_is_the_runtime_and_a_layer_on_cpu_and_nothing_on_cuda() -> None:
+    assert runtime_overhead("cpu", 1234) == RUNTIME_BYTES + 1234
+    assert runtime_overhead("mps", 1234) == RUNTIME_BYTES + 1234
+    assert runtime_overhead("cuda", 1234) == 0
+
+
+def test_the_planner_places_a_block_exactly_when_its_predicted_peak_fits() -> None:
+    """Two peers, two layers each; the coordinator holds its part too. One byte less than the
+    predicted peak of either and the model no longer fits."""
+    need_c = predicted_peak(SPEC, (0, 2), coordinator=True)
+    need_s = predicted_peak(SPEC, (2, 4), coordinator=False)
+    lat = Latency({"a": {"b": 1.0}})
+    p = plan(SPEC, [Peer("a", need_c, 1.0), Peer("b", need_s, 1.0, coordinator_ok=False)], lat)
+    assert p.coordinator == "a" and p.blocks == {"a": (0, 2), "b": (2, 4)}
+    for short in ([need_c - 1, need_s], [need_c, need_s - 1]):
+        with pytest.raises(PlanningError, match="not enough memory"):
+            plan(SPEC, [Peer("a", short[0], 1.0), Peer("b", short[1], 1.0, coordinator_ok=False)], lat)
+
+
+def test_layers_of_different_sizes_are_budgeted_the_same_way() -> None:
+    spec = ModelSpec(n_layers=3, layer_bytes=3000, layer_bytes_each=(100, 100, 3000), kv_bytes_per_token_per_layer=1,
+                     context_tokens=10, sessions=2, activation_bytes=50)  # fmt: skip
+    need = [predicted_peak(spec, (0, 2), coordinator=True), predicted_peak(spec, (2, 3), coordinator=False)]
+    lat = Latency({"a": {"b": 1.0}})
+    p = plan(spec, [Peer("a", need[0], 1.0), Peer("b", need[1], 1.0, coordinator_ok=False)], lat)
+    assert p.blocks == {"a": (0, 2), "b": (2, 3)}
+    with pytest.raises(PlanningError):
+        plan(spec, [Peer("a", need[0], 1.0), Peer("b", need[1] - 1, 1.0, coordinator_ok=False)], lat)
