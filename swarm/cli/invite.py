@@ -110,7 +110,8 @@ def create(
         None, "--model-manifest", help="A model manifest (`shard-swarm model manifest`): peers fetch and verify only their slice."
     ),
     origin: list[str] = typer.Option(
-        [], "--origin", help="With --model-manifest: base URL of the unmodified model files (Range requests; repeatable)."
+        [], "--origin", help="With --model-manifest: base URL of the unmodified model files (Range requests; repeatable). "
+        "None: the members serve them to each other (one joins with --model DIR)."
     ),
     manifest_url: str | None = typer.Option(
         None, "--manifest-url", help="With --model-manifest: where joining peers fetch the manifest itself."

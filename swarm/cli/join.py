@@ -332,10 +332,13 @@ def join(
     fetch_dir: Path | None = None
     disk_bytes = parse_size(disk) if disk is not None else 0
     if serve and by_manifest and manifest.model is not None:
-        from swarm.cli.model import prepare_fetch
-
         # slices fetched (or a local copy's tensors verified) per plan, only what is loaded
-        model_dir, fetch_dir = prepare_fetch(manifest.model, disk_bytes or None, local=model, manifest_file=model_manifest)
+        from swarm.cli.model import headers_from_members, prepare_fetch
+
+        members = headers_from_members(identity.seed, manifest.secret.value, manifest.swarm_id, list(manifest.bootstrap),
+                                       frozenset(manifest.revoked))  # fmt: skip
+        model_dir, fetch_dir = prepare_fetch(manifest.model, disk_bytes or None, local=model, manifest_file=model_manifest,
+                                             from_members=members)  # fmt: skip
     elif serve:
         from swarm.model.packaged import resolve_model
 

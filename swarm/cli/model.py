@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -89,7 +90,7 @@ def invite_spec(path: Path, origin: list[str], manifest_url: str | None) -> Mode
 
 
 def prepare_fetch(spec: ModelSpec, disk: int | None, *, local: Path | None = None,
-                  manifest_file: Path | None = None) -> tuple[Path, Path]:  # fmt: skip
+                  manifest_file: Path | None = None, from_members: Any = None) -> tuple[Path, Path]:  # fmt: skip
     """(the path the loaders open, the model's cache directory): the model manifest (``--model-manifest``,
     else the cache, else its URL) checked against the invite's hash; then the headers and config
     fetched, or with ``local`` (the user's own copy) nothing: it is verified tensor by tensor as loaded."""
@@ -120,6 +121,9 @@ def prepare_fetch(spec: ModelSpec, disk: int | None, *, local: Path | None = Non
     if local is not None:
         return local, cache.dir
     sources = [Origin(u) for u in spec.origin]
+    if not sources and from_members is not None:  # no origin: the members hold the model
+        with ui.progress("fetching the model's headers and config from the swarm's members"):
+            from_members(cache)
     with ui.progress("fetching the model's headers and config") as report:
         fetch_block(cache, 0, 0, sources, report)
     for s in sources:
@@ -136,3 +140,50 @@ def prepare_fetch(spec: ModelSpec, disk: int | None, *, local: Path | None = Non
 
 def register(root: typer.Typer) -> None:
     root.add_typer(app, name="model")
+
+
+HEADERS_WAIT_S = 120.0  # a bootstrap member that is not up yet is retried this long
+
+
+def headers_from_members(seed: bytes, secret: bytes, swarm_id: str, bootstrap: list[str],
+                         revoked: frozenset[str]) -> Any:  # fmt: skip
+    """For an invite with no origin: a function that lands the model's weight headers and config
+    in a cache from the invite's bootstrap members over /shard-swarm/tensors/1 (each checked
+    against the manifest), before the node starts; they are retried until one answers."""
+
+    def run(cache: Any) -> None:
+        import trio
+
+        from swarm.errors import SwarmError
+        from swarm.fetch.peers import Holds
+        from swarm.fetch.slices import CONFIG_FILES
+        from swarm.net.host import open_host
+        from swarm.node.compute.members import fetch_from_members
+
+        m = cache.manifest
+        files = [f.path for f in m.weight_files()] + [p for p in CONFIG_FILES if p in m.files]
+        holds = Holds(frozenset(), frozenset(files))
+
+        async def main() -> None:
+            async with open_host(seed, ("/ip4/127.0.0.1/tcp/0",), secret=secret, swarm_id=swarm_id,
+                                 revoked=revoked) as host:  # fmt: skip
+                deadline = trio.current_time() + HEADERS_WAIT_S
+                last: Exception | None = None
+                while trio.current_time() < deadline:
+                    peers = []
+                    for addr in bootstrap:
+                        with contextlib.suppress(SwarmError):
+                            peers.append(await host.dial(addr, timeout=10))
+                    try:
+                        if peers:
+                            await fetch_from_members(host, cache, [], files, {p: holds for p in peers})
+                            return
+                    except SwarmError as e:
+                        last = e
+                    await trio.sleep(1.0)
+                raise UsageError(f"the invite names no origin and no bootstrap member served the model's headers "
+                                 f"within {HEADERS_WAIT_S:.0f} s{f' ({last})' if last else ''}")  # fmt: skip
+
+        trio.run(main)
+
+    return run

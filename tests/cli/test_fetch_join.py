@@ -42,13 +42,13 @@ class FetchLab:
     manifest hash with the nginx origin."""
 
     def __init__(self, tmp: Path, srv: OriginServer, served: Path, m: ModelManifest, n: int, layers_each: int,
-                 model: Path | None = None, own_copy: frozenset[int] = frozenset()) -> None:  # fmt: skip
+                 model: Path | None = None, own_copy: frozenset[int] = frozenset(), origin: bool = True) -> None:  # fmt: skip
         self.tmp, self.m, self.served = tmp, m, served
         self.ids = sorted((Identity(bytes([i + 31]) * 32) for i in range(n)), key=lambda ident: ident.peer_id)
         port = free_port()
         boot = f"/ip4/127.0.0.1/tcp/{port}/p2p/{self.ids[0].peer_id}"
         cfg = m.files["config.json"].sha256 if "config.json" in m.files else None
-        spec = ModelSpec("tiny", cfg, {}, m.digest(), (srv.url,), f"{srv.url}/model-manifest.json")
+        spec = ModelSpec("tiny", cfg, {}, m.digest(), (srv.url,) if origin else (), f"{srv.url}/model-manifest.json")
         self.invite = tmp / "invite.json"
         write_manifest(sign_manifest(new_manifest(swarm_name="fetchlab", issuer=self.ids[0].public_key,
                                                   bootstrap=(boot,), model=spec, context=2048), self.ids[0]), self.invite)  # fmt: skip
@@ -162,6 +162,34 @@ async def test_peers_fetch_their_blocks_from_a_member_with_its_own_copy(tmp_path
                 print(f"peer {i} {plan['role']} [{a}, {b}): {[e['sources'] for e in fetched]}")
                 assert fetched and all(set(e["sources"]) == {owner} for e in fetched), fetched
                 assert lab.state(i)["fetched_total"] == headers + mine, (i, plan)
+        finally:
+            lab.close()
+
+
+async def test_with_no_origin_the_others_fetch_everything_from_the_member_with_a_copy(tmp_path: Path) -> None:
+    served, m = _origin(tmp_path)
+    only_manifest = tmp_path / "manifest-only"
+    only_manifest.mkdir()
+    (only_manifest / "model-manifest.json").write_bytes(m.canonical_bytes())
+    with origin_server(only_manifest, tmp_path / "nginx") as srv:  # the invite's manifest_url; no origin
+        lab = FetchLab(tmp_path, srv, served, m, 3, layers_each=2, own_copy=frozenset({0}), origin=False)
+        try:
+            await trio.to_thread.run_sync(lambda: lab.wait(
+                lambda: sum(1 for p in lab.procs if p.of("serving")) == 3 and lab.coordinator() is not None, "serving"))
+            got = await lab.generate()
+            assert got["output_token_ids"] == _one_box(served)
+            assert srv.bytes_sent() == 3 * len(m.canonical_bytes())  # the manifest, nothing else
+            owner = lab.ids[0].peer_id
+            headers = sum(f.header_end for f in m.weight_files()) + sum(m.files[p].size for p in CONFIG_FILES if p in m.files)
+            for i in (1, 2):
+                plan = lab.procs[i].of("plan")[-1]
+                a, b = plan["block"] or (0, 0)
+                coord = plan["role"].startswith("coordinator")
+                mine = m.block_bytes(a, b) + (sum(t.nbytes for t in m.head()) if coord else 0)
+                small = sum(f.size for f in m.small_files() if f.path not in CONFIG_FILES) if coord else 0
+                fetched = [e for e in lab.procs[i].of("fetched") if e["bytes"]]
+                assert fetched and all(set(e["sources"]) == {owner} for e in fetched), fetched
+                assert lab.state(i)["fetched_total"] == headers + mine + small, (i, plan)
         finally:
             lab.close()
 

@@ -264,7 +264,8 @@ async def test_a_node_fetches_its_block_from_members_with_their_own_copies(model
     assert flip.name not in a._local_held[0]  # the flipped tensor was refused, never served
     assert not a.widen(flip.file, flip.start, flip.nbytes) and b.widen(flip.file, flip.start, flip.nbytes)
     assert not b.widen(flip.file, m.files[flip.file].size - 1, 5)  # past the last tensor: not the model's bytes
-    assert not b.widen("config.json", 0, 1)  # a small file is a copy's only if checked whole (not widened)
+    assert b.widen("config.json", 0, 1) and "config.json" in b.holdings().spans  # a small file: checked whole
+    assert not b.widen("config.json", 0, m.files["config.json"].size + 1) and not b.widen("nope.json", 0, 1)
     assert said[-1] == ([1, 2, 3, 4, 5], True) and c.cache.holds(m.block(1, 6) + m.head())
     assert [e["sources"] for e in c.lives if e.get("event") == "fetched"][0].keys() == {ha.peer_id, hb.peer_id}
     ca, cb = open_checkpoint(d), open_checkpoint(local_path(c.cache))

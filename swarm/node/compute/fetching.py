@@ -95,9 +95,19 @@ class BlockFetcher:
         [offset, offset + length) of ``path``; True if the range is now held verified."""
         m, local = self.cache.manifest, self.local
         f = m.files.get(path)
-        if local is None or f is None or not f.is_weights:
+        if local is None or f is None:
             return False
         end = offset + length
+        if not f.is_weights:  # a small file (config, tokenizer): checked whole
+            if end > f.size:
+                return False
+            with self._widening:
+                try:
+                    verify_in_place(self.cache, local, [], [path])
+                except WeightsError:
+                    return False
+                self._local_held[1].add(path)
+            return True
         inside = [t for t in m.tensors.values() if t.file == path and t.start < end and offset < t.end]
         spans = sorted([(0, f.header_end)] * (offset < f.header_end) + [(t.start, t.end) for t in inside])
         pos = offset
