@@ -34,8 +34,7 @@ from swarm.model.dtypes import resolve_dtype
 from swarm.model.weights import open_checkpoint
 from swarm.node.compute.drafting import draft_bytes
 from swarm.node.ring.capacity import MIN_SESSIONS
-from swarm.node.settings import model_spec, overhead_bytes, peak_bytes, plan_memory
-from swarm.planner.budget import predicted_peak
+from swarm.node.settings import model_spec, overhead_bytes, peak_bytes, plan_memory, planned_part
 
 
 def free_ports(n: int) -> list[int]:
@@ -266,9 +265,7 @@ def planned_bytes(model_dir: Path, layers: float, *, context_tokens: int = 1024,
 
     args = open_checkpoint(model_dir).args
     spec = model_spec(args, torch.bfloat16, context_tokens, quant, kv_cache, sessions)
-    whole = min(int(layers), spec.n_layers)
-    start = max(range(spec.n_layers - whole + 1), key=lambda a: sum(spec.weights[a:a + whole]))  # the heaviest
-    return predicted_peak(spec, (start, start + whole), coordinator=coordinator) + int((layers - whole) * spec.bytes_per_layer)
+    return planned_part(spec, layers, coordinator=coordinator)
 
 
 def offer_for(model_dir: Path, layers: float, *, dtype: str = "fp32", device: str = "cpu", context_tokens: int = 1024,

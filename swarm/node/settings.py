@@ -122,6 +122,16 @@ def peak_bytes(args: ModelArgs, dtype: torch.dtype, device: str, spec: ModelSpec
     return int(planned * width / 2 * margin) + overhead_bytes(args, dtype, device)
 
 
+def planned_part(spec: ModelSpec, layers: float, *, coordinator: bool) -> int:
+    """predicted_peak (planner/budget.py) of the heaviest ``int(layers)`` consecutive layers, plus
+    the fraction of a layer ``layers`` has beyond them as slack (offers sized by hand)."""
+    from swarm.planner.budget import predicted_peak
+
+    whole = min(int(layers), spec.n_layers)
+    start = max(range(spec.n_layers - whole + 1), key=lambda a: sum(spec.weights[a:a + whole]))
+    return predicted_peak(spec, (start, start + whole), coordinator=coordinator) + int((layers - whole) * spec.bytes_per_layer)
+
+
 def model_spec(args: ModelArgs, dtype: torch.dtype, context_tokens: int, quant: str = "none",
                kv_cache: str = "auto", sessions: int | None = None) -> ModelSpec:
     """The planner's view of the model as this node holds it (bytes per layer in ``dtype``, the
