@@ -28,7 +28,7 @@ ALLOWED: dict[str, set[str]] = {
 # the top-level modules that are not a layer of their own: who they may import
 TOP_MODULES: dict[str, set[str]] = {
     "client": {"proto", "net", "node"},  # talking to a swarm from outside it
-    "launch": {"model", "manifest", "planner", "node"},  # a local swarm of node processes
+    "launch": {"model", "manifest", "node"},  # a local swarm of node processes
 }
 # who may import them
 ALLOWED["api"] |= {"client"}
