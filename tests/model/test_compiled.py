@@ -140,3 +140,25 @@ def test_bundled_model_fp32_tokens_equal_eager() -> None:
     a = generate(eager, prompt, max_new_tokens=40)
     b = generate(comp, prompt, max_new_tokens=40)
     assert b.output_token_ids == a.output_token_ids
+
+
+def test_batches_keep_the_eager_path_on_the_shared_caches(tiny_dir: Path) -> None:
+    from swarm.model.batched import forward_many
+
+    eager = LocalModel.load(tiny_dir, stages=1, dtype=torch.float32).stages[0]
+    lm = LocalModel.load(tiny_dir, stages=1, dtype=torch.float32)
+    comp = lm.stages[0]
+    comp.enable_compiled(64)
+    h = lm.head.embed(torch.tensor(PROMPT))
+    for st in (eager, comp):
+        for s in ("a", "b"):
+            st.open_session(s, 64)
+            st.forward(s, h)
+    items = [("a", h[:1]), ("b", h[1:2])]
+    want, got = forward_many(eager, items), forward_many(comp, items)
+    assert comp.compiled is not None and not comp.compiled.compiled_spans  # two sessions: eager
+    assert all(torch.equal(w, g) for w, g in zip(want, got, strict=True))
+    # a compiled step after the batch reads what the batch wrote
+    step_e, step_c = eager.forward("a", h[2:3]), comp.forward("a", h[2:3])
+    assert comp.compiled.compiled_spans == {64}
+    torch.testing.assert_close(step_c, step_e, rtol=1e-4, atol=1e-4)
