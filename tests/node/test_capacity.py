@@ -90,3 +90,8 @@ def test_capacity_is_the_budget_solved_for_sessions_with_the_activations_and_the
         assert stage_capacity(spec, exact, (0, 2), coordinator=coord) == 8
         assert stage_capacity(spec, exact - 1, (0, 2), coordinator=coord) == 7
     assert stage_capacity(spec, 500, (0, 0), coordinator=True) == MAX_SESSIONS  # no layers: no KV to hold
+    plan = Plan(epoch=1, n_layers=4, coordinator="a", ring=("a", "b"), blocks={"a": (0, 2), "b": (2, 4)},
+                standbys=(), predicted_latency_ms=1.0, predicted_compute_ms=1.0)
+    exact = predicted_peak(spec, (0, 2), coordinator=True, draft_bytes=400)  # the coordinator's draft model too
+    memory = {"a": exact, "b": 10**9}
+    assert ring_capacity(spec, plan, memory, {"a": 400}) == 8 and ring_capacity(spec, plan, memory) == 9
