@@ -59,7 +59,8 @@ class Serving:
         peer_id = identity.peer_id
         self.models = models
         self.admission = SlotQueue()  # generations the ring's KV memory holds at once (capacity.py)
-        self.epochs = Epochs(settings, peer_id, models, self.admission, notices, leader=view.leader, memory=view.memory)
+        self.epochs = Epochs(settings, peer_id, models, self.admission, notices, leader=view.leader, memory=view.memory,
+                             drafts=view.drafts)  # fmt: skip
 
         def cannot_load(a: int, b: int) -> int:
             """Offer one layer less than the block that did not fit (and less than before): the
@@ -82,6 +83,7 @@ class Serving:
         self.wiring = Wiring(
             peer_id, host, fastpath, self.epochs, models, notices, nursery,
             report_fault=report_fault, offered=lambda: service.membership.local.memory_bytes,
+            own_draft=lambda: service.membership.local.draft_bytes or 0,
         )  # fmt: skip
         self.leader = Leader(settings, identity, view, self.epochs, self.ring, models.spec, notices,
                              peers_file=service.membership.peers_file,

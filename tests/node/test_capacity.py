@@ -74,3 +74,24 @@ def test_the_api_answers_busy_with_429_and_retry_after() -> None:
     resp = error_response(err)
     assert resp.status_code == 429 and resp.headers["retry-after"] == "5"
     assert "retry-after" not in error_response(ApiError("bad", status=400)).headers
+
+
+def test_capacity_is_the_budget_solved_for_sessions_with_the_activations_and_the_reserve() -> None:
+    """The stage's capacity and the planner's feasibility are one sum (planner/budget.py): a peer
+    advertising exactly the predicted peak of its block with the 8 sessions it reserves holds 8,
+    one byte less holds 7 (the activations count once, a head-only coordinator runs none)."""
+    from swarm.planner.budget import predicted_peak
+
+    spec = ModelSpec(n_layers=4, layer_bytes=1000, kv_bytes_per_token_per_layer=2, coordinator_bytes=500,
+                     context_tokens=100, sessions=8, activation_bytes=333)  # fmt: skip
+    for coord in (False, True):
+        exact = predicted_peak(spec, (0, 2), coordinator=coord)
+        assert exact == 2 * 1000 + 2 * 8 * 200 + 333 + (500 if coord else 0)
+        assert stage_capacity(spec, exact, (0, 2), coordinator=coord) == 8
+        assert stage_capacity(spec, exact - 1, (0, 2), coordinator=coord) == 7
+    assert stage_capacity(spec, 500, (0, 0), coordinator=True) == MAX_SESSIONS  # no layers: no KV to hold
+    plan = Plan(epoch=1, n_layers=4, coordinator="a", ring=("a", "b"), blocks={"a": (0, 2), "b": (2, 4)},
+                standbys=(), predicted_latency_ms=1.0, predicted_compute_ms=1.0)
+    exact = predicted_peak(spec, (0, 2), coordinator=True, draft_bytes=400)  # the coordinator's draft model too
+    memory = {"a": exact, "b": 10**9}
+    assert ring_capacity(spec, plan, memory, {"a": 400}) == 8 and ring_capacity(spec, plan, memory) == 9

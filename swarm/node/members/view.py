@@ -56,6 +56,10 @@ class MemberView:
         """Memory each member offers for layers (its advert's)."""
         return {p: a.memory_bytes for p, a in self.service.membership.view().items()}
 
+    def drafts(self) -> dict[str, int]:
+        """Draft model bytes each member advertises (the planner counts them where it coordinates)."""
+        return {p: a.draft_bytes or 0 for p, a in self.service.membership.view().items()}
+
     def exclude(self, peer: str, seconds: float) -> None:
         now = trio.current_time()
         self.excluded = {p: t for p, t in self.excluded.items() if t > now}  # bounded: expired go

@@ -150,6 +150,7 @@ class Epochs:
         *,
         leader: Callable[[], str],
         memory: Callable[[], dict[str, int]],
+        drafts: Callable[[], dict[str, int]] = dict,
     ) -> None:
         self.settings = settings
         self.peer_id = peer_id
@@ -158,6 +159,7 @@ class Epochs:
         self.notices = notices
         self.leader = leader
         self.memory = memory
+        self.drafts = drafts  # each member's advertised draft model bytes (the planner's coordinator part)
         self.on_end: Callable[[Epoch], None] = lambda ep: None
         self.on_plan: Callable[[], None] = lambda: None
         self.current: Epoch | None = None
@@ -254,7 +256,7 @@ class Epochs:
                 inline=not self.models.compute.threads, max_len=self.models.context_tokens,
             )  # fmt: skip
             # how many generations the ring's KV memory holds (capacity.py)
-            self.admission.set_capacity(ring_capacity(self.models.spec, plan, self.memory()))
+            self.admission.set_capacity(ring_capacity(self.models.spec, plan, self.memory(), self.drafts()))
             await self.models.load_tokenizer()
             await self.models.drafts.use(plan.draft, head=head, ckpt=self.models.ckpt, dtype=self.models.dtype,
                                          device=s.device, tokenizer=self.models.tokenizer,

@@ -59,6 +59,7 @@ class Wiring:
         *,
         report_fault: Callable[[str, str, int], Any],
         offered: Callable[[], int],
+        own_draft: Callable[[], int] = lambda: 0,
     ) -> None:
         self.peer_id = peer_id
         self.host = host
@@ -69,6 +70,7 @@ class Wiring:
         self.nursery = nursery
         self.report_fault = report_fault
         self.offered = offered
+        self.own_draft = own_draft  # our advertised draft model bytes (in our budget where we coordinate)
         self.hop_paths: dict[int, str] = {}  # hop index -> "direct" | "libp2p" | "local", for status
         self.corrupt = False  # fault injection (chaos tests, SIGUSR1 in python -m swarm.node)
 
@@ -160,7 +162,9 @@ class Wiring:
     def _stage_capacity(self, ep: Epoch) -> int:
         """Sessions our block's KV caches fit in the memory we advertised (capacity.py)."""
         block = ep.plan.blocks[self.peer_id]
-        return stage_capacity(self.models.spec, self.offered(), block, coordinator=ep.plan.coordinator == self.peer_id)
+        coord = ep.plan.coordinator == self.peer_id
+        return stage_capacity(self.models.spec, self.offered(), block, coordinator=coord,
+                              draft_bytes=self.own_draft() if coord else 0)  # fmt: skip
 
     def _set_outbound(self, ep: Epoch, hop: int, link: Link) -> None:
         """Hop 0 is the coordinator's send link; hop i + 1 is ring[i]'s downstream."""

@@ -34,19 +34,24 @@ MAX_QUEUED = 32  # generations waiting for a slot at one coordinator
 RETRY_AFTER_S = 5
 
 
-def stage_capacity(spec: ModelSpec, memory_bytes: int, block: tuple[int, int], *, coordinator: bool) -> int:
+def stage_capacity(spec: ModelSpec, memory_bytes: int, block: tuple[int, int], *, coordinator: bool,
+                   draft_bytes: int = 0) -> int:
     """Sessions a peer advertising ``memory_bytes`` holds with layers ``block`` at the spec's
-    context (at least one: a planned stage holds the spec's reserve)."""
-    fits = sessions_that_fit(spec, memory_bytes, block, coordinator=coordinator)
+    context (and, coordinating, a draft model of ``draft_bytes``), at least one: a planned stage
+    holds the spec's reserve."""
+    fits = sessions_that_fit(spec, memory_bytes, block, coordinator=coordinator, draft_bytes=draft_bytes)
     return MAX_SESSIONS if fits is None else max(1, min(MAX_SESSIONS, fits))
 
 
-def ring_capacity(spec: ModelSpec, plan: Plan, memory: Mapping[str, int]) -> int:
-    """Sessions the whole ring holds at once: the least of its stages (unknown memory: one)."""
+def ring_capacity(spec: ModelSpec, plan: Plan, memory: Mapping[str, int], drafts: Mapping[str, int] | None = None) -> int:
+    """Sessions the whole ring holds at once: the least of its stages (unknown memory: one);
+    ``drafts``: the draft model bytes each peer advertises (the planner counts the coordinator's)."""
+    drafts = drafts or {}
     caps = [
-        stage_capacity(spec, memory[p], block, coordinator=p == plan.coordinator) if memory.get(p) else 1
+        stage_capacity(spec, memory[p], block, coordinator=p == plan.coordinator, draft_bytes=drafts.get(p, 0))
+        if memory.get(p) else 1
         for p, block in plan.blocks.items()
-    ]
+    ]  # fmt: skip
     return min(caps, default=1)
 
 
