@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from swarm.errors import PlanningError
+from swarm.errors import PlanningError, UsageError
 from swarm.planner import GB, ModelSpec, Peer, Plan, plan
 from swarm.planner.search import MOVE_TOLERANCE
 
@@ -93,3 +93,17 @@ def test_peers_without_the_fields_plan_as_before() -> None:
     p = plan(SPEC, peers, mesh(ids))
     unbounded = [dataclasses.replace(q, held=frozenset(), held_head=False, disk_bytes=None) for q in peers]
     assert plan(SPEC, unbounded, mesh(ids)) == p
+
+
+def test_the_peers_file_carries_held_layers_and_disk() -> None:
+    from swarm.planner import dump_peers_file, parse_peers_file
+
+    peer = Peer("amy", 8 * GB, 1.0, held=frozenset({0, 1, 2, 9}), held_head=True, disk_bytes=2 * GB)
+    pf = dump_peers_file([peer, Peer("bob", GB, 1.0)], {})
+    assert pf["peers"][0]["held"] == {"0": 3, "9": 10} and "held" not in pf["peers"][1]
+    assert parse_peers_file(pf).peers == (peer, Peer("bob", GB, 1.0))
+    for bad in ({"3": 3}, {"x": 2}, [0, 1], {"0": True}):
+        with pytest.raises(UsageError, match="held"):
+            parse_peers_file({"peers": [{"id": "a", "memory_gb": 1, "ms_per_layer": 1, "held": bad}]})
+    with pytest.raises(UsageError, match="disk_gb"):
+        parse_peers_file({"peers": [{"id": "a", "memory_gb": 1, "ms_per_layer": 1, "disk_gb": -1}]})
