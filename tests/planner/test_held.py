@@ -6,10 +6,13 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from swarm.errors import PlanningError, UsageError
 from swarm.planner import GB, ModelSpec, Peer, Plan, plan
 from swarm.planner.search import MOVE_TOLERANCE
+from tests.planner.test_properties import instances
 
 SPEC = ModelSpec(n_layers=20, layer_bytes=GB, coordinator_bytes=GB)
 
@@ -107,3 +110,33 @@ def test_the_peers_file_carries_held_layers_and_disk() -> None:
             parse_peers_file({"peers": [{"id": "a", "memory_gb": 1, "ms_per_layer": 1, "held": bad}]})
     with pytest.raises(UsageError, match="disk_gb"):
         parse_peers_file({"peers": [{"id": "a", "memory_gb": 1, "ms_per_layer": 1, "disk_gb": -1}]})
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(instances(max_peers=6), st.data())
+def test_held_layers_never_cost_more_than_the_tolerance_and_disks_are_respected(
+    inst: tuple[ModelSpec, list[Peer], dict], data: st.DataObject
+) -> None:
+    spec, peers, rtt = inst
+    try:
+        bare = plan(spec, peers, rtt)
+    except PlanningError:
+        return
+    held = []
+    for q in peers:
+        lo = data.draw(st.integers(0, spec.n_layers))
+        hi = data.draw(st.integers(lo, spec.n_layers))
+        disk = data.draw(st.one_of(st.none(), st.integers(0, spec.total_bytes)))
+        held.append(dataclasses.replace(q, held=frozenset(range(lo, hi)), held_head=data.draw(st.booleans()), disk_bytes=disk))
+    unbounded = [dataclasses.replace(q, disk_bytes=None) for q in held]
+    p = plan(spec, unbounded, rtt)  # what is held never makes a plan impossible, only slower within the tolerance
+    assert p.predicted_traversal_ms <= bare.predicted_traversal_ms * (1 + MOVE_TOLERANCE) + 1e-6
+    assert moved(spec, unbounded, p) <= moved(spec, unbounded, bare)
+    try:
+        d = plan(spec, held, rtt)
+    except PlanningError as exc:
+        assert "disk" in str(exc)
+        return
+    by = {q.id: q for q in held}
+    assert by[d.coordinator].stores(spec, *d.blocks.get(d.coordinator, (0, 0)), coordinator=True)
+    assert all(by[x].stores(spec, s, e, coordinator=x == d.coordinator) for x, (s, e) in d.blocks.items())
