@@ -130,6 +130,16 @@ def predicted_peaks(p: Plan, spec: ModelSpec, peers: Any) -> dict[str, int]:
     return out
 
 
+def bytes_to_move(p: Plan, spec: ModelSpec, peers: Any) -> dict[str, int]:
+    """What each placed peer must fetch: its block's layers it does not hold (the peers file's
+    ``held``), and the head on the coordinator unless it holds it (``held_head``)."""
+    by = {q.id: q for q in peers}
+    out = {pid: by[pid].moved_bytes(spec, s, e, coordinator=pid == p.coordinator) for pid, (s, e) in p.blocks.items()}
+    if p.coordinator not in out:
+        out[p.coordinator] = by[p.coordinator].moved_bytes(spec, 0, 0, coordinator=True)
+    return out
+
+
 def _layer_line(spec: ModelSpec) -> str:
     kv = spec.kv_bytes_per_layer
     many = f"{spec.sessions} sessions of " if spec.sessions > 1 else ""
@@ -169,7 +179,7 @@ def plan_or_hint(spec_for: Any, quant: str, peers: Any, latency: Any) -> tuple[P
 
 
 def print_plan(p: Plan, spec: ModelSpec, memory: dict[str, int], speed: dict[str, float],
-               peaks: dict[str, int]) -> None:
+               peaks: dict[str, int], moves: dict[str, int]) -> None:
     rows: list[list[Any]] = []
     for k, pid in enumerate(p.ring):
         s, e = p.blocks[pid]
@@ -185,6 +195,7 @@ def print_plan(p: Plan, spec: ModelSpec, memory: dict[str, int], speed: dict[str
                 f"{used / GB:.2f}/{memory[pid] / GB:.2f}",
                 f"{(e - s) * speed[pid]:.2f}",
                 f"{p.hops_ms[k]:.2f}",
+                f"{moves[pid] / GB:.2f}",
             ]
         )
     if p.coordinator not in p.blocks:
@@ -199,6 +210,7 @@ def print_plan(p: Plan, spec: ModelSpec, memory: dict[str, int], speed: dict[str
                 f"{peaks[p.coordinator] / GB:.2f}/{memory[p.coordinator] / GB:.2f}",
                 "0.00",
                 "-",
+                f"{moves[p.coordinator] / GB:.2f}",
             ],
         )
     ui.print_table(
@@ -212,6 +224,7 @@ def print_plan(p: Plan, spec: ModelSpec, memory: dict[str, int], speed: dict[str
             "GB peak/offered",
             "compute ms",
             "hop in ms",
+            "GB to fetch",
         ],
         rows,
     )
@@ -228,6 +241,7 @@ def print_plan(p: Plan, spec: ModelSpec, memory: dict[str, int], speed: dict[str
             [f"tokens/s, {g} accepted per traversal", f"{p.predicted_tokens_per_s(g):.1f}"]
         )
     summary.append(["bytes per layer", _layer_line(spec)])
+    summary.append(["to fetch", f"{sum(moves.values()) / GB:.2f} GB (layers and head not held where planned)"])
     summary.append(["standbys", ", ".join(p.standbys) or "-"])
     if p.note:
         summary.append(["note", p.note])
@@ -304,6 +318,7 @@ def register(app: typer.Typer) -> None:
             out["kv_bytes_per_layer"] = spec.kv_bytes_per_token_per_layer * spec.context_tokens
             out["sessions"] = spec.sessions
             out["predicted_peak_bytes"] = predicted_peaks(p, spec, pf.peers)  # each peer's, against its offer
+            out["bytes_to_move"] = bytes_to_move(p, spec, pf.peers)  # each placed peer's, not held yet
             ui.print_json(out)
         else:
             print_plan(
@@ -312,4 +327,5 @@ def register(app: typer.Typer) -> None:
                 {q.id: q.memory_bytes for q in pf.peers},
                 {q.id: q.ms_per_layer for q in pf.peers},
                 predicted_peaks(p, spec, pf.peers),
+                bytes_to_move(p, spec, pf.peers),
             )

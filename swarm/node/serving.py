@@ -132,7 +132,8 @@ class Serving:
                     for p, a in service.membership.view().items() if p in ok and (a.held or a.held_head)}  # fmt: skip
 
         def on_held(layers: list[int], head: bool) -> None:
-            if service.membership.update_local(held=(layers, head)):
+            disk = fetcher.disk_left()  # what a plan may still ask it to fetch (issue 25)
+            if service.membership.update_local(held=(layers, head), disk=-1 if disk is None else disk):
                 service.readvertise()
 
         fetcher.join_members(host, holders, on_held)

@@ -10,6 +10,7 @@ pipeline stages balanced and leaves memory headroom. So a slow peer gets fewer l
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -53,10 +54,11 @@ class Ctx:
         return self.peers[i].ms_per_layer
 
     def fits(self, i: int, start: int, end: int, coordinator: bool) -> bool:
-        """Whether peer ``i`` holds layers [start, end) at their own sizes (and the coordinator part)."""
+        """Whether peer ``i`` holds layers [start, end) at their own sizes (and the coordinator
+        part) in memory, and what it must fetch of them on disk."""
         p = self.peers[i]
         peak = predicted_peak(self.spec, (start, end), coordinator=coordinator, draft_bytes=p.draft_bytes)
-        return peak <= p.memory_bytes
+        return peak <= p.memory_bytes and p.stores(self.spec, start, end, coordinator=coordinator)
 
 
 def allocate(ctx: Ctx, nodes: Sequence[int], coord: int) -> tuple[float, list[int]] | None:
@@ -161,10 +163,14 @@ def allocate_exact(ctx: Ctx, nodes: Sequence[int], coord: int) -> tuple[float, l
         if room < 0:
             return None
         lo, speed = (0 if i == coord else 1), ctx.speed(i)
+        disk, new = _disk_room(spec, ctx.peers[i], i == coord)
+        if disk < 0:
+            return None
         for start in range(L + 1):
             best: tuple[float, int, int] | None = None
             c = lo
-            while start + c <= L and pre[start + c] - pre[start] + (act if c else 0) <= room:
+            while (start + c <= L and pre[start + c] - pre[start] + (act if c else 0) <= room
+                   and new[start + c] - new[start] <= disk):  # fmt: skip
                 after = rest[k + 1][start + c]
                 if after is not None:
                     cand = (round(after[0] + c * speed, 9), after[1] + c * c, c)
@@ -184,3 +190,13 @@ def allocate_exact(ctx: Ctx, nodes: Sequence[int], coord: int) -> tuple[float, l
     for k, i in enumerate(nodes):
         compute += counts[k] * ctx.speed(i)
     return compute, counts
+
+
+def _disk_room(spec: ModelSpec, peer: Peer, coordinator: bool) -> tuple[int | float, list[int]]:
+    """(disk left for layers after the head, prefix sums of the weights it would fetch)."""
+    if peer.disk_bytes is None:
+        return math.inf, [0] * (spec.n_layers + 1)
+    new = [0]
+    for k, w in enumerate(spec.weights):
+        new.append(new[-1] + (0 if k in peer.held else w))
+    return peer.disk_bytes - (spec.coordinator_bytes if coordinator and not peer.held_head else 0), new

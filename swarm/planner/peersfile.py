@@ -1,7 +1,9 @@
 """The peers-file format: what a running swarm exports and ``shard-swarm plan --peers`` reads.
 
     {"peers": [{"id": "alice", "memory_gb": 24, "ms_per_layer": 0.7, "coordinator_ok": true,
-                "addresses": ["/ip4/..."], "draft_ms": 4.5, "draft_gb": 1.2}],  # draft: optional
+                "addresses": ["/ip4/..."], "draft_ms": 4.5, "draft_gb": 1.2,  # draft: optional
+                "held": {"0": 10}, "held_head": true, "disk_gb": 40}],  # optional: layers 0-9 and
+                                                 # the head on disk, 40 GB free for more (none: unbounded)
      "rtt_ms": {"alice": {"bob": 12.5}},          # a missing pair means unreachable
      "one_way_ms": {"alice": {"bob": 5.9}}}       # optional measured one-way latencies
 
@@ -11,12 +13,14 @@ Parsing is pure (a dict in, numbers out); reading the file is the caller's job.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from swarm.errors import UsageError
 from swarm.planner.spec import GB, Latency, Peer
+
+MAX_HELD_LAYER = 1 << 16  # as an advert's (swarm.proto.messages.MAX_LAYER; the planner imports no proto)
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,36 @@ def _matrix(obj: Any, ids: set[str], where: str) -> dict[str, dict[str, float]]:
     return out
 
 
+def _held(obj: Any, where: str) -> frozenset[int]:
+    """Layer ranges {"start": end} (as in an advert) -> the layers."""
+    if obj is None:
+        return frozenset()
+    if not isinstance(obj, Mapping):
+        raise UsageError(f'{where}: expected layer ranges {{"start": end}}')
+    out: set[int] = set()
+    for k, end in obj.items():
+        ok = isinstance(k, str) and k.isdigit() and isinstance(end, int) and not isinstance(end, bool)
+        if not ok or not int(k) < end <= MAX_HELD_LAYER:
+            raise UsageError(f"{where}: {k!r}: {end!r} is not a range of layers (a start below its end)")
+        out.update(range(int(k), end))
+    return frozenset(out)
+
+
+def held_ranges(layers: Iterable[int]) -> dict[str, int]:
+    """The inverse of _held: layers as ranges {"start": end}."""
+    out: dict[str, int] = {}
+    start = end = -1
+    for i in sorted(set(layers)):
+        if i != end:
+            if end > start >= 0:
+                out[str(start)] = end
+            start = i
+        end = i + 1
+    if end > start >= 0:
+        out[str(start)] = end
+    return out
+
+
 def parse_peers_file(obj: Any, *, where: str = "peers file") -> PeersFile:
     """Validate a decoded peers file; UsageError naming the field and entry that is wrong."""
     if not isinstance(obj, Mapping):
@@ -87,7 +121,13 @@ def parse_peers_file(obj: Any, *, where: str = "peers file") -> PeersFile:
             raise UsageError(f"{at}: addresses must be a list of strings")
         draft_ms = None if entry.get("draft_ms") is None else _number(entry["draft_ms"], f"{at}: draft_ms")
         draft_gb = _number(entry.get("draft_gb", 0), f"{at}: draft_gb")
-        peers.append(Peer(pid, int(round(mem * GB)), speed, ok, tuple(addrs), draft_ms, int(round(draft_gb * GB))))
+        held = _held(entry.get("held"), f"{at}: held")
+        head = entry.get("held_head", False)
+        if not isinstance(head, bool):
+            raise UsageError(f"{at}: held_head must be true or false")
+        disk = None if entry.get("disk_gb") is None else int(round(_number(entry["disk_gb"], f"{at}: disk_gb") * GB))
+        peers.append(Peer(pid, int(round(mem * GB)), speed, ok, tuple(addrs), draft_ms, int(round(draft_gb * GB)),
+                          held, head, disk))  # fmt: skip
         ids.add(pid)
     rtt = _matrix(obj.get("rtt_ms"), ids, f"{where}: rtt_ms")
     one = _matrix(obj.get("one_way_ms"), ids, f"{where}: one_way_ms")
@@ -107,6 +147,9 @@ def dump_peers_file(
                 "coordinator_ok": p.coordinator_ok,
                 **({"addresses": list(p.addresses)} if p.addresses else {}),
                 **({"draft_ms": p.draft_ms, "draft_gb": p.draft_bytes / GB} if p.draft_ms is not None else {}),
+                **({"held": held_ranges(p.held)} if p.held else {}),
+                **({"held_head": True} if p.held_head else {}),
+                **({"disk_gb": p.disk_bytes / GB} if p.disk_bytes is not None else {}),
             }
             for p in sorted(peers, key=lambda p: p.id)
         ],

@@ -7,9 +7,17 @@ import math
 from collections.abc import Mapping, Sequence
 
 from swarm.errors import PlanningError, UsageError
-from swarm.planner.alloc import Ctx, allocate_exact
+from swarm.planner.alloc import Ctx, allocate_exact, cycle_latency
 from swarm.planner.plan import Plan, check_blocks
-from swarm.planner.search import EXACT_LIMIT, Candidate, better, solve_exact, solve_heuristic
+from swarm.planner.search import (
+    EXACT_LIMIT,
+    Candidate,
+    better,
+    evaluate,
+    fewest_moves,
+    solve_exact,
+    solve_heuristic,
+)
 from swarm.planner.spec import GB, Latency, ModelSpec, Peer
 from swarm.planner.sticky import Layout, layers_moved, sticky_layout, traversal
 
@@ -36,7 +44,12 @@ def plan(
     With ``previous`` the plan is sticky: survivors keep their blocks, holes go to neighbours or
     spares, unless a fresh plan is faster by more than ``sticky_tolerance`` (0.25 = 25 %).
     ``epoch`` defaults to ``previous.epoch + 1`` (or 0). Raises PlanningError when no placement
-    exists, saying how many GB are missing or which peers cannot reach each other.
+    exists, saying how many GB are missing, which peers cannot reach each other, or that the
+    peers' disk budgets cannot take the layers they do not hold.
+
+    Disks (``Peer.held``, ``held_head``, ``disk_bytes``): no block goes where the disk budget cannot
+    take what its peer must fetch of it, and among placements about as fast as the fastest
+    (search.MOVE_TOLERANCE) the one moving the fewest bytes wins (search.fewest_moves).
 
     Drafts: a peer that holds a draft model (``Peer.draft_ms``) budgets its bytes when it
     coordinates. When some peers hold one, the best ring whose coordinator is one of them is
@@ -107,13 +120,14 @@ def _plan(
     ctx = Ctx.build(spec, peers, lat)  # every layer counted at the largest one's size: always safe
     if epoch is None:
         epoch = previous.epoch + 1 if previous is not None else 0
-    if spec.uniform:
-        _check_memory(ctx)
-        best, more = _search(ctx, exact_limit)
-    else:
-        best, more = _search_by_layer(ctx, Ctx.build(spec, peers, lat, spec.smallest_bytes_per_layer), exact_limit)
-    if best is None:
-        raise PlanningError(_unreachable_message(ctx, [i for i in range(ctx.n) if ctx.cap[i] > 0 or ctx.capc[i] >= 0]))
+    try:
+        best, more = _fresh(ctx, peers, lat, exact_limit)
+    except PlanningError:
+        disks = [p for p in peers if p.disk_bytes is not None]
+        unbounded = [dataclasses.replace(p, disk_bytes=None) for p in peers]
+        if disks and _finds(Ctx.build(spec, unbounded, lat), unbounded, lat, exact_limit):
+            raise PlanningError(_disk_message(spec, disks)) from None  # memory would do: the disks do not
+        raise
     fresh = _layout(ctx, best)
     chosen, moved = fresh, 0
     index = {p.id: k for k, p in enumerate(ctx.peers)}
@@ -128,12 +142,71 @@ def _plan(
     return _to_plan(ctx, index, chosen, epoch, moved, note)
 
 
-def _candidates(ctx: Ctx, exact_limit: int) -> tuple[Candidate | None, list[Candidate]]:
+def _finds(ctx: Ctx, peers: Sequence[Peer], lat: Latency, exact_limit: int) -> bool:
+    try:
+        _fresh(ctx, peers, lat, exact_limit)
+    except PlanningError:
+        return False
+    return True
+
+
+def _fresh(
+    ctx: Ctx, peers: Sequence[Peer], lat: Latency, exact_limit: int
+) -> tuple[Candidate, Candidate | None]:
+    """The fresh placement and the best with more stages (for the note); PlanningError if none."""
+    spec = ctx.spec
+    held = any(p.held or p.held_head or p.disk_bytes is not None for p in peers)
+    near: list[Candidate] | None = [] if held else None
+    if spec.uniform:
+        _check_memory(ctx)
+        best, more = _search(ctx, exact_limit, near)
+    else:
+        relaxed = Ctx.build(spec, peers, lat, spec.smallest_bytes_per_layer)
+        best, more = _search_by_layer(ctx, relaxed, exact_limit, near)
+    if best is None:
+        raise PlanningError(_unreachable_message(ctx, [i for i in range(ctx.n) if ctx.cap[i] > 0 or ctx.capc[i] >= 0]))
+    if near is not None:
+        # speed first, then fewer bytes moved (the search's winners, turned and reversed)
+        options = [best, *([more] if more is not None else []), *near]
+        got = fewest_moves(ctx, options, (lambda cyc: evaluate(ctx, cyc)) if spec.uniform
+                           else (lambda cyc: _exact_counts(ctx, cyc)))  # fmt: skip
+        if got is None:
+            raise PlanningError(_disk_message(spec, [p for p in peers if p.disk_bytes is not None]))
+        best = got
+        more = more if more is not None and more.n_stages > best.n_stages else None
+    return best, more
+
+
+def _exact_counts(ctx: Ctx, cyc: list[int]) -> Candidate | None:
+    """``cyc`` scored with exact counts for layers of different sizes (None: it cannot hold them)."""
+    if not ctx.peers[cyc[0]].coordinator_ok:
+        return None
+    lat = cycle_latency(ctx, cyc)
+    got = allocate_exact(ctx, cyc, cyc[0])
+    if not math.isfinite(lat) or got is None or (got[1][0] == 0 and len(cyc) == 1):
+        return None
+    return Candidate(lat, got[0], cyc[0], tuple(cyc), tuple(got[1]))
+
+
+def _disk_message(spec: ModelSpec, disks: Sequence[Peer]) -> str:
+    budgets = ", ".join(f"{p.id} {p.disk_bytes / GB:.2f} GB" for p in sorted(disks, key=lambda p: p.id)[:12]
+                        if p.disk_bytes is not None)  # fmt: skip
+    return (
+        f"not enough disk: memory would hold the model, but no placement fits the peers' disk budgets "
+        f"for the layers they do not hold yet ({sum(spec.weights) / GB:.2f} GB of layers + "
+        f"{spec.coordinator_bytes / GB:.2f} GB on the coordinator; free disk: {budgets}): "
+        "raise --disk on a peer, or add peers"
+    )
+
+
+def _candidates(
+    ctx: Ctx, exact_limit: int, near: list[Candidate] | None = None
+) -> tuple[Candidate | None, list[Candidate]]:
     """The search's best placement and the alternatives it kept (the best per stage count, or the
-    best with more stages), on ``ctx``'s capacities."""
+    best with more stages), on ``ctx``'s capacities; ``near`` as solve_exact."""
     eligible = [i for i in range(ctx.n) if ctx.cap[i] > 0 or ctx.capc[i] >= 0]
     if len(eligible) <= exact_limit:
-        best, by_stages = solve_exact(ctx, eligible)
+        best, by_stages = solve_exact(ctx, eligible, near)
         return best, list(by_stages.values())
     best, more = solve_heuristic(ctx, eligible)
     return best, [c for c in (best, more) if c is not None]
@@ -148,12 +221,18 @@ def _with_more(ctx: Ctx, best: Candidate | None, options: Sequence[Candidate]) -
     return best, more
 
 
-def _search(ctx: Ctx, exact_limit: int) -> tuple[Candidate | None, Candidate | None]:
-    best, options = _candidates(ctx, exact_limit)
+def _search(
+    ctx: Ctx, exact_limit: int, near: list[Candidate] | None = None
+) -> tuple[Candidate | None, Candidate | None]:
+    best, options = _candidates(ctx, exact_limit, near)
+    if near is not None:
+        near.extend(options)
     return _with_more(ctx, best, options)
 
 
-def _search_by_layer(ctx: Ctx, relaxed: Ctx, exact_limit: int) -> tuple[Candidate | None, Candidate | None]:
+def _search_by_layer(
+    ctx: Ctx, relaxed: Ctx, exact_limit: int, near: list[Candidate] | None = None
+) -> tuple[Candidate | None, Candidate | None]:
     """Layers of different sizes: blocks are budgeted at their own layers' sizes.
 
     The search works on whole-layer capacities, so it runs twice: counting every layer at the
@@ -186,6 +265,8 @@ def _search_by_layer(ctx: Ctx, relaxed: Ctx, exact_limit: int) -> tuple[Candidat
             chosen = cand
     if chosen is None:
         raise PlanningError(_short_message(ctx))
+    if near is not None:
+        near.extend(options)
     return _with_more(ctx, chosen, options)
 
 

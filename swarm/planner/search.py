@@ -19,6 +19,14 @@ cycle) and the compute term is the greedy allocation of alloc.py. So the search 
   improvement local search (insert, remove, replace, change coordinator, 2-opt, Or-opt). A final
   ring of <= EXACT_LIMIT nodes is re-solved exactly over its own nodes.
 
+Fewer bytes moved (issue 25). When peers say what they hold on disk or how much disk they have,
+speed still comes first: among the placements predicted within MOVE_TOLERANCE of the fastest one
+that every peer's disk can take, the one that makes peers fetch the fewest bytes wins (layers not
+held by their new holder, and the head if the coordinator lacks it). The pool is the search's
+winners, the near-best placements of the exact search, and each of their rings turned to start at
+every member and run either way (which puts a holder's layers on it when speeds tie). Without
+such peers nothing of this runs and plans are exactly as before.
+
 Determinism: peers are indexed in sorted-ID order, loops run in index order, and ties between
 equal costs (rounded to 1e-9 ms) are broken by the coordinator's ID, then the members' IDs.
 """
@@ -26,12 +34,14 @@ equal costs (rounded to 1e-9 ms) are broken by the coordinator's ID, then the me
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from swarm.planner.alloc import Ctx, allocate, cycle_latency
 
 EXACT_LIMIT = 10
+MOVE_TOLERANCE = 0.05  # placements within 5 % of the fastest count as tied: fewest bytes moved wins
+NEAR_KEPT = 64  # near-best placements of the exact search considered for fewer bytes moved
 POOL_ALL_UPTO = 40  # heuristic: below this many peers every peer is in the pool
 INF = math.inf
 
@@ -83,14 +93,57 @@ def better(ctx: Ctx, a: Candidate | None, b: Candidate | None) -> bool:
     return b is None or a.key(ctx) < b.key(ctx)
 
 
+def moved_bytes(ctx: Ctx, cand: Candidate) -> int | None:
+    """Bytes ``cand`` makes its peers fetch (layers they do not hold, the head if the coordinator
+    lacks it); None if some peer's disk budget cannot take its share."""
+    spec, at, total = ctx.spec, 0, 0
+    for i, c in zip(cand.cyc, cand.counts, strict=True):
+        p, coord = ctx.peers[i], i == cand.coord
+        if not p.stores(spec, at, at + c, coordinator=coord):
+            return None
+        total += p.moved_bytes(spec, at, at + c, coordinator=coord)
+        at += c
+    return total
+
+
+def fewest_moves(
+    ctx: Ctx, options: Sequence[Candidate], score: Callable[[list[int]], Candidate | None]
+) -> Candidate | None:
+    """Speed first, then bytes moved: of ``options`` and their rings turned and reversed (scored
+    by ``score``), those every disk can take and predicted within MOVE_TOLERANCE of the fastest of
+    them; of those the one moving the fewest bytes (ties: the usual key). None if no disk fits."""
+    seen: set[tuple[int, ...]] = set()
+    pool: list[tuple[Candidate, int]] = []
+    for cand in options:
+        back = (cand.cyc[0], *cand.cyc[:0:-1])
+        for ring in (cand.cyc, back):
+            for r in range(len(ring)):
+                cyc = ring[r:] + ring[:r]
+                if cyc in seen:
+                    continue
+                seen.add(cyc)
+                got = cand if cyc == cand.cyc else score(list(cyc))
+                moved = None if got is None else moved_bytes(ctx, got)
+                if got is not None and moved is not None:
+                    pool.append((got, moved))
+    if not pool:
+        return None
+    fastest = min(c.cost for c, _ in pool)
+    near = [(m, c.key(ctx), c.cyc, c) for c, m in pool if c.cost <= fastest * (1.0 + MOVE_TOLERANCE) + 1e-9]
+    return min(near, key=lambda t: t[:3])[3]
+
+
 # ----------------------------------------------------------------------------- exact
 
 
-def solve_exact(ctx: Ctx, nodes: Sequence[int]) -> tuple[Candidate | None, dict[int, Candidate]]:
+def solve_exact(
+    ctx: Ctx, nodes: Sequence[int], near: list[Candidate] | None = None
+) -> tuple[Candidate | None, dict[int, Candidate]]:
     """The optimum over every subset, order and coordinator of ``nodes`` (at most ~12 of them).
 
     Returns the best candidate and the best one for each number of stages (for the "fewer peers
-    would be faster" note).
+    would be faster" note). ``near``, if given, gets the placements within MOVE_TOLERANCE of the
+    best (at most NEAR_KEPT, fastest first), for fewest_moves.
     """
     m = len(nodes)
     D = [[ctx.d(a, b) for b in nodes] for a in nodes]
@@ -154,6 +207,7 @@ def solve_exact(ctx: Ctx, nodes: Sequence[int]) -> tuple[Candidate | None, dict[
         low = (mask & -mask).bit_length() - 1
         cap_sum[mask] = cap_sum[mask & (mask - 1)] + max(0, ctx.cap[nodes[low]])
     bonus = max(0, max((ctx.capc[i] - max(0, ctx.cap[i]) for i in nodes), default=0))
+    kept: list[tuple[Candidate, int]] = []
     for mask in range(1, full):
         lat = cyc_cost[mask]
         if lat == INF or cap_sum[mask] + bonus < ctx.spec.n_layers:
@@ -168,25 +222,30 @@ def solve_exact(ctx: Ctx, nodes: Sequence[int]) -> tuple[Candidate | None, dict[
                 continue
             # placeholder order; the real cycle order is rebuilt for winners only
             cand = Candidate(lat, got[0], c, tuple(order), tuple(got[1]))
+            if near is not None:
+                kept.append((cand, mask))
             k = cand.n_stages
             if better(ctx, cand, by_stages.get(k)):
                 by_stages[k] = cand
                 best_mask[k] = mask
-    for k, cand in list(by_stages.items()):
-        seq = [nodes[b] for b in path(best_mask[k])]
+
+    def rebuilt(cand: Candidate, mask: int) -> Candidate:
+        """``cand`` in its real cycle order (the order above is a placeholder)."""
+        seq = [nodes[b] for b in path(mask)]
         r = seq.index(cand.coord)
         cyc = seq[r:] + seq[:r]
         counts = dict(zip(cand.cyc, cand.counts, strict=True))
-        by_stages[k] = Candidate(
-            cycle_latency(ctx, cyc),
-            cand.compute,
-            cand.coord,
-            tuple(cyc),
-            tuple(counts[x] for x in cyc),
-        )
+        return Candidate(cycle_latency(ctx, cyc), cand.compute, cand.coord, tuple(cyc), tuple(counts[x] for x in cyc))
+
+    for k, cand in list(by_stages.items()):
+        by_stages[k] = rebuilt(cand, best_mask[k])
     for cand in by_stages.values():
         if better(ctx, cand, best):
             best = cand
+    if near is not None and best is not None:
+        within = best.cost * (1.0 + MOVE_TOLERANCE) + 1e-9
+        nearby = sorted(((c.key(ctx), c.cyc, mask, c) for c, mask in kept if c.cost <= within), key=lambda t: t[:3])
+        near.extend(rebuilt(c, mask) for _, _, mask, c in nearby[:NEAR_KEPT])
     return best, by_stages
 
 

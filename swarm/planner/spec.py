@@ -113,6 +113,11 @@ class Peer:
     # none) and the bytes it takes there (weights and a context's KV cache)
     draft_ms: float | None = None
     draft_bytes: int = 0
+    # what it already holds on disk (so placing these there moves no bytes) and its disk budget
+    # for layers and the head it does not hold yet (None: unbounded); issue 25
+    held: frozenset[int] = frozenset()
+    held_head: bool = False
+    disk_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if not self.id:
@@ -125,6 +130,8 @@ class Peer:
             raise UsageError(f"peer {self.id}: draft_ms must be a finite number >= 0")
         if self.draft_bytes < 0:
             raise UsageError(f"peer {self.id}: draft bytes must not be negative")
+        if self.disk_bytes is not None and self.disk_bytes < 0:
+            raise UsageError(f"peer {self.id}: disk bytes must not be negative")
 
     def coordinator_part(self, spec: ModelSpec) -> int:
         """Bytes it holds as coordinator besides layers: embedding, head and its draft model."""
@@ -138,7 +145,36 @@ class Peer:
         free = self.memory_bytes - (self.coordinator_part(spec) if coordinator else 0)
         if free < 0:
             return -1
-        return max(0, min(spec.n_layers, (free - spec.activation_bytes) // (per_layer or spec.bytes_per_layer)))
+        fit = max(0, min(spec.n_layers, (free - spec.activation_bytes) // (per_layer or spec.bytes_per_layer)))
+        return min(fit, self.disk_capacity(spec, coordinator=coordinator))
+
+    def moved_bytes(self, spec: ModelSpec, start: int, end: int, *, coordinator: bool = False) -> int:
+        """Bytes it must fetch to hold layers [start, end) (and the head, as coordinator): the
+        weights of the layers it does not hold yet."""
+        w = spec.weights
+        new = sum(w[i] for i in range(start, end) if i not in self.held)
+        return new + (spec.coordinator_bytes if coordinator and not self.held_head else 0)
+
+    def stores(self, spec: ModelSpec, start: int, end: int, *, coordinator: bool = False) -> bool:
+        """Whether its disk budget takes what it must fetch for that block."""
+        return self.disk_bytes is None or self.moved_bytes(spec, start, end, coordinator=coordinator) <= self.disk_bytes
+
+    def disk_capacity(self, spec: ModelSpec, *, coordinator: bool = False) -> int:
+        """The most layers any block of its may have by its disk budget (the layers it holds plus
+        the smallest ones it could fetch; exact for a peer holding none of equal-size layers,
+        an upper bound otherwise: ``stores`` is the exact test); -1 if the head does not fit."""
+        if self.disk_bytes is None:
+            return spec.n_layers
+        room = self.disk_bytes - (spec.coordinator_bytes if coordinator and not self.held_head else 0)
+        if room < 0:
+            return -1
+        held = sum(1 for i in self.held if 0 <= i < spec.n_layers)
+        for w in sorted(spec.weights[i] for i in range(spec.n_layers) if i not in self.held):
+            if w > room:
+                break
+            room -= w
+            held += 1
+        return held
 
 
 class Latency:

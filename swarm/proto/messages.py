@@ -209,6 +209,9 @@ class Advert(Message):
         optional=True, default=None,
     )  # fmt: skip
     held_head: bool | None = meta("held_head", Bool(), optional=True, default=None)
+    # bytes of disk left for model bytes it does not hold yet (its --disk budget less what its cache
+    # holds), so a plan never gives it a block it cannot store; absent: unbounded
+    disk: int | None = meta("disk", Int(0, 1 << 56), optional=True, default=None)
 
     def check(self, limits: Limits, fail: Any) -> None:
         if len({self.draft_name is None, self.draft_bytes is None, self.draft_us is None}) > 1:

@@ -73,6 +73,24 @@ def test_table_output(capsys: pytest.CaptureFixture[str]) -> None:
     assert "Plan (epoch 0)" in out and "predicted traversal" in out and "tokens/s" in out
 
 
+def test_held_layers_and_disk_in_the_peers_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    peers = {"peers": [{"id": "amy", "memory_gb": 11, "ms_per_layer": 1.0},
+                       {"id": "bob", "memory_gb": 11, "ms_per_layer": 1.0, "held": {"0": 10}, "held_head": True}],
+             "rtt_ms": {"amy": {"bob": 5.0}}}  # fmt: skip
+    argv = ["plan", "--peers", str(write(tmp_path, peers)), "--layers", "20", "--layer-gb", "1", "--coordinator-gb", "1",
+            "--context", "0"]  # fmt: skip
+    out = run_json(capsys, [*argv, "--json"])
+    assert out["coordinator"] == "bob" and out["blocks"]["bob"] == [0, 10]
+    assert out["bytes_to_move"] == {"bob": 0, "amy": 10 * GB}
+    assert main(argv) == 0
+    table = capsys.readouterr().out
+    assert "to fetch" in table and "10.00 GB" in table  # (rich wraps the words on a narrow terminal)
+    peers["peers"][0]["disk_gb"] = peers["peers"][1]["disk_gb"] = 1  # type: ignore[index]
+    write(tmp_path, peers)
+    assert main(argv) != 0
+    assert "not enough disk" in capsys.readouterr().err
+
+
 def test_model_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     model = tmp_path / "model"
     model.mkdir()

@@ -521,3 +521,23 @@ async def test_the_leader_strikes_a_reported_member_and_benches_what_it_saw_itse
     view.leader = lambda: "M"
     with pytest.raises(ProtocolError, match="not the leader"):
         await rec.on_bad_bytes("A", ctl.BadBytes("Z"))
+
+
+def test_the_leaders_planning_puts_held_layers_on_their_holder_and_respects_disks() -> None:
+    """Issue 25: the coordinator chosen with claims bounded, then the pinned plan (leader.plan_for)
+    both see what members hold and their disk budgets."""
+    from swarm.node.plan.authority import bounded_coordinator
+    from swarm.planner import GB, Latency, ModelSpec, Peer, plan
+
+    spec = ModelSpec(n_layers=32, layer_bytes=GB // 4, coordinator_bytes=GB)
+    lat = Latency({x: {y: 0.5 for y in "abc" if y != x} for x in "abc"})
+    peers = [Peer("a", 5 * GB, 2.0), Peer("b", 5 * GB, 2.0),
+             Peer("c", 5 * GB, 2.0, held=frozenset(range(16)), held_head=True)]  # fmt: skip
+    coord = bounded_coordinator(spec, peers, lat, "a", previous=None, epoch=1)
+    pinned = [dataclasses.replace(p, coordinator_ok=p.id == coord) for p in peers]
+    p = plan(spec, pinned, lat)
+    assert coord == "c" and p.blocks["c"][0] == 0 and p.blocks["c"][1] >= 10
+    tight = [dataclasses.replace(q, disk_bytes=GB) if q.id == "a" else q for q in peers]  # 4 layers at most
+    q = plan(spec, [dataclasses.replace(x, coordinator_ok=x.id == coord) for x in tight], lat)
+    s, e = q.blocks.get("a", (0, 0))
+    assert e - s <= 4 and sum(e - s for s, e in q.blocks.values()) == 32

@@ -261,6 +261,9 @@ async def test_a_node_fetches_its_block_from_members_with_their_own_copies(model
         assert set(rep.by_source) == {ha.peer_id, hb.peer_id} and rep.fetched >= m.block_bytes(1, 6)
         await c.head()
     assert not c.liars
+    assert c.disk_left() is None  # no --disk
+    c.cache.disk_budget = c.cache.held_bytes() + 5
+    assert c.disk_left() == 5
     assert flip.name not in a._local_held[0]  # the flipped tensor was refused, never served
     assert not a.widen(flip.file, flip.start, flip.nbytes) and b.widen(flip.file, flip.start, flip.nbytes)
     assert not b.widen(flip.file, m.files[flip.file].size - 1, 5)  # past the last tensor: not the model's bytes

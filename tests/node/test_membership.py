@@ -14,6 +14,7 @@ from swarm.manifest.identity import Identity
 from swarm.net.host import open_host
 from swarm.node.members.gossip import MemberEvent, MembershipService
 from swarm.node.members.membership import Membership, detect_device
+from swarm.planner import GB
 from swarm.planner.peersfile import parse_peers_file
 from swarm.proto.signed import sign_advert, verify_advert
 
@@ -43,6 +44,20 @@ def test_local_advert_is_signed_and_updates_bump_the_sequence() -> None:
     assert not m.update_local(held=([2, 1, 0, 8, 7, 5], True))
     assert m.update_local(held=([], False)) and m.local.held is None and m.local.held_head is None
     verify_advert(m.local, SWARM)
+    assert m.update_local(disk=5 << 30) and m.local.disk == 5 << 30 and not m.update_local(disk=5 << 30)
+    assert m.update_local(disk=-1) and m.local.disk is None  # unbounded: absent
+    verify_advert(m.local, SWARM)
+
+
+def test_the_peers_file_carries_what_each_peer_holds_and_its_disk() -> None:
+    m = _m(0)
+    assert m.update_local(held=([0, 1, 2, 7], True), disk=3 * GB)
+    pf = m.peers_file()
+    assert pf["peers"][0]["held"] == {"0": 3, "7": 8} and pf["peers"][0]["held_head"] is True  # type: ignore[index]
+    (peer,) = parse_peers_file(pf).peers
+    assert (peer.held, peer.held_head, peer.disk_bytes) == (frozenset({0, 1, 2, 7}), True, 3 * GB)
+    (old,) = parse_peers_file(_m(1).peers_file()).peers  # an advert without them
+    assert (old.held, old.held_head, old.disk_bytes) == (frozenset(), False, None)
 
 
 def test_view_keeps_latest_valid_advert_and_ignores_stale_and_forged() -> None:

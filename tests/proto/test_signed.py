@@ -169,6 +169,21 @@ def test_an_advert_says_which_layers_its_peer_holds_and_serves() -> None:
             Advert.from_frame(frame, DEFAULT_LIMITS)
 
 
+def test_an_advert_may_say_how_much_disk_its_peer_has_left() -> None:
+    adv = _advert(disk=40 << 30)
+    got = decode_message(adv.encode())
+    assert isinstance(got, Advert) and got.disk == 40 << 30
+    verify_advert(got, SWARM)
+    assert "disk" not in _advert().body()  # absent: unbounded, and an old advert signs the same bytes
+    with pytest.raises(ProtocolError, match="forged or corrupted signature"):
+        verify_advert(decode_message(dataclasses.replace(adv, disk=1).encode()), SWARM)  # type: ignore[arg-type]
+    for bad in (-1, 1 << 57, "lots", True):
+        frame = adv.to_frame()
+        frame.meta["disk"] = bad
+        with pytest.raises(ProtocolError, match="disk"):
+            Advert.from_frame(frame, DEFAULT_LIMITS)
+
+
 def test_made_up_identities_expire_and_never_lock_a_newcomer_out() -> None:
     """A member gossips adverts of identities it made up: they stay unconfirmed (they never
     connect), a newcomer that connects evicts the oldest of them from a full book, and the rest

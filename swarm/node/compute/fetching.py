@@ -90,6 +90,12 @@ class BlockFetcher:
         h = self.holdings()
         return h.layers(), bool(m.head()) and all(h.covers(t.file, t.start, t.end) for t in m.head())
 
+    def disk_left(self) -> int | None:
+        """Bytes the disk budget (``--disk``) leaves for model bytes not held yet (for the advert,
+        so a plan never gives this node a block it cannot store); None: unbounded."""
+        budget = self.cache.disk_budget
+        return None if budget is None else max(0, budget - self.cache.held_bytes())
+
     def widen(self, path: str, offset: int, length: int) -> bool:
         """Own copy only (a worker thread): check in place the tensors (and header) that make up
         [offset, offset + length) of ``path``; True if the range is now held verified."""

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from swarm.errors import UsageError
-from swarm.planner.peersfile import dump_peers_file
+from swarm.planner.peersfile import dump_peers_file, held_ranges
 from swarm.planner.spec import Peer
 from swarm.proto.limits import DEFAULT_LIMITS
 from swarm.proto.messages import MAX_HELD_RANGES, Advert
@@ -69,17 +69,7 @@ def detect_device() -> tuple[str, str]:
 
 def layer_ranges(layers: Iterable[int]) -> dict[str, int]:
     """Layers as an advert's ranges {"start": end}, the first MAX_HELD_RANGES of them."""
-    out: dict[str, int] = {}
-    start = end = -1
-    for i in sorted(set(layers)):
-        if i != end:
-            if end > start >= 0:
-                out[str(start)] = end
-            start = i
-        end = i + 1
-    if end > start >= 0:
-        out[str(start)] = end
-    return dict(list(out.items())[:MAX_HELD_RANGES])
+    return dict(list(held_ranges(layers).items())[:MAX_HELD_RANGES])
 
 
 # ---------------------------------------------------------------------------- the view
@@ -130,11 +120,15 @@ class Membership:
         ms_per_layer: float | None = None,
         rtt_ms: dict[str, float] | None = None,
         held: tuple[Sequence[int], bool] | None = None,
+        disk: int | None = None,
     ) -> bool:
         """Change our advert; re-signs with the next sequence number. False if nothing changed.
         ``held``: the layers this node holds verified and whether it holds the head (it serves
-        them to members on /shard-swarm/tensors/1)."""
+        them to members on /shard-swarm/tensors/1). ``disk``: bytes of disk left for model bytes it
+        does not hold yet (-1: unbounded, the field then absent)."""
         changes: dict[str, object] = {}
+        if disk is not None:
+            changes["disk"] = None if disk < 0 else int(disk)
         if held is not None:
             changes["held"] = layer_ranges(held[0]) or None
             changes["held_head"] = True if held[1] else None
@@ -210,7 +204,8 @@ class Membership:
         rtt_peers = view if members is None else {p for p in view if p in members}
         peers = [
             Peer(p, a.memory_bytes, a.layer_us / 1000.0, True, tuple(a.addrs),
-                 None if a.draft_us is None else a.draft_us / 1000.0, a.draft_bytes or 0)  # fmt: skip
+                 None if a.draft_us is None else a.draft_us / 1000.0, a.draft_bytes or 0,
+                 frozenset(a.held_layers()), bool(a.held_head), a.disk)  # fmt: skip
             for p, a in view.items()
         ]
         rtt = {
