@@ -65,7 +65,7 @@ from swarm.node.hosting import Host, Stream
 from swarm.proto.admission import MEMBER
 from swarm.proto.limits import PROTO_TENSORS, Limits
 from swarm.proto.messages import parse_message
-from swarm.proto.tensors import RangeReader, RangeRequest, data_frames
+from swarm.proto.tensors import RangeData, RangeReader, RangeRequest
 from swarm.proto.tensors import RangeRefused as Refused
 from swarm.proto.text import printable
 
@@ -126,16 +126,18 @@ def serve_tensors(host: Host, holdings: Callable[[], Holdings | None], *, io_s: 
                 h = await check(holdings(), msg)
                 if slots.value == 0:
                     raise RangeRefused("busy", f"{SERVE_SLOTS} ranges are being read for other members: ask another")
-                async with slots:
-                    data = await trio.to_thread.run_sync(h.read, msg.file, msg.offset, msg.length)
+                # read and sent a frame at a time: the first bytes leave after one chunk's read,
+                # not the whole range's (up to 16 MiB; it stalled the asker's stream each request)
+                step, end = limits.max_range_chunk, msg.offset + msg.length
+                for off in range(msg.offset, end, step):
+                    n = min(step, end - off)
+                    async with slots:
+                        data = await trio.to_thread.run_sync(h.read, msg.file, off, n)
+                    await fs.send(RangeData.of(msg.req, off, data, off + n >= end).to_frame(), timeout=io_s)
             except RangeRefused as e:
                 log.info("refused %s range request %s [%d, +%d): %s", peer, printable(msg.file)[:80],
                          msg.offset, msg.length, e.code)  # fmt: skip
                 await fs.send(Refused(msg.req, e.code, str(e)[:256]).to_frame(), timeout=io_s)
-                msg = None
-                continue
-            for d in data_frames(msg.req, msg.offset, data, limits):
-                await fs.send(d.to_frame(), timeout=io_s)
             msg = None
 
     async def handler(peer: str, fs: Stream) -> None:
