@@ -17,7 +17,7 @@ import trio
 from swarm.fetch.peers import Holds
 from swarm.manifest.identity import Identity
 from swarm.node.compute.fetching import BlockFetcher
-from swarm.node.compute.members import serve_tensors
+from swarm.node.compute.members import TensorServer, serve_tensors
 from swarm.node.compute.runtime import Models
 from swarm.node.dispatch import CLIENT, MEMBER, Dispatcher, RingClient
 from swarm.node.generation.report import Reporter
@@ -34,6 +34,7 @@ from swarm.node.plan.leader import Leader
 from swarm.node.plan.recovery import Recovery
 from swarm.node.plan.wiring import Wiring
 from swarm.node.ring.capacity import SlotQueue
+from swarm.node.ring.fastlink import FrameLink
 from swarm.node.settings import NodeSettings
 from swarm.planner.budget import predicted_peak
 from swarm.proto import control as ctl
@@ -113,14 +114,15 @@ class Serving:
         host.handle(PROTO_ACT, self.wiring.serve_act)
         host.handle(PROTO_GEN, self.gen.serve, roles=(MEMBER, CLIENT))  # ring, act: members only (the door)
         if models.fetch is not None:
-            self._share_model_bytes(models.fetch, host, service, view)
+            self.wiring.tensors = self._share_model_bytes(models.fetch, host, service, view, fastpath)
             recovery = self.recovery
             models.fetch.report_liar = lambda peer, why: nursery.start_soon(recovery.report_bad_bytes, peer, why)
         self._fastpath = fastpath
         self._service = service
 
     @staticmethod
-    def _share_model_bytes(fetcher: BlockFetcher, host: Host, service: MembershipService, view: MemberView) -> None:
+    def _share_model_bytes(fetcher: BlockFetcher, host: Host, service: MembershipService, view: MemberView,
+                           fastpath: Any) -> TensorServer:  # fmt: skip
         """Members fetch from each other (issue 25): serve what we hold verified on
         /shard-swarm/tensors/1, say in our advert which layers that is, and ask the members whose
         adverts say they hold what we need (not the benched or leaving) before the origin."""
@@ -136,9 +138,16 @@ class Serving:
             if service.membership.update_local(held=(layers, head), disk=-1 if disk is None else disk):
                 service.readvertise()
 
-        fetcher.join_members(host, holders, on_held)
-        serve_tensors(host, fetcher.holdings, widen=fetcher.widen if fetcher.local is not None else None)
+        dial_fast = None
+        if fastpath is not None:  # the same requests over the fast path where the member serves them
+
+            async def dial_fast(peer: str, timeout: float) -> FrameLink:
+                return FrameLink(await fastpath.dial(peer, timeout=timeout))
+
+        fetcher.join_members(host, holders, on_held, dial_fast=dial_fast)
+        served = serve_tensors(host, fetcher.holdings, widen=fetcher.widen if fetcher.local is not None else None)
         on_held(*fetcher.held())  # a restarted node says at once what its cache holds
+        return served  # the fast channels that open with a range request (wiring.py)
 
     async def _on_connect(self, peer: str, msg: ctl.Connect) -> ctl.Linked:
         labels = await self.wiring.connect(msg.epoch)

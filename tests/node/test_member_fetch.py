@@ -275,3 +275,107 @@ async def test_a_node_fetches_its_block_from_members_with_their_own_copies(model
     sa = Stage.load(ca.args, ca.source, 1, 6, dtype=torch.float32).state_dict()
     sb = Stage.load(cb.args, cb.source, 1, 6, dtype=torch.float32).state_dict()
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+# ---------------------------------------------------------------------------- the fast path
+
+
+@contextlib.asynccontextmanager
+async def _fast(host: SwarmHost, served: Any, nursery: trio.Nursery) -> AsyncIterator[Any]:
+    """``host``'s fast-path service with the node's own acceptor (wiring.py) in front of it:
+    channels that open with a RANGE_REQUEST go to ``served`` (None: a node that does not serve
+    ranges there), any other to the ring."""
+    from types import SimpleNamespace
+
+    from swarm.net.fastpath_host import open_fastpath_service
+    from swarm.node.plan.wiring import Wiring
+
+    async with open_fastpath_service(host) as fp:
+        w = Wiring(host.peer_id, host, fp, None, None, None, nursery,  # type: ignore[arg-type]
+                   report_fault=lambda *a: None, offered=lambda: 0)  # fmt: skip
+        w.tensors = served
+        nursery.start_soon(w.accept_fast)
+        yield SimpleNamespace(service=fp, dial=fp.dial)
+
+
+def _dialer(fp: Any, paths: list[str]) -> Any:
+    from swarm.node.ring.fastlink import FrameLink
+
+    async def dial(peer: str, timeout: float) -> FrameLink:
+        link = FrameLink(await fp.dial(peer, timeout=timeout))
+        paths.append(link.path)
+        return link
+
+    return dial
+
+
+def _count_streams(host: SwarmHost) -> list[str]:
+    """Every PROTO_TENSORS stream ``host`` opens from now on."""
+    opened: list[str] = []
+    orig = host.open_stream
+
+    def counting(peer: str, protocol: str, **kw: Any) -> Any:
+        if protocol == PROTO_TENSORS:
+            opened.append(peer)
+        return orig(peer, protocol, **kw)
+
+    host.open_stream = counting  # type: ignore[method-assign]
+    return opened
+
+
+async def test_members_fetch_over_the_fast_path_or_fall_back_to_libp2p(model: tuple[Path, ModelManifest],
+                                                                       tmp_path: Path) -> None:  # fmt: skip
+    """Three members serve everything: ``fast`` over a direct sealed socket; ``old`` runs the
+    fast path but serves no ranges on it (it closes the channel at the first request); ``off``
+    has no fast path at all. The fetcher gets every tensor, from ``fast`` over the direct socket
+    only, from the other two over /shard-swarm/tensors/1, and drops nobody."""
+    d, m = model
+    everything = Holds.of_layers(m, range(m.n_layers), head=True)
+    async with _members(4) as (c, fast, old, off), trio.open_nursery() as nursery:
+        served = {h.peer_id: serve_tensors(h, lambda: Slow(m, d, everything, delay=0.01)) for h in (fast, old, off)}
+        async with (_fast(c, None, nursery) as fc, _fast(fast, served[fast.peer_id], nursery) as ff,
+                    _fast(old, None, nursery)):  # fmt: skip
+            paths: list[str] = []
+            opened = _count_streams(c)
+            cache = ModelCache(tmp_path / "cache", m)
+            tensors, files = _everything(m)
+            rep = await fetch_from_members(c, cache, tensors, files, dict.fromkeys(served, everything),
+                                           dial_fast=_dialer(fc, paths))  # fmt: skip
+            assert ff.service.listener.accepted >= 1
+        nursery.cancel_scope.cancel()
+    assert not rep.failed and not rep.liars and set(rep.by_source) == set(served)
+    # fast took a channel in each phase (the files, the tensors); old took one and, found out,
+    # was asked over libp2p for the rest of the fetch, as off (no fast path) was from the start
+    assert paths == ["direct"] * 3
+    assert sorted(opened) == sorted([old.peer_id, off.peer_id] * 2)  # fast never fell back
+    assert cache.holds(tensors)
+    _same(d, cache, m.n_layers)
+
+
+async def test_only_members_get_model_bytes_over_the_fast_path(model: tuple[Path, ModelManifest]) -> None:
+    """A client (the client credential) cannot open a fast channel to a member (the door resets
+    the stream), and the fast-channel server refuses a peer that is not a member even if one came
+    through; a member's request on the same service is answered."""
+    from swarm.errors import AdmissionError
+    from swarm.node.ring.fastlink import FrameLink
+
+    d, m = model
+    some = Holds.of_layers(m, [0])
+    t = m.block(0, 1)[0]
+    async with _members(2) as (c, a), trio.open_nursery() as nursery:
+        served = serve_tensors(a, lambda: Slow(m, d, some))
+        async with (_fast(a, served, nursery), _fast(c, None, nursery) as fc,
+                    open_host(_seed(9), LOOP, secret=client_secret(SECRET), swarm_id=SWARM, role=CLIENT,
+                              member_key=member_key(SECRET)) as client, _fast(client, None, nursery) as fk):  # fmt: skip
+            await client.dial(a.addrs()[0])
+            with pytest.raises(PeerError):
+                await fk.dial(a.peer_id, timeout=5)
+            with pytest.raises(AdmissionError, match="not an admitted member"):
+                await served(client.peer_id, None, RangeRequest(1, t.file, t.start, 8))
+            link = FrameLink(await fc.dial(a.peer_id, timeout=5))
+            assert link.path == "direct"
+            await link.send(RangeRequest(2, t.file, t.start, 8).to_frame(), timeout=5)
+            msg = parse_message(await link.receive(timeout=5))
+            assert msg.req == 2 and msg.data == (d / t.file).read_bytes()[t.start : t.start + 8]  # type: ignore[attr-defined]
+            await link.close()
+        nursery.cancel_scope.cancel()

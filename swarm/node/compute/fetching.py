@@ -37,7 +37,7 @@ from swarm.fetch.slices import (
     verify_in_place,
 )
 from swarm.manifest.model_manifest import TensorEntry
-from swarm.node.compute.members import fetch_from_members
+from swarm.node.compute.members import DialFast, fetch_from_members
 from swarm.node.hosting import Host
 from swarm.node.notices import Notices
 from swarm.node.settings import NodeSettings
@@ -58,6 +58,7 @@ class BlockFetcher:
         self.local: Path | None = None if inside or md is None else (md.parent if md.is_file() else md)
         self._local_held: tuple[set[str], set[str]] = (set(), set())  # tensors, files checked in place
         self.host: Host | None = None
+        self.dial_fast: DialFast | None = None
         self.holders: Callable[[], Mapping[str, Holds]] = dict
         self.on_held: Callable[[list[int], bool], None] = lambda layers, head: None
         self.liars: dict[str, str] = {}  # members whose bytes failed their hash: never asked again
@@ -66,10 +67,11 @@ class BlockFetcher:
         self._widening = threading.Lock()
 
     def join_members(self, host: Host, holders: Callable[[], Mapping[str, Holds]],
-                     on_held: Callable[[list[int], bool], None]) -> None:  # fmt: skip
+                     on_held: Callable[[list[int], bool], None], *, dial_fast: DialFast | None = None) -> None:  # fmt: skip
         """Ask the members ``holders()`` names (peer -> what its advert says it holds) before the
-        origin; ``on_held(layers, head)`` after each fetch or check (to advertise it)."""
-        self.host, self.holders, self.on_held = host, holders, on_held
+        origin; ``on_held(layers, head)`` after each fetch or check (to advertise it);
+        ``dial_fast``: the fast path to a member, where it serves ranges there (members.py)."""
+        self.host, self.holders, self.on_held, self.dial_fast = host, holders, on_held, dial_fast
 
     def holdings(self) -> Holdings:
         """What this node may serve to members: only bytes it holds verified (rebuilt when that
@@ -177,7 +179,7 @@ class BlockFetcher:
         needed = sum(t.nbytes for t in tensors) + sum(
             m.files[p].header_end if m.files[p].is_weights else m.files[p].size for p in set(files) | {t.file for t in tensors})
         rep = await fetch_from_members(self.host, self.cache, tensors, files, holders, self.sources,
-                                       on_liar=self._liar)  # fmt: skip
+                                       on_liar=self._liar, dial_fast=self.dial_fast)  # fmt: skip
         return FetchReport(fetched=rep.fetched, needed=needed, tensors=len(tensors), by_source=rep.by_source)
 
     def _liar(self, peer: str, why: str) -> None:

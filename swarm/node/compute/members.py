@@ -9,25 +9,44 @@ thread; every receive and send has a deadline.
 
 Fetching (:func:`fetch_from_members`): first the files (weight headers, small files), then the
 tensors, each phase an ``Assignment`` worked by one task per member that holds something
-needed, all at once, each over its own stream, one request in flight per stream. Bytes land
+needed, all at once, each over its own stream, one request in flight per stream (the bytes
+received land in a worker thread while the next ones arrive). Bytes land
 through ``PieceSink`` (sha256 per tensor). A member whose bytes fail their hash is a liar: named
 in a warning and to ``on_liar`` (the caller reports it), given no more pieces, and its pieces go
 to the others; a member that times out or breaks the protocol stops being asked; one that
 refuses a piece as not held or busy (its advert was older than its cache) keeps the others.
 What no member could serve comes from the origins (``ModelCache.ensure``), or is a FetchError
 naming it and every member dropped on the way.
+
+The fast path (issue 25: py-libp2p streams cap at ~62 MB/s, a plain socket moves ~800). When
+both ends run a fast-path service (swarm/net/fastpath_host.py, the ring's data plane), a worker
+first dials a :class:`~swarm.net.direct.FastChannel` to its member and sends the same
+RANGE_REQUESTs over it as whole frames (``FrameLink``, as the ring's hops do); the answers,
+refusals, bounds, slots and deadlines are the same, served by the same code. No new channel kind
+or tag: a fast channel's first message already says what it is for (a ring ``hop`` hello, a
+``probe``, or now a RANGE_REQUEST: the node's fast-channel acceptor, wiring.py, hands that one to
+:func:`serve_tensors`' handler). Members only, as on libp2p: the host's door resets a client's
+or an unadmitted peer's fast-path stream, and the handler checks the member role again; the
+dialer's service dials admitted peers only; a fast channel holds one of the peer's inbound
+stream slots, as a stream does. A member without the service (fast path off, an older node)
+fails the dial, or closes the channel at our first request without answering it: that piece
+and the rest of this fetch then go over /shard-swarm/tensors/1, so the fast path never costs a
+piece; a member that times out on the fast path is dropped as on libp2p, not asked again over
+the slower path.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import trio
 
-from swarm.errors import PeerError, ProtocolError
+from swarm.errors import AdmissionError, PeerError, PeerLost, PeerTimeout, ProtocolError
 from swarm.fetch.cache import ModelCache, Source
 from swarm.fetch.origin import FetchError
 from swarm.fetch.peers import (
@@ -41,10 +60,12 @@ from swarm.fetch.peers import (
     tensor_pieces,
 )
 from swarm.manifest.model_manifest import TensorEntry
+from swarm.node.dispatch import role_of
 from swarm.node.hosting import Host, Stream
+from swarm.proto.admission import MEMBER
 from swarm.proto.limits import PROTO_TENSORS, Limits
 from swarm.proto.messages import parse_message
-from swarm.proto.tensors import RangeReader, RangeRequest, data_frames
+from swarm.proto.tensors import RangeData, RangeReader, RangeRequest
 from swarm.proto.tensors import RangeRefused as Refused
 from swarm.proto.text import printable
 
@@ -53,17 +74,26 @@ log = logging.getLogger("swarm.node.fetch")
 IDLE_S = 30.0  # a serving stream with no request this long is closed
 IO_S = 30.0  # one frame sent or received, either side
 SERVE_SLOTS = 4  # ranges read from disk at once for other members
+WRITE_AHEAD = 4  # RANGE_DATA frames received and not landed yet, per stream (1 MiB each)
 
 
 # ---------------------------------------------------------------------------- serving
 
 
+TensorServer = Callable[[str, Any, RangeRequest], Awaitable[None]]  # a fast channel's ranges
+DialFast = Callable[[str, float], Awaitable[Any]]  # (peer, timeout) -> a fast-path frame link (send, receive, close)
+
+
 def serve_tensors(host: Host, holdings: Callable[[], Holdings | None], *, io_s: float = IO_S,
-                  widen: Callable[[str, int, int], bool] | None = None) -> None:  # fmt: skip
+                  widen: Callable[[str, int, int], bool] | None = None) -> TensorServer:  # fmt: skip
     """Answer byte-range requests from admitted members on PROTO_TENSORS. ``holdings()`` is what
     this node holds verified at the moment of each request (None: nothing). ``widen(file,
     offset, length)`` (a node with its own full copy) checks the tensors of a range not verified
-    yet against the manifest, in a worker thread: True if they are now held."""
+    yet against the manifest, in a worker thread: True if they are now held.
+
+    Returns the same service for a fast-path channel: ``await served(peer, link, first)`` with
+    the channel's first message ``first`` (a RangeRequest) already read; it refuses (AdmissionError)
+    a peer that is not an admitted member, and returns when the peer stops asking."""
     limits = host.limits
     slots = trio.Semaphore(SERVE_SLOTS)
 
@@ -85,26 +115,44 @@ def serve_tensors(host: Host, holdings: Callable[[], Holdings | None], *, io_s: 
         h.check(msg.file, msg.offset, msg.length, limits.max_range_bytes)
         return h
 
-    async def handler(peer: str, fs: Stream) -> None:
+    async def serve(peer: str, fs: Any, first: RangeRequest | None = None) -> None:
+        msg: Any = first
         while True:
-            msg = parse_message(await fs.receive(timeout=IDLE_S), limits)
+            if msg is None:
+                msg = parse_message(await fs.receive(timeout=IDLE_S), limits)
             if not isinstance(msg, RangeRequest):
                 raise ProtocolError(f"{PROTO_TENSORS}: expected RANGE_REQUEST, got {type(msg).__name__}")
             try:
                 h = await check(holdings(), msg)
                 if slots.value == 0:
                     raise RangeRefused("busy", f"{SERVE_SLOTS} ranges are being read for other members: ask another")
-                async with slots:
-                    data = await trio.to_thread.run_sync(h.read, msg.file, msg.offset, msg.length)
+                # read and sent a frame at a time: the first bytes leave after one chunk's read,
+                # not the whole range's (up to 16 MiB; it stalled the asker's stream each request)
+                step, end = limits.max_range_chunk, msg.offset + msg.length
+                for off in range(msg.offset, end, step):
+                    n = min(step, end - off)
+                    async with slots:
+                        data = await trio.to_thread.run_sync(h.read, msg.file, off, n)
+                    await fs.send(RangeData.of(msg.req, off, data, off + n >= end).to_frame(), timeout=io_s)
             except RangeRefused as e:
                 log.info("refused %s range request %s [%d, +%d): %s", peer, printable(msg.file)[:80],
                          msg.offset, msg.length, e.code)  # fmt: skip
                 await fs.send(Refused(msg.req, e.code, str(e)[:256]).to_frame(), timeout=io_s)
-                continue
-            for d in data_frames(msg.req, msg.offset, data, limits):
-                await fs.send(d.to_frame(), timeout=io_s)
+            msg = None
+
+    async def handler(peer: str, fs: Stream) -> None:
+        await serve(peer, fs)
+
+    async def served(peer: str, link: Any, first: RangeRequest) -> None:
+        if role_of(host, peer, advertised=False) != MEMBER:
+            raise AdmissionError(f"peer {peer} asked for model bytes over the fast path but is not an admitted member")
+        try:
+            await serve(peer, link, first)
+        except PeerError as exc:  # the asker closed its channel, or went idle: as on libp2p
+            log.debug("fast-path tensors channel from %s ended: %s", peer, exc)
 
     host.handle(PROTO_TENSORS, handler)  # members only: the host's default roles
+    return served
 
 
 # ---------------------------------------------------------------------------- fetching
@@ -131,10 +179,13 @@ async def fetch_from_members(
     *,
     on_liar: Callable[[str, str], None] | None = None,
     io_s: float = IO_S,
+    dial_fast: DialFast | None = None,
 ) -> MembersReport:
     """Land ``tensors`` and ``files`` (plus the headers of the tensors' files) in ``cache``,
     asking the members in ``holders`` (what each says it holds) first, several at once, then
-    ``origins`` for the rest. Everything is checked against the manifest before it is held."""
+    ``origins`` for the rest. Everything is checked against the manifest before it is held.
+    ``dial_fast(peer, timeout)`` (a fast-path channel as a frame link, or None: libp2p only)
+    carries the requests where the member serves them there (see the module's docstring)."""
     m = cache.manifest
     want_files = sorted((set(files) | {t.file for t in tensors}) - cache.files)
     want = [t for t in tensors if t.name not in cache.verified]
@@ -142,6 +193,7 @@ async def fetch_from_members(
     rep = MembersReport()
     usable = {p: h for p, h in holders.items() if p != host.peer_id}
     ids = itertools.count(1)
+    slow: set[str] = set()  # members found without ranges on the fast path: libp2p for the rest of this fetch
     for pieces in (file_pieces(m, want_files), tensor_pieces(want, host.limits.max_range_bytes)):
         if not pieces:
             continue
@@ -152,7 +204,7 @@ async def fetch_from_members(
             async with trio.open_nursery() as nursery:
                 for peer in list(a.holders):
                     if a.usable(peer) and any(peer in a.candidates(p) for p in a.pending):
-                        nursery.start_soon(_worker, host, cache, a, peer, ids, io_s)
+                        nursery.start_soon(_worker, host, None if peer in slow else dial_fast, cache, a, peer, ids, io_s, slow)
         for peer, why in a.liars.items():
             if peer not in rep.liars:
                 log.warning("member %s sent model bytes that are not the manifest's: %s; not asking it again", peer, why)
@@ -180,25 +232,31 @@ async def _from_origin(cache: ModelCache, left: list[Piece], origins: Sequence[S
         rep.by_source[k] = rep.by_source.get(k, 0) + n
 
 
-async def _worker(host: Host, cache: ModelCache, a: Assignment, peer: str, ids: itertools.count[int],
-                  io_s: float) -> None:  # fmt: skip
+class _NoFastPath(Exception):
+    """The member took the fast channel but closed it at our first request (it does not serve
+    ranges there): ``piece`` (that request's, or None) goes over libp2p instead."""
+
+    def __init__(self, piece: Piece | None) -> None:
+        self.piece = piece
+
+
+async def _worker(host: Host, dial_fast: DialFast | None, cache: ModelCache, a: Assignment, peer: str,
+                  ids: itertools.count[int], io_s: float, slow: set[str]) -> None:  # fmt: skip
     piece: Piece | None = None
     try:
-        async with host.open_stream(peer, PROTO_TENSORS, timeout=io_s) as fs:
-            while (piece := a.take(peer)) is not None:
+        async with _fast_link(dial_fast, peer, io_s) as link:
+            if link is not None:
                 try:
-                    bad = await _fetch_piece(fs, cache, piece, ids, host.limits, io_s)
-                except RangeRefused as e:
-                    if e.code not in ("not-held", "busy"):
-                        raise
-                    a.give_back(piece, peer, str(e), drop=False)  # the stream is fine: go on with the rest
-                    piece = None
-                    continue
-                if bad:
-                    a.give_back(piece, peer, f"{piece.file}: {', '.join(bad[:3])} failed sha256", lied=True)
-                else:
-                    a.landed(piece, peer)
-                piece = None
+                    await _pieces(link, cache, a, peer, ids, host.limits, io_s, unproven=True)
+                    return
+                except _NoFastPath as e:
+                    piece = e.piece
+                    slow.add(peer)
+            elif dial_fast is not None:
+                slow.add(peer)
+        async with host.open_stream(peer, PROTO_TENSORS, timeout=io_s) as fs:
+            first, piece = piece, None
+            await _pieces(fs, cache, a, peer, ids, host.limits, io_s, first=first)
     except (PeerError, ProtocolError, FetchError) as e:  # a refusal other than not-held/busy included
         why = f"{type(e).__name__}: {e}"
         if piece is not None:
@@ -208,21 +266,93 @@ async def _worker(host: Host, cache: ModelCache, a: Assignment, peer: str, ids: 
         log.info("member %s stops serving this fetch: %s", peer, printable(why)[:300])
 
 
+@asynccontextmanager
+async def _fast_link(dial_fast: DialFast | None, peer: str, io_s: float) -> AsyncIterator[Any]:
+    """A fast-path channel to ``peer`` as a frame link, or None (no service here, or the member
+    answers none: its protocol refused or unsupported). A dial that times out is the member's
+    failure, as on libp2p."""
+    link: Any = None
+    if dial_fast is not None:
+        try:
+            link = await dial_fast(peer, io_s)
+        except PeerTimeout:
+            raise
+        except (PeerError, ProtocolError) as e:
+            log.info("no fast path to member %s (%s): fetching over %s", peer, printable(str(e))[:200], PROTO_TENSORS)
+    try:
+        yield link
+    finally:
+        if link is not None:
+            with trio.CancelScope(shield=True), trio.move_on_after(2):
+                await link.close()
+
+
+async def _pieces(fs: Any, cache: ModelCache, a: Assignment, peer: str, ids: itertools.count[int], limits: Limits,
+                  io_s: float, *, first: Piece | None = None, unproven: bool = False) -> None:  # fmt: skip
+    """Fetch pieces from ``peer`` over ``fs`` (a stream or frame link) until none is left for it.
+    ``unproven``: a fast channel that has answered nothing yet (a close now is _NoFastPath)."""
+    piece: Piece | None = first
+    try:
+        while piece is not None or (piece := a.take(peer)) is not None:
+            try:
+                bad = await _fetch_piece(fs, cache, piece, ids, limits, io_s)
+            except RangeRefused as e:
+                if e.code not in ("not-held", "busy"):
+                    raise
+                a.give_back(piece, peer, str(e), drop=False)  # the stream is fine: go on with the rest
+                piece, unproven = None, False
+                continue
+            except (PeerLost, ProtocolError) as e:
+                if not unproven:
+                    raise
+                log.info("member %s closed the fast channel at our first request (%s): fetching over %s",
+                         peer, printable(str(e))[:200], PROTO_TENSORS)  # fmt: skip
+                p, piece = piece, None
+                raise _NoFastPath(p) from None
+            unproven = False
+            if bad:
+                a.give_back(piece, peer, f"{piece.file}: {', '.join(bad[:3])} failed sha256", lied=True)
+            else:
+                a.landed(piece, peer)
+            piece = None
+    except BaseException:
+        if piece is not None:
+            a.give_back(piece, peer, "stopped before it landed", drop=False)
+        raise
+
+
 async def _fetch_piece(fs: Stream, cache: ModelCache, piece: Piece, ids: itertools.count[int],
                        limits: Limits, io_s: float) -> list[str]:  # fmt: skip
+    """One piece's ranges, asked one at a time. The bytes land (pwrite, sha256: ~1 ms per MiB)
+    in a worker thread while the next frames are received and opened: a writer task behind a
+    queue of WRITE_AHEAD frames (measured on the fast path, 2 loaded shared cores, 12 fetches each,
+    interleaved: median 110 MB/s landing inline, 190 with the writer task)."""
     sink = PieceSink(cache, piece)
-    try:
-        for a, b in piece.ranges(limits.max_range_bytes):
-            req = RangeRequest(next(ids), piece.file, a, b - a)
-            await fs.send(req.to_frame(), timeout=io_s)
-            reader = RangeReader(req)
-            while not reader.done:
-                msg = parse_message(await fs.receive(timeout=io_s), limits)
-                if isinstance(msg, Refused) and msg.req == req.req:
-                    raise RangeRefused(msg.code, f"peer {fs.peer} refused {piece.file} [{a}, {b}): {msg.code}: "
-                                                 f"{printable(msg.reason)[:200]}")  # fmt: skip
-                data = reader.take(msg)
+    send, recv = trio.open_memory_channel[bytes](WRITE_AHEAD)
+
+    async def writer() -> None:
+        async with recv:
+            async for data in recv:
                 await trio.to_thread.run_sync(sink.take, data)
+
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(writer)
+            async with send:
+                for a, b in piece.ranges(limits.max_range_bytes):
+                    req = RangeRequest(next(ids), piece.file, a, b - a)
+                    await fs.send(req.to_frame(), timeout=io_s)
+                    reader = RangeReader(req)
+                    while not reader.done:
+                        msg = parse_message(await fs.receive(timeout=io_s), limits)
+                        if isinstance(msg, Refused) and msg.req == req.req:
+                            raise RangeRefused(msg.code, f"peer {fs.peer} refused {piece.file} [{a}, {b}): "
+                                                         f"{msg.code}: {printable(msg.reason)[:200]}")  # fmt: skip
+                        await send.send(reader.take(msg))
         return sink.finish()
+    except BaseExceptionGroup as group:  # the caller's own exception, not a group
+        if len(group.exceptions) == 1:
+            raise group.exceptions[0] from None
+        raise
     finally:
         sink.close()

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
@@ -35,6 +35,7 @@ from swarm.node.ring.stage_worker import StageWorker
 from swarm.proto import control as ctl
 from swarm.proto.limits import PROTO_ACT
 from swarm.proto.messages import parse_message
+from swarm.proto.tensors import RangeRequest
 
 log = logging.getLogger("swarm.node")
 
@@ -73,6 +74,8 @@ class Wiring:
         self.own_draft = own_draft  # our advertised draft model bytes (in our budget where we coordinate)
         self.hop_paths: dict[int, str] = {}  # hop index -> "direct" | "libp2p" | "local", for status
         self.corrupt = False  # fault injection (chaos tests, SIGUSR1 in python -m swarm.node)
+        # a fast channel that opens with a RANGE_REQUEST: serve_tensors' handler (serving.py)
+        self.tensors: Callable[[str, Any, RangeRequest], Awaitable[None]] | None = None
 
     # -- connect: the hops that leave us, and our stage worker --------------------------------
 
@@ -215,18 +218,23 @@ class Wiring:
 
     async def _serve_fast_act(self, link: FrameLink) -> None:
         try:
-            await self.serve_act(link.peer, link)
+            first = parse_message(await link.receive(timeout=HELLO_TIMEOUT_S))
+            if isinstance(first, RangeRequest) and self.tensors is not None:
+                await self.tensors(link.peer, link, first)  # model bytes for a member (compute/members.py)
+            else:
+                await self.serve_act(link.peer, link, first)
         except SwarmError as exc:
             log.warning("activation channel from %s: %s", link.peer, exc)
         finally:
             with trio.CancelScope(shield=True), trio.move_on_after(2):
                 await link.close()
 
-    async def serve_act(self, peer: str, fs: Link) -> None:
-        """``/shard-swarm/act/1`` (or a fast-path channel): one hop into this node, opened by its
-        upstream peer with a ``hop`` hello and held until the epoch ends; or a probe of the path
-        (a ``probe`` hello), echoed and closed."""
-        hello = parse_message(await fs.receive(timeout=HELLO_TIMEOUT_S))
+    async def serve_act(self, peer: str, fs: Link, hello: Any = None) -> None:
+        """``/shard-swarm/act/1`` (or a fast-path channel, its first message ``hello`` read): one
+        hop into this node, opened by its upstream peer with a ``hop`` hello and held until the
+        epoch ends; or a probe of the path (a ``probe`` hello), echoed and closed."""
+        if hello is None:
+            hello = parse_message(await fs.receive(timeout=HELLO_TIMEOUT_S))
         if isinstance(hello, ctl.Probe):
             await echo_probe(fs, peer, hello)  # a short channel that measures the path (probe.py)
             return
