@@ -72,4 +72,5 @@ async def test_nodes_inside_a_memory_limit_of_their_offer_serve_eight_sessions_a
     assert all(m["measured_peak_bytes"] <= m["offered_bytes"] for m in hwm), hwm
     for i, r in enumerate(got):
         assert r is not None and r["output_token_ids"] == want[i], (i, r, want[i])
-    print("cgroup peak of offer:", report)
+    print("cgroup peak of offer:", report, "VmHWM / predicted:",
+          [f"{m['measured_peak_bytes'] / m['predicted_peak_bytes']:.3f}" for m in hwm])
