@@ -38,7 +38,7 @@ from swarm.testing.netlab import Lab, LabProcess, lab_unavailable_reason, nat_la
 PY = sys.executable
 BOOT_PORT = 4001
 PEER_PORT = 4101
-MEMORY = "250M"
+MEMORY = "1090M"  # as tests/net/test_nat_join.py: --memory is the whole budget (planner/budget.py), 10 layers each
 PROMPT_IDS = "1,9690,314,253,4226,1744,30,2"
 SWARMS = {"direct": ("public0", "public1", "public2"), "relayed": ("public0", "home0", "home1")}
 

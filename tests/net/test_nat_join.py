@@ -33,8 +33,8 @@ ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
 BOOT_PORT = 4001
 PEER_PORT = 4101
-MEMORY = "1050M"  # fp32 SmolLM2-135M at 2048 tokens, 8 sessions, the runtime included (launch.offer_for): 10 layers
-# and the head take 1.02 GB, 15 layers 1.10 GB and 15 with the head 1.21 GB: two peers cannot hold it, three can
+MEMORY = "1090M"  # fp32 SmolLM2-135M at 2048 tokens, 8 sessions, the runtime included (launch.offer_for): 10 layers
+# and the head take 1.06 GB, 15 layers 1.14 GB and 15 with the head 1.25 GB: two peers cannot hold it, three can
 PROMPT_IDS = "1,9690,314,253,4226,1744,30,2"
 NEW_TOKENS = 12
 ROLES = ("public0", "home0", "home1")
