@@ -76,10 +76,12 @@ async def test_out_of_memory_in_a_forward_fails_that_request_alone(ckpt: Path) -
 
 async def test_a_peer_that_cannot_load_its_block_offers_less_and_is_not_blamed(ckpt: Path) -> None:
     want = _one_box(ckpt, SHORT, 16)
-    # node 0 offers room for the whole model but can load two layers at most; the others hold
-    # three and one, so the first plan gives node 0 more than it can load
-    memory = [offer_for(ckpt, layers) for layers in (6, 3.5, 1.5)]  # at the local swarm's context, 1024
-    env = {0: {"SWARM_INJECT_OOM_LOAD_LAYERS": "2"}}
+    # node 0 offers room for the whole model but can load one layer at most; the others hold three
+    # and two, so the balanced first plan (two layers each) gives node 0 more than it can load, and
+    # after it offers less, 1 + 3 + 2 still covers the six layers (with node 0 loading two and the
+    # others three and one, a 2-3-1 first plan tied with the 3-2-1 one and loaded at once)
+    memory = [offer_for(ckpt, layers) for layers in (6, 3.5, 2.5)]  # at the local swarm's context, 1024
+    env = {0: {"SWARM_INJECT_OOM_LOAD_LAYERS": "1"}}
     with start_local_swarm(3, ckpt, dtype="fp32", draft="none", memory_bytes=memory, node_env=env) as swarm:
         async with client.open_client(swarm.addrs[1], secret=swarm.secret, swarm_id=swarm.swarm_id) as (h, peer):
             st = await client.wait_ready(h, peer, timeout=120)
@@ -87,7 +89,7 @@ async def test_a_peer_that_cannot_load_its_block_offers_less_and_is_not_blamed(c
             assert got["output_token_ids"] == want
             st = await client.status(h, peer, coordinator=True)
             block = st["plan"]["blocks"].get(swarm.peer_ids[0])
-            assert block is not None and block[1] - block[0] <= 2, st["plan"]
+            assert block is not None and block[1] - block[0] <= 1, st["plan"]
             assert swarm.peer_ids[0] in st["members"]  # still a member: it was not excluded
             causes = " ".join(str(r) for r in st["replans"])
             assert "fault" not in causes and "bad activations" not in causes
