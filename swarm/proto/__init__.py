@@ -5,13 +5,14 @@ Files:
 - ``limits.py``     every protocol ID (``/shard-swarm/{admit,ctl,act,ring,gen,tensors}/1``) and
                     :class:`Limits`, the caps every decoder takes
 - ``frame.py``      the binary frame (32-byte header, dims, JSON meta, raw tensor bytes),
-                    ``encode_frame``, the incremental ``FrameDecoder`` and ``decode_frame``
-- ``meta.py``       the frame's JSON metadata block, strictly bounded both ways
+                    ``encode_frame``, the incremental ``FrameDecoder`` and ``decode_frame``, and
+                    the JSON metadata block (``encode_meta``/``decode_meta``), strictly bounded
+                    both ways
 - ``fields.py``     the declarative field codec: a message lists its fields once (wire key,
                     bounds), encoding and strict decoding come from that list
-- ``messages.py``   the message base, ``parse_message``, and the swarm-level messages
-                    (admission, advert, heartbeat, plan)
-- ``activation.py`` the activation path's messages (chunk, result, rollback, session end, error)
+- ``messages.py``   the message base, ``parse_message``, the swarm-level messages (admission,
+                    advert, heartbeat, plan) and the activation path's (chunk, result, rollback,
+                    session end, error)
 - ``control.py``    CONTROL: one typed message per ring / generation / status op, the one
                     generation request (``Gen``) and its bounds, ``Fail`` and its error codes
 - ``parts.py``      long messages in small frames: a prompt or receipt as PART frames, then the
@@ -26,8 +27,7 @@ Errors: FrameError for a bad frame, ProtocolError for a bad message, AdmissionEr
 proof (all from ``swarm.errors``).
 """
 
-from swarm.proto import activation, control, tensors  # noqa: F401  (register their message types)
-from swarm.proto.activation import Chunk, Error, Result, Rollback, SessionEnd
+from swarm.proto import control, tensors  # noqa: F401  (register their message types)
 from swarm.proto.control import Control
 from swarm.proto.frame import DType, Flag, Frame, FrameDecoder, MsgType, decode_frame, encode_frame
 from swarm.proto.limits import (
@@ -45,9 +45,14 @@ from swarm.proto.messages import (
     AdmitResponse,
     AdmitResult,
     Advert,
+    Chunk,
+    Error,
     Heartbeat,
     Message,
     Plan,
+    Result,
+    Rollback,
+    SessionEnd,
     decode_message,
     parse_message,
 )

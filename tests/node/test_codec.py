@@ -18,9 +18,8 @@ from swarm.node.ring.codec import (
     read_hidden,
     wire_dtype,
 )
-from swarm.proto.activation import Chunk, Result
 from swarm.proto.frame import DType, encode_frame
-from swarm.proto.messages import decode_message
+from swarm.proto.messages import Chunk, Result, decode_message
 
 D = 16
 

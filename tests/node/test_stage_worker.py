@@ -19,8 +19,7 @@ from swarm.model.stage import Stage
 from swarm.node.ring.codec import hidden_chunk, hidden_result, read_hidden
 from swarm.node.ring.links import LocalLink
 from swarm.node.ring.stage_worker import StageWorker
-from swarm.proto.activation import Chunk, Error, Result, Rollback, SessionEnd
-from swarm.proto.messages import Message, parse_message
+from swarm.proto.messages import Chunk, Error, Message, Result, Rollback, SessionEnd, parse_message
 from swarm.testing.checkpoints import TinySpec, write_checkpoint
 
 EPOCH = 4

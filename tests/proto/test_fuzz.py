@@ -182,7 +182,7 @@ _ANY_CHAR = st.characters(min_codepoint=0, max_codepoint=0x10FFFF, blacklist_cat
 @FUZZ
 @given(st.text(alphabet=_ANY_CHAR, max_size=40))
 def test_error_text_any_code_points(text: str) -> None:
-    from swarm.proto.activation import Error
+    from swarm.proto.messages import Error
 
     try:
         wire = encode_frame(Error(1, 2, "bad_input", text).to_frame())
@@ -210,8 +210,8 @@ def test_escaped_meta_any_code_units(key: str, value: str) -> None:
 
 
 def test_a_lone_surrogate_from_upstream_is_a_frame_error() -> None:
-    from swarm.proto.activation import Error
     from swarm.proto.frame import decode_meta, encode_meta
+    from swarm.proto.messages import Error
 
     for raw in (b'{"code":"x","msg":"\\ud800"}', b'{"\\udfff":1}'):
         try:

@@ -8,7 +8,6 @@ import pytest
 
 from swarm.errors import BadRequest, FrameError, ProtocolError
 from swarm.proto import control as ctl
-from swarm.proto.activation import Chunk, Error, Result, Rollback, SessionEnd
 from swarm.proto.frame import DType, Frame, MsgType, decode_frame, encode_frame
 from swarm.proto.limits import Limits
 from swarm.proto.messages import (
@@ -18,9 +17,14 @@ from swarm.proto.messages import (
     AdmitResponse,
     AdmitResult,
     Advert,
+    Chunk,
+    Error,
     Heartbeat,
     Message,
     Plan,
+    Result,
+    Rollback,
+    SessionEnd,
     decode_message,
     parse_message,
 )

@@ -23,7 +23,6 @@ from libp2p.peer.id import ID
 
 from swarm.errors import PeerError, ProtocolError
 from swarm.net.host import SwarmHost
-from swarm.proto.activation import Chunk
 from swarm.proto.control import Hop
 from swarm.proto.frame import HEADER, MAGIC, DType, MsgType
 from swarm.proto.limits import (
@@ -34,6 +33,7 @@ from swarm.proto.limits import (
     PROTO_RING,
     WIRE_VERSION,
 )
+from swarm.proto.messages import Chunk
 
 from .swarmkit import LiveSwarm, admitted_attacker, assert_still_serving, current_plan
 

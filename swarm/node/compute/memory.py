@@ -25,7 +25,7 @@ from swarm.errors import SwarmError
 
 OOM_ERRORS: tuple[type[BaseException], ...] = (torch.OutOfMemoryError, MemoryError)
 
-_OOM_TOKENS = int(os.environ.get("SWARM_INJECT_OOM_TOKENS", "0") or 0)
+INJECT_OOM_TOKENS = int(os.environ.get("SWARM_INJECT_OOM_TOKENS", "0") or 0)
 _OOM_LOAD_LAYERS = int(os.environ.get("SWARM_INJECT_OOM_LOAD_LAYERS", "0") or 0)
 
 
@@ -37,9 +37,10 @@ class CannotLoad(SwarmError):
 
 
 def check_forward(tokens: int) -> None:
-    """Test hook (module doc): an injected out-of-memory error for a chunk this long."""
-    if _OOM_TOKENS and tokens >= _OOM_TOKENS:
-        raise torch.OutOfMemoryError(f"injected: a forward over {tokens} tokens (SWARM_INJECT_OOM_TOKENS={_OOM_TOKENS})")
+    """Test hook (module doc): an injected out-of-memory error for a chunk this long (callers
+    test ``INJECT_OOM_TOKENS`` first, so that a forward makes no call when nothing is injected)."""
+    if INJECT_OOM_TOKENS and tokens >= INJECT_OOM_TOKENS:
+        raise torch.OutOfMemoryError(f"injected: a forward over {tokens} tokens (SWARM_INJECT_OOM_TOKENS={INJECT_OOM_TOKENS})")
 
 
 def check_load(layers: int) -> None:

@@ -1,6 +1,6 @@
 """The activation codec: tensors <-> activation-path messages, with the checks that bytes from
 another peer need. The messages' wire schema (shapes, tokens per chunk, positions) is
-``swarm.proto.activation``; this module is the only place a tensor becomes bytes or back.
+``swarm.proto.messages``; this module is the only place a tensor becomes bytes or back.
 
 A hidden state travels as raw bytes in the serving dtype (bf16 as its int16 bit pattern, fp16,
 fp32): exactly the values the next stage would have received in one process, so a ring computes
@@ -23,8 +23,8 @@ import numpy as np
 import torch
 
 from swarm.errors import ProtocolError
-from swarm.proto.activation import Chunk, Result
 from swarm.proto.frame import DType
+from swarm.proto.messages import Chunk, Result
 
 Encoded = tuple[DType, tuple[int, ...], bytes]
 

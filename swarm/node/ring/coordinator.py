@@ -67,10 +67,9 @@ from swarm.node.compute import drafting, memory
 from swarm.node.compute.headbatch import SharedHead
 from swarm.node.ring.codec import REPLAY_ID_BASE, hidden_chunk, read_hidden
 from swarm.node.ring.links import Link
-from swarm.proto.activation import Error, Result, SessionEnd
 from swarm.proto.frame import Frame
 from swarm.proto.limits import DEFAULT_LIMITS, Limits
-from swarm.proto.messages import parse_message
+from swarm.proto.messages import Error, Result, SessionEnd, parse_message
 
 log = logging.getLogger("swarm.node.ring.coordinator")
 
