@@ -7,8 +7,10 @@ ggml type, offset) followed by an aligned data section. We parse the header ours
 ``struct`` over an ``mmap`` (the PyPI ``gguf`` reader builds numpy views for every token of the
 vocabulary and takes seconds to open a 100 MB file; this parser takes milliseconds), and check
 that every tensor's bytes lie inside the file, so a truncated file fails at open, naming the
-first tensor that is cut. Tensor bytes stay in the page cache until ``load(name)`` asks for one
-tensor: only then is that tensor dequantized (``gguf.quants.dequantize``, which knows every ggml
+first tensor that is cut; the map is closed once the header is parsed. Tensor bytes stay on disk
+(or in the page cache) until ``load(name)`` asks for one tensor: only then are its bytes read
+into a buffer of our own (weights.FileReader: a map's touched pages would stay resident, see
+weights.py) and dequantized (``gguf.quants.dequantize``, which knows every ggml
 type the ``gguf`` package supports: F32, F16, BF16, Q8_0, Q4_0/1, Q5_0/1, K-quants, IQ-quants).
 A Stage of 7 layers out of 30 therefore reads and dequantizes only its own 7 layers.
 
@@ -48,6 +50,7 @@ from gguf.quants import dequantize
 
 from swarm.errors import ConfigError, WeightsError
 from swarm.model.gguf_archs import arch_of, config_from, hf_names
+from swarm.model.weights import FileReader
 
 # --------------------------------------------------------------------------------------------
 # Header parsing
@@ -150,7 +153,7 @@ class _Cursor:
 
 
 class GGUFFile:
-    """The parsed header of a GGUF file plus a read-only memory map of its data."""
+    """The parsed header of a GGUF file, and a reader of its tensors' bytes."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
@@ -158,12 +161,22 @@ class GGUFFile:
             with open(self.path, "rb") as f:
                 if os.fstat(f.fileno()).st_size == 0:
                     raise WeightsError(f"{self.path}: empty file, not a GGUF model")
-                self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         except OSError as e:
             raise WeightsError(f"{self.path}: cannot open GGUF file: {e.strerror or e}") from e
-        cur = _Cursor(self._mm, self.path)
+        try:
+            self._parse(mm)
+        finally:
+            mm.close()  # the header is parsed into Python objects; tensors are read (module doc)
+        try:
+            self._reader = FileReader(self.path)
+        except OSError as e:
+            raise WeightsError(f"{self.path}: cannot open GGUF file: {e.strerror or e}") from e
+
+    def _parse(self, mm: mmap.mmap) -> None:
+        cur = _Cursor(mm, self.path)
         cur._need(4, "magic")
-        magic = bytes(self._mm[:4])
+        magic = bytes(mm[:4])
         if magic != _MAGIC:
             raise WeightsError(f"{self.path}: not a GGUF file (magic {magic!r}, expected b'GGUF')")
         cur.pos = 4
@@ -216,19 +229,22 @@ class GGUFFile:
                 )
             self.tensors[name] = GGUFTensorInfo(name, tuple(reversed(ne)), qtype, start, nbytes)
 
-    def raw(self, info: GGUFTensorInfo) -> np.ndarray:
-        """The tensor's bytes as a zero-copy uint8 view, shaped (rows..., bytes_per_row)."""
-        arr = np.frombuffer(self._mm, dtype=np.uint8, count=info.nbytes, offset=info.offset)
-        rows = info.shape[:-1]
+    def raw(self, info: GGUFTensorInfo, expert: int | None = None) -> np.ndarray:
+        """The tensor's bytes, read into a fresh uint8 array shaped (rows..., bytes_per_row); with
+        ``expert``, only that slice of a stacked (E, ...) tensor (its bytes lie together)."""
+        offset, nbytes, rows = info.offset, info.nbytes, info.shape[:-1]
+        if expert is not None:
+            nbytes //= info.shape[0]
+            offset, rows = offset + expert * nbytes, rows[1:]
+        what = f"tensor {info.name!r}" + ("" if expert is None else f" expert {expert}")
+        arr = self._reader.tensor(offset, nbytes, what).numpy()
         return arr.reshape(*rows, -1) if rows else arr
 
     def dequantized(self, info: GGUFTensorInfo, expert: int | None = None) -> np.ndarray:
         """float32 array in HF shape (a fresh, writable copy); with ``expert``, only that slice of a
         stacked (E, ...) experts tensor (its rows are stored apart from the other experts')."""
-        data = self.raw(info)
-        shape = info.shape
-        if expert is not None:
-            data, shape = data[expert], shape[1:]
+        data = self.raw(info, expert)
+        shape = info.shape if expert is None else info.shape[1:]
         try:
             if info.qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
                 out = dequantize(data, info.qtype)

@@ -117,9 +117,11 @@ async def open_peer(
     if s.model_dir is not None:
         import torch  # a peer without a model never loads torch
 
+        from swarm.node.compute.memory import bounded_heap
         from swarm.node.compute.runtime import Compute, Models
 
         torch.set_num_threads(max(1, s.threads))
+        bounded_heap()  # freed load temporaries leave the process (memory.py)
         # The trio thread takes the GIL back after every torch call or socket write it makes; while
         # a compute thread runs Python code (module calls between kernels) each such wait lasts up
         # to the switch interval: 5 ms by default, which a step of a few dozen calls turns into a

@@ -213,3 +213,46 @@ def test_bundled_gguf_opens_like_its_converted_dir() -> None:
     assert ck.source.shape(name) == conv.source.shape(name)
     stage = Stage.load(ck.args, ck.source, 29, 30, dtype=torch.float32)  # dequantizes one layer only
     assert stage.layers[0].self_attn.k_proj.weight.shape == (192, 576)
+
+
+def _resident_mapped(file: Path) -> int | None:
+    """Bytes of ``file`` mapped into this process and resident (/proc/self/smaps), None without it."""
+    try:
+        text = Path("/proc/self/smaps").read_text()
+    except OSError:
+        return None
+    total, mine, target = 0, False, str(file.resolve())
+    for line in text.splitlines():
+        head = line.split(None, 5)
+        if head and "-" in head[0] and len(head) >= 5:  # a mapping's first line: range perms offset dev inode [path]
+            mine = len(head) == 6 and head[5].strip() == target
+        elif mine and line.startswith("Rss:"):
+            total += int(line.split()[1]) * 1024
+    return total
+
+
+def test_a_loaded_stage_leaves_no_checkpoint_page_resident(single: Path) -> None:
+    """Tensors are read into our own buffers, never taken from a map (module doc): a map's touched
+    pages would count in the node's VmHWM beside the block it built, and no budget counts them."""
+    if _resident_mapped(single / "model.safetensors") is None:
+        pytest.skip("no /proc/self/smaps here")
+    ck = open_checkpoint(single)
+    stage = Stage.load(ck.args, ck.source, 0, 3, dtype=torch.float32, quant="int8")
+    Head.load(ck.args, ck.source, dtype=torch.float32)
+    assert stage.end == 3
+    assert _resident_mapped(single / "model.safetensors") == 0
+    gguf_path = pytest.importorskip("swarm.model.bundled").bundled_gguf_path()
+    g = open_checkpoint(gguf_path)
+    Stage.load(g.args, g.source, 0, 2, dtype=torch.float32, quant="int4")  # int4 straight from Q4 blocks
+    Stage.load(g.args, g.source, 2, 3, dtype=torch.float32)  # dequantized
+    assert _resident_mapped(gguf_path) == 0
+
+
+def test_a_file_cut_after_it_was_opened_names_the_tensor(single: Path, tmp_path: Path) -> None:
+    d = _copy(single, tmp_path)
+    ck = open_checkpoint(d)  # header read and checked while the file was whole
+    f = d / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-64])
+    name = max(ck.source.names(), key=lambda n: ck.source._shards[f].where[n][2])  # type: ignore[attr-defined]
+    with pytest.raises(WeightsError, match=r"model\.safetensors: tensor .*bytes short"):
+        ck.source.load(name, torch.float32)

@@ -16,8 +16,11 @@ import (a node process inherits them; nothing else sets them):
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import gc
 import os
+import sys
 
 import torch
 
@@ -47,6 +50,32 @@ def check_load(layers: int) -> None:
     """Test hook (module doc): an injected out-of-memory error for a block this big."""
     if _OOM_LOAD_LAYERS and layers > _OOM_LOAD_LAYERS:
         raise torch.OutOfMemoryError(f"injected: loading {layers} layers (SWARM_INJECT_OOM_LOAD_LAYERS={_OOM_LOAD_LAYERS})")
+
+
+# glibc's mallopt parameter for the size from which malloc maps a fresh region (and unmaps it on free)
+_M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD_BYTES = 128 * 1024  # glibc's own default, held fixed
+
+
+def bounded_heap() -> bool:
+    """Hold glibc's mmap threshold at its default, so that freed tensors go back to the system.
+
+    By default glibc raises the threshold to the size of each mapped block freed (up to 32 MB), after
+    which blocks that size come from the heap, and a heap gives back only what is free at its top:
+    loading a block (one layer's float temporaries freed after each is quantized) left that memory
+    resident. Measured on the bundled model, 10 layers in int4 from bf16 safetensors (25 MB kept):
+    the process's anonymous memory grew 65-99 MB by default, 26 MB with the threshold fixed (peak
+    41 MB: one layer's temporaries, which the budget counts). Setting it also turns glibc's dynamic
+    adjustment off. Process-wide, so the composition root calls it once; False where the C library
+    is not glibc (musl and macOS return freed large blocks already)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
 
 
 def release(device: str = "cpu") -> None:
