@@ -169,7 +169,10 @@ async def test_a_slow_draft_never_holds_the_event_loop(ckpts: tuple[Path, Path])
     (res,), _ = await run_memory_ring(model, [job], during=ticker)
     assert not isinstance(res, BaseException), res
     assert d.forwards * 0.03 >= 0.3  # at least 0.3 s of drafting happened meanwhile
-    assert max(gaps) < 0.025, max(gaps)  # under one draft forward: the loop was never held by one
+    # A forward run on the loop would hold it for its whole 30 ms: one gap that long per forward. A
+    # busy machine stalls the loop now and then on its own, so count the long gaps, not the longest.
+    held = [g for g in gaps if g >= 0.03]
+    assert len(held) < d.forwards / 2, (len(held), d.forwards, sorted(gaps)[-5:])
 
 
 async def test_the_draft_cache_survives_a_replan_and_replay(ckpts: tuple[Path, Path]) -> None:
