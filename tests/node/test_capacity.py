@@ -95,3 +95,38 @@ def test_capacity_is_the_budget_solved_for_sessions_with_the_activations_and_the
     exact = predicted_peak(spec, (0, 2), coordinator=True, draft_bytes=400)  # the coordinator's draft model too
     memory = {"a": exact, "b": 10**9}
     assert ring_capacity(spec, plan, memory, {"a": 400}) == 8 and ring_capacity(spec, plan, memory) == 9
+
+
+async def test_a_new_plans_capacity_lets_waiters_in_in_order_and_a_smaller_one_keeps_their_places(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A re-plan changes the ring's capacity (epochs.py): more slots let the first waiters in, in
+    queue order; fewer slots after waiters were woken send them back to wait in their places."""
+    adm = SlotQueue(1)
+    await adm.enter()  # one generation runs
+    admitted: list[str] = []
+
+    async def waiter(name: str) -> None:
+        await adm.enter()
+        admitted.append(name)
+
+    async with trio.open_nursery() as nursery:
+        for name in "abcd":
+            nursery.start_soon(waiter, name)
+            await trio.sleep(0.1)
+        assert adm.queued == 4 and admitted == []
+        adm.set_capacity(3)  # two more slots: the first two waiters, no one else
+        await trio.sleep(0.1)
+        assert sorted(admitted) == ["a", "b"] and adm.active == 3 and adm.queued == 2  # woken together
+        adm.set_capacity(2)  # fewer slots than run: nobody new gets in, even when one leaves
+        adm.leave()
+        await trio.sleep(0.1)
+        assert len(admitted) == 2 and adm.active == 2
+        adm.leave()  # one below capacity now: the head of the queue, c, and only c
+        await trio.sleep(0.1)
+        assert admitted[2:] == ["c"] and adm.queued == 1
+        adm.set_capacity(0)  # a capacity is at least one
+        assert adm.capacity == 1
+        for _ in range(adm.active):
+            adm.leave()
+    assert admitted[2:] == ["c", "d"] and adm.active == 1

@@ -132,6 +132,29 @@ def test_peers_file_export_is_what_the_planner_reads() -> None:
     assert peer_a.memory_bytes == 1 << 30 and peer_a.ms_per_layer == 1.5
 
 
+def test_a_status_peers_file_lists_members_with_their_rtts_then_a_few_others_without() -> None:
+    """``peers_file(members=..., others=N)`` (a status reply, which adverts made up by a member
+    must not swell): the members and the RTTs among them, then at most N other adverts, no RTTs."""
+    ms = [_m(i) for i in range(4)]
+    ids = [m.peer_id for m in ms]
+    for i, m in enumerate(ms):
+        m.update_local(rtt_ms={q: 1.0 + i for q in ids if q != ids[i]})
+    for m in ms[1:]:
+        assert ms[0].offer(m.local)
+    pf = parse_peers_file(ms[0].peers_file(members={ids[0], ids[1]}, others=1))
+    listed = [p.id for p in pf.peers]
+    assert sorted(listed[:2]) == sorted(ids[:2])  # the members first
+    assert len(listed) == 3 and listed[2] in ids[2:]
+    assert pf.rtt_ms == {ids[0]: {ids[1]: 1.0}, ids[1]: {ids[0]: 2.0}}  # among members only
+    assert len(parse_peers_file(ms[0].peers_file(members={ids[0]}, others=0)).peers) == 1
+    assert len(parse_peers_file(ms[0].peers_file()).peers) == 4  # no members given: the whole view
+
+
+def test_an_offer_of_negative_memory_is_refused_at_construction() -> None:
+    with pytest.raises(UsageError, match="memory offered must be >= 0 bytes, got -5"):
+        Membership(IDS[0], SWARM, device=("cpu", "x"), memory_bytes=-5)
+
+
 def test_detect_device_is_cheap_and_named() -> None:
     kind, name = detect_device()
     assert kind in ("cuda", "mps", "cpu") and 0 < len(name) <= 128

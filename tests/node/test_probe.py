@@ -3,14 +3,24 @@ with the result. The real stack's probes: tests/node/test_ring_processes.py."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import trio
 import trio.testing
 
-from swarm.errors import ProtocolError, SwarmError
+from swarm.errors import PeerLost, ProtocolError, SwarmError
 from swarm.node.members.failure import PeerState
 from swarm.node.members.heartbeat import Liveness
-from swarm.node.members.probe import PINGS, echo_probe, probe_once
+from swarm.node.members.probe import (
+    PERIOD_S,
+    PINGS,
+    POLL_S,
+    TIMEOUT_S,
+    Prober,
+    echo_probe,
+    probe_once,
+)
 from swarm.node.ring.links import LocalLink
 from swarm.proto import control as ctl
 from swarm.proto.frame import Frame
@@ -110,3 +120,105 @@ def test_a_probed_rtt_replaces_the_heartbeats_until_the_peer_is_lost() -> None:
     liv.lost(PEER, "test")
     assert liv.state(PEER) is PeerState.LOST
     assert liv.rtt_ms(PEER) is None and liv.rtts_ms() == {}
+
+
+# ---------------------------------------------------------------- the prober's schedule
+
+
+class _EchoChannel:
+    """A fast channel (what ``fastpath.dial`` returns) whose other end echoes every message
+    after ``rtt`` seconds."""
+
+    def __init__(self, peer: str, rtt: float) -> None:
+        self.remote_peer, self.path, self.rtt = peer, "direct", rtt
+        self._send, self._recv = trio.open_memory_channel[bytes](16)
+        self.closed = False
+
+    async def send(self, data: bytes, timeout: float | None = None) -> None:
+        await trio.sleep(self.rtt)
+        await self._send.send(data)
+
+    async def receive(self, timeout: float | None = None) -> bytes:
+        return await self._recv.receive()
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+class _FastPath:
+    """Dials: a channel with that peer's RTT; a peer in ``down`` has no fast path (yet)."""
+
+    def __init__(self, rtts: dict[str, float]) -> None:
+        self.rtts, self.down = rtts, set[str]()
+        self.dials: list[tuple[float, str]] = []
+        self.channels: list[_EchoChannel] = []
+
+    async def dial(self, peer: str, timeout: float) -> _EchoChannel:
+        self.dials.append((trio.current_time(), peer))
+        if peer in self.down:
+            raise PeerLost(f"no fast path to {peer}")
+        ch = _EchoChannel(peer, self.rtts[peer])
+        self.channels.append(ch)
+        return ch
+
+
+class _Service:
+    def __init__(self, memory: dict[str, int]) -> None:
+        self.memory = memory
+        self.membership = SimpleNamespace(view=lambda: {p: SimpleNamespace(memory_bytes=m) for p, m in self.memory.items()})
+        self.liveness = SimpleNamespace(path_rtt=lambda peer, rtt: self.rtts.append((peer, rtt)))
+        self.rtts: list[tuple[str, float]] = []
+
+    def members(self) -> list[str]:
+        return list(self.memory)
+
+
+async def test_members_holding_a_model_are_probed_once_a_period_and_failures_retried(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    service = _Service({"A": 1 << 30, "B": 1 << 30, "client-like": 0})
+    fast = _FastPath({"A": 0.002, "B": 0.010})
+    fast.down.add("B")
+    prober = Prober(service, fast)  # type: ignore[arg-type]
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(prober.run)
+        await trio.sleep(1)
+        assert sorted(p for _, p in fast.dials) == ["A", "B"]  # a member offering no memory is never probed
+        assert service.rtts == [("A", pytest.approx(0.002))] and all(ch.closed for ch in fast.channels)
+        fast.down.clear()
+        await trio.sleep(PERIOD_S / 2)
+        assert len(fast.dials) == 2  # nobody again before the period, not even the failed one
+        await trio.sleep(PERIOD_S / 2)
+        assert sorted(p for _, p in fast.dials[2:]) == ["A", "B"]
+        assert ("B", pytest.approx(0.010)) in service.rtts  # retried a period later, on the path it now has
+        del service.memory["B"]  # B left: forgotten, never probed again
+        await trio.sleep(2 * PERIOD_S)
+        assert {p for _, p in fast.dials[4:]} == {"A"}
+        nursery.cancel_scope.cancel()
+    assert [t for t, p in fast.dials if p == "A"] == pytest.approx([0, PERIOD_S, 2 * PERIOD_S, 3 * PERIOD_S], abs=POLL_S + 0.1)
+
+
+async def test_a_probe_that_hangs_ends_at_its_bound_and_the_rtt_stays_the_heartbeats(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A dial that never completes (a path that blackholes) is cut at the probe's overall bound;
+    the prober goes on and the next period's probe measures the path."""
+    service = _Service({"A": 1 << 30})
+    fast = _FastPath({"A": 0.004})
+    real_dial, hung = fast.dial, list[float]()
+
+    async def dial(peer: str, timeout: float) -> _EchoChannel:
+        if not hung:
+            hung.append(trio.current_time())
+            await trio.sleep_forever()
+        return await real_dial(peer, timeout)
+
+    fast.dial = dial  # type: ignore[method-assign]
+    prober = Prober(service, fast)  # type: ignore[arg-type]
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(prober.run)
+        await trio.sleep(TIMEOUT_S * (PINGS + 2) + 1)
+        assert service.rtts == [] and prober._running == set()  # given up, not stuck
+        await trio.sleep(PERIOD_S)
+        nursery.cancel_scope.cancel()
+    assert service.rtts == [("A", pytest.approx(0.004))]

@@ -147,3 +147,33 @@ async def test_a_message_that_does_not_belong_on_the_activation_path_is_reported
         await s.send(hidden_result(9, 3, 0, _hidden(stage, 1), EPOCH))
         err = await s.next()
     assert isinstance(err, Error) and err.code == "unexpected" and "RESULT on the activation path" in err.message
+
+
+async def test_a_forward_out_of_memory_fails_only_the_session_that_needs_it(ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """compute/memory.py's injected out-of-memory for chunks of 30 tokens or more: a 40-token
+    prefill fails alone (an ERROR ``out_of_memory`` naming the stage, its cache dropped, nobody
+    blamed); the small session queued behind it is computed as if nothing happened, and the stage
+    serves it on, and a new session after it. (A failed forward that several sessions shared is
+    retried one session at a time: this test cannot make the two share one, so it does not reach
+    that branch.)"""
+    from swarm.node.compute import memory
+
+    monkeypatch.setattr(memory, "INJECT_OOM_TOKENS", 30)
+    stages, ref = _stages(ckpt), _stages(ckpt)
+    small, big = _hidden(stages[0], 3, seed=1), _hidden(stages[0], 40, seed=2)
+    ref[0].open_session(1, 64)
+    want = ref[0].forward(1, small)
+    async with _serving(stages[0]) as s:
+        await s.send(hidden_chunk(2, 1, 0, "prefill", big, EPOCH))
+        await s.send(hidden_chunk(1, 1, 0, "prefill", small, EPOCH))
+        replies = {m.session: m for m in [await s.next() for _ in range(2)]}  # type: ignore[attr-defined]
+        assert 2 not in stages[0].sessions() and stages[0].session_len(1) == 3
+        await s.send(hidden_chunk(1, 2, 3, "decode", _hidden(stages[0], 1, seed=3), EPOCH))
+        await s.send(hidden_chunk(3, 1, 0, "prefill", _hidden(stages[0], 29, seed=4), EPOCH))
+        later = [await s.next() for _ in range(2)]
+    err, ok = replies[2], replies[1]
+    assert isinstance(err, Error) and err.code == "out_of_memory" and err.chunk_id == 1
+    assert err.message.startswith("stage [0, 2): out of memory (injected: a forward over 40 tokens")
+    assert isinstance(ok, Chunk) and torch.equal(read_hidden(ok, dim=stages[0].args.dim, expect=torch.float32, peer="t"), want)
+    assert sorted((type(m).__name__, m.session) for m in later) == [("Chunk", 1), ("Chunk", 3)]  # type: ignore[attr-defined]
+    assert s.worker.stats.errors == 1 and s.bad == []

@@ -29,7 +29,7 @@ from swarm.errors import SwarmError
 OOM_ERRORS: tuple[type[BaseException], ...] = (torch.OutOfMemoryError, MemoryError)
 
 INJECT_OOM_TOKENS = int(os.environ.get("SWARM_INJECT_OOM_TOKENS", "0") or 0)
-_OOM_LOAD_LAYERS = int(os.environ.get("SWARM_INJECT_OOM_LOAD_LAYERS", "0") or 0)
+INJECT_OOM_LOAD_LAYERS = int(os.environ.get("SWARM_INJECT_OOM_LOAD_LAYERS", "0") or 0)
 
 
 class CannotLoad(SwarmError):
@@ -48,8 +48,8 @@ def check_forward(tokens: int) -> None:
 
 def check_load(layers: int) -> None:
     """Test hook (module doc): an injected out-of-memory error for a block this big."""
-    if _OOM_LOAD_LAYERS and layers > _OOM_LOAD_LAYERS:
-        raise torch.OutOfMemoryError(f"injected: loading {layers} layers (SWARM_INJECT_OOM_LOAD_LAYERS={_OOM_LOAD_LAYERS})")
+    if INJECT_OOM_LOAD_LAYERS and layers > INJECT_OOM_LOAD_LAYERS:
+        raise torch.OutOfMemoryError(f"injected: loading {layers} layers (SWARM_INJECT_OOM_LOAD_LAYERS={INJECT_OOM_LOAD_LAYERS})")
 
 
 # glibc's mallopt parameter for the size from which malloc maps a fresh region (and unmaps it on free)
