@@ -189,7 +189,7 @@ async def _run_peer(settings: NodeSettings, manifest: Manifest, *, as_json: bool
 
 def node_settings_of(manifest: Manifest, seed: bytes, listen: list[str], memory: int, model_dir: Path | None, *,
                      dtype: str, device: str, threads: int, mdns: bool, relay: bool,
-                     draft: str = "ngram") -> NodeSettings:  # fmt: skip
+                     draft: str = "ngram", sessions: int = NodeSettings.sessions) -> NodeSettings:  # fmt: skip
     """The node's settings, built once from the invite, the config file and the flags."""
     fastpath_host = ""
     torch_dtype = None
@@ -209,6 +209,7 @@ def node_settings_of(manifest: Manifest, seed: bytes, listen: list[str], memory:
         device=device, quant=manifest.quant, context_tokens=manifest.context_tokens,
         kv_cache=manifest.kv_cache, threads=threads or max(1, (os.cpu_count() or 2)),
         revoked=frozenset(manifest.revoked), fastpath_host=fastpath_host, relay=relay, mdns=mdns, draft=draft,
+        sessions=sessions,
     )  # fmt: skip
 
 
@@ -283,6 +284,7 @@ def join(
     dtype: str | None = typer.Option(None, "--dtype", help=flag_help("node.dtype")),
     device: str | None = typer.Option(None, "--device", help="auto (CUDA, then MPS, else CPU), cpu, cuda, cuda:N or mps (default: node.device, else auto)."),
     threads: int | None = typer.Option(None, "--threads", help=flag_help("node.threads")),
+    sessions: int | None = typer.Option(None, "--sessions", help=flag_help("node.sessions")),
     peers: list[str] = typer.Option([], "--peer", help="Also dial this peer first, like a bootstrap (a multiaddr ending in /p2p/ID; repeatable; see `shard-swarm id`)."),
     draft: str = typer.Option("ngram", "--draft", help=JOIN_HELP),
     model_manifest: Path | None = typer.Option(None, "--model-manifest", help="The model manifest the invite names by hash (default: the cache, else the invite's manifest_url)."),
@@ -290,9 +292,10 @@ def join(
 ) -> None:
     """Join a swarm: connect, be admitted, and show peers as they appear."""
     api_token = _api_token(api_token_file, api_token_argv)
-    cfg = node_settings({"node.listen": listen or None, "node.memory": memory, "node.dtype": dtype, "node.threads": threads})
+    cfg = node_settings({"node.listen": listen or None, "node.memory": memory, "node.dtype": dtype, "node.threads": threads,
+                         "node.sessions": sessions})  # fmt: skip
     listen, memory = list(cfg.get("node.listen")), str(cfg.get("node.memory"))
-    dtype, threads = str(cfg.get("node.dtype")), int(cfg.get("node.threads"))
+    dtype, threads, sessions = str(cfg.get("node.dtype")), int(cfg.get("node.threads")), int(cfg.get("node.sessions"))
     if logging.getLogger("swarm").getEffectiveLevel() > logging.DEBUG:
         logging.getLogger("libp2p").setLevel(logging.CRITICAL)  # its dial-retry noise, unless -v
     path = manifest_path or (config_dir() / "invite.json")
@@ -351,7 +354,7 @@ def join(
 
         check_bind(api, api_token)
     settings = node_settings_of(manifest, identity.seed, listen, mem, model_dir, dtype=dtype, device=dev or "cpu",
-                                threads=threads, mdns=mdns, relay=relay, draft=draft)  # fmt: skip
+                                threads=threads, mdns=mdns, relay=relay, draft=draft, sessions=sessions)  # fmt: skip
     if fetch_dir is not None and manifest.model is not None:
         settings = dataclasses.replace(settings, fetch_dir=fetch_dir, origin=manifest.model.origin, disk_bytes=disk_bytes)
     trio.run(lambda: _run_peer(settings, manifest, as_json=as_json, exit_after=exit_after, api=api, api_token=api_token))

@@ -31,11 +31,17 @@ CONFIG_FILE = "config.toml"
 _SIZE = re.compile(r"\s*\d+(\.\d+)?\s*[kmgt]?i?b?\s*", re.IGNORECASE)
 _DEVICE = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
 DTYPES = ("auto", "bf16", "fp16", "fp32")
+MAX_SESSIONS = 64  # a stage never holds more (node/ring/capacity.py: MAX_SESSIONS, held equal by a test)
 
 
 def _check_memory(v: Any) -> str | None:
     ok = isinstance(v, str) and (v.strip().lower() == "auto" or _SIZE.fullmatch(v) is not None)
     return None if ok else "a size like \"24G\" or \"512M\", or \"auto\""
+
+
+def _check_sessions(v: Any) -> str | None:
+    ok = isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= MAX_SESSIONS
+    return None if ok else f"a whole number of sessions from 1 to {MAX_SESSIONS}"
 
 
 def _check_device(v: Any) -> str | None:
@@ -77,6 +83,8 @@ KEYS: tuple[Key, ...] = (
     Key("node.device", "auto", "where layers run: auto (CUDA, then MPS, else CPU), cpu, mps, cuda or cuda:N",
         _check_device),
     Key("node.threads", 0, "torch threads (0: every core)", _check_type(int)),
+    Key("node.sessions", 8, "concurrent generations whose KV cache (at the swarm's context) this node "
+        "reserves inside --memory; fewer leave room for more layers", _check_sessions),
     Key("node.dtype", "auto", "auto (bf16 where the hardware has it, else fp32), bf16, fp16 or fp32",
         lambda v: None if v in DTYPES else ", ".join(DTYPES)),
     Key("node.listen", ["/ip4/0.0.0.0/tcp/0"], "multiaddrs to listen on", _check_addrs),
@@ -111,6 +119,7 @@ TEMPLATE = """\
                                     # ("auto": half of free RAM; on a GPU its free memory less a margin)
 # device = "auto"                   # auto (CUDA, then MPS, else CPU), cpu, mps, cuda or cuda:N
 # threads = 0                       # torch threads (0: every core)
+# sessions = 8                      # concurrent generations whose KV cache this node reserves inside memory
 # dtype = "auto"                    # auto (bf16 where the hardware has it, else fp32), bf16, fp16 or fp32
 # listen = ["/ip4/0.0.0.0/tcp/0"]   # multiaddrs to listen on
 # key = ""                          # identity key file

@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 from swarm.cli import config as config_cmd
 from swarm.cli.settings import TEMPLATE, config_path, load_config, write_template
 from swarm.errors import UsageError
+from swarm.node.settings import NodeSettings
 
 
 def app() -> typer.Typer:
@@ -62,6 +63,8 @@ def test_file_then_flags(tmp_path: Path) -> None:
         ('[node]\nmemory = 24\n', "memory = 24: expected a size"),
         ('[node]\ndevice = "gpu"\n', "device = 'gpu': expected auto, cpu, mps, cuda"),
         ('[node]\nthreads = true\n', "threads = True: expected a int"),
+        ('[node]\nsessions = 0\n', "sessions = 0: expected a whole number of sessions from 1 to 64"),
+        ('[node]\nsessions = 65\n', "sessions = 65: expected a whole number"),
         ('[node]\nlisten = "/ip4/0.0.0.0/tcp/1"\n', "expected a list of multiaddrs"),
         ('[api]\naddress = "8000"\n', "expected HOST:PORT"),
         ('[api]\ntoken = 5\n', "token = \\*\\*\\*"),
@@ -113,7 +116,8 @@ def test_config_show_defaults_are_what_join_uses_and_says(tmp_path: Path, monkey
     monkeypatch.setenv("COLUMNS", "400")
     shown = {r["key"]: r for r in json.loads(CliRunner().invoke(app(), ["config", "show", "--json"]).stdout)["settings"]}
     assert {k: r["value"] for k, r in shown.items() if k != "api.token"} == {k.name: k.default for k in KEYS if not k.secret}
-    flags = {"node.memory": "--memory", "node.dtype": "--dtype", "node.threads": "--threads", "node.listen": "--listen"}
+    flags = {"node.memory": "--memory", "node.dtype": "--dtype", "node.threads": "--threads", "node.listen": "--listen",
+             "node.sessions": "--sessions"}  # fmt: skip
     ja = typer.Typer()
     join_cli.register(ja)
     ja.command("other")(lambda: None)
@@ -128,7 +132,8 @@ def test_config_show_defaults_are_what_join_uses_and_says(tmp_path: Path, monkey
     real_settings = join_cli.node_settings_of
 
     def spy_settings(manifest, seed, listen, memory, model_dir, **kw):  # type: ignore[no-untyped-def]
-        ran.update(listen=listen, memory=memory, dtype=kw["dtype"], threads=kw["threads"])
+        ran.update(listen=listen, memory=memory, dtype=kw["dtype"], threads=kw["threads"], sessions=kw["sessions"])
+        ran["built"] = real_settings(manifest, seed, listen, memory, model_dir, **kw).sessions
         return real_settings(manifest, seed, listen, memory, model_dir, **kw)
 
     async def no_peer(settings, manifest, **kw):  # type: ignore[no-untyped-def]
@@ -142,9 +147,17 @@ def test_config_show_defaults_are_what_join_uses_and_says(tmp_path: Path, monkey
     base = ["--manifest", str(invite), "--key", str(tmp_path / "k"), "--no-serve", "--no-mdns"]
     assert join_cli.main(base) == 0
     assert ran["listen"] == KEYS[[k.name for k in KEYS].index("node.listen")].default
-    assert (ran["dtype"], ran["threads"]) == ("auto", 0)
-    write(tmp_path, '[node]\nmemory = "2G"\ndtype = "fp32"\nthreads = 3\nlisten = ["/ip4/127.0.0.1/tcp/0"]\n')
+    assert (ran["dtype"], ran["threads"], ran["sessions"]) == ("auto", 0, NodeSettings.sessions)
+    write(tmp_path, '[node]\nmemory = "2G"\ndtype = "fp32"\nthreads = 3\nsessions = 2\nlisten = ["/ip4/127.0.0.1/tcp/0"]\n')
     assert join_cli.main(base) == 0
-    assert ran == {"listen": ["/ip4/127.0.0.1/tcp/0"], "memory": 2 * 10**9, "dtype": "fp32", "threads": 3}
-    assert join_cli.main([*base, "--threads", "1", "--memory", "1GiB"]) == 0  # flags win
-    assert (ran["threads"], ran["memory"]) == (1, 1 << 30)
+    assert ran == {"listen": ["/ip4/127.0.0.1/tcp/0"], "memory": 2 * 10**9, "dtype": "fp32", "threads": 3,
+                   "sessions": 2, "built": 2}  # fmt: skip
+    assert join_cli.main([*base, "--threads", "1", "--memory", "1GiB", "--sessions", "5"]) == 0  # flags win
+    assert (ran["threads"], ran["memory"], ran["built"]) == (1, 1 << 30, 5)
+
+
+def test_sessions_bound_is_the_stage_workers() -> None:
+    from swarm.cli.settings import MAX_SESSIONS
+    from swarm.node.ring.capacity import MAX_SESSIONS as STAGE_MAX
+
+    assert MAX_SESSIONS == STAGE_MAX

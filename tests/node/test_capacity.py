@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import trio
 import trio.testing
 
+from swarm.errors import PlanningError
 from swarm.node.ring.capacity import MAX_SESSIONS, Busy, SlotQueue, ring_capacity, stage_capacity
 from swarm.planner import ModelSpec, Plan
 
@@ -130,3 +133,33 @@ async def test_a_new_plans_capacity_lets_waiters_in_in_order_and_a_smaller_one_k
         for _ in range(adm.active):
             adm.leave()
     assert admitted[2:] == ["c", "d"] and adm.active == 1
+
+
+def test_a_nodes_sessions_reserve_is_its_specs_and_what_its_plans_reserve(tmp_path: Path) -> None:
+    """``join --sessions N`` (node.sessions) reaches the one budget arithmetic: the node's spec
+    reserves N sessions' KV in every layer it plans, its predicted peak counts N, and fewer
+    sessions let the same memory hold the whole model where eight do not."""
+    import torch
+
+    from swarm.node.compute.runtime import Compute, Models
+    from swarm.node.notices import Hooks, Notices
+    from swarm.node.settings import NodeSettings, peak_bytes
+    from swarm.planner import Latency, Peer, plan
+    from swarm.planner.budget import predicted_peak
+    from swarm.testing.checkpoints import TinySpec, write_checkpoint
+
+    ckpt = write_checkpoint(tmp_path / "m", TinySpec(n_layers=4), seed=0)
+    settings = [NodeSettings(seed=b"s" * 32, swarm_id="s", secret=b"x" * 32, model_dir=ckpt, sessions=n, context_tokens=64)
+                for n in (2, 8)]  # fmt: skip
+    few, many = (Models(s, Compute(threads=False), Notices(Hooks())).spec for s in settings)
+    assert (few.sessions, many.sessions) == (2, 8)
+    whole = (0, 4)
+    assert predicted_peak(many, whole, coordinator=True) - predicted_peak(few, whole, coordinator=True) == \
+        6 * 4 * few.session_kv_bytes_per_layer  # fmt: skip
+    args = Models(settings[0], Compute(threads=False), Notices(Hooks())).args
+    assert peak_bytes(args, torch.float32, "cpu", few, whole, coordinator=True) < \
+        peak_bytes(args, torch.float32, "cpu", many, whole, coordinator=True)  # fmt: skip
+    memory = predicted_peak(few, whole, coordinator=True)  # one peer, the whole model with two sessions
+    assert plan(few, [Peer("a", memory, 1.0)], Latency({})).blocks == {"a": whole}
+    with pytest.raises(PlanningError, match="not enough memory"):
+        plan(many, [Peer("a", memory, 1.0)], Latency({}))
