@@ -122,7 +122,7 @@ def run_command(
     device: str | None = typer.Option(None, "--device", help="auto (CUDA, then MPS, else CPU), cpu, cuda, cuda:N or mps (default: node.device, else auto)."),
     threads: int | None = typer.Option(None, "--threads", help="torch threads (default: all cores, or measured with --tune)."),
     tune: bool = typer.Option(False, "--tune/--no-tune", help="On a CPU, choose --dtype auto, the threads and the quantized kernels by a start-up measurement cached per machine (opt-in: a measurement taken under load is cached as it is; default: auto = bf16 where native, all cores)."),
-    compile_: bool = typer.Option(False, "--compile/--no-compile", help="Run one-token decode steps as a compiled static-shape graph (torch.compile on a CPU; dense Llama-family layers, unquantized; compiled before the first token). fp32 gives eager's tokens; bf16 may differ at near-ties."),
+    compile_: bool = typer.Option(False, "--compile/--no-compile", help="Run one-token decode steps as a compiled static-shape graph (torch.compile on a CPU; hand-written Llama-family layers, dense or int8/int4; compiled before the first token). fp32 gives eager's tokens; bf16 may differ at near-ties."),
     chat: bool = typer.Option(True, "--chat/--no-chat", help="Wrap --prompt in the chat template."),
     as_json: bool = typer.Option(False, "--json", help="Print a JSON result instead of streaming text."),
 ) -> None:

@@ -126,7 +126,7 @@ def test_compile_flag_gives_eager_tokens_in_fp32(tiny: Path, capsys: pytest.Capt
     assert compiled["compiled"]["capacity"] == 128 and compiled["compiled"]["spans"] == [64, 128]  # type: ignore[index]
     assert compiled["output_token_ids"] == eager["output_token_ids"]
     # a stage the compiled step does not cover is refused by name, before any token
-    assert main(["run", *base, "--compile", "--quant", "int8", "--threads", "1"]) == 3
+    assert main(["run", *base, "--compile", "--kv-cache", "int8", "--threads", "1"]) == 3
     assert "--compile:" in capsys.readouterr().err
 
 
