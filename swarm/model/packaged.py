@@ -15,13 +15,21 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 from swarm.errors import ModelError
-from swarm.model.bundled import built_once, cache_dir, default_model_dir
+from swarm.model.bundled import (
+    BUNDLED_FILE,
+    STAMP,
+    built_once,
+    bundled_gguf_path,
+    cache_dir,
+    default_model_dir,
+)
 
 GEMMA_NAME = "gemma3-270m"
 GEMMA_FILE = "gemma-3-270m-q4_k_m.gguf"
@@ -109,3 +117,20 @@ def resolve_model(spec: str | Path | None, progress: Progress | None = None) -> 
     if not p.exists() and str(spec) in MODELS:
         return MODELS[str(spec)](progress=progress)
     return p
+
+
+def stored_quant(model_path: Path) -> str:
+    """The compact format of ours that keeps a checkpoint's decoder weights as it was published
+    (gguf_quant.stored_quant): a GGUF's from its own tensor types; the bundled model's directory
+    (converted from its Q4_1 GGUF) from that GGUF; any other directory "none" (floats). What
+    ``--quant auto`` keeps where the device has a packed kernel for it (capability.auto_quant)."""
+    from swarm.model.gguf import GGUFSource
+    from swarm.model.gguf_quant import stored_quant as of_gguf
+
+    if model_path.is_file() and model_path.suffix.lower() == ".gguf":
+        return of_gguf(GGUFSource(model_path))
+    try:
+        source = json.loads((model_path / STAMP).read_text()).get("source")
+    except (OSError, ValueError, AttributeError):
+        return "none"
+    return of_gguf(GGUFSource(bundled_gguf_path())) if source == BUNDLED_FILE else "none"

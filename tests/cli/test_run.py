@@ -90,10 +90,28 @@ def test_run_on_the_bundled_model(capsys: pytest.CaptureFixture[str]) -> None:
     assert capsys.readouterr().out.strip() == str(obj["output_text"]).strip()
 
 
+def test_quant_auto_keeps_the_bundled_ggufs_int4_where_the_packed_kernel_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    """The bundled model is a Q4_1 GGUF: ``--quant auto`` (the default) serves it in int4 where
+    torch's packed CPU kernel runs (bf16 activations), densely in fp32 (that kernel is scalar there),
+    and says in the JSON what it chose; an explicit --quant none is still dense."""
+    from swarm.model.dtypes import auto_dtype
+
+    base = ["--prompt-ids", "1,2,3", "--max-new-tokens", "2", "--draft", "none"]
+    bf16 = run_json(capsys, [*base, "--dtype", "bf16"])
+    assert (bf16["dtype"], bf16["quant"], bf16["quant_auto"]) == ("bf16", "int4", {"stored": "int4", "chose": "int4"})
+    fp32 = run_json(capsys, [*base, "--dtype", "fp32"])
+    assert (fp32["quant"], fp32["quant_auto"]) == ("none", {"stored": "int4", "chose": "none"})
+    default = run_json(capsys, base)  # --dtype auto: bf16 where this CPU has it natively
+    assert default["quant"] == ("int4" if auto_dtype("cpu") == torch.bfloat16 else "none")
+    dense = run_json(capsys, [*base, "--dtype", "bf16", "--quant", "none"])
+    assert (dense["quant"], dense["quant_auto"]) == ("none", None)
+
+
 def test_quant_flags(tiny: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["run", "--model", str(tiny), "--prompt-ids", "1", "--quant", "int3"]) == 2
     assert main(["demo", "--model", str(tiny), "--quant", "nf4"]) == 2  # refused before any node starts
-    assert capsys.readouterr().err.count("choose one of none, int8, int4") == 2
+    err = capsys.readouterr().err
+    assert "choose one of auto, none, int8, int4" in err and "choose one of none, int8, int4" in err
     obj = run_json(capsys, ["--model", str(tiny), "--prompt-ids", "5,17,99", "--max-new-tokens", "4",
                             "--dtype", "fp32", "--quant", "int8"])  # fmt: skip
     assert obj["quant"] == "int8" and len(obj["output_token_ids"]) == 4  # type: ignore[arg-type]
@@ -108,7 +126,7 @@ def test_compile_flag_gives_eager_tokens_in_fp32(tiny: Path, capsys: pytest.Capt
     assert compiled["compiled"]["capacity"] == 128 and compiled["compiled"]["spans"] == [64, 128]  # type: ignore[index]
     assert compiled["output_token_ids"] == eager["output_token_ids"]
     # a stage the compiled step does not cover is refused by name, before any token
-    assert main(["run", *base, "--compile", "--quant", "int8", "--threads", "1"]) == 3
+    assert main(["run", *base, "--compile", "--kv-cache", "int8", "--threads", "1"]) == 3
     assert "--compile:" in capsys.readouterr().err
 
 

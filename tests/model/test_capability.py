@@ -140,3 +140,42 @@ def test_join_resolves_auto_knowing_the_model_on_a_pre_ampere_gpu(monkeypatch: p
             assert s.dtype == want, family
     finally:
         capability._capability.cache_clear()
+
+
+SMOL = [(576, 576), (192, 576), (1536, 576), (576, 1536)]  # the bundled SmolLM2's (N, K)
+
+
+@pytest.mark.parametrize(
+    ("cap", "dtype", "stored", "want"),
+    [
+        (cpu(True), BF16, "int4", "int4"),  # AVX512-BF16 / AMX: a Q4 GGUF keeps int4 (torch's packed kernel)
+        (cpu(True), BF16, "int8", "int8"),  # a Q8 / Q5 / Q6 one keeps int8
+        (cpu(True), BF16, "none", "none"),  # a float checkpoint is never made coarser
+        (cpu(True), FP32, "int4", "none"),  # --dtype fp32: the packed kernels are scalar there
+        (cpu(False), FP32, "int4", "none"),  # AVX2, auto = fp32: a dequantizing layer is slower than dense
+        (cpu(False), FP32, "int8", "none"),
+        (cpu(False), BF16, "int4", "int4"),  # an explicit --dtype bf16 gets the kernel on any CPU
+        (cuda(8, 9), BF16, "int4", "int4"),  # tinygemm
+        (cuda(8, 9), BF16, "int8", "none"),  # CUDA's int8pack is naive; a dequantizing layer is not kept
+        (cuda(7, 5), FP16, "int4", "none"),  # pre-Ampere: no int4 kernel
+        (mps(True), BF16, "int8", "int8"),
+    ],
+)
+def test_auto_quant_keeps_the_stored_format_only_where_a_packed_kernel_runs_it(
+    cap: Capability, dtype: torch.dtype, stored: str, want: str
+) -> None:
+    assert capability.auto_quant(cap, dtype, stored, SMOL) == want
+
+
+def test_auto_quant_needs_every_shape_on_the_kernels_tiles() -> None:
+    # one weight off the CPU int4 kernel's N % 16 would dequantize on every call: the model stays dense
+    assert capability.auto_quant(cpu(True), BF16, "int4", [*SMOL, (1000, 576)]) == "none"
+    assert capability.auto_quant(cpu(True), BF16, "int4", []) == "none"
+    assert capability.auto_quant(cpu(True), BF16, "int8", [(1000, 576)]) == "int8"  # int8: per channel, any N
+
+
+def test_choose_quant_asks_the_device_kernel_off_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(capability, "device_capability", lambda d: mps(True))
+    monkeypatch.setattr(capability, "kernel_works", lambda device, kernel, dtype: kernel != "int4pack_cuda")
+    assert capability.choose_quant("int4", torch.device("meta"), BF16, SMOL) == "none"
+    assert capability.choose_quant("int8", torch.device("meta"), BF16, SMOL) == "int8"

@@ -27,8 +27,8 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_checkpoint(tmp_path_factory.mktemp("compiled"), SPEC, seed=11)
 
 
-def compiled_model(path: Path | str, dtype: torch.dtype, capacity: int, stages: int = 2) -> LocalModel:
-    lm = LocalModel.load(path, stages=stages, dtype=dtype)
+def compiled_model(path: Path | str, dtype: torch.dtype, capacity: int, stages: int = 2, quant: str = "none") -> LocalModel:
+    lm = LocalModel.load(path, stages=stages, dtype=dtype, quant=quant)
     for st in lm.stages:
         st.enable_compiled(capacity)
         warm_compiled(st)
@@ -57,14 +57,33 @@ def test_fp32_tokens_equal_eager_across_spans_drafts_and_stages(tiny_dir: Path) 
         assert drafter is None or b.proposed > 0  # verify chunks did run between the steps
 
 
-def test_bf16_logits_as_close_to_fp32_as_eager_bf16(tiny_dir: Path) -> None:
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_fp32_quantized_tokens_equal_eager(tiny_dir: Path, quant: str) -> None:
+    """int8/int4 layers in fp32 (their ``dequant`` path: the packed kernels want bf16) traced into
+    the graph: the same tokens as eager at the same quant."""
+    eager = LocalModel.load(tiny_dir, stages=2, dtype=torch.float32, quant=quant)
+    comp = compiled_model(tiny_dir, torch.float32, capacity=128, quant=quant)
+    a = generate(eager, PROMPT, max_new_tokens=80)
+    b = generate(comp, PROMPT, max_new_tokens=80)
+    assert b.output_token_ids == a.output_token_ids
+    assert comp.stages[0].compiled is not None and comp.stages[0].compiled.compiled_spans == {64, 128}
+
+
+@pytest.mark.parametrize("quant", ["none", "int8", "int4"])
+def test_bf16_logits_as_close_to_fp32_as_eager_bf16(tiny_dir: Path, quant: str) -> None:
     """The bf16 promise (inductor keeps fp32 intermediates inside a fused kernel where eager
     rounds after every op, so the bits differ): over 70 steps fed the fp32 model's tokens, the
-    compiled step's logits stay within 5% of the logit range of eager bf16's, and no farther from
-    the fp32 model's than twice as far as eager bf16's are. Greedy tokens may differ."""
+    compiled step's logits stay within 5% (8% quantized) of the logit range of eager bf16's (at the same quant:
+    int8/int4 through torch's packed kernels, called from inside the graph), and no farther from
+    the fp32 dense model's than twice as far as eager bf16's are. Greedy tokens may differ."""
     ref = LocalModel.load(tiny_dir, stages=1, dtype=torch.float32)
-    eager = LocalModel.load(tiny_dir, stages=1, dtype=torch.bfloat16)
-    comp = compiled_model(tiny_dir, torch.bfloat16, capacity=128, stages=1)
+    eager = LocalModel.load(tiny_dir, stages=1, dtype=torch.bfloat16, quant=quant)
+    comp = compiled_model(tiny_dir, torch.bfloat16, capacity=128, stages=1, quant=quant)
+    if quant != "none":  # the packed kernels themselves run in both
+        from swarm.model.quant import QuantLinear
+
+        kernels = {m.kernel for lm in (eager, comp) for m in lm.stages[0].modules() if isinstance(m, QuantLinear)}
+        assert kernels == {"int8pack" if quant == "int8" else "int4pack_cpu"}
     models = {"r": ref, "e": eager, "c": comp}
     for name, lm in models.items():
         lm.stages[0].open_session(name, 128)
@@ -78,7 +97,9 @@ def test_bf16_logits_as_close_to_fp32_as_eager_bf16(tiny_dir: Path) -> None:
             worst[pair] = max(worst[pair], float((lg[pair[0]] - lg[pair[2]]).abs().max()))
         scale = max(scale, float(lg["r"].abs().max()))
         tok = lg["r"].argmax(-1)
-    assert worst["e-c"] < 0.05 * scale, (worst, scale)
+    # quantized: 8% (measured here: 5.9% int8, 4.3% int4; dense 5.0%): the packed kernel's output
+    # is rounded to bf16 before the graph's fused fp32 epilogues where eager rounds after each op
+    assert worst["e-c"] < (0.05 if quant == "none" else 0.08) * scale, (worst, scale)
     assert worst["c-r"] < 2 * worst["e-r"], worst
 
 
@@ -110,7 +131,6 @@ def test_unsupported_stages_are_refused_by_name(tiny_dir: Path) -> None:
     cases = [
         ({"runtime": "transformers"}, "transformers' layers"),
         ({"kv_cache": "int8"}, "int8 KV cache"),
-        ({"quant": "int8"}, "int8 weights"),
     ]
     for kw, why in cases:
         with pytest.raises(ModelError, match=why):

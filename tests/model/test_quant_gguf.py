@@ -120,3 +120,20 @@ def test_bundled_q4_1_loads_compact_and_exact() -> None:
     for name, m in _linears(stage).items():
         assert ck.source.gguf_type(name) == "Q4_1"
         torch.testing.assert_close(m.dequantized(), ck.source.load(name, torch.float32), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(("qtype", "want"), [(Q.Q4_0, "int4"), (Q.Q4_K, "int4"), (Q.Q8_0, "int8")])
+def test_stored_quant_names_the_format_that_keeps_the_files_layers(tmp_path: Path, qtype: Q, want: str) -> None:
+    from swarm.model.packaged import stored_quant
+
+    assert stored_quant(_write(tmp_path / "m.gguf", qtype)) == want
+
+
+def test_the_bundled_model_is_stored_as_int4_and_a_float_directory_as_none(tmp_path: Path) -> None:
+    from swarm.model.bundled import default_model_dir
+    from swarm.model.packaged import stored_quant
+    from swarm.testing.checkpoints import TinySpec, write_checkpoint
+
+    assert stored_quant(bundled_gguf_path()) == "int4"  # Q4_1 throughout its layers
+    assert stored_quant(default_model_dir()) == "int4"  # its converted directory: from that GGUF
+    assert stored_quant(write_checkpoint(tmp_path, TinySpec(n_layers=1), seed=0)) == "none"
