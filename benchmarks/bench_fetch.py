@@ -14,27 +14,15 @@ care what the numbers are), its model manifest, and serves it with Debian's ngin
 Reports medians of MB/s and the ratio a/b (the issue's target: >= 0.8), and the bytes fetched
 ÷ the block's bytes. Writes benchmarks/results/fetch.json.
 
-    .venv/bin/python benchmarks/bench_fetch.py --members [--gb 0.5] [--rounds 5]
+    .venv/bin/python benchmarks/bench_fetch.py --members [--gb 0.5] [--rounds 7]
 
-From another member instead (issue 25), both ends in one process on loopback, interleaved:
-
-  (a) ours  ``fetch_from_members`` of the block into an empty cache from one member serving its
-            own copy over the fast path (both ends' fast-path services: a direct AEAD-sealed TCP
-            socket; 1 MiB frames; each tensor's sha256 checked; written in place)
-  (a') libp2p  the same over /shard-swarm/tensors/1 (py-libp2p: Noise + yamux), the fallback
-  (b) tcp   the same byte ranges read from the files and sent over one plain trio TCP stream,
-            received and written to a file, nothing checked
-
-Reports ``ratio_members_over_tcp`` = a/b (the issue's target: >= 0.5) and
-``ratio_libp2p_over_tcp`` = a'/b.
-
+From another member instead (issue 25): benchmarks/bench_fetch_members.py, which see.
 Writes benchmarks/results/fetch_members.json.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import platform
@@ -45,7 +33,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -92,159 +79,6 @@ def write_model(out: Path, gb: float, layers: int) -> None:
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
 
 
-async def _members_round(model: Path, m: Any, lo: int, hi: int, cache_root: Path, fast: bool) -> tuple[float, int, str]:
-    """(seconds, bytes, path) of one fetch of layers [lo, hi) from a member serving ``model``: over
-    the fast path (a direct sealed socket) when ``fast``, else over /shard-swarm/tensors/1."""
-    import contextlib
-    import hashlib
-
-    import trio
-
-    from swarm.fetch.peers import Holdings, Holds
-    from swarm.net.fastpath_host import open_fastpath_service
-    from swarm.net.host import open_host
-    from swarm.node.compute.members import fetch_from_members, serve_tensors
-    from swarm.node.ring.fastlink import FrameLink
-    from swarm.proto.messages import parse_message
-
-    secret, swarm = hashlib.sha256(b"bench").digest(), "0" * 32
-    loop = ("/ip4/127.0.0.1/tcp/0",)
-    paths: set[str] = set()
-    async with contextlib.AsyncExitStack() as stack:
-        server = await stack.enter_async_context(open_host(b"\x01" * 32, loop, secret=secret, swarm_id=swarm))
-        client = await stack.enter_async_context(open_host(b"\x02" * 32, loop, secret=secret, swarm_id=swarm))
-        held = Holdings(m, model, m.tensors, m.files)
-        served = serve_tensors(server, lambda: held)
-        dial_fast = None
-        if fast:  # both ends' fast-path services; the server's acceptor as the node's (wiring.py)
-            nursery = await stack.enter_async_context(trio.open_nursery())
-            sfp = await stack.enter_async_context(open_fastpath_service(server))
-            cfp = await stack.enter_async_context(open_fastpath_service(client))
-
-            async def one(ch: Any) -> None:
-                link = FrameLink(ch)
-                try:
-                    await served(link.peer, link, parse_message(await link.receive(timeout=10)))  # type: ignore[arg-type]
-                finally:
-                    await link.close()
-
-            async def accept() -> None:
-                async for ch in sfp.incoming:
-                    nursery.start_soon(one, ch)
-
-            nursery.start_soon(accept)
-            stack.callback(nursery.cancel_scope.cancel)
-
-            async def dial_fast(peer: str, timeout: float) -> FrameLink:
-                link = FrameLink(await cfp.dial(peer, timeout=timeout))
-                paths.add(link.path)
-                return link
-
-        await client.dial(server.addrs()[0])
-        cache = ModelCache(cache_root, m)
-        files = [f.path for f in m.weight_files()]
-        t = time.perf_counter()
-        rep = await fetch_from_members(client, cache, m.block(lo, hi), files,
-                                       {server.peer_id: Holds(frozenset(m.tensors), frozenset(m.files))},
-                                       dial_fast=dial_fast)  # fmt: skip
-        dt = time.perf_counter() - t
-    assert cache.holds(m.block(lo, hi)) and not rep.liars and not rep.failed
-    assert paths == ({"direct"} if fast else set()), paths
-    return dt, rep.fetched, "direct" if fast else "libp2p"
-
-
-async def _tcp_round(model: Path, ranges: list[tuple[str, int, int]], dest: Path) -> tuple[float, int]:
-    """(seconds, bytes) of the same ranges over one plain trio TCP stream, written to ``dest``."""
-    import trio
-
-    chunk = 1 << 20
-    total = sum(e - s for _, s, e in ranges)
-
-    async def serve(stream: trio.SocketStream) -> None:
-        for path, s, e in ranges:
-            fd = os.open(model / path, os.O_RDONLY)
-            try:
-                for a in range(s, e, chunk):
-                    await stream.send_all(await trio.to_thread.run_sync(os.pread, fd, min(chunk, e - a), a))
-            finally:
-                os.close(fd)
-        await stream.aclose()
-
-    async with trio.open_nursery() as nursery:
-        listeners = await nursery.start(functools.partial(trio.serve_tcp, serve, 0, host="127.0.0.1"))
-        port = listeners[0].socket.getsockname()[1]
-        t = time.perf_counter()
-        got = 0
-        stream = await trio.open_tcp_stream("127.0.0.1", port)
-        with open(dest, "wb") as fh:
-            while got < total:
-                data = await stream.receive_some(chunk)
-                if not data:
-                    break
-                await trio.to_thread.run_sync(fh.write, data)
-                got += len(data)
-        dt = time.perf_counter() - t
-        await stream.aclose()
-        nursery.cancel_scope.cancel()
-    assert got == total
-    return dt, got
-
-
-def members(a: argparse.Namespace) -> None:
-    import trio
-
-    out = a.out if a.out != DEFAULT_OUT else ROOT / "benchmarks" / "results" / "fetch_members.json"
-    work = Path(tempfile.mkdtemp(prefix="bench-fetch-members-"))
-    try:
-        model = work / "model"
-        write_model(model, a.gb, a.layers)
-        m = manifest_of_path(model)
-        lo, hi = a.layers // 3, 2 * a.layers // 3
-        block = m.block_bytes(lo, hi)
-        todo = sorted(m.block(lo, hi), key=lambda x: (x.file, x.start))
-        ranges = [(f.path, 0, f.header_end) for f in m.weight_files()]
-        ranges += [(run[0].file, run[0].start, run[-1].end) for run in _runs(todo, {})]
-        ours, lib, tcp = [], [], []
-        for r in range(a.rounds):
-            dt, n, _ = trio.run(_members_round, model, m, lo, hi, work / f"cache{r}", True)
-            ours.append(n / dt / 1e6)
-            shutil.rmtree(work / f"cache{r}")
-            dt, n, _ = trio.run(_members_round, model, m, lo, hi, work / f"lib{r}", False)
-            lib.append(n / dt / 1e6)
-            shutil.rmtree(work / f"lib{r}")
-            dt, n = trio.run(_tcp_round, model, ranges, work / "tcp.out")
-            tcp.append(n / dt / 1e6)
-            (work / "tcp.out").unlink()
-            print(f"round {r}: members fast path {ours[-1]:.0f} MB/s, libp2p {lib[-1]:.0f} MB/s, "
-                  f"plain tcp {tcp[-1]:.0f} MB/s", file=sys.stderr)  # fmt: skip
-        result = {
-            "machine_note": "2 shared CPU cores, other engineers running tests at the same time: noisy",
-            "command": "benchmarks/bench_fetch.py " + " ".join(sys.argv[1:]),
-            "machine": platform.machine(),
-            "block_layers": [lo, hi],
-            "block_bytes": block,
-            "rounds": a.rounds,
-            "members_mb_s": [round(x, 1) for x in ours],
-            "members_libp2p_mb_s": [round(x, 1) for x in lib],
-            "tcp_mb_s": [round(x, 1) for x in tcp],
-            "members_mb_s_median": round(statistics.median(ours), 1),
-            "members_libp2p_mb_s_median": round(statistics.median(lib), 1),
-            "tcp_mb_s_median": round(statistics.median(tcp), 1),
-            "ratio_members_over_tcp": round(statistics.median(ours) / statistics.median(tcp), 3),
-            "ratio_libp2p_over_tcp": round(statistics.median(lib) / statistics.median(tcp), 3),
-            "ratio_per_round": [round(x / y, 3) for x, y in zip(ours, tcp, strict=True)],
-            "what": "members: fetch_from_members from one member over the fast path (a direct AEAD-sealed TCP "
-                    "socket negotiated over libp2p, the ring's data plane), 1 MiB frames, one request in flight, "
-                    "each tensor's sha256 checked, written in place; members_libp2p: the same over "
-                    "/shard-swarm/tensors/1 (py-libp2p, Noise + yamux); tcp: the same ranges over one plain trio "
-                    "TCP stream to a file, nothing checked; all ends in one process, rounds interleaved",  # fmt: skip
-        }
-        out.write_text(json.dumps(result, indent=2) + "\n")
-        print(json.dumps(result, indent=2))
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-
-
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "fetch.json"
 
 
@@ -254,11 +88,15 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    ap.add_argument("--members", action="store_true", help="from another member (fast path and libp2p), against plain TCP")
-    a = ap.parse_args()
-    if a.members:
-        members(a)
+    ap.add_argument("--members", action="store_true", help="from another member: bench_fetch_members.py")
+    a, rest = ap.parse_known_args()
+    if a.members:  # benchmarks/bench_fetch_members.py, the member in its own process
+        import bench_fetch_members
+
+        bench_fetch_members.main([x for x in sys.argv[1:] if x != "--members"])
         return
+    if rest:
+        ap.error(f"unrecognized arguments: {' '.join(rest)}")
     if not have_nginx() or shutil.which("curl") is None:
         sys.exit("needs nginx (apt-get install nginx-light) and curl")
     work = Path(tempfile.mkdtemp(prefix="bench-fetch-"))

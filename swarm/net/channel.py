@@ -144,6 +144,11 @@ class SocketReader:
     :meth:`view` returns a memoryview into the buffer, valid until the next call, so a caller
     that decrypts or copies out needs no intermediate ``bytes``. Cancel-safe: bytes received
     before a cancellation stay buffered for the next call.
+
+    Large messages (over RECV_CHUNK, e.g. 1 MiB model bytes) are read exactly to their end, and
+    so is the header after one: reading ahead into the next message's bytes left a partial
+    message to be copied to the buffer's front before each large one (measured: 0.95 bytes
+    copied per byte received when fetching model bytes over the fast path).
     """
 
     def __init__(self, sock: trio.socket.SocketType, peer: str, initial: bytes = b"") -> None:
@@ -155,10 +160,12 @@ class SocketReader:
         self._buf[: len(initial)] = initial
         self._start = 0
         self._end = len(initial)
+        self._exact = False  # the last message was large: read no further than each one's end
 
     def _take(self, n: int) -> memoryview:
         v = self._mv[self._start : self._start + n]
         self._start += n
+        self._exact = n > RECV_CHUNK
         if self._start == self._end:
             self._start = self._end = 0
         return v
@@ -184,7 +191,8 @@ class SocketReader:
     def _read_nowait(self, n: int) -> bool:
         """One non-blocking read; False when the kernel has nothing; PeerLost at EOF."""
         try:
-            got = os.readv(self._fd, [self._mv[self._end :]])
+            stop = self._start + n if self._exact or n > RECV_CHUNK else len(self._buf)
+            got = os.readv(self._fd, [self._mv[self._end : stop]])
         except (BlockingIOError, InterruptedError):
             return False
         if not got:
@@ -202,7 +210,7 @@ class SocketReader:
         have = self._end - self._start
         if self._start + n > len(self._buf):  # not enough room after start: compact or grow
             if n > len(self._buf):
-                bigger = bytearray(max(n, 2 * len(self._buf)))  # never resize an exported buffer
+                bigger = bytearray(max(n + RECV_CHUNK, 2 * len(self._buf)))  # never resize an exported buffer
                 bigger[:have] = self._mv[self._start : self._end]
                 self._buf, self._mv = bigger, memoryview(bigger)
             else:

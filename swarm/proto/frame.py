@@ -262,13 +262,13 @@ def _parse_header(raw: bytes | bytearray | memoryview, limits: Limits) -> _Heade
     return _Header(msg_type, flags, dt, ndim, session, seq, meta_len, payload_len)
 
 
-def _build_frame(h: _Header, body: bytes | bytearray | memoryview, limits: Limits) -> Frame:
+def _build_frame(h: _Header, body: bytes | bytearray | memoryview, limits: Limits, *, view: bool = False) -> Frame:
     shape = tuple(_DIM.unpack_from(body, 4 * i)[0] for i in range(h.ndim))
     _check_shape(h.dtype, shape, h.payload_len, limits)
     off = 4 * h.ndim
     meta = decode_meta(bytes(body[off : off + h.meta_len]), limits)
     off += h.meta_len
-    payload = bytes(body[off : off + h.payload_len])
+    payload: Any = body[off : off + h.payload_len] if view else bytes(body[off : off + h.payload_len])
     return Frame(h.msg_type, h.session, h.seq, h.flags, h.dtype, shape, meta, payload)
 
 
@@ -327,15 +327,17 @@ class FrameDecoder:
             raise self._error
 
 
-def decode_frame(data: bytes, limits: Limits = DEFAULT_LIMITS) -> Frame:
-    """Decode exactly one whole frame (no bytes missing, none left over)."""
-    dec = FrameDecoder(limits)
-    frames = dec.feed(data)
-    if len(frames) != 1 or dec.buffered:
-        raise FrameError(
-            f"expected exactly one frame, got {len(frames)} and {dec.buffered} trailing bytes of {len(data)}"
-        )
-    return frames[0]
+def decode_frame(data: bytes, limits: Limits = DEFAULT_LIMITS, *, view: bool = False) -> Frame:
+    """Decode exactly one whole frame (no bytes missing, none left over). ``view``: the payload
+    is a memoryview of ``data`` (bytes, immutable: nothing can change under it), not a copy:
+    for a receiver that only hashes and writes it (model bytes, a MiB a frame)."""
+    n = len(data)
+    h = _parse_header(data[:HEADER_SIZE], limits) if n >= HEADER_SIZE else None
+    if h is None or n != HEADER_SIZE + h.body_len:
+        frames, trailing = (0, n) if h is None or n < HEADER_SIZE + h.body_len else (1, n - HEADER_SIZE - h.body_len)
+        raise FrameError(f"expected exactly one frame, got {frames} and {trailing} trailing bytes of {n}")
+    body = memoryview(data)[HEADER_SIZE:]
+    return _build_frame(h, body, limits, view=view)
 
 
 # -- the metadata block ---------------------------------------------------------------------

@@ -5,12 +5,12 @@ unadmitted peer has its stream reset before a byte is read). Each request is che
 what this node holds verified right now (``swarm.fetch.peers.Holdings``): a range outside it, over
 ``Limits.max_range_bytes``, or of a file the model does not have is answered with a typed
 RANGE_REFUSED; a request past SERVE_SLOTS reads at once is refused "busy". Reads run in a worker
-thread; every receive and send has a deadline.
+thread, the next frame's while one is sent; every receive and send has a deadline.
 
 Fetching (:func:`fetch_from_members`): first the files (weight headers, small files), then the
 tensors, each phase an ``Assignment`` worked by one task per member that holds something
-needed, all at once, each over its own stream, one request in flight per stream (the bytes
-received land in a worker thread while the next ones arrive). Bytes land
+needed, all at once, each over its own stream, several requests in flight per stream and the
+bytes received landing in a worker thread while the next ones arrive (rangepipe.py). Bytes land
 through ``PieceSink`` (sha256 per tensor). A member whose bytes fail their hash is a liar: named
 in a warning and to ``on_liar`` (the caller reports it), given no more pieces, and its pieces go
 to the others; a member that times out or breaks the protocol stops being asked; one that
@@ -46,7 +46,7 @@ from typing import Any
 
 import trio
 
-from swarm.errors import AdmissionError, PeerError, PeerLost, PeerTimeout, ProtocolError
+from swarm.errors import AdmissionError, PeerError, PeerTimeout, ProtocolError
 from swarm.fetch.cache import ModelCache, Source
 from swarm.fetch.origin import FetchError
 from swarm.fetch.peers import (
@@ -54,18 +54,18 @@ from swarm.fetch.peers import (
     Holdings,
     Holds,
     Piece,
-    PieceSink,
     RangeRefused,
     file_pieces,
     tensor_pieces,
 )
 from swarm.manifest.model_manifest import TensorEntry
+from swarm.node.compute.rangepipe import NoFastPath, fetch_pieces
 from swarm.node.dispatch import role_of
 from swarm.node.hosting import Host, Stream
 from swarm.proto.admission import MEMBER
-from swarm.proto.limits import PROTO_TENSORS, Limits
+from swarm.proto.limits import PROTO_TENSORS
 from swarm.proto.messages import parse_message
-from swarm.proto.tensors import RangeData, RangeReader, RangeRequest
+from swarm.proto.tensors import RangeData, RangeRequest
 from swarm.proto.tensors import RangeRefused as Refused
 from swarm.proto.text import printable
 
@@ -74,7 +74,6 @@ log = logging.getLogger("swarm.node.fetch")
 IDLE_S = 30.0  # a serving stream with no request this long is closed
 IO_S = 30.0  # one frame sent or received, either side
 SERVE_SLOTS = 4  # ranges read from disk at once for other members
-WRITE_AHEAD = 4  # RANGE_DATA frames received and not landed yet, per stream (1 MiB each)
 
 
 # ---------------------------------------------------------------------------- serving
@@ -126,14 +125,7 @@ def serve_tensors(host: Host, holdings: Callable[[], Holdings | None], *, io_s: 
                 h = await check(holdings(), msg)
                 if slots.value == 0:
                     raise RangeRefused("busy", f"{SERVE_SLOTS} ranges are being read for other members: ask another")
-                # read and sent a frame at a time: the first bytes leave after one chunk's read,
-                # not the whole range's (up to 16 MiB; it stalled the asker's stream each request)
-                step, end = limits.max_range_chunk, msg.offset + msg.length
-                for off in range(msg.offset, end, step):
-                    n = min(step, end - off)
-                    async with slots:
-                        data = await trio.to_thread.run_sync(h.read, msg.file, off, n)
-                    await fs.send(RangeData.of(msg.req, off, data, off + n >= end).to_frame(), timeout=io_s)
+                await _send_range(fs, h, msg, slots, limits.max_range_chunk, io_s)
             except RangeRefused as e:
                 log.info("refused %s range request %s [%d, +%d): %s", peer, printable(msg.file)[:80],
                          msg.offset, msg.length, e.code)  # fmt: skip
@@ -153,6 +145,32 @@ def serve_tensors(host: Host, holdings: Callable[[], Holdings | None], *, io_s: 
 
     host.handle(PROTO_TENSORS, handler)  # members only: the host's default roles
     return served
+
+
+async def _send_range(fs: Any, h: Holdings, msg: RangeRequest, slots: trio.Semaphore, step: int, io_s: float) -> None:
+    """The range as RANGE_DATA frames of ``step`` bytes, each read in a worker thread while the
+    one before it is sent (read then sent a frame at a time, the link idled for every read; the
+    whole range at once, up to 16 MiB, stalled the asker's stream before its first byte)."""
+    end = msg.offset + msg.length
+    put, chunks = trio.open_memory_channel[tuple[int, bytes]](1)
+
+    async def reads() -> None:
+        async with put:
+            for off in range(msg.offset, end, step):
+                async with slots:
+                    data = await trio.to_thread.run_sync(h.read, msg.file, off, min(step, end - off))
+                await put.send((off, data))
+
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(reads)
+            async with chunks:
+                async for off, data in chunks:
+                    await fs.send(RangeData.of(msg.req, off, data, off + len(data) >= end).to_frame(), timeout=io_s)
+    except BaseExceptionGroup as group:  # the caller's own exception, not a group
+        if len(group.exceptions) == 1:
+            raise group.exceptions[0] from None
+        raise
 
 
 # ---------------------------------------------------------------------------- fetching
@@ -232,37 +250,28 @@ async def _from_origin(cache: ModelCache, left: list[Piece], origins: Sequence[S
         rep.by_source[k] = rep.by_source.get(k, 0) + n
 
 
-class _NoFastPath(Exception):
-    """The member took the fast channel but closed it at our first request (it does not serve
-    ranges there): ``piece`` (that request's, or None) goes over libp2p instead."""
-
-    def __init__(self, piece: Piece | None) -> None:
-        self.piece = piece
-
-
 async def _worker(host: Host, dial_fast: DialFast | None, cache: ModelCache, a: Assignment, peer: str,
                   ids: itertools.count[int], io_s: float, slow: set[str]) -> None:  # fmt: skip
-    piece: Piece | None = None
+    first: list[Piece] = []  # taken for the fast channel, which turned out to serve no ranges
     try:
         async with _fast_link(dial_fast, peer, io_s) as link:
             if link is not None:
                 try:
-                    await _pieces(link, cache, a, peer, ids, host.limits, io_s, unproven=True)
+                    await fetch_pieces(link, cache, a, peer, ids, host.limits, io_s, unproven=True)
                     return
-                except _NoFastPath as e:
-                    piece = e.piece
+                except NoFastPath as e:
+                    first = e.pieces
                     slow.add(peer)
             elif dial_fast is not None:
                 slow.add(peer)
         async with host.open_stream(peer, PROTO_TENSORS, timeout=io_s) as fs:
-            first, piece = piece, None
-            await _pieces(fs, cache, a, peer, ids, host.limits, io_s, first=first)
+            first, taken = [], first
+            await fetch_pieces(fs, cache, a, peer, ids, host.limits, io_s, first=taken)
     except (PeerError, ProtocolError, FetchError) as e:  # a refusal other than not-held/busy included
         why = f"{type(e).__name__}: {e}"
-        if piece is not None:
+        for piece in first:  # the libp2p stream did not open
             a.give_back(piece, peer, why)
-        else:
-            a.failed.setdefault(peer, why)
+        a.failed.setdefault(peer, why)
         log.info("member %s stops serving this fetch: %s", peer, printable(why)[:300])
 
 
@@ -285,74 +294,3 @@ async def _fast_link(dial_fast: DialFast | None, peer: str, io_s: float) -> Asyn
         if link is not None:
             with trio.CancelScope(shield=True), trio.move_on_after(2):
                 await link.close()
-
-
-async def _pieces(fs: Any, cache: ModelCache, a: Assignment, peer: str, ids: itertools.count[int], limits: Limits,
-                  io_s: float, *, first: Piece | None = None, unproven: bool = False) -> None:  # fmt: skip
-    """Fetch pieces from ``peer`` over ``fs`` (a stream or frame link) until none is left for it.
-    ``unproven``: a fast channel that has answered nothing yet (a close now is _NoFastPath)."""
-    piece: Piece | None = first
-    try:
-        while piece is not None or (piece := a.take(peer)) is not None:
-            try:
-                bad = await _fetch_piece(fs, cache, piece, ids, limits, io_s)
-            except RangeRefused as e:
-                if e.code not in ("not-held", "busy"):
-                    raise
-                a.give_back(piece, peer, str(e), drop=False)  # the stream is fine: go on with the rest
-                piece, unproven = None, False
-                continue
-            except (PeerLost, ProtocolError) as e:
-                if not unproven:
-                    raise
-                log.info("member %s closed the fast channel at our first request (%s): fetching over %s",
-                         peer, printable(str(e))[:200], PROTO_TENSORS)  # fmt: skip
-                p, piece = piece, None
-                raise _NoFastPath(p) from None
-            unproven = False
-            if bad:
-                a.give_back(piece, peer, f"{piece.file}: {', '.join(bad[:3])} failed sha256", lied=True)
-            else:
-                a.landed(piece, peer)
-            piece = None
-    except BaseException:
-        if piece is not None:
-            a.give_back(piece, peer, "stopped before it landed", drop=False)
-        raise
-
-
-async def _fetch_piece(fs: Stream, cache: ModelCache, piece: Piece, ids: itertools.count[int],
-                       limits: Limits, io_s: float) -> list[str]:  # fmt: skip
-    """One piece's ranges, asked one at a time. The bytes land (pwrite, sha256: ~1 ms per MiB)
-    in a worker thread while the next frames are received and opened: a writer task behind a
-    queue of WRITE_AHEAD frames (measured on the fast path, 2 loaded shared cores, 12 fetches each,
-    interleaved: median 110 MB/s landing inline, 190 with the writer task)."""
-    sink = PieceSink(cache, piece)
-    send, recv = trio.open_memory_channel[bytes](WRITE_AHEAD)
-
-    async def writer() -> None:
-        async with recv:
-            async for data in recv:
-                await trio.to_thread.run_sync(sink.take, data)
-
-    try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(writer)
-            async with send:
-                for a, b in piece.ranges(limits.max_range_bytes):
-                    req = RangeRequest(next(ids), piece.file, a, b - a)
-                    await fs.send(req.to_frame(), timeout=io_s)
-                    reader = RangeReader(req)
-                    while not reader.done:
-                        msg = parse_message(await fs.receive(timeout=io_s), limits)
-                        if isinstance(msg, Refused) and msg.req == req.req:
-                            raise RangeRefused(msg.code, f"peer {fs.peer} refused {piece.file} [{a}, {b}): "
-                                                         f"{msg.code}: {printable(msg.reason)[:200]}")  # fmt: skip
-                        await send.send(reader.take(msg))
-        return sink.finish()
-    except BaseExceptionGroup as group:  # the caller's own exception, not a group
-        if len(group.exceptions) == 1:
-            raise group.exceptions[0] from None
-        raise
-    finally:
-        sink.close()

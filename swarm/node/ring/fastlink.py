@@ -30,8 +30,9 @@ class FrameLink:
     async def send(self, frame: Frame, timeout: float | None = None) -> None:
         await self.channel.send(encode_frame(frame, self.limits), timeout=timeout)
 
-    async def receive(self, timeout: float | None = None) -> Frame:
-        return decode_frame(await self.channel.receive(timeout=timeout), self.limits)
+    async def receive(self, timeout: float | None = None, *, view: bool = False) -> Frame:
+        """The next frame; ``view``: its payload a memoryview of the message, not a copy."""
+        return decode_frame(await self.channel.receive(timeout=timeout), self.limits, view=view)
 
     async def close(self) -> None:
         await self.channel.aclose()

@@ -1,0 +1,262 @@
+"""Fetch throughput from another member, side by side with plain TCP moving the same byte ranges.
+
+    .venv/bin/python benchmarks/bench_fetch_members.py [--gb 0.5] [--rounds 7]
+    (also: benchmarks/bench_fetch.py --members ...)
+
+Writes a sharded safetensors checkpoint (bench_fetch.write_model) and starts a **member in its
+own process** (this file with ``--serve``, as a real member is another machine's process): a
+libp2p host with its fast-path service serving its own copy over /shard-swarm/tensors/1, and a
+plain TCP listener that sends the same byte ranges. The fetcher is this process. Each round,
+interleaved so background load hits all alike, into an empty cache / file:
+
+  (a) fast    ``fetch_from_members`` of a third of the layers over the fast path (a direct
+              AEAD-sealed TCP socket, the ring's data plane), each tensor's sha256 checked,
+              written in place into the cache's sparse files
+  (a') libp2p the same over /shard-swarm/tensors/1 (py-libp2p: Noise + yamux), the fallback
+  (b) tcp     the same ranges (headers included), read by the member process with pread a MiB
+              at a time in a worker thread and sent over one plain trio TCP stream, received
+              and written to a file by this process, nothing checked
+
+Reports medians of MB/s, ``ratio_members_over_tcp`` = a/b (issue 25's target: >= 0.5),
+``ratio_libp2p_over_tcp`` = a'/b, and each end's CPU milliseconds per MB moved (user + system,
+all threads: this process's from getrusage, the member's from /proc). Writes
+benchmarks/results/fetch_members.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import hashlib
+import json
+import os
+import platform
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import trio  # noqa: E402
+
+from swarm.fetch.cache import ModelCache, _runs  # noqa: E402
+from swarm.fetch.peers import Holdings, Holds  # noqa: E402
+from swarm.manifest.model_manifest import ModelManifest, manifest_of_path, parse_model_manifest  # noqa: E402
+from swarm.net.fastpath_host import open_fastpath_service  # noqa: E402
+from swarm.net.host import open_host  # noqa: E402
+from swarm.node.compute.members import fetch_from_members, serve_tensors  # noqa: E402
+from swarm.node.ring.fastlink import FrameLink  # noqa: E402
+from swarm.proto.messages import parse_message  # noqa: E402
+
+SECRET, SWARM = hashlib.sha256(b"bench").digest(), "0" * 32
+LOOP = ("/ip4/127.0.0.1/tcp/0",)
+CHUNK = 1 << 20
+DEFAULT_OUT = ROOT / "benchmarks" / "results" / "fetch_members.json"
+
+
+def block_ranges(m: ModelManifest, lo: int, hi: int) -> list[tuple[str, int, int]]:
+    """What a fetch of layers [lo, hi) moves: every weight header, then the block's merged runs."""
+    todo = sorted(m.block(lo, hi), key=lambda x: (x.file, x.start))
+    ranges = [(f.path, 0, f.header_end) for f in m.weight_files()]
+    return ranges + [(run[0].file, run[0].start, run[-1].end) for run in _runs(todo, {})]
+
+
+# ---------------------------------------------------------------------------- the member process
+
+
+async def _serve(work: Path) -> None:
+    model = work / "model"
+    m = parse_model_manifest((work / "manifest.json").read_bytes())
+    ranges = [tuple(r) for r in json.loads((work / "ranges.json").read_text())]
+
+    async def tcp(stream: trio.SocketStream) -> None:
+        for path, s, e in ranges:
+            fd = os.open(model / path, os.O_RDONLY)
+            try:
+                for a in range(s, e, CHUNK):
+                    await stream.send_all(await trio.to_thread.run_sync(os.pread, fd, min(CHUNK, e - a), a))
+            finally:
+                os.close(fd)
+        await stream.aclose()
+
+    async with open_host(b"\x01" * 32, LOOP, secret=SECRET, swarm_id=SWARM) as host, \
+            open_fastpath_service(host) as fp, trio.open_nursery() as nursery:  # fmt: skip
+        held = Holdings(m, model, m.tensors, m.files)
+        served = serve_tensors(host, lambda: held)
+
+        async def one(ch: Any) -> None:  # the node's fast-channel acceptor (wiring.py) in short
+            link = FrameLink(ch)
+            try:
+                await served(link.peer, link, parse_message(await link.receive(timeout=10)))  # type: ignore[arg-type]
+            finally:
+                await link.close()
+
+        async def accept() -> None:
+            async for ch in fp.incoming:
+                nursery.start_soon(one, ch)
+
+        nursery.start_soon(accept)
+        listeners = await nursery.start(functools.partial(trio.serve_tcp, tcp, 0, host="127.0.0.1"))
+        hello = {"peer": host.peer_id, "addr": str(host.addrs()[0]), "tcp": listeners[0].socket.getsockname()[1]}
+        print(json.dumps(hello), flush=True)
+        await trio.to_thread.run_sync(sys.stdin.read)  # until the fetcher closes our stdin
+        nursery.cancel_scope.cancel()
+
+
+# ---------------------------------------------------------------------------- the fetcher
+
+
+def _cpu_self() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _cpu_of(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _fetch_member(client: Any, fp: Any, member: str, m: ModelManifest, lo: int, hi: int, root: Path,
+                        fast: bool) -> int:  # fmt: skip
+    paths: set[str] = set()
+
+    async def dial_fast(peer: str, timeout: float) -> FrameLink:
+        link = FrameLink(await fp.dial(peer, timeout=timeout))
+        paths.add(link.path)
+        return link
+
+    cache = ModelCache(root, m)
+    rep = await fetch_from_members(client, cache, m.block(lo, hi), [f.path for f in m.weight_files()],
+                                   {member: Holds(frozenset(m.tensors), frozenset(m.files))},
+                                   dial_fast=dial_fast if fast else None)  # fmt: skip
+    assert cache.holds(m.block(lo, hi)) and not rep.liars and not rep.failed, rep
+    assert paths == ({"direct"} if fast else set()), paths
+    return rep.fetched
+
+
+async def _fetch_tcp(port: int, total: int, dest: Path) -> int:
+    got = 0
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    with open(dest, "wb") as fh:
+        while got < total:
+            data = await stream.receive_some(CHUNK)
+            if not data:
+                break
+            await trio.to_thread.run_sync(fh.write, data)
+            got += len(data)
+    await stream.aclose()
+    assert got == total, (got, total)
+    return got
+
+
+async def _rounds(a: argparse.Namespace, work: Path, m: ModelManifest, lo: int, hi: int, total: int,
+                  proc: subprocess.Popen[str], hello: dict[str, Any]) -> dict[str, list[tuple[float, float, float]]]:  # fmt: skip
+    """Per path: (MB/s, fetcher CPU ms per MB, member CPU ms per MB) of each round."""
+    out: dict[str, list[tuple[float, float, float]]] = {"fast": [], "libp2p": [], "tcp": []}
+    async with open_host(b"\x02" * 32, LOOP, secret=SECRET, swarm_id=SWARM) as client, \
+            open_fastpath_service(client) as fp:  # fmt: skip
+        await client.dial(hello["addr"])
+        for r in range(a.rounds):
+            for path in a.paths.split(","):
+                dest = work / f"{path}{r}"
+                c0, s0, t0 = _cpu_self(), _cpu_of(proc.pid), time.perf_counter()
+                if path == "tcp":
+                    n = await _fetch_tcp(hello["tcp"], total, dest)
+                else:
+                    n = await _fetch_member(client, fp, hello["peer"], m, lo, hi, dest, path == "fast")
+                dt, c1, s1 = time.perf_counter() - t0, _cpu_self(), _cpu_of(proc.pid)
+                mb = n / 1e6
+                out[path].append((mb / dt, 1e3 * (c1 - c0) / mb, 1e3 * (s1 - s0) / mb))
+                (shutil.rmtree if dest.is_dir() else Path.unlink)(dest)  # type: ignore[operator]
+            print(f"round {r}: " + ", ".join(f"{k} {v[-1][0]:.0f} MB/s" for k, v in out.items() if v), file=sys.stderr)
+    return out
+
+
+def run(a: argparse.Namespace) -> dict[str, Any]:
+    from bench_fetch import write_model  # the same checkpoint as the origin benchmark
+
+    out = a.out if a.out is not None else DEFAULT_OUT
+    work = Path(tempfile.mkdtemp(prefix="bench-fetch-members-"))
+    try:
+        write_model(work / "model", a.gb, a.layers)
+        m = manifest_of_path(work / "model")
+        (work / "manifest.json").write_bytes(m.canonical_bytes())
+        lo, hi = a.layers // 3, 2 * a.layers // 3
+        ranges = block_ranges(m, lo, hi)
+        (work / "ranges.json").write_text(json.dumps(ranges))
+        total = sum(e - s for _, s, e in ranges)
+        proc = subprocess.Popen([sys.executable, __file__, "--serve", str(work)], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+        try:
+            assert proc.stdout is not None and proc.stdin is not None
+            hello = json.loads(proc.stdout.readline())
+            got = trio.run(_rounds, a, work, m, lo, hi, total, proc, hello)
+        finally:
+            with contextlib.suppress(OSError):
+                proc.stdin.close()  # type: ignore[union-attr]
+            proc.wait(timeout=30)
+        med = {k: statistics.median(x[0] for x in v) for k, v in got.items()}
+        result = {
+            "machine_note": a.note,
+            "load_average": os.getloadavg(),
+            "command": "benchmarks/bench_fetch_members.py " + " ".join(a.argv),
+            "machine": platform.machine(),
+            "block_layers": [lo, hi],
+            "block_bytes": m.block_bytes(lo, hi),
+            "bytes_moved_per_round": total,
+            "rounds": a.rounds,
+            "members_mb_s": [round(x[0], 1) for x in got["fast"]],
+            "members_libp2p_mb_s": [round(x[0], 1) for x in got["libp2p"]],
+            "tcp_mb_s": [round(x[0], 1) for x in got["tcp"]],
+            "members_mb_s_median": round(med["fast"], 1),
+            "members_libp2p_mb_s_median": round(med["libp2p"], 1),
+            "tcp_mb_s_median": round(med["tcp"], 1),
+            "ratio_members_over_tcp": round(med["fast"] / med["tcp"], 3),
+            "ratio_libp2p_over_tcp": round(med["libp2p"] / med["tcp"], 3),
+            "ratio_per_round": [round(x[0] / y[0], 3) for x, y in zip(got["fast"], got["tcp"], strict=True)],
+            "target_ratio": 0.5,
+            "cpu_ms_per_mb_median": {k: {"fetcher": round(statistics.median(x[1] for x in v), 2),
+                                         "member": round(statistics.median(x[2] for x in v), 2)}
+                                     for k, v in got.items()},  # fmt: skip
+            "what": "fetcher and member in separate processes on loopback. members: fetch_from_members of the "
+                    "block from the member over the fast path (a direct AEAD-sealed TCP socket negotiated over "
+                    "libp2p), each tensor's sha256 checked, written in place into the cache; members_libp2p: the "
+                    "same over /shard-swarm/tensors/1 (py-libp2p, Noise + yamux); tcp: the same ranges, read by "
+                    "the member process and sent over one plain trio TCP stream, written to a file by the "
+                    "fetcher, nothing checked; rounds interleaved",  # fmt: skip
+        }
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        print(json.dumps(result, indent=2))
+        return result
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gb", type=float, default=0.5)
+    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--note", default="2 shared CPU cores, other engineers running tests at the same time: noisy")
+    ap.add_argument("--paths", default="fast,libp2p,tcp", help=argparse.SUPPRESS)  # for profiling one path
+    ap.add_argument("--serve", type=Path, default=None, help=argparse.SUPPRESS)  # the member process
+    a = ap.parse_args(argv)
+    if a.serve is not None:
+        trio.run(_serve, a.serve)
+        return
+    a.argv = argv
+    run(a)
+
+
+if __name__ == "__main__":
+    main()
