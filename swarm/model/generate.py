@@ -191,19 +191,12 @@ def generate(
     ``eos_token_ids`` defaults to the checkpoint's; ``on_tokens`` receives newly committed tokens
     as they are decided (for streaming).
     """
-    params = params or SamplingParams()
-    prompt = [int(t) for t in prompt_ids]
-    vocab = model.args.vocab_size
-    bad = [t for t in prompt if not 0 <= t < vocab]
-    if bad:
-        raise UsageError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-    eos = model.args.eos_token_ids if eos_token_ids is None else tuple(eos_token_ids)
-    max_len = len(prompt) + max_new_tokens
-    dec = SpeculativeDecoder(
-        prompt, params=params, max_new_tokens=max_new_tokens, eos_token_ids=eos, drafter=drafter,
-        policy=policy, prefill_chunk=prefill_chunk, max_len=model.args.max_seq_len,
-    )
-    session = model.open_session(max_len)
+    dec = SpeculativeDecoder.for_model(
+        model.args, prompt_ids, params=params, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids,
+        drafter=drafter, policy=policy, prefill_chunk=prefill_chunk,
+    )  # fmt: skip
+    prompt = dec.committed[:]
+    session = model.open_session(dec.max_total)
     chunks: list[tuple[int, int]] = []
     t0 = time.perf_counter()
     t_first: float | None = None

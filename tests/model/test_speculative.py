@@ -237,6 +237,26 @@ def test_bad_construction() -> None:
         SpeculativeDecoder([1] * 10, params=SamplingParams(), max_new_tokens=10, max_len=15)
 
 
+def test_a_decoder_for_a_model_checks_the_prompt_against_it_and_takes_its_defaults() -> None:
+    """``SpeculativeDecoder.for_model``: how both drivers (generate.generate, the ring's
+    Coordinator) build their decoder, so the two read the same parameters the same way."""
+    from swarm.model.config import ModelArgs
+
+    args = ModelArgs(architecture="llama", vocab_size=100, dim=8, n_layers=2, n_heads=2, n_kv_heads=2, head_dim=4,
+                     max_seq_len=32, tie_word_embeddings=True, bos_token_id=1, eos_token_ids=(2, 7))  # fmt: skip
+    dec = SpeculativeDecoder.for_model(args, [5, 99, 0], max_new_tokens=4)
+    assert dec.committed == [5, 99, 0] and dec.eos == {2, 7} and dec.params == SamplingParams()
+    assert dec.max_total == 7
+    chunked = SpeculativeDecoder.for_model(args, [5] * 7, max_new_tokens=2, eos_token_ids=(), prefill_chunk=3)
+    assert chunked.eos == frozenset() and [len(c.tokens) for c in chunked.poll()][:1] == [3]
+    with pytest.raises(UsageError, match=r"prompt token ids \[100, -1\] are outside the vocabulary \[0, 100\)"):
+        SpeculativeDecoder.for_model(args, [5, 100, -1])
+    with pytest.raises(UsageError, match="context window of 32 tokens"):
+        SpeculativeDecoder.for_model(args, [5] * 20, max_new_tokens=13)
+    with pytest.raises(UsageError, match="context window of 16 tokens"):  # a smaller context than the model's
+        SpeculativeDecoder.for_model(args, [5] * 10, max_new_tokens=7, max_len=16)
+
+
 def test_adaptive_k_and_depth_follow_acceptance_deterministically() -> None:
     hi, lo = KPolicy(k_max=8, max_depth=4), KPolicy(k_max=8, max_depth=4)
     for _ in range(20):

@@ -224,18 +224,11 @@ class Coordinator:
         on_tokens: Callable[[Sequence[int]], None] | None = None,
     ) -> RingRun:
         """The state of one generation; it outlives the epoch it started in (see drive)."""
-        params = params or SamplingParams()
-        prompt = [int(t) for t in prompt_ids]
-        bad = [t for t in prompt if not 0 <= t < self.args.vocab_size]
-        if bad:
-            raise UsageError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.args.vocab_size})")
-        eos = self.args.eos_token_ids if eos_token_ids is None else tuple(eos_token_ids)
-        kw = {} if prefill_chunk is None else {"prefill_chunk": prefill_chunk}
-        dec = SpeculativeDecoder(
-            prompt, params=params, max_new_tokens=max_new_tokens, eos_token_ids=eos,
-            drafter=drafter, policy=policy, max_len=self.max_len or self.args.max_seq_len, **kw,
+        dec = SpeculativeDecoder.for_model(
+            self.args, prompt_ids, max_len=self.max_len, params=params, max_new_tokens=max_new_tokens,
+            eos_token_ids=eos_token_ids, drafter=drafter, policy=policy, prefill_chunk=prefill_chunk,
         )  # fmt: skip
-        return RingRun(dec, RingGeneration(prompt, [], "length", 0.0, 0.0, 0, 0, 0), on_tokens)
+        return RingRun(dec, RingGeneration(dec.committed[:], [], "length", 0.0, 0.0, 0, 0, 0), on_tokens)
 
     async def generate(self, prompt_ids: Sequence[int], **kw: Any) -> RingGeneration:
         """One generation on this ring from start to end (no recovery: see drive)."""
