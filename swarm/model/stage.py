@@ -113,6 +113,7 @@ class Stage(nn.Module):
         self.quant = "none"  # set by load: how the linear layers are held (see swarm.model.quant)
         self._plan: list[tuple[nn.Module, int | None, str]] = []
         self.compiled: CompiledStep | None = None  # set by enable_compiled (compiled.py)
+        self.released = False  # see release()
 
     @classmethod
     def load(
@@ -205,9 +206,23 @@ class Stage(nn.Module):
             if progress is not None:
                 progress(done, n)
 
+    def release(self) -> None:
+        """Let go of this stage's weights and every session's KV cache now, whoever still holds the
+        Stage (a worker of an ended epoch, until its task unwinds): a re-plan that moves a block
+        releases the old one before it loads the new one (node/compute/runtime.py), so a peer
+        never holds both. A forward already running keeps what it uses until it returns; any
+        later call finds no session (ModelError)."""
+        self._sessions.clear()
+        self.layers = nn.ModuleList()
+        self._plan, self._bound, self._model = [], None, []
+        self.compiled = None
+        self.released = True
+
     # ------------------------------------------------------------------------- sessions
     def open_session(self, session: Hashable, max_len: int) -> None:
         """Make a KV cache for ``max_len`` positions (ModelError if the session exists)."""
+        if self.released:
+            raise ModelError(f"stage [{self.start}, {self.end}) was released (a re-plan moved its block)")
         if session in self._sessions:
             raise ModelError(f"session {session!r} is already open on stage [{self.start}, {self.end})")
         if max_len > self.args.max_seq_len:

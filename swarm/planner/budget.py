@@ -21,15 +21,17 @@ from __future__ import annotations
 
 from swarm.planner.spec import ModelSpec
 
-# A running node's own VmHWM besides what it holds: 484 MB on x86-64 Linux with torch 2.x (a head-only
-# coordinator of the bundled model, less its head and one dense layer: benchmarks/bench_memory.py,
-# an AMX CPU). Importing torch and swarm.node alone is ~300 MB; the host, the tokenizer, the
-# checkpoint's mapped pages and the threads' stacks are the rest. ~150 MB of it are shared
-# libraries' pages, and which of those a node touches depends on the CPU's kernels (AVX2, AVX512,
-# AMX, NEON): the constant carries 36 MB for that. A CI rehearsal (another run, same box, an older
-# capacity rule) saw a stage at 870 MB against 816 predicted with 480 MB; 420 MB (the import-time
-# figure the design started from) left the stages at 1.05 of their predicted peak.
-RUNTIME_BYTES = 520 * 10**6
+# A running node's own VmHWM besides what it holds, on x86-64 Linux with torch 2.x (bundled model, fp32,
+# benchmarks/bench_memory.py, an AMX CPU), since tensors are read rather than mapped (weights.py) and
+# freed temporaries leave the process (node/compute/memory.py): a standby (imports, host, tokenizer
+# not loaded, one dense layer measured) 371-374 MB; a stage less its block, its 8 full-context
+# sessions' KV and a prefill chunk's activations ~386 MB; a head-only coordinator less its head
+# 456 MB (its tokenizer, ~40 MB here, and the head's load, which reads the stored bf16 beside the
+# fp32 copy, are in that). 440 MB puts stages under 8 sessions at 0.91 of their predicted peak and
+# the head-only coordinator at 1.00; ~150 MB of the runtime are shared libraries' pages, of which a
+# node touches more or fewer with other CPUs' kernels (AVX2, AVX512, AMX, NEON). Before the
+# checkpoint's pages stopped counting the constant was 520 MB (their ~100 MB a stage were in it).
+RUNTIME_BYTES = 440 * 10**6
 PREFILL_CHUNK_TOKENS = 512  # the most tokens one forward takes (stage_worker.MAX_BATCH_TOKENS)
 
 

@@ -139,10 +139,11 @@ async def test_an_int4_swarm_loads_inside_its_offers_and_serves_as_one_box(sourc
 
 async def test_a_replan_that_moves_blocks_keeps_the_survivors_inside_their_offers() -> None:
     """Three nodes each offering enough for half the model; a stage is killed and the survivors
-    take over its layers (seen: [0, 10) grows to [0, 15), the head-only coordinator loads
-    [15, 30)). A survivor whose block changes frees its old block before it loads the new one
-    (Models.stage) and keeps no page of the old one's checkpoint bytes (weights.py); its VmHWM,
-    over its whole life, stays inside its offer."""
+    take over its layers. Which ones depends on the first plan, which the planner may make with
+    or without a standby: seen both [0, 10) growing to [0, 15) while the head-only coordinator
+    loads [15, 30), and a standby loading the lost [10, 30). A survivor whose block changes frees
+    its old block before it loads the new one (Models.stage) and keeps no page of the checkpoint
+    (weights.py); its VmHWM, over its whole life, stays inside its offer."""
     model = default_model_dir()
     prompts = _prompts(4)
     want = _one_box(model, prompts)
