@@ -1,12 +1,13 @@
 """The compiled decode step (swarm/model/compiled.py) against eager, per stage, on the bundled model.
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_compiled.py [--rounds 5] [--steps 32]
-        [--threads 1,2] [--dtypes fp32,bf16] [--blocks 30,10] [--quick]
+        [--threads 1,2] [--dtypes fp32,bf16,bf16+int4] [--blocks 30,10] [--quick] [--out PATH]
 
 For each thread count and dtype, a fresh process (inductor bakes the thread count into its
 kernels) loads two copies of a stage of ``--blocks`` layers of SmolLM2-135M: one eager, one
 compiled and warmed. Both prefill the same 32-token prompt eagerly, then time ``--steps`` one-token
-decode steps (positions 32.., the 64 span); rounds alternate eager and compiled (which goes first
+decode steps (positions 32.., the 64 span); a dtype ``bf16+int4`` (or ``+int8``) holds the layers
+in that quant on both sides (torch's packed kernels, called from inside the compiled graph); rounds alternate eager and compiled (which goes first
 swaps each round), each round rolls back to the prompt. Per configuration: decode steps per second
 of each side per round, their medians, ``ratio`` = median compiled ÷ median eager, and the paired
 per-round ratios with their median. ``compile_s``: the warm-up (compile, or the on-disk cache's
@@ -46,11 +47,13 @@ def measure(threads: int, dtype_name: str, layers: int, rounds: int, steps: int)
     from swarm.model.weights import open_checkpoint
 
     torch.set_num_threads(threads)
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
+    dtype_only, _, quant = dtype_name.partition("+")
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_only]
+    quant = quant or "none"
     ck = open_checkpoint(default_model_dir())
     head = Head.load(ck.args, ck.source, dtype=dtype)
-    eager = Stage.load(ck.args, ck.source, 0, layers, dtype=dtype)
-    comp = Stage.load(ck.args, ck.source, 0, layers, dtype=dtype, compile=True, compile_capacity=64)
+    eager = Stage.load(ck.args, ck.source, 0, layers, dtype=dtype, quant=quant)
+    comp = Stage.load(ck.args, ck.source, 0, layers, dtype=dtype, quant=quant, compile=True, compile_capacity=64)
     t0 = time.perf_counter()
     warm_compiled(comp)
     compile_s = time.perf_counter() - t0

@@ -105,6 +105,53 @@ def ours(model: str, threads: int, prompt: int, new: int, dtype: str | None, qua
             "compile_warm_s": (o.get("compiled") or {}).get("warm_s")}  # fmt: skip
 
 
+def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Medians and ratios of one (model, threads) cell's rounds.
+
+    ``default_config``: the fixed configuration the default chose (its dtype/quant); a default run
+    and a run of that configuration are the same computation, so ``default_vs_best_other`` pools
+    both (median) against the fastest *other* eager configuration: on a loaded box the same
+    configuration alone differs by several percent round to round. ``*_paired``: the median of
+    per-round ratios (the two runs of one round are seconds apart; rounds are minutes apart)."""
+    med = {k: {m: median([x[m] for x in v]) for m in ("decode", "prefill")} for k, v in runs.items()}
+    eager = [k for k in med if k != "llama.cpp" and not k.endswith("+compile")]
+    # best: the fastest eager configuration (a compiled run pays its warm-up first: reported beside)
+    best = max(eager, key=lambda k: med[k]["decode"])
+    chose = runs["default"][-1]
+    same = f"{chose['dtype']}/{chose['quant']}"
+    row: dict[str, Any] = {"tok_s_median": med, "default_chose": chose, "default_config": same, "best_of_ours": best,
+                           "default_vs_best_decode": round(med["default"]["decode"] / med[best]["decode"], 3)}
+    others = [k for k in eager if k not in ("default", same)]
+    if same in runs and others:
+        pooled = median([x["decode"] for x in runs["default"] + runs[same]])
+        other = max(others, key=lambda k: med[k]["decode"])
+        row["default_vs_best_other"] = {"other": other, "ratio": round(pooled / med[other]["decode"], 3)}
+    if "llama.cpp" in med:
+        lc = med["llama.cpp"]
+        row["default_decode_vs_llamacpp"] = round(med["default"]["decode"] / lc["decode"], 3)
+        row["default_prefill_vs_llamacpp"] = round(med["default"]["prefill"] / lc["prefill"], 3)
+        row["best_decode_vs_llamacpp"] = round(med[best]["decode"] / lc["decode"], 3)
+        row["default_decode_vs_llamacpp_paired"] = median(
+            [o["decode"] / ll["decode"] for o, ll in zip(runs["default"], runs["llama.cpp"], strict=True)])
+        row["default_prefill_vs_llamacpp_paired"] = median(
+            [o["prefill"] / ll["prefill"] for o, ll in zip(runs["default"], runs["llama.cpp"], strict=True)])
+    if "bf16/int4+compile" in med and "bf16/int4" in med:
+        row["compiled_vs_eager_decode"] = round(med["bf16/int4+compile"]["decode"] / med["bf16/int4"]["decode"], 3)
+        row["compiled_vs_eager_decode_paired"] = median(
+            [c["decode"] / e["decode"] for c, e in zip(runs["bf16/int4+compile"], runs["bf16/int4"], strict=True)])
+        row["default_vs_compiled_decode"] = round(med["default"]["decode"] / med["bf16/int4+compile"]["decode"], 3)
+        row["compile_warm_s"] = [c.get("compile_warm_s") for c in runs["bf16/int4+compile"]]
+    return row
+
+
+def resummarize(path: Path) -> None:
+    """Recompute every cell's summary from the rounds a results file holds (no runs)."""
+    out = json.loads(path.read_text())
+    out["results"] = {k: {**summarize(v["rounds"]), "rounds": v["rounds"]} for k, v in out["results"].items()}
+    path.write_text(json.dumps(out, indent=1) + "\n")
+    print(json.dumps({k: {x: v[x] for x in v if x not in ("rounds", "tok_s_median")} for k, v in out["results"].items()}, indent=1))
+
+
 def median(xs: list[float]) -> float:
     return round(statistics.median(xs), 3) if xs else float("nan")
 
@@ -121,7 +168,11 @@ def main() -> None:
     ap.add_argument("--configs", default="all", help="all, or a comma list like bf16/int4,fp32/none")
     ap.add_argument("--compiled", action="store_true", help="also bf16/int4 through run --compile (SmolLM2)")
     ap.add_argument("--quick", action="store_true", help="one round, 1 thread, the bundled model, 16 tokens")
+    ap.add_argument("--resummarize", type=Path, default=None, help="recompute a results file's summaries, run nothing")
     a = ap.parse_args()
+    if a.resummarize is not None:
+        resummarize(a.resummarize)
+        return
     if a.quick:
         a.rounds, a.threads, a.models, a.prompt, a.new = 1, "1", "smollm2", 32, 16
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
@@ -143,20 +194,7 @@ def main() -> None:
                 if a.compiled and name in COMPILED_MODELS:
                     runs.setdefault("bf16/int4+compile", []).append(ours(name, t, a.prompt, a.new, "bf16", "int4", True))
                 print(name, t, "round", r, {k: v[-1] for k, v in runs.items()}, file=sys.stderr, flush=True)
-            med = {k: {m: median([x[m] for x in v]) for m in ("decode", "prefill")} for k, v in runs.items()}
-            # best: the fastest eager configuration (a compiled run pays its warm-up first: reported beside)
-            best = max((k for k in med if k != "llama.cpp" and not k.endswith("+compile")), key=lambda k: med[k]["decode"])
-            row: dict[str, Any] = {"tok_s_median": med, "default_chose": runs["default"][-1], "best_of_ours": best,
-                                   "default_vs_best_decode": round(med["default"]["decode"] / med[best]["decode"], 3)}
-            if "llama.cpp" in med:
-                lc = med["llama.cpp"]
-                row["default_decode_vs_llamacpp"] = round(med["default"]["decode"] / lc["decode"], 3)
-                row["default_prefill_vs_llamacpp"] = round(med["default"]["prefill"] / lc["prefill"], 3)
-                row["best_decode_vs_llamacpp"] = round(med[best]["decode"] / lc["decode"], 3)
-            if "bf16/int4+compile" in med and "bf16/int4" in med:
-                row["compiled_vs_eager_decode"] = round(med["bf16/int4+compile"]["decode"] / med["bf16/int4"]["decode"], 3)
-                row["default_vs_compiled_decode"] = round(med["default"]["decode"] / med["bf16/int4+compile"]["decode"], 3)
-            table[f"{name}/t{t}"] = {**row, "rounds": runs}
+            table[f"{name}/t{t}"] = {**summarize(runs), "rounds": runs}
     out = {
         "what": "decode and prefill tok/s, ours (run --stages 1 --draft none) beside llama-bench, same GGUF, alternated",
         "prompt_tokens": a.prompt, "new_tokens": a.new, "rounds": a.rounds,
