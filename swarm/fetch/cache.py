@@ -54,6 +54,8 @@ class FetchReport:
     needed: int = 0  # bytes of what was asked for (tensors, headers, small files), held or not
     tensors: int = 0
     by_source: dict[str, int] = field(default_factory=dict)
+    # from members: each member's bytes by the path they took (swarm.node.compute.members)
+    by_path: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 class DiskBudgetError(FetchError):
