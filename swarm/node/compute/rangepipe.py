@@ -10,11 +10,9 @@ member finds the next request already queued when it finishes one (with one in f
 the link idled between ranges). Answers are matched to the oldest request in flight
 (``RangeReader`` checks each frame is exactly its next bytes; anything else is a ProtocolError).
 
-Bytes land (``PieceSink``) in two worker threads at once, each in arrival order behind a queue of
-``WRITE_AHEAD`` frames, while the next frames are received and opened: one writes them in place
-(pwrite), the other hashes each tensor (sha256, the larger cost: 0.6 ms a MiB here). A piece's
-verdict (landed, or a liar's bytes) is settled on the event loop once its last byte is both
-written and hashed.
+Bytes land (``PieceSink``: pwrite, sha256 per tensor) in a worker thread, in arrival order, behind
+a queue of ``WRITE_AHEAD`` frames, while the next frames are received and opened; a piece's
+verdict (landed, or a liar's bytes) is settled on the event loop after its last byte landed.
 
 What is taken and not settled is never lost: a refusal "not-held"/"busy" gives that piece back
 (its answers still due are read and dropped) and the stream goes on; any other failure gives back
@@ -117,44 +115,10 @@ class _Pipe:
         self.a.give_back(t.piece, self.peer, str(e), drop=False)
 
 
-# run in a worker thread (once ``after`` is set, if any), then ``then(result)`` on the event loop
-Job = tuple[Callable[[], Any], Callable[[Any], None] | None, trio.Event | None]
-Lane = trio.MemorySendChannel[Job]
+Job = tuple[Callable[[], Any], Callable[[Any], None] | None]  # run in a thread, then (result) on the loop
 
 
-def _nothing() -> None:
-    return None
-
-
-def _setter(ev: trio.Event) -> Callable[[Any], None]:
-    return lambda _: ev.set()
-
-
-async def _lane(recv: trio.MemoryReceiveChannel[Job]) -> None:
-    """Run the jobs in order in a worker thread, what is queued in one trip to it."""
-    async with recv:
-        async for job in recv:
-            jobs = [job]
-            while len(jobs) < WRITE_AHEAD:
-                try:
-                    jobs.append(recv.receive_nowait())
-                except (trio.WouldBlock, trio.EndOfChannel):
-                    break
-            i = 0
-            while i < len(jobs):
-                if (after := jobs[i][2]) is not None:
-                    await after.wait()
-                j = i + 1
-                while j < len(jobs) and jobs[j][2] is None:
-                    j += 1
-                got = await trio.to_thread.run_sync(_run_all, [fn for fn, _, _ in jobs[i:j]])
-                for (_, then, _), r in zip(jobs[i:j], got, strict=True):
-                    if then is not None:
-                        then(r)
-                i = j
-
-
-async def _pump(p: _Pipe, receive: Callable[..., Any], write: Lane, hash_: Lane,
+async def _pump(p: _Pipe, receive: Callable[..., Any], send: trio.MemorySendChannel[Job],
                 io_s: float) -> PeerError | ProtocolError | FetchError | None:  # fmt: skip
     """Ask and receive until nothing is left (None), or the stream broke or the member refused
     for good: that error, returned, so that what is queued still lands before it is raised."""
@@ -180,20 +144,16 @@ async def _pump(p: _Pipe, receive: Callable[..., Any], write: Lane, hash_: Lane,
                     return e
                 if not t.dropped:
                     p.refused(t, e)
-                    await write.send((t.sink.close, None, None))  # after its writes queued
+                    await send.send((t.sink.close, None))
                 continue
-            at = reader.pos
             data = reader.take(msg)
             if not t.dropped:
-                await write.send((functools.partial(t.sink.write_at, data, at), None, None))
-                await hash_.send((functools.partial(t.sink.hash_next, data), None, None))
+                await send.send((functools.partial(t.sink.take, data), None))
             if reader.done:
                 p.inflight.popleft()
                 t.asked -= 1
-                if not t.dropped and not t.todo and not t.asked:  # verified only once all written
-                    written = trio.Event()
-                    await write.send((_nothing, _setter(written), None))
-                    await hash_.send((t.sink.finish, functools.partial(p.settle, t), written))
+                if not t.dropped and not t.todo and not t.asked:
+                    await send.send((t.sink.finish, functools.partial(p.settle, t)))
     except (PeerError, ProtocolError, FetchError) as e:
         return e
 
@@ -212,15 +172,28 @@ async def fetch_pieces(fs: Any, cache: ModelCache, a: Assignment, peer: str, ids
     p = _Pipe(fs, cache, a, peer, ids, limits, collections.deque(first), unproven)
     # a fast channel's payloads as views of the opened message: one copy of each MiB fewer
     receive = functools.partial(fs.receive, view=True) if isinstance(fs, FrameLink) else fs.receive
-    write, writes = trio.open_memory_channel[Job](WRITE_AHEAD)
-    hash_, hashes = trio.open_memory_channel[Job](WRITE_AHEAD)
+    send, recv = trio.open_memory_channel[Job](WRITE_AHEAD)
+
+    async def writer() -> None:  # what is queued lands in one trip to the thread
+        async with recv:
+            async for job in recv:
+                jobs = [job]
+                while len(jobs) < WRITE_AHEAD:
+                    try:
+                        jobs.append(recv.receive_nowait())
+                    except (trio.WouldBlock, trio.EndOfChannel):
+                        break
+                got = await trio.to_thread.run_sync(_run_all, [fn for fn, _ in jobs])
+                for (_, then), r in zip(jobs, got, strict=True):
+                    if then is not None:
+                        then(r)
+
     try:
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(_lane, writes)
-                nursery.start_soon(_lane, hashes)
-                async with write, hash_:  # closed on the way out: the lanes land what is queued, then end
-                    broke = await _pump(p, receive, write, hash_, io_s)
+                nursery.start_soon(writer)
+                async with send:  # closed on the way out: the writer lands what is queued, then ends
+                    broke = await _pump(p, receive, send, io_s)
             if broke is not None:  # raised only now: what fully arrived before it has landed
                 raise broke
         except BaseExceptionGroup as group:  # the caller's own exception, not a group
