@@ -74,6 +74,7 @@ log = logging.getLogger("swarm.node.fetch")
 IDLE_S = 30.0  # a serving stream with no request this long is closed
 IO_S = 30.0  # one frame sent or received, either side
 SERVE_SLOTS = 4  # ranges read from disk at once for other members
+READ_FRAMES = 4  # RANGE_DATA frames read from disk in one trip to a worker thread
 
 
 # ---------------------------------------------------------------------------- serving
@@ -152,14 +153,16 @@ async def _send_range(fs: Any, h: Holdings, msg: RangeRequest, slots: trio.Semap
     one before it is sent (read then sent a frame at a time, the link idled for every read; the
     whole range at once, up to 16 MiB, stalled the asker's stream before its first byte)."""
     end = msg.offset + msg.length
-    put, chunks = trio.open_memory_channel[tuple[int, bytes]](1)
+    put, chunks = trio.open_memory_channel[tuple[int, Any]](READ_FRAMES)
 
     async def reads() -> None:
         async with put:
-            for off in range(msg.offset, end, step):
+            for at in range(msg.offset, end, step * READ_FRAMES):
                 async with slots:
-                    data = await trio.to_thread.run_sync(h.read, msg.file, off, min(step, end - off))
-                await put.send((off, data))
+                    data = await trio.to_thread.run_sync(h.read, msg.file, at, min(step * READ_FRAMES, end - at))
+                view = memoryview(data)  # frames of it, each copied once (into its encoded frame)
+                for i in range(0, len(view), step):
+                    await put.send((at + i, view[i : i + step]))
 
     try:
         async with trio.open_nursery() as nursery:
