@@ -193,6 +193,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         ranges = block_ranges(m, lo, hi)
         (work / "ranges.json").write_text(json.dumps(ranges))
         total = sum(e - s for _, s, e in ranges)
+        load0 = os.getloadavg()[0]
         proc = subprocess.Popen([sys.executable, __file__, "--serve", str(work)], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
         try:
@@ -206,7 +207,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         med = {k: statistics.median(x[0] for x in v) for k, v in got.items()}
         result = {
             "machine_note": a.note,
-            "load_average": os.getloadavg(),
+            "load_average_before_after": [round(load0, 2), round(os.getloadavg()[0], 2)],
             "command": "benchmarks/bench_fetch_members.py " + " ".join(a.argv),
             "machine": platform.machine(),
             "block_layers": [lo, hi],
@@ -222,6 +223,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             "ratio_members_over_tcp": round(med["fast"] / med["tcp"], 3),
             "ratio_libp2p_over_tcp": round(med["libp2p"] / med["tcp"], 3),
             "ratio_per_round": [round(x[0] / y[0], 3) for x, y in zip(got["fast"], got["tcp"], strict=True)],
+            "ratio_per_round_median": round(statistics.median(x[0] / y[0] for x, y in zip(got["fast"], got["tcp"], strict=True)), 3),
             "target_ratio": 0.5,
             "cpu_ms_per_mb_median": {k: {"fetcher": round(statistics.median(x[1] for x in v), 2),
                                          "member": round(statistics.median(x[2] for x in v), 2)}

@@ -54,6 +54,8 @@ class FetchReport:
     needed: int = 0  # bytes of what was asked for (tensors, headers, small files), held or not
     tensors: int = 0
     by_source: dict[str, int] = field(default_factory=dict)
+    # from members: each member's bytes by the path they took (swarm.node.compute.members)
+    by_path: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 class DiskBudgetError(FetchError):
@@ -78,6 +80,9 @@ class ModelCache:
         self.files: set[str] = set(st.get("files", [])) & set(manifest.files)  # headers and small files
         self.partial: dict[str, int] = {k: int(v) for k, v in st.get("partial", {}).items() if k in manifest.tensors}
         self.fetched_total: int = int(st.get("fetched_total", 0))  # every byte landed here, ever
+        # held by who changes the bookkeeping from a worker thread (pieces of several members land
+        # at once): two saves racing on one temporary file lost the state file's rename
+        self.lock = threading.RLock()
 
     @classmethod
     def open(cls, model_dir: Path, *, disk_budget: int | None = None) -> ModelCache:
@@ -96,9 +101,10 @@ class ModelCache:
 
     # ------------------------------------------------------------------ bookkeeping
     def save(self) -> None:
-        st = {"verified": sorted(self.verified), "files": sorted(self.files), "partial": self.partial,
-              "fetched_total": self.fetched_total}  # fmt: skip
-        _atomic_write(self._state_path, json.dumps(st).encode())
+        with self.lock:
+            st = {"verified": sorted(self.verified), "files": sorted(self.files), "partial": self.partial,
+                  "fetched_total": self.fetched_total}  # fmt: skip
+            _atomic_write(self._state_path, json.dumps(st).encode())
 
     def held_bytes(self) -> int:
         t = self.manifest.tensors

@@ -281,14 +281,29 @@ class PieceSink:
                 cache.save()
 
     def take(self, data: bytes) -> None:
+        """The next bytes: written and hashed (or :meth:`write_at` and :meth:`hash_next`, which
+        two threads may run at once, each in order, and :meth:`finish` after both)."""
+        self.write_at(data, self.pos)
+        self.hash_next(data)
+
+    def write_at(self, data: bytes, pos: int) -> None:
+        """Bytes [pos, pos + len(data)) of a tensor piece written in place (a header or small
+        file is written by :meth:`finish` once its hash matched)."""
+        p = self.piece
+        if not p.start <= pos or pos + len(data) > p.end:
+            raise FetchError(f"{p}: {len(data)} bytes at {pos} outside [{p.start}, {p.end})")
+        if p.tensors:
+            os.pwrite(self.fh.fileno(), data, pos)
+
+    def hash_next(self, data: bytes) -> None:
+        """The next bytes (in order) into each tensor's sha256, or the whole file's buffer."""
         p = self.piece
         if self.pos + len(data) > p.end:
             raise FetchError(f"{p}: {len(data)} bytes at {self.pos} run past its end {p.end}")
         if not p.tensors:
-            self.buf.append(data)
+            self.buf.append(bytes(data))
             self.pos += len(data)
             return
-        os.pwrite(self.fh.fileno(), data, self.pos)
         view, off = memoryview(data), 0
         while off < len(data):
             t = p.tensors[self.i]
@@ -310,17 +325,19 @@ class PieceSink:
             data = b"".join(self.buf)
             if hashlib.sha256(data).hexdigest() != p.sha256:
                 return [p.file]
-            c.land_file_bytes(c.manifest.files[p.file], data)
-            c.fetched_total += p.nbytes
-            c.save()
+            with c.lock:  # pieces of several members land in several threads at once
+                c.land_file_bytes(c.manifest.files[p.file], data)
+                c.fetched_total += p.nbytes
+                c.save()
             return []
         self.close()
         os.utime(c.dir / p.file, ns=(FIXED_MTIME_NS, FIXED_MTIME_NS))
-        for name in self.good:
-            c.verified.add(name)
-            c.partial.pop(name, None)
-        c.fetched_total += p.nbytes
-        c.save()
+        with c.lock:
+            for name in self.good:
+                c.verified.add(name)
+                c.partial.pop(name, None)
+            c.fetched_total += p.nbytes
+            c.save()
         return self.bad
 
     def close(self) -> None:

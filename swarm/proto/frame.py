@@ -172,6 +172,16 @@ def _check_shape(dtype: DType, shape: tuple[int, ...], payload_len: int, limits:
 # ---------------------------------------------------------------- encoding
 
 
+def payload_bytes(payload: Any) -> bytes | memoryview:
+    """``payload`` as bytes, or as itself if it is a flat byte view already (joined into the
+    encoded frame: one copy, not two); anything else (a tensor's buffer, a bytearray) copied."""
+    if isinstance(payload, bytes):
+        return payload
+    if isinstance(payload, memoryview) and payload.itemsize == 1 and payload.ndim == 1 and payload.c_contiguous:
+        return payload
+    return bytes(payload)
+
+
 def encode_frame(frame: Frame, limits: Limits = DEFAULT_LIMITS) -> bytes:
     """Serialise a frame, applying the same caps a receiver will (we never send what is refused)."""
     try:
@@ -184,7 +194,7 @@ def encode_frame(frame: Frame, limits: Limits = DEFAULT_LIMITS) -> bytes:
     for name, v in (("session", frame.session), ("seq", frame.seq)):
         if not 0 <= v <= _U64_MAX:
             raise FrameError(f"frame field '{name}': {v} outside the unsigned 64-bit range")
-    payload = bytes(frame.payload) if not isinstance(frame.payload, bytes) else frame.payload
+    payload = payload_bytes(frame.payload)
     shape = tuple(int(d) for d in frame.shape)
     _check_shape(dtype, shape, len(payload), limits)
     meta = encode_meta(frame.meta, limits)

@@ -37,7 +37,7 @@ from swarm.proto.fields import (
     read_fields,
     write_fields,
 )
-from swarm.proto.frame import DType, Frame, MsgType, decode_frame, encode_frame
+from swarm.proto.frame import DType, Frame, MsgType, decode_frame, encode_frame, payload_bytes
 from swarm.proto.limits import DEFAULT_LIMITS, Limits
 
 NONCE_BYTES = 32
@@ -65,7 +65,7 @@ class Message:
     def to_frame(self) -> Frame:
         hdr = dict(header_values(self))
         if "payload" in hdr:
-            hdr["payload"] = bytes(hdr["payload"])
+            hdr["payload"] = payload_bytes(hdr["payload"])  # a byte view stays one: copied once, when encoded
         return Frame(self.TYPE, meta=self.meta(), **hdr)
 
     @classmethod

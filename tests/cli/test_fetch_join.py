@@ -159,8 +159,10 @@ async def test_peers_fetch_their_blocks_from_a_member_with_its_own_copy(tmp_path
                 a, b = plan["block"] or (0, 0)
                 mine = m.block_bytes(a, b) + (sum(t.nbytes for t in m.head()) if plan["role"].startswith("coordinator") else 0)
                 fetched = [e for e in lab.procs[i].of("fetched") if e["bytes"]]
-                print(f"peer {i} {plan['role']} [{a}, {b}): {[e['sources'] for e in fetched]}")
+                print(f"peer {i} {plan['role']} [{a}, {b}): {[e['sources'] for e in fetched]}, {[e['paths'] for e in fetched]}")
                 assert fetched and all(set(e["sources"]) == {owner} for e in fetched), fetched
+                # over the fast path's direct sealed socket, every byte (join --json says which path)
+                assert all(e["paths"] == {owner: {"direct": e["bytes"]}} for e in fetched), fetched
                 assert lab.state(i)["fetched_total"] == headers + mine, (i, plan)
         finally:
             lab.close()
@@ -189,6 +191,7 @@ async def test_with_no_origin_the_others_fetch_everything_from_the_member_with_a
                 small = sum(f.size for f in m.small_files() if f.path not in CONFIG_FILES) if coord else 0
                 fetched = [e for e in lab.procs[i].of("fetched") if e["bytes"]]
                 assert fetched and all(set(e["sources"]) == {owner} for e in fetched), fetched
+                assert all(e["paths"] == {owner: {"direct": e["bytes"]}} for e in fetched), fetched
                 assert lab.state(i)["fetched_total"] == headers + mine + small, (i, plan)
         finally:
             lab.close()

@@ -138,6 +138,7 @@ async def test_a_lying_member_is_named_and_its_pieces_come_from_another(model: t
     assert lying.reads >= 1 and list(rep.liars) == [liar.peer_id] and [p for p, _ in liars] == [liar.peer_id]
     assert "failed sha256" in rep.liars[liar.peer_id] and not rep.failed
     assert set(rep.by_source) <= {honest.peer_id, liar.peer_id} and rep.by_source[honest.peer_id] > 0
+    assert rep.paths[honest.peer_id] == {"libp2p": rep.by_source[honest.peer_id]}  # no fast path here
     assert cache.holds(tensors)
     _same(d, cache, m.n_layers)
 
@@ -348,6 +349,10 @@ async def test_members_fetch_over_the_fast_path_or_fall_back_to_libp2p(model: tu
     # was asked over libp2p for the rest of the fetch, as off (no fast path) was from the start
     assert paths == ["direct"] * 3
     assert sorted(opened) == sorted([old.peer_id, off.peer_id] * 2)  # fast never fell back
+    # the report says which path each member's bytes took
+    assert rep.paths == {fast.peer_id: {"direct": rep.by_source[fast.peer_id]},
+                         old.peer_id: {"libp2p": rep.by_source[old.peer_id]},
+                         off.peer_id: {"libp2p": rep.by_source[off.peer_id]}}  # fmt: skip
     assert cache.holds(tensors)
     _same(d, cache, m.n_layers)
 

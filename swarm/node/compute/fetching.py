@@ -180,7 +180,8 @@ class BlockFetcher:
             m.files[p].header_end if m.files[p].is_weights else m.files[p].size for p in set(files) | {t.file for t in tensors})
         rep = await fetch_from_members(self.host, self.cache, tensors, files, holders, self.sources,
                                        on_liar=self._liar, dial_fast=self.dial_fast)  # fmt: skip
-        return FetchReport(fetched=rep.fetched, needed=needed, tensors=len(tensors), by_source=rep.by_source)
+        return FetchReport(fetched=rep.fetched, needed=needed, tensors=len(tensors), by_source=rep.by_source,
+                           by_path=rep.paths)  # fmt: skip
 
     def _liar(self, peer: str, why: str) -> None:
         self.liars[peer] = why
@@ -202,6 +203,6 @@ class BlockFetcher:
             if rep.fetched:
                 self.notices.event(f"fetched {what}: {rep.fetched / 1e6:.1f} MB in {secs:.1f} s")
             self.notices.life("fetched", layers=layers, what=what, bytes=rep.fetched, needed=rep.needed,
-                              seconds=secs, sources=rep.by_source)  # fmt: skip
+                              seconds=secs, sources=rep.by_source, paths=rep.by_path)  # fmt: skip
             self.on_held(*self.held())
             return rep

@@ -74,6 +74,7 @@ log = logging.getLogger("swarm.node.fetch")
 IDLE_S = 30.0  # a serving stream with no request this long is closed
 IO_S = 30.0  # one frame sent or received, either side
 SERVE_SLOTS = 4  # ranges read from disk at once for other members
+READ_FRAMES = 4  # RANGE_DATA frames read from disk in one trip to a worker thread
 
 
 # ---------------------------------------------------------------------------- serving
@@ -152,14 +153,16 @@ async def _send_range(fs: Any, h: Holdings, msg: RangeRequest, slots: trio.Semap
     one before it is sent (read then sent a frame at a time, the link idled for every read; the
     whole range at once, up to 16 MiB, stalled the asker's stream before its first byte)."""
     end = msg.offset + msg.length
-    put, chunks = trio.open_memory_channel[tuple[int, bytes]](1)
+    put, chunks = trio.open_memory_channel[tuple[int, Any]](READ_FRAMES)
 
     async def reads() -> None:
         async with put:
-            for off in range(msg.offset, end, step):
+            for at in range(msg.offset, end, step * READ_FRAMES):
                 async with slots:
-                    data = await trio.to_thread.run_sync(h.read, msg.file, off, min(step, end - off))
-                await put.send((off, data))
+                    data = await trio.to_thread.run_sync(h.read, msg.file, at, min(step * READ_FRAMES, end - at))
+                view = memoryview(data)  # frames of it, each copied once (into its encoded frame)
+                for i in range(0, len(view), step):
+                    await put.send((at + i, view[i : i + step]))
 
     try:
         async with trio.open_nursery() as nursery:
@@ -181,6 +184,10 @@ class MembersReport:
     by_source: dict[str, int] = field(default_factory=dict)  # bytes landed: member peer ID or origin URL
     liars: dict[str, str] = field(default_factory=dict)  # member -> what it sent that failed its hash
     failed: dict[str, str] = field(default_factory=dict)  # member -> why it stopped being asked
+    # bytes landed from each member by the path they took: "direct" (the fast path's sealed
+    # socket), "fast-libp2p" (a fast channel carried over its libp2p stream: no direct socket),
+    # "libp2p" (/shard-swarm/tensors/1)
+    paths: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @property
     def fetched(self) -> int:
@@ -222,7 +229,8 @@ async def fetch_from_members(
             async with trio.open_nursery() as nursery:
                 for peer in list(a.holders):
                     if a.usable(peer) and any(peer in a.candidates(p) for p in a.pending):
-                        nursery.start_soon(_worker, host, None if peer in slow else dial_fast, cache, a, peer, ids, io_s, slow)
+                        nursery.start_soon(_worker, host, None if peer in slow else dial_fast, cache, a, peer, ids, io_s,
+                                           slow, rep.paths)  # fmt: skip
         for peer, why in a.liars.items():
             if peer not in rep.liars:
                 log.warning("member %s sent model bytes that are not the manifest's: %s; not asking it again", peer, why)
@@ -251,11 +259,13 @@ async def _from_origin(cache: ModelCache, left: list[Piece], origins: Sequence[S
 
 
 async def _worker(host: Host, dial_fast: DialFast | None, cache: ModelCache, a: Assignment, peer: str,
-                  ids: itertools.count[int], io_s: float, slow: set[str]) -> None:  # fmt: skip
+                  ids: itertools.count[int], io_s: float, slow: set[str], paths: dict[str, dict[str, int]]) -> None:  # fmt: skip
     first: list[Piece] = []  # taken for the fast channel, which turned out to serve no ranges
+    path, before = "libp2p", a.by_peer.get(peer, 0)  # this worker alone lands ``peer``'s pieces
     try:
         async with _fast_link(dial_fast, peer, io_s) as link:
             if link is not None:
+                path = "direct" if getattr(link, "path", "") == "direct" else "fast-libp2p"
                 try:
                     await fetch_pieces(link, cache, a, peer, ids, host.limits, io_s, unproven=True)
                     return
@@ -264,6 +274,7 @@ async def _worker(host: Host, dial_fast: DialFast | None, cache: ModelCache, a: 
                     slow.add(peer)
             elif dial_fast is not None:
                 slow.add(peer)
+        path = "libp2p"
         async with host.open_stream(peer, PROTO_TENSORS, timeout=io_s) as fs:
             first, taken = [], first
             await fetch_pieces(fs, cache, a, peer, ids, host.limits, io_s, first=taken)
@@ -273,6 +284,10 @@ async def _worker(host: Host, dial_fast: DialFast | None, cache: ModelCache, a: 
             a.give_back(piece, peer, why)
         a.failed.setdefault(peer, why)
         log.info("member %s stops serving this fetch: %s", peer, printable(why)[:300])
+    finally:
+        if (n := a.by_peer.get(peer, 0) - before) > 0:
+            by = paths.setdefault(peer, {})
+            by[path] = by.get(path, 0) + n
 
 
 @asynccontextmanager
