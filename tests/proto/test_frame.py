@@ -20,6 +20,7 @@ from swarm.proto.frame import (
     decode_meta,
     encode_frame,
     encode_meta,
+    payload_bytes,
 )
 from swarm.proto.limits import DEFAULT_LIMITS, Limits
 
@@ -260,3 +261,23 @@ def test_decode_frame_wants_exactly_one() -> None:
 def test_repr_never_dumps_payload() -> None:
     f = _frame(DType.INT32, (4,), payload=b"SECRETTOKENS1234")
     assert "SECRET" not in repr(f) and "16B" in repr(f)
+
+
+def test_decode_frame_can_hand_the_payload_as_a_view_of_the_message() -> None:
+    f = _frame(DType.U8, (5,), payload=b"abcde")
+    data = encode_frame(f)
+    copied, viewed = decode_frame(data), decode_frame(data, view=True)
+    assert isinstance(copied.payload, bytes) and isinstance(viewed.payload, memoryview)
+    assert copied.payload == bytes(viewed.payload) == b"abcde" and viewed.meta == copied.meta == f.meta
+    assert viewed.payload.obj is data  # no copy: a view into the (immutable) message
+
+
+def test_a_byte_view_payload_is_encoded_like_bytes_and_any_other_buffer_is_copied() -> None:
+    import array
+
+    raw = b"0123456789abcdef"
+    view = memoryview(raw)[4:12]
+    assert payload_bytes(view) is view
+    assert encode_frame(_frame(DType.U8, (8,), payload=view)) == encode_frame(_frame(DType.U8, (8,), payload=raw[4:12]))
+    wide = memoryview(array.array("i", [1, 2]))  # 4-byte items: len() counts 2, the payload is 8 bytes
+    assert payload_bytes(wide) == bytes(wide) and len(payload_bytes(wide)) == 8

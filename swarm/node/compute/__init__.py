@@ -9,4 +9,6 @@
     fetching.py    a block's tensors fetched from the model's origin (or checked in place) before it loads
     members.py     /shard-swarm/tensors/1: serving the byte ranges this node holds verified to other
                    members, and fetching a block's tensors from several members at once (origin last)
+    rangepipe.py   one member's pieces over one stream: several range requests in flight, landed
+                   and checked in a worker thread; a cut gives back what did not land
 """

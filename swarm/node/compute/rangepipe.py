@@ -37,7 +37,6 @@ from swarm.errors import PeerError, PeerLost, ProtocolError
 from swarm.fetch.cache import ModelCache
 from swarm.fetch.origin import FetchError
 from swarm.fetch.peers import Assignment, Piece, PieceSink, RangeRefused
-from swarm.node.ring.fastlink import FrameLink
 from swarm.proto.limits import Limits
 from swarm.proto.messages import parse_message
 from swarm.proto.tensors import RangeReader, RangeRequest
@@ -171,7 +170,7 @@ async def fetch_pieces(fs: Any, cache: ModelCache, a: Assignment, peer: str, ids
     pieces that arrived whole have landed; every piece taken and not landed goes back to ``a``."""
     p = _Pipe(fs, cache, a, peer, ids, limits, collections.deque(first), unproven)
     # a fast channel's payloads as views of the opened message: one copy of each MiB fewer
-    receive = functools.partial(fs.receive, view=True) if isinstance(fs, FrameLink) else fs.receive
+    receive = getattr(fs, "receive_view", fs.receive)
     send, recv = trio.open_memory_channel[Job](WRITE_AHEAD)
 
     async def writer() -> None:  # what is queued lands in one trip to the thread

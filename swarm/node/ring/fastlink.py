@@ -34,5 +34,10 @@ class FrameLink:
         """The next frame; ``view``: its payload a memoryview of the message, not a copy."""
         return decode_frame(await self.channel.receive(timeout=timeout), self.limits, view=view)
 
+    async def receive_view(self, timeout: float | None = None) -> Frame:
+        """:meth:`receive` with the payload a memoryview of the opened message, not a copy (for
+        a receiver that only hashes and writes it: model bytes, swarm/node/compute/rangepipe.py)."""
+        return await self.receive(timeout, view=True)
+
     async def close(self) -> None:
         await self.channel.aclose()
