@@ -421,6 +421,14 @@ def _check_json_value(value: Any, limits: Limits) -> None:
             raise FrameError(f"frame meta: unsupported value type {type(v).__name__}")
 
 
+def canonical_bytes(obj: Any) -> bytes:
+    """The project's one canonical JSON encoding (sorted keys, compact, UTF-8, no NaN): frame
+    metadata, and what adverts and plans are signed over (signing.canonical_json).
+    Raises UnicodeEncodeError for a lone surrogate, TypeError/ValueError for what JSON cannot hold;
+    callers name the object."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode("utf-8")
+
+
 def _pairs_no_dups(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in pairs:
@@ -442,15 +450,11 @@ def encode_meta(meta: dict[str, Any], limits: Limits = DEFAULT_LIMITS) -> bytes:
         return b""
     _check_json_value(meta, limits)
     try:
-        raw = json.dumps(
-            meta, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
-        )
-    except (TypeError, ValueError) as exc:
-        raise FrameError(f"frame meta is not JSON-serialisable: {exc}") from None
-    try:
-        data = raw.encode("utf-8")
+        data = canonical_bytes(meta)
     except UnicodeEncodeError as exc:  # a lone surrogate (only a \uD800-style escape makes one)
         raise FrameError(f"frame meta: a string with a lone surrogate at char {exc.start}") from None
+    except (TypeError, ValueError) as exc:
+        raise FrameError(f"frame meta is not JSON-serialisable: {exc}") from None
     if len(data) > limits.max_meta_bytes:
         raise FrameError(
             f"frame meta: {len(data)} bytes over max_meta_bytes={limits.max_meta_bytes}"

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import json
 from typing import Any, Protocol
 
 import nacl.exceptions
@@ -23,6 +22,7 @@ import nacl.signing
 
 from swarm.errors import ProtocolError
 from swarm.peerid import peer_id_from_public_key
+from swarm.proto.frame import canonical_bytes
 
 # protobuf PublicKey{Type: Ed25519(1), Data: 32 bytes} behind an identity multihash (0x00, len 36)
 
@@ -46,15 +46,11 @@ def canonical_json(obj: Any) -> bytes:
     """Deterministic bytes of a JSON value: sorted keys, compact, UTF-8; floats refused."""
     _refuse_floats(obj)
     try:
-        text = json.dumps(
-            obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
-        )
-    except (TypeError, ValueError) as exc:
-        raise ProtocolError(f"value is not canonical JSON: {exc}") from None
-    try:
-        return text.encode("utf-8")
+        return canonical_bytes(obj)
     except UnicodeEncodeError as exc:
         raise ProtocolError(f"value is not canonical JSON: a lone surrogate at char {exc.start}") from None
+    except (TypeError, ValueError) as exc:
+        raise ProtocolError(f"value is not canonical JSON: {exc}") from None
 
 
 def _refuse_floats(obj: Any) -> None:
