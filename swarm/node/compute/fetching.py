@@ -180,8 +180,9 @@ class BlockFetcher:
             m.files[p].header_end if m.files[p].is_weights else m.files[p].size for p in set(files) | {t.file for t in tensors})
         rep = await fetch_from_members(self.host, self.cache, tensors, files, holders, self.sources,
                                        on_liar=self._liar, dial_fast=self.dial_fast)  # fmt: skip
+        from_members = any(n for k, n in rep.by_source.items() if k in holders)
         return FetchReport(fetched=rep.fetched, needed=needed, tensors=len(tensors), by_source=rep.by_source,
-                           by_path=rep.paths)  # fmt: skip
+                           by_path=rep.paths, verify_s=None if from_members else rep.origin_verify_s)  # fmt: skip
 
     def _liar(self, peer: str, why: str) -> None:
         self.liars[peer] = why
