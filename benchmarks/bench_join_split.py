@@ -34,6 +34,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import signal
 import sys
 import tempfile
@@ -117,6 +118,13 @@ def main() -> None:
     fetchlab.START_S = a.timeout
     fetchlab.JoinProc = StampedProc  # type: ignore[misc]  # FetchLab starts its processes through this name
     work = Path(tempfile.mkdtemp(prefix="bench-join-split-"))
+    try:
+        run(a, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)  # the checkpoint and three caches: GBs
+
+
+def run(a: argparse.Namespace, work: Path) -> None:
     spec = spec_for(a.gb)
     t0 = time.perf_counter()
     served = write_checkpoint(work / "origin", spec, seed=5, shards=4)
