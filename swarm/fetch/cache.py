@@ -25,6 +25,7 @@ import json
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,6 +57,9 @@ class FetchReport:
     by_source: dict[str, int] = field(default_factory=dict)
     # from members: each member's bytes by the path they took (swarm.node.compute.members)
     by_path: dict[str, dict[str, int]] = field(default_factory=dict)
+    # seconds spent hashing what landed from an origin (sha256, on the writer thread, so they
+    # overlap the receiving); None where not measured (bytes from members)
+    verify_s: float | None = None
 
 
 class DiskBudgetError(FetchError):
@@ -145,7 +149,8 @@ class ModelCache:
         wanted = sorted({t.file for t in tensors} | set(files))
         todo_files = [m.files[p] for p in wanted if p not in self.files]
         todo = sorted((t for t in tensors if t.name not in self.verified), key=lambda t: (t.file, t.start))
-        report = FetchReport(needed=sum(t.nbytes for t in tensors) + sum(_file_bytes(m.files[p]) for p in wanted))
+        report = FetchReport(needed=sum(t.nbytes for t in tensors) + sum(_file_bytes(m.files[p]) for p in wanted),
+                             verify_s=0.0)  # fmt: skip
         if not todo and not todo_files:
             return report
         if not sources:
@@ -163,13 +168,17 @@ class ModelCache:
         src = sources[0]  # one origin at a time (members serve each other: swarm.fetch.peers)
         key = src.url("").rstrip("/")
         bad: list[str] = []
+        hash_s = 0.0
         try:
             for f in todo_files:
-                self._land_file(f, src, tick)
+                hash_s += self._land_file(f, src, tick)
             for run in _runs(todo, self.partial):
-                bad += self._land_run(run, src, tick)
+                run_bad, run_s = self._land_run(run, src, tick)
+                bad += run_bad
+                hash_s += run_s
         finally:
             self.save()
+        report.verify_s = hash_s
         report.fetched = done
         report.tensors = len(todo) - len(bad)
         report.by_source[key] = done
@@ -179,15 +188,20 @@ class ModelCache:
                              "the manifest was made (another revision?); the tensors that matched are kept")  # fmt: skip
         return report
 
-    def _land_file(self, f: FileEntry, src: Source, tick: Callable[[int], None]) -> None:
+    def _land_file(self, f: FileEntry, src: Source, tick: Callable[[int], None]) -> float:
+        """Fetch, check and write a header or small file; returns the seconds spent hashing."""
         n = f.header_end if f.is_weights else f.size
         data = b"".join(src.stream(f.path, 0, n, tick))
         want = f.header_sha256 if f.is_weights else f.sha256
-        if hashlib.sha256(data).hexdigest() != want:
+        t0 = time.perf_counter()
+        ok = hashlib.sha256(data).hexdigest() == want
+        hash_s = time.perf_counter() - t0
+        if not ok:
             what = "header" if f.is_weights else "contents"
             raise FetchError(f"{src.url(f.path)}: the file's {what} differ from the manifest's (sha256): "
                              "the origin's file changed since the manifest was made")  # fmt: skip
         self.land_file_bytes(f, data)
+        return hash_s
 
     def land_file_bytes(self, f: FileEntry, data: bytes) -> None:
         """Write a weight file's header (laying the file out at its true length) or a small
@@ -201,9 +215,10 @@ class ModelCache:
         os.utime(path, ns=(FIXED_MTIME_NS, FIXED_MTIME_NS))
         self.files.add(f.path)
 
-    def _land_run(self, run: list[TensorEntry], src: Source, tick: Callable[[int], None]) -> list[str]:
+    def _land_run(self, run: list[TensorEntry], src: Source, tick: Callable[[int], None]) -> tuple[list[str], float]:
         """Stream one contiguous run of tensors into place, hashing each tensor's bytes as they
         pass (a resumed tensor's landed prefix is read back once) and checking it as it completes.
+        Returns the tensors that failed their hash and the seconds spent hashing.
 
         The receiving thread only receives; one helper thread writes and hashes, in order, from
         a bounded queue (both release the GIL, so they overlap the socket reads: measured with
@@ -239,7 +254,7 @@ class ModelCache:
         os.utime(self.dir / first.file, ns=(FIXED_MTIME_NS, FIXED_MTIME_NS))
         if failed:
             raise failed[0]
-        return bad
+        return bad, land.hash_s
 
 
 class _Lander:
@@ -249,6 +264,7 @@ class _Lander:
         self.cache, self.run, self.fh, self.pos, self.bad = cache, run, fh, pos, bad
         self.i = 0
         self.h: Any = None
+        self.hash_s = 0.0  # seconds in sha256 (the verify part of the fetch)
 
     def take(self, chunk: bytes) -> None:
         c, run, fh = self.cache, self.run, self.fh
@@ -265,13 +281,18 @@ class _Lander:
                     fh.flush()
                     self.h.update(os.pread(fh.fileno(), at - t.start, t.start))
             take = min(t.end - at, len(chunk) - off)
+            t0 = time.perf_counter()
             self.h.update(view[off : off + take])
+            self.hash_s += time.perf_counter() - t0
             off += take
             if at + take < t.end:
                 c.partial[t.name] = at + take - t.start
                 continue
             c.partial.pop(t.name, None)
-            if self.h.hexdigest() == t.sha256:
+            t0 = time.perf_counter()
+            ok = self.h.hexdigest() == t.sha256
+            self.hash_s += time.perf_counter() - t0
+            if ok:
                 c.verified.add(t.name)
             else:
                 self.bad.append(f"{t.file}: tensor {t.name}")

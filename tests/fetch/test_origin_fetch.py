@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -39,8 +40,12 @@ def test_a_block_fetches_only_its_bytes_and_loads_as_the_original(model: Path, t
     with origin_server(model, tmp_path / "nginx") as srv:
         origin = Origin(srv.url)
         cache = ModelCache(tmp_path / "cache", m)
+        t0 = time.perf_counter()
         rep = fetch_block(cache, 2, 4, [origin])
+        wall = time.perf_counter() - t0
         block = m.block_bytes(2, 4)
+        # the verify part of the fetch: the sha256 of what landed, timed inside the call
+        assert rep.verify_s is not None and 0 < rep.verify_s <= wall, (rep.verify_s, wall)
         assert rep.fetched == srv.bytes_sent() == origin.received  # what the server sent is what landed
         assert rep.fetched / block <= 1.05, (rep.fetched, block)
         assert cache.layers_held() == [2, 3]
@@ -52,6 +57,7 @@ def test_a_block_fetches_only_its_bytes_and_loads_as_the_original(model: Path, t
             assert p.stat().st_blocks * 512 <= f.header_end + block + 64 * 4096
         again = fetch_block(cache, 2, 4, [origin])
         assert again.fetched == 0 and srv.bytes_sent() == rep.fetched  # held: nothing moves
+        assert again.verify_s == 0.0  # nothing landed, nothing hashed
         # a re-plan: layers [3, 5) fetch only layer 4
         moved = fetch_block(cache, 3, 5, [origin])
         assert moved.fetched == m.block_bytes(4, 5)

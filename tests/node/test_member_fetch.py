@@ -117,6 +117,7 @@ async def test_two_members_at_once_and_the_origin_for_the_rest(model: tuple[Path
     assert rep.by_source[a.peer_id] > 0 and rep.by_source[b.peer_id] > 0 and Slow.most >= 2  # at once
     head = sum(t.nbytes for t in m.head()) + sum(f.size for f in m.small_files() if f.path not in held[1].files)
     assert 0 < rep.by_source[srv.url] == origin_bytes <= head + 4096 * len(m.head())  # the origin sent no layer
+    assert rep.origin_verify_s > 0  # the origin's part was hashed, and timed
     assert rep.fetched == sum(t.nbytes for t in tensors) + sum(f.header_end or f.size for f in m.files.values())
     assert cache.holds(tensors) and ModelCache(tmp_path / "cache", m).verified == cache.verified
     _same(d, cache, m.n_layers)

@@ -5,7 +5,7 @@ tensors are verified in place instead, each once (a ``verified`` life event).
 
 The fetch runs in a worker thread outside the compute limiter, so the forwards of a block already
 held keep running meanwhile; what moved is told as a ``fetched`` life event (bytes, the bytes of
-what was asked for, seconds, the source) and kept in ``fetched_bytes`` for status.
+what was asked for, seconds, of them ``verify_s`` hashing (from an origin), the source) and kept in ``fetched_bytes`` for status.
 
 Once :meth:`BlockFetcher.join_members` wired it (serving.py), the members whose adverts say they
 hold the tensors are asked first, several at once (members.py), the origin last; a member whose
@@ -180,8 +180,9 @@ class BlockFetcher:
             m.files[p].header_end if m.files[p].is_weights else m.files[p].size for p in set(files) | {t.file for t in tensors})
         rep = await fetch_from_members(self.host, self.cache, tensors, files, holders, self.sources,
                                        on_liar=self._liar, dial_fast=self.dial_fast)  # fmt: skip
+        from_members = any(n for k, n in rep.by_source.items() if k in holders)
         return FetchReport(fetched=rep.fetched, needed=needed, tensors=len(tensors), by_source=rep.by_source,
-                           by_path=rep.paths)  # fmt: skip
+                           by_path=rep.paths, verify_s=None if from_members else rep.origin_verify_s)  # fmt: skip
 
     def _liar(self, peer: str, why: str) -> None:
         self.liars[peer] = why
@@ -202,7 +203,8 @@ class BlockFetcher:
             secs = round(time.monotonic() - t0, 3)
             if rep.fetched:
                 self.notices.event(f"fetched {what}: {rep.fetched / 1e6:.1f} MB in {secs:.1f} s")
+            verify_s = None if rep.verify_s is None else round(rep.verify_s, 3)  # inside ``seconds``
             self.notices.life("fetched", layers=layers, what=what, bytes=rep.fetched, needed=rep.needed,
-                              seconds=secs, sources=rep.by_source, paths=rep.by_path)  # fmt: skip
+                              seconds=secs, verify_s=verify_s, sources=rep.by_source, paths=rep.by_path)  # fmt: skip
             self.on_held(*self.held())
             return rep

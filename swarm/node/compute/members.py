@@ -188,6 +188,7 @@ class MembersReport:
     # socket), "fast-libp2p" (a fast channel carried over its libp2p stream: no direct socket),
     # "libp2p" (/shard-swarm/tensors/1)
     paths: dict[str, dict[str, int]] = field(default_factory=dict)
+    origin_verify_s: float = 0.0  # seconds hashing what landed from the origins (members' not timed)
 
     @property
     def fetched(self) -> int:
@@ -256,6 +257,7 @@ async def _from_origin(cache: ModelCache, left: list[Piece], origins: Sequence[S
     r = await trio.to_thread.run_sync(lambda: cache.ensure(tensors, files, origins))
     for k, n in r.by_source.items():
         rep.by_source[k] = rep.by_source.get(k, 0) + n
+    rep.origin_verify_s += r.verify_s or 0.0
 
 
 async def _worker(host: Host, dial_fast: DialFast | None, cache: ModelCache, a: Assignment, peer: str,
