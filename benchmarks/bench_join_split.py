@@ -6,7 +6,7 @@ Writes a sharded fp32 safetensors checkpoint of about ``--gb`` GB (swarm.testing
 the issue asks for at least 2 GB: ``--gb 2``; the default is sized for this shared 2-core box),
 its model manifest, and serves it with nginx on loopback (swarm.testing.origin_server). Then
 three real ``join --json`` processes with no ``--model``, each with an empty cache and an offer
-of half the layers (tests/cli/test_fetch_join.py's FetchLab, unchanged), and per peer:
+of half the layers (tests/cli/test_fetch_join.py's FetchLab, its processes a subclass that stamps events), and per peer:
 
   new peer   seconds from the process's start to its first ``serving`` event, split into
              ``fetch_s`` (the ``fetched`` events' seconds: ranged GETs written in place),
@@ -115,8 +115,6 @@ def main() -> None:
     a = ap.parse_args()
     if not have_nginx():
         sys.exit("needs nginx (apt-get install nginx-light)")
-    fetchlab.START_S = a.timeout
-    fetchlab.JoinProc = StampedProc  # type: ignore[misc]  # FetchLab starts its processes through this name
     work = Path(tempfile.mkdtemp(prefix="bench-join-split-"))
     try:
         run(a, work)
@@ -140,7 +138,7 @@ def run(a: argparse.Namespace, work: Path) -> None:
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_before": os.getloadavg()},
     }  # fmt: skip
     with origin_server(served, work / "nginx") as srv:
-        lab = fetchlab.FetchLab(work, srv, served, m, 3, layers_each=spec.n_layers // 2)
+        lab = fetchlab.FetchLab(work, srv, served, m, 3, layers_each=spec.n_layers // 2, proc=StampedProc, start_s=a.timeout)
         procs: list[StampedProc] = lab.procs  # type: ignore[assignment]
         try:
             lab.wait(lambda: lab.coordinator() is not None and sum(1 for p in procs if p.of("serving")) >= 2, "serving")

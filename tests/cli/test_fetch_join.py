@@ -42,8 +42,11 @@ class FetchLab:
     manifest hash with the nginx origin."""
 
     def __init__(self, tmp: Path, srv: OriginServer, served: Path, m: ModelManifest, n: int, layers_each: int,
-                 model: Path | None = None, own_copy: frozenset[int] = frozenset(), origin: bool = True) -> None:  # fmt: skip
-        self.tmp, self.m, self.served = tmp, m, served
+                 model: Path | None = None, own_copy: frozenset[int] = frozenset(), origin: bool = True,
+                 proc: type[JoinProc] = JoinProc, start_s: float = START_S) -> None:  # fmt: skip
+        """``proc``: what runs each join (a benchmark's subclass stamps its events); ``start_s``: how
+        long a wait may take."""
+        self.tmp, self.m, self.served, self.start_s = tmp, m, served, start_s
         self.ids = sorted((Identity(bytes([i + 31]) * 32) for i in range(n)), key=lambda ident: ident.peer_id)
         port = free_port()
         boot = f"/ip4/127.0.0.1/tcp/{port}/p2p/{self.ids[0].peer_id}"
@@ -65,7 +68,7 @@ class FetchLab:
                     "--threads", "1", "--memory", str(mem), "--no-mdns", "--no-relay", "--json"]  # fmt: skip
             if i in own_copy:  # the user's own copy of the model (checked in place, served to members)
                 args += ["--model", str(served)]
-            self.procs.append(JoinProc(f"n{i}", args, env))
+            self.procs.append(proc(f"n{i}", args, env))
 
     def state(self, i: int) -> dict[str, Any]:
         return json.loads((self.tmp / f"cache{i}" / "models" / self.m.digest()[:16] / ".fetch-state.json").read_text())
@@ -80,7 +83,7 @@ class FetchLab:
         t0 = time.monotonic()
         while not pred():
             stuck = any("not enough memory" in e.get("reason", "") for p in self.procs for e in p.of("waiting"))
-            if time.monotonic() - t0 > START_S or stuck:
+            if time.monotonic() - t0 > self.start_s or stuck:
                 raise AssertionError(f"waiting for {what}\n" + "\n".join(p.tail() for p in self.procs))
             time.sleep(0.1)
 
