@@ -121,9 +121,11 @@ def plan_json(p: Plan) -> dict[str, Any]:
 
 def predicted_peaks(p: Plan, spec: ModelSpec, peers: Any) -> dict[str, int]:
     """Each placed peer's predicted peak (planner/budget.py): the planned part, against what it
-    advertises (its offer less its own runtime overhead)."""
+    advertises (its offer less its own runtime overhead), with the KV of its own sessions."""
     drafts = {q.id: q.draft_bytes for q in peers}
-    out = {pid: predicted_peak(spec, blk, coordinator=pid == p.coordinator, draft_bytes=drafts.get(pid, 0))
+    sessions = {q.id: q.sessions for q in peers}
+    out = {pid: predicted_peak(spec, blk, coordinator=pid == p.coordinator, draft_bytes=drafts.get(pid, 0),
+                               sessions=sessions.get(pid))
            for pid, blk in p.blocks.items()}  # fmt: skip
     if p.coordinator not in out:
         out[p.coordinator] = predicted_peak(spec, (0, 0), coordinator=True, draft_bytes=drafts.get(p.coordinator, 0))
@@ -284,7 +286,7 @@ def register(app: typer.Typer) -> None:
             "none", "--quant", help="Layers held as none (the dtype), int8, int4 or mxfp4 (MoE experts only) (needs --model)."
         ),
         sessions: int = typer.Option(
-            MIN_SESSIONS, "--sessions", help="Sessions whose KV cache every stage reserves (a node's `sessions`)."
+            MIN_SESSIONS, "--sessions", help="Sessions whose KV cache a stage reserves where the peers file gives its peer none (a node's `sessions`)."
         ),
         as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
     ) -> None:

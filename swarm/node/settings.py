@@ -53,9 +53,9 @@ class NodeSettings:
     fastpath_port: int = 0
     fastpath_host: str = ""  # IP the direct socket binds (default: the first /ip4 listen address)
     fastpath_advertise: tuple[str, ...] = ()  # "ip:port" to announce (e.g. behind a proxy or NAT)
-    # generations whose KV every stage reserves inside memory_bytes (planner/budget.py; join --sessions,
-    # node.sessions): this node's spec, so its predicted peak, and the reserve in the plans it makes as
-    # leader (one ModelSpec plans a ring: a member's own count is not in its advert yet)
+    # generations whose KV this node's stage reserves inside memory_bytes (planner/budget.py; join
+    # --sessions, node.sessions): in its advert, so a leader plans its block with this count (Peer.sessions),
+    # and its spec's, the count a leader plans peers whose advert lacks one with
     sessions: int = 8
     compute_delay_s: float = 0.0  # fault injection (load tests): every forward and head call blocks this much longer
     relay: bool = False  # use the bootstrap nodes as relays and hole punch (swarm.node.members.discovery)

@@ -28,20 +28,23 @@ class Ctx:
     cap: list[int]  # layers that fit as a plain stage
     capc: list[int]  # layers that fit next to the coordinator part; -1: may not coordinate
     rank: list[int]  # position in the order (ms_per_layer, id): fastest first
-    per_layer: int  # bytes each layer is counted at in cap/capc
+    per_layer: int  # bytes each layer is counted at in cap/capc, at the spec's own sessions (messages)
+    specs: list[ModelSpec]  # the spec with each peer's own sessions (Peer.own)
 
     @classmethod
-    def build(cls, spec: ModelSpec, peers: Sequence[Peer], lat: Latency, per_layer: int | None = None) -> Ctx:
-        """Capacities count every layer at ``per_layer`` bytes (default: the largest layer's, so any
-        block they allow fits; planner.py also searches with the smallest and then checks exactly)."""
+    def build(cls, spec: ModelSpec, peers: Sequence[Peer], lat: Latency, smallest: bool = False) -> Ctx:
+        """Capacities count every layer at the largest layer's bytes (so any block they allow
+        fits; ``smallest``: at the smallest's, as planner.py searches before checking exactly),
+        each peer's KV at its own sessions."""
         ps = sorted(peers, key=lambda p: p.id)
-        cap = [p.layer_capacity(spec, per_layer=per_layer) for p in ps]
-        capc = [p.layer_capacity(spec, coordinator=True, per_layer=per_layer) if p.coordinator_ok else -1 for p in ps]
+        cap = [p.layer_capacity(spec, smallest=smallest) for p in ps]
+        capc = [p.layer_capacity(spec, coordinator=True, smallest=smallest) if p.coordinator_ok else -1 for p in ps]
         by_speed = sorted(range(len(ps)), key=lambda i: (ps[i].ms_per_layer, ps[i].id))
         rank = [0] * len(ps)
         for r, i in enumerate(by_speed):
             rank[i] = r
-        return cls(spec, ps, lat, cap, capc, rank, per_layer or spec.bytes_per_layer)
+        per_layer = spec.smallest_bytes_per_layer if smallest else spec.bytes_per_layer
+        return cls(spec, ps, lat, cap, capc, rank, per_layer, [p.own(spec) for p in ps])
 
     @property
     def n(self) -> int:
@@ -57,7 +60,7 @@ class Ctx:
         """Whether peer ``i`` holds layers [start, end) at their own sizes (and the coordinator
         part) in memory, and what it must fetch of them on disk."""
         p = self.peers[i]
-        peak = predicted_peak(self.spec, (start, end), coordinator=coordinator, draft_bytes=p.draft_bytes)
+        peak = predicted_peak(self.specs[i], (start, end), coordinator=coordinator, draft_bytes=p.draft_bytes)
         return peak <= p.memory_bytes and p.stores(self.spec, start, end, coordinator=coordinator)
 
 
@@ -151,9 +154,9 @@ def allocate_exact(ctx: Ctx, nodes: Sequence[int], coord: int) -> tuple[float, l
     spec = ctx.spec
     L, m = spec.n_layers, len(nodes)
     act = spec.activation_bytes  # a block of any size runs one chunk at a time (budget.predicted_peak)
-    pre = [0]
+    pre = [0]  # the weights of layers [0, l)
     for w in spec.weights:
-        pre.append(pre[-1] + w + spec.kv_bytes_per_layer)
+        pre.append(pre[-1] + w)
     # rest[k][l]: (compute, squares, count of node k) placing layers [l, L) on nodes k..m-1
     rest: list[list[tuple[float, int, int] | None]] = [[None] * (L + 1) for _ in range(m + 1)]
     rest[m][L] = (0.0, 0, 0)
@@ -162,6 +165,7 @@ def allocate_exact(ctx: Ctx, nodes: Sequence[int], coord: int) -> tuple[float, l
         room = ctx.peers[i].memory_bytes - (ctx.peers[i].coordinator_part(spec) if i == coord else 0)
         if room < 0:
             return None
+        kv = ctx.specs[i].kv_bytes_per_layer  # at its own sessions
         lo, speed = (0 if i == coord else 1), ctx.speed(i)
         disk, new = _disk_room(spec, ctx.peers[i], i == coord)
         if disk < 0:
@@ -169,7 +173,7 @@ def allocate_exact(ctx: Ctx, nodes: Sequence[int], coord: int) -> tuple[float, l
         for start in range(L + 1):
             best: tuple[float, int, int] | None = None
             c = lo
-            while (start + c <= L and pre[start + c] - pre[start] + (act if c else 0) <= room
+            while (start + c <= L and pre[start + c] - pre[start] + c * kv + (act if c else 0) <= room
                    and new[start + c] - new[start] <= disk):  # fmt: skip
                 after = rest[k + 1][start + c]
                 if after is not None:

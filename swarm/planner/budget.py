@@ -5,8 +5,9 @@ Theory of operation
 A peer's peak is two parts. The *planned part* is the same arithmetic for every peer of a swarm
 (the leader plans with it, every stage sizes its capacity with it, ``plan`` and ``status`` print
 it): its block's weights, the KV cache of the sessions it reserves at the swarm's context (in the
-swarm's KV format, ``ModelSpec.sessions`` of them), the activations of one prefill chunk
-(``ModelSpec.activation_bytes``; a head-only coordinator runs no stage and needs none), and where
+swarm's KV format; its advert's own count, ``Peer.sessions``, else ``ModelSpec.sessions``), the
+activations of one prefill chunk (``ModelSpec.activation_bytes``; a head-only coordinator runs no
+stage and needs none), and where
 it coordinates the embedding, final norm, head and its draft model. The *overhead* is this peer's
 own and so is not in the swarm-wide ModelSpec: on a CPU (or MPS) the runtime itself (Python,
 torch and the node's modules, :data:`RUNTIME_BYTES`) plus the largest layer's dense bytes (the

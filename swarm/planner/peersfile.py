@@ -2,8 +2,10 @@
 
     {"peers": [{"id": "alice", "memory_gb": 24, "ms_per_layer": 0.7, "coordinator_ok": true,
                 "addresses": ["/ip4/..."], "draft_ms": 4.5, "draft_gb": 1.2,  # draft: optional
-                "held": {"0": 10}, "held_head": true, "disk_gb": 40}],  # optional: layers 0-9 and
+                "held": {"0": 10}, "held_head": true, "disk_gb": 40,  # optional: layers 0-9 and
                                                  # the head on disk, 40 GB free for more (none: unbounded)
+                "sessions": 2}],                 # optional: the sessions' KV its stage reserves
+                                                 # (none: the planning spec's count)
      "rtt_ms": {"alice": {"bob": 12.5}},          # a missing pair means unreachable
      "one_way_ms": {"alice": {"bob": 5.9}}}       # optional measured one-way latencies
 
@@ -126,8 +128,11 @@ def parse_peers_file(obj: Any, *, where: str = "peers file") -> PeersFile:
         if not isinstance(head, bool):
             raise UsageError(f"{at}: held_head must be true or false")
         disk = None if entry.get("disk_gb") is None else int(round(_number(entry["disk_gb"], f"{at}: disk_gb") * GB))
+        sessions = entry.get("sessions")
+        if sessions is not None and (isinstance(sessions, bool) or not isinstance(sessions, int) or sessions < 1):
+            raise UsageError(f"{at}: sessions must be a whole number >= 1, got {sessions!r}")
         peers.append(Peer(pid, int(round(mem * GB)), speed, ok, tuple(addrs), draft_ms, int(round(draft_gb * GB)),
-                          held, head, disk))  # fmt: skip
+                          held, head, disk, sessions))  # fmt: skip
         ids.add(pid)
     rtt = _matrix(obj.get("rtt_ms"), ids, f"{where}: rtt_ms")
     one = _matrix(obj.get("one_way_ms"), ids, f"{where}: one_way_ms")
@@ -150,6 +155,7 @@ def dump_peers_file(
                 **({"held": held_ranges(p.held)} if p.held else {}),
                 **({"held_head": True} if p.held_head else {}),
                 **({"disk_gb": p.disk_bytes / GB} if p.disk_bytes is not None else {}),
+                **({"sessions": p.sessions} if p.sessions is not None else {}),
             }
             for p in sorted(peers, key=lambda p: p.id)
         ],

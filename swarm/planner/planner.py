@@ -161,7 +161,7 @@ def _fresh(
         _check_memory(ctx)
         best, more = _search(ctx, exact_limit, near)
     else:
-        relaxed = Ctx.build(spec, peers, lat, spec.smallest_bytes_per_layer)
+        relaxed = Ctx.build(spec, peers, lat, smallest=True)
         best, more = _search_by_layer(ctx, relaxed, exact_limit, near)
     if best is None:
         raise PlanningError(_unreachable_message(ctx, [i for i in range(ctx.n) if ctx.cap[i] > 0 or ctx.capc[i] >= 0]))

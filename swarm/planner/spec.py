@@ -7,6 +7,7 @@ peer of a swarm still computes the same plan, because the planner sorts by peer 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -118,6 +119,9 @@ class Peer:
     held: frozenset[int] = frozenset()
     held_head: bool = False
     disk_bytes: int | None = None
+    # the sessions whose KV its stage reserves (its own ``join --sessions``); None: the spec's
+    # (the planning peer's) count, as before adverts carried it (issue 26)
+    sessions: int | None = None
 
     def __post_init__(self) -> None:
         if not self.id:
@@ -132,20 +136,31 @@ class Peer:
             raise UsageError(f"peer {self.id}: draft bytes must not be negative")
         if self.disk_bytes is not None and self.disk_bytes < 0:
             raise UsageError(f"peer {self.id}: disk bytes must not be negative")
+        if self.sessions is not None and self.sessions < 1:
+            raise UsageError(f"peer {self.id}: sessions must be at least 1, got {self.sessions}")
+
+    def own(self, spec: ModelSpec) -> ModelSpec:
+        """``spec`` with this peer's own session count (the spec itself where it has none): the
+        spec its memory is planned and its stage's capacity sized with."""
+        if self.sessions is None or self.sessions == spec.sessions:
+            return spec
+        return dataclasses.replace(spec, sessions=self.sessions)
 
     def coordinator_part(self, spec: ModelSpec) -> int:
         """Bytes it holds as coordinator besides layers: embedding, head and its draft model."""
         return spec.coordinator_bytes + self.draft_bytes
 
-    def layer_capacity(self, spec: ModelSpec, *, coordinator: bool = False, per_layer: int | None = None) -> int:
-        """How many layers fit (with their KV cache and one chunk's activations), each counted at
-        ``per_layer`` bytes (default: the largest layer's); -1 if it cannot even hold the
-        coordinator part (with its draft model, if it holds one). The same sum as
-        budget.predicted_peak."""
+    def layer_capacity(self, spec: ModelSpec, *, coordinator: bool = False, smallest: bool = False) -> int:
+        """How many layers fit (with the KV cache of its own sessions and one chunk's activations),
+        each counted at the largest layer's bytes (``smallest``: the smallest layer's); -1 if it
+        cannot even hold the coordinator part (with its draft model, if it holds one). The same
+        sum as budget.predicted_peak."""
         free = self.memory_bytes - (self.coordinator_part(spec) if coordinator else 0)
         if free < 0:
             return -1
-        fit = max(0, min(spec.n_layers, (free - spec.activation_bytes) // (per_layer or spec.bytes_per_layer)))
+        own = self.own(spec)
+        per_layer = own.smallest_bytes_per_layer if smallest else own.bytes_per_layer
+        fit = max(0, min(spec.n_layers, (free - spec.activation_bytes) // per_layer))
         return min(fit, self.disk_capacity(spec, coordinator=coordinator))
 
     def moved_bytes(self, spec: ModelSpec, start: int, end: int, *, coordinator: bool = False) -> int:

@@ -213,6 +213,10 @@ class Advert(Message):
     # bytes of disk left for model bytes it does not hold yet (its --disk budget less what its cache
     # holds), so a plan never gives it a block it cannot store; absent: unbounded
     disk: int | None = meta("disk", Int(0, 1 << 56), optional=True, default=None)
+    # the sessions whose KV cache its stage reserves inside its memory (its `join --sessions`; at most
+    # the stage worker's 64, node/ring/capacity.MAX_SESSIONS), so the leader plans its block with
+    # that count; absent: the leader's own count (planner Peer.sessions)
+    sessions: int | None = meta("sessions", Int(1, 64), optional=True, default=None)
 
     def check(self, limits: Limits, fail: Any) -> None:
         if len({self.draft_name is None, self.draft_bytes is None, self.draft_us is None}) > 1:

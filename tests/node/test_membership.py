@@ -60,6 +60,18 @@ def test_the_peers_file_carries_what_each_peer_holds_and_its_disk() -> None:
     assert (old.held, old.held_head, old.disk_bytes) == (frozenset(), False, None)
 
 
+def test_the_peers_file_carries_a_members_own_sessions() -> None:
+    m = _m(0, sessions=2)
+    assert m.local.sessions == 2
+    verify_advert(m.local, SWARM)
+    (peer,) = parse_peers_file(m.peers_file()).peers
+    assert peer.sessions == 2
+    other = _m(1)
+    assert other.offer(m.local)  # a member's advert reaches the leader's view with its count
+    by = {p.id: p for p in parse_peers_file(other.peers_file()).peers}
+    assert by[IDS[0].peer_id].sessions == 2 and by[IDS[1].peer_id].sessions is None  # an advert without it
+
+
 def test_view_keeps_latest_valid_advert_and_ignores_stale_and_forged() -> None:
     a, b = _m(0), _m(1)
     assert a.offer(b.local)

@@ -184,6 +184,23 @@ def test_an_advert_may_say_how_much_disk_its_peer_has_left() -> None:
             Advert.from_frame(frame, DEFAULT_LIMITS)
 
 
+def test_an_advert_may_say_how_many_sessions_its_stage_reserves() -> None:
+    adv = _advert(sessions=2)
+    got = decode_message(adv.encode())
+    assert isinstance(got, Advert) and got.sessions == 2
+    verify_advert(got, SWARM)
+    old = decode_message(_advert().encode())  # absent: the leader's own count, and an old advert signs the same bytes
+    assert isinstance(old, Advert) and old.sessions is None and "sessions" not in _advert().body()
+    verify_advert(old, SWARM)
+    with pytest.raises(ProtocolError, match="forged or corrupted signature"):
+        verify_advert(decode_message(dataclasses.replace(adv, sessions=8).encode()), SWARM)  # type: ignore[arg-type]
+    for bad in (0, 65, "8", True):
+        frame = adv.to_frame()
+        frame.meta["sessions"] = bad
+        with pytest.raises(ProtocolError, match="sessions"):
+            Advert.from_frame(frame, DEFAULT_LIMITS)
+
+
 def test_made_up_identities_expire_and_never_lock_a_newcomer_out() -> None:
     """A member gossips adverts of identities it made up: they stay unconfirmed (they never
     connect), a newcomer that connects evicts the oldest of them from a full book, and the rest

@@ -90,6 +90,7 @@ class Membership:
         revoked: frozenset[str] = frozenset(),
         first_seq: int | None = None,
         draft: tuple[str, int, float] | None = None,  # (name, bytes, ms per token) it runs as coordinator
+        sessions: int | None = None,  # the sessions' KV its stage reserves (None: absent from the advert)
     ) -> None:
         if memory_bytes < 0:
             raise UsageError(f"memory offered must be >= 0 bytes, got {memory_bytes}")
@@ -104,6 +105,7 @@ class Membership:
                 peer_id=self.peer_id, public_key=signer.public_key, swarm_id=swarm_id, seq=seq,
                 addrs=tuple(addrs)[: DEFAULT_LIMITS.max_addresses], device_kind=kind, device_name=name,
                 memory_bytes=int(memory_bytes), layer_us=_us(ms_per_layer / 1000.0), **_draft_fields(draft),
+                sessions=sessions,
             ),
             signer,
         )  # fmt: skip
@@ -205,7 +207,7 @@ class Membership:
         peers = [
             Peer(p, a.memory_bytes, a.layer_us / 1000.0, True, tuple(a.addrs),
                  None if a.draft_us is None else a.draft_us / 1000.0, a.draft_bytes or 0,
-                 frozenset(a.held_layers()), bool(a.held_head), a.disk)  # fmt: skip
+                 frozenset(a.held_layers()), bool(a.held_head), a.disk, a.sessions)  # fmt: skip
             for p, a in view.items()
         ]
         rtt = {

@@ -7,9 +7,10 @@ can hold is explicit: the sessions whose KV fits beside the rest of its predicte
 block's weights, one prefill chunk's activations, the head if it is also the coordinator) in the
 memory its peer advertised, which is already what it offered less its own overhead
 (planner/budget.py: the planner, this and ``plan``/``status`` share that arithmetic). The planner
-reserves ``NodeSettings.sessions`` sessions' KV per layer (default MIN_SESSIONS), so every planned
-stage holds at least that many, all inside ``--memory``. The ring holds the least of its stages
-(capped at MAX_SESSIONS, the stage worker's own bound).
+reserves each peer's own ``NodeSettings.sessions`` sessions' KV per layer (its advert's ``sessions``;
+default MIN_SESSIONS; an advert without it: the leader's), so every planned stage holds at least
+its peer's count, all inside ``--memory``. The ring holds the least of its stages (capped at
+MAX_SESSIONS, the stage worker's own bound): a member that reserves 2 makes it at least 2.
 
 The coordinator admits that many generations at once (:class:`SlotQueue`); the next ones wait in
 a FIFO queue, each told its place in a one-line notice, up to MAX_QUEUED; past that a request is
