@@ -274,3 +274,33 @@ async def test_a_hub_that_never_advertises_introduces_members_and_keeps_silent_c
         assert all(e.peer in (b.host.peer_id, c.host.peer_id) for e in ev[0])
         assert all(e.peer != IDS[0].peer_id for e in ev[1] + ev[2])  # the hub never "joins"
         nursery.cancel_scope.cancel()
+
+
+def test_the_leader_plans_a_member_with_the_sessions_its_advert_says() -> None:
+    """The leader's view (its peers file, as Leader.plan_for reads it) plans a member that reserves
+    two sessions with that room: more layers than the same member reserving the leader's eight,
+    each block within its own predicted peak."""
+    from swarm.planner import Latency, ModelSpec, plan
+    from swarm.planner.budget import predicted_peak
+
+    spec = ModelSpec(n_layers=12, layer_bytes=50 << 20, kv_bytes_per_token_per_layer=1 << 10, context_tokens=8192,
+                     coordinator_bytes=100 << 20, sessions=8)  # fmt: skip
+    leader = _m(1)  # 2 GiB at 1.5 ms a layer, reserving its own eight (no count in its advert)
+
+    def member_layers(sessions: int | None) -> tuple[int, int]:
+        view = _m(1)
+        member = Membership(IDS[0], SWARM, device=("cpu", "test cpu"), memory_bytes=1 << 30, ms_per_layer=0.5,
+                            first_seq=10, sessions=sessions)  # fmt: skip
+        assert view.offer(member.local)
+        pf = parse_peers_file(view.peers_file())
+        got = plan(spec, list(pf.peers), Latency({IDS[0].peer_id: {IDS[1].peer_id: 2.0}}))
+        s, e = got.blocks[IDS[0].peer_id]
+        own = next(p for p in pf.peers if p.id == IDS[0].peer_id)
+        assert predicted_peak(spec, (s, e), coordinator=got.coordinator == own.id, sessions=own.sessions) <= 1 << 30
+        return e - s, predicted_peak(spec, (s, e), coordinator=False)
+
+    (eight, _), (two, at_eight) = member_layers(8), member_layers(2)
+    assert member_layers(None)[0] == eight == 8 and two == 12  # an advert without it: the leader's count
+    assert at_eight > 1 << 30  # twelve layers would not fit at eight sessions
+    assert leader.local.sessions is None
+

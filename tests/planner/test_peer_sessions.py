@@ -118,3 +118,16 @@ def test_old_adverts_plan_as_before_and_every_block_fits_its_own_sessions(swarm,
         for q in mixed:
             if q.id in p.blocks or q.id == p.coordinator:
                 assert own_peak(spec, q, p) <= q.memory_bytes, (q, p)
+
+
+def test_plan_prints_each_peers_peak_with_its_own_sessions() -> None:
+    from swarm.cli.plan import predicted_peaks
+
+    ids = ["lead", "two"]
+    memory = 500 + 6 * (1000 + 8 * 100) + 100
+    peers = [Peer("lead", memory, 1.0), Peer("two", memory, 0.5, sessions=2)]
+    p = plan(SPEC, peers, mesh(ids))
+    peaks = predicted_peaks(p, SPEC, peers)
+    assert peaks == {q.id: own_peak(SPEC, q, p) for q in peers}
+    s, e = p.blocks["two"]
+    assert peaks["two"] == predicted_peak(SPEC, (s, e), coordinator=False) - (e - s) * 6 * 100 <= memory
