@@ -164,9 +164,9 @@ def auto_head_quant(cap: Capability, dtype: torch.dtype, stored_head: str) -> st
     """What ``--quant auto`` holds the LM head in: "int8" where the checkpoint stores it in 5 to 8
     bits (``stored_head``, gguf_quant.stored_head_quant) and this device multiplies int8 by its
     packed kernel at ``dtype``, else "none" (dense). Measured on this project's 2-core AVX512-BF16
-    EPYC, 1 thread, one token, bf16: 262144x640 (Gemma-3-270M) 72 ms dense, 43 ms int8pack;
-    49152x576 (SmolLM2-135M) 12.7 ms dense, 6.8 ms int8pack. An int4-stored head stays dense
-    (not measured)."""
+    EPYC, 1 thread, one token, bf16 (benchmarks/bench_head_matmul.py, load 2.0): 262144x640
+    (Gemma-3-270M) 39.6 ms dense, 24.5 ms int8pack; 49152x576 (SmolLM2-135M) 6.9 ms dense, 4.0 ms
+    int8pack. An int4-stored head stays dense (not measured)."""
     return "int8" if stored_head == "int8" and int8_kernel(cap, dtype) == "int8pack" else "none"
 
 
