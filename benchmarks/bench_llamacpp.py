@@ -21,6 +21,11 @@ configurations), medians over rounds:
   ``--compiled`` bf16/int4 through the compiled decode step (``run --compile``; hand-written
   Llama-family layers only, so SmolLM2); best = the fastest decode among them and the default.
 
+Since ``run --quant auto`` holds the LM head int8 where the GGUF stores it in 5-8 bits (``head_quant``
+in its JSON) and an explicit ``--quant`` keeps it dense, the default and the fixed configuration it
+chose differ by the head: ``default_vs_dense_head_decode_paired`` and
+``dense_head_decode_vs_llamacpp_paired`` say what the head is worth (``--out`` names the file).
+
 Ratios: our default decode ÷ llama.cpp's (target ≥ 0.5), prefill likewise, our default ÷ our best
 (target ≥ 0.95), compiled ÷ eager (bf16/int4 with and without ``--compile``). Results: benchmarks/results/llamacpp.json (with the machine's load: this box is
 shared, so absolute tok/s are low and noisy; ratios are of runs alternated within one round).
@@ -102,6 +107,7 @@ def ours(model: str, threads: int, prompt: int, new: int, dtype: str | None, qua
     return {"decode": o["decode_tokens_per_s"], "prefill": prompt / max(o["prefill_s"], 1e-9),
             "dtype": o["dtype"], "quant": o["quant"], "kernel": o.get("kernel"), "threads": o["threads"],
             "tuned": (o.get("tuned") or {}).get("chosen"), "quant_auto": o.get("quant_auto"),
+            "head_quant": o.get("head_quant", "none"),
             "compile_warm_s": (o.get("compiled") or {}).get("warm_s")}  # fmt: skip
 
 
@@ -118,11 +124,21 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     # best: the fastest eager configuration (a compiled run pays its warm-up first: reported beside)
     best = max(eager, key=lambda k: med[k]["decode"])
     chose = runs["default"][-1]
-    same = f"{chose['dtype']}/{chose['quant']}"
+    same = f"{chose['dtype']}/{chose['quant']}"  # an explicit --quant holds the LM head dense
     row: dict[str, Any] = {"tok_s_median": med, "default_chose": chose, "default_config": same, "best_of_ours": best,
                            "default_vs_best_decode": round(med["default"]["decode"] / med[best]["decode"], 3)}
     others = [k for k in eager if k not in ("default", same)]
-    if same in runs and others:
+    if same in runs and chose.get("head_quant", "none") != runs[same][-1].get("head_quant", "none"):
+        # not the same computation: the default holds its head compact (run --quant auto); its
+        # configuration's explicit --quant keeps it dense, as the default did before head_quant
+        row["default_vs_dense_head_decode_paired"] = median(
+            [d["decode"] / c["decode"] for d, c in zip(runs["default"], runs[same], strict=True)])
+        if "llama.cpp" in med:
+            row["dense_head_decode_vs_llamacpp_paired"] = median(
+                [c["decode"] / ll["decode"] for c, ll in zip(runs[same], runs["llama.cpp"], strict=True)])
+        other = max([*others, same], key=lambda k: med[k]["decode"])
+        row["default_vs_best_other"] = {"other": other, "ratio": round(med["default"]["decode"] / med[other]["decode"], 3)}
+    elif same in runs and others:
         pooled = median([x["decode"] for x in runs["default"] + runs[same]])
         other = max(others, key=lambda k: med[k]["decode"])
         row["default_vs_best_other"] = {"other": other, "ratio": round(pooled / med[other]["decode"], 3)}
@@ -168,6 +184,7 @@ def main() -> None:
     ap.add_argument("--configs", default="all", help="all, or a comma list like bf16/int4,fp32/none")
     ap.add_argument("--compiled", action="store_true", help="also bf16/int4 through run --compile (SmolLM2)")
     ap.add_argument("--quick", action="store_true", help="one round, 1 thread, the bundled model, 16 tokens")
+    ap.add_argument("--out", type=Path, default=RESULTS, help="the results file (default llamacpp.json)")
     ap.add_argument("--resummarize", type=Path, default=None, help="recompute a results file's summaries, run nothing")
     a = ap.parse_args()
     if a.resummarize is not None:
@@ -175,8 +192,8 @@ def main() -> None:
         return
     if a.quick:
         a.rounds, a.threads, a.models, a.prompt, a.new = 1, "1", "smollm2", 32, 16
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    binary = None if a.no_llamacpp else (a.llama_bench or build_llama_bench(RESULTS.parent / "llamacpp_build.log"))
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    binary = None if a.no_llamacpp else (a.llama_bench or build_llama_bench(a.out.parent / "llamacpp_build.log"))
     ggufs = {"smollm2": bundled_gguf_path(), "gemma3-270m": gemma_gguf_path()}
     configs = CONFIGS if a.configs == "all" else [tuple(c.split("/")) for c in a.configs.split(",")]
     load0 = os.getloadavg()
@@ -205,7 +222,7 @@ def main() -> None:
         "seconds": round(time.time() - started, 1),
         "results": table,
     }  # fmt: skip
-    RESULTS.write_text(json.dumps(out, indent=1) + "\n")
+    a.out.write_text(json.dumps(out, indent=1) + "\n")
     print(json.dumps({k: {x: v[x] for x in v if x != "rounds"} for k, v in table.items()}, indent=1))
 
 

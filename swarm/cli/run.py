@@ -117,7 +117,7 @@ def run_command(
     depth: int = typer.Option(2, "--depth", min=1, max=8, help="Verify chunks in flight. A ring picks its own (1-4, from its predicted traversal) and records it in the receipt as draft.max_depth: --receipt replays it."),
     receipt: Path | None = typer.Option(None, "--receipt", help="Replay a ring's run receipt (generate --json / demo --json): its prompt ids, length, sampling, drafter and depth; then say whether the output matches."),
     dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 where the hardware has it, else fp32), bf16 or fp32."),
-    quant: str = typer.Option("auto", "--quant", help="Decoder layers held as auto (the checkpoint's own int4/int8 format where this device has a packed kernel for it at the dtype, else the dtype: a Q4 GGUF in bf16 runs int4), none (the dtype), int8, int4 or mxfp4 (MoE experts only) (a ring receipt's quant reproduces it)."),
+    quant: str = typer.Option("auto", "--quant", help="Decoder layers held as auto (the checkpoint's own int4/int8 format where this device has a packed kernel for it at the dtype, else the dtype: a Q4 GGUF in bf16 runs int4; its LM head likewise int8 where stored in 5-8 bits, as both bundled models are: JSON head_quant), none (the dtype, head dense too) (the dtype), int8, int4 or mxfp4 (MoE experts only) (a ring receipt's quant reproduces it)."),
     kv_cache: str = typer.Option("auto", "--kv-cache", help="The KV cache held as auto (the dtype), int8 or fp8 (fp8 on CUDA sm89+ or a CPU) (a ring receipt's kv_cache reproduces it)."),
     device: str | None = typer.Option(None, "--device", help="auto (CUDA, then MPS, else CPU), cpu, cuda, cuda:N or mps (default: node.device, else auto)."),
     threads: int | None = typer.Option(None, "--threads", help="torch threads (default: all cores, or measured with --tune)."),
@@ -140,6 +140,7 @@ def run_command(
 
     replay: dict[str, Any] | None = None
     ring_policy: dict[str, Any] | None = None
+    head_quant = "none"
     if receipt is not None:
         replay = _read_receipt(receipt)
         prompt, prompt_ids = None, ",".join(map(str, replay["prompt_token_ids"]))
@@ -150,6 +151,7 @@ def run_command(
         draft, ring_policy = _replay_draft(dr, draft)
         depth, draft_k = int(dr.get("max_depth", 1)), dr.get("draft_k")
         quant = str(replay.get("quant", "none"))  # how the ring held its layers
+        head_quant = str(replay.get("head_quant", "none"))  # and its LM head (a ring's: dense)
         kv_cache = str(replay.get("kv_cache", "auto"))  # and its KV cache
     if (prompt is None) == (prompt_ids is None):
         raise UsageError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
@@ -180,7 +182,8 @@ def run_command(
 
         torch_dtype = resolve_dtype("auto", dev, model_type(model_path))
     stored = None
-    if quant == "auto":  # resolved here, once: the JSON (a receipt) names the concrete quant
+    auto = quant == "auto"
+    if auto:  # resolved here, once: the JSON (a receipt) names the concrete quant
         quant, stored = _auto_quant(model_path, dev, torch_dtype)
     tuned, kernel_dtype = None, None
     # a receipt is replayed as the ring computed it (dtype by name, kernels in the serving dtype);
@@ -196,11 +199,13 @@ def run_command(
                              threads=[threads] if threads else None, casts=dtype == "auto")
         torch_dtype, kernel_dtype = tuned.best.torch_dtype(), tuned.best.kernel_dtype()
         threads = tuned.best.threads
+    if receipt is None:  # auto keeps a head stored in 5-8 bits int8 where that is faster; else dense
+        head_quant = _auto_head_quant(model_path, dev, torch_dtype) if auto else "none"
     dtype = dtype_name(torch_dtype)
     torch.set_num_threads(threads or os.cpu_count() or 1)
     with ui.progress(f"loading {name} in {stages} stage(s)") as report:
         lm = LocalModel.load(model_path, stages=stages, dtype=torch_dtype, device=dev, progress=report, quant=quant,
-                             kernel_dtype=kernel_dtype, kv_cache=kv_cache)
+                             kernel_dtype=kernel_dtype, kv_cache=kv_cache, head_quant=head_quant)
     tok = _load_tokenizer(model_path)
 
     if prompt_ids is not None:
@@ -251,6 +256,7 @@ def run_command(
         "dtype": dtype,
         "quant": quant,
         "quant_auto": None if stored is None else {"stored": stored, "chose": quant},
+        "head_quant": lm.head.head_quant,
         "kv_cache": kv_cache,
         "device": dict(zip(("kind", "name"), describe_device(dev), strict=True)),
         "threads": torch.get_num_threads(),
@@ -295,6 +301,20 @@ def _auto_quant(model_path: Path, dev: torch.device, dtype: torch.dtype) -> tupl
         return "none", stored
     shapes = sorted({(n, k) for layer in open_checkpoint(model_path).args.quantizable_shapes() for _, n, k in layer})
     return choose_quant(stored, dev, dtype, shapes), stored
+
+
+def _auto_head_quant(model_path: Path, dev: torch.device, dtype: torch.dtype) -> str:
+    """How ``--quant auto`` holds the LM head on ``dev`` at ``dtype``: capability.choose_head_quant's
+    rule on the format the checkpoint stores it in."""
+    from swarm.model.capability import choose_head_quant
+    from swarm.model.packaged import stored_head_quant
+    from swarm.model.weights import open_checkpoint
+
+    stored = stored_head_quant(model_path)
+    if stored == "none":
+        return "none"
+    args = open_checkpoint(model_path).args
+    return choose_head_quant(stored, dev, dtype, args.vocab_size, args.dim)
 
 
 def _compile_stages(lm: LocalModel, max_len: int) -> dict[str, Any]:

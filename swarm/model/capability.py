@@ -33,6 +33,10 @@ The rules, and the fact behind each:
   in int8, a float checkpoint dense), and never picks a layer that dequantizes on each call, which
   is slower than the dense one it replaces (measured on the bundled SmolLM2, 1 thread, AVX512-BF16:
   bf16 int4pack 35 tok/s, int8pack 26, dense bf16 21, dense fp32 18.5).
+- The LM head likewise (:func:`auto_head_quant`): held int8 where the checkpoint stores it in 5 to
+  8 bits (both bundled GGUFs tie it to a Q8_0 embedding) and the int8 packed kernel runs; it is the
+  largest single matrix of a small model (Gemma-3-270M: 262144x640). Only ``run`` does this; swarm
+  nodes (invites) keep a dense head.
 """
 
 from __future__ import annotations
@@ -154,6 +158,24 @@ def auto_quant(cap: Capability, dtype: torch.dtype, stored: str, shapes: list[tu
     if stored == "int8" and int8_kernel(cap, dtype) != "dequant":
         return "int8"
     return "none"
+
+
+def auto_head_quant(cap: Capability, dtype: torch.dtype, stored_head: str) -> str:
+    """What ``--quant auto`` holds the LM head in: "int8" where the checkpoint stores it in 5 to 8
+    bits (``stored_head``, gguf_quant.stored_head_quant) and this device multiplies int8 by its
+    packed kernel at ``dtype``, else "none" (dense). Measured on this project's 2-core AVX512-BF16
+    EPYC, 1 thread, one token, bf16 (benchmarks/bench_head_matmul.py, load 2.0): 262144x640
+    (Gemma-3-270M) 39.6 ms dense, 24.5 ms int8pack; 49152x576 (SmolLM2-135M) 6.9 ms dense, 4.0 ms
+    int8pack. An int4-stored head stays dense (not measured)."""
+    return "int8" if stored_head == "int8" and int8_kernel(cap, dtype) == "int8pack" else "none"
+
+
+def choose_head_quant(stored_head: str, device: torch.device, dtype: torch.dtype, n: int, k: int) -> str:
+    """:func:`auto_head_quant` on ``device`` itself (its kernel checked there, as :func:`choose_kernel` does)."""
+    quant = auto_head_quant(device_capability(device), dtype, stored_head)
+    if quant != "none" and choose_kernel(quant, device, dtype, n, k) != "int8pack":
+        return "none"
+    return quant
 
 
 def choose_quant(stored: str, device: torch.device, dtype: torch.dtype, shapes: list[tuple[int, int]]) -> str:

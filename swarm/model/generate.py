@@ -81,6 +81,7 @@ class LocalModel:
         quant: str = "none",
         kernel_dtype: torch.dtype | None = None,
         kv_cache: str = "auto",
+        head_quant: str = "none",
     ) -> LocalModel:
         ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path)
         blocks = split_layers(ckpt.args.n_layers, stages) if isinstance(stages, int) else list(stages)
@@ -92,6 +93,10 @@ class LocalModel:
         total = sum(b - a for a, b in blocks)
         done = 0
         head = Head.load(ckpt.args, ckpt.source, dtype=dtype, device=device)
+        if head_quant == "int8":
+            head.hold_head_int8()
+        elif head_quant != "none":
+            raise UsageError(f"head_quant {head_quant!r}: choose none or int8")
         loaded = []
         for a, b in blocks:
             loaded.append(Stage.load(ckpt.args, ckpt.source, a, b, dtype=dtype, device=device, quant=quant,

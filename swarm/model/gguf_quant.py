@@ -109,3 +109,10 @@ def stored_quant(source: GGUFSource) -> str:
     if not kinds or "none" in kinds:
         return "none"
     return "int8" if "int8" in kinds else "int4"
+
+
+def stored_head_quant(source: GGUFSource) -> str:
+    """The format of ours that keeps the LM head of ``source`` (``lm_head.weight``, else the tied
+    embedding) as stored: "int8" for 5 to 8 bits, "int4" for Q4_0/Q4_1/Q4_K, else "none"."""
+    name = "lm_head.weight" if "lm_head.weight" in source.names() else "model.embed_tokens.weight"
+    return _KEPT_AS.get(source._info(name).qtype, "none")

@@ -20,6 +20,7 @@ import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from swarm.errors import ModelError
 from swarm.model.bundled import (
@@ -30,6 +31,9 @@ from swarm.model.bundled import (
     cache_dir,
     default_model_dir,
 )
+
+if TYPE_CHECKING:
+    from swarm.model.gguf import GGUFSource
 
 GEMMA_NAME = "gemma3-270m"
 GEMMA_FILE = "gemma-3-270m-q4_k_m.gguf"
@@ -124,13 +128,30 @@ def stored_quant(model_path: Path) -> str:
     (gguf_quant.stored_quant): a GGUF's from its own tensor types; the bundled model's directory
     (converted from its Q4_1 GGUF) from that GGUF; any other directory "none" (floats). What
     ``--quant auto`` keeps where the device has a packed kernel for it (capability.auto_quant)."""
-    from swarm.model.gguf import GGUFSource
     from swarm.model.gguf_quant import stored_quant as of_gguf
 
+    source = _published_gguf(model_path)
+    return "none" if source is None else of_gguf(source)
+
+
+def stored_head_quant(model_path: Path) -> str:
+    """The compact format of ours that keeps the checkpoint's LM head as published
+    (gguf_quant.stored_head_quant), found as :func:`stored_quant` finds the layers'."""
+    from swarm.model.gguf_quant import stored_head_quant as of_gguf
+
+    source = _published_gguf(model_path)
+    return "none" if source is None else of_gguf(source)
+
+
+def _published_gguf(model_path: Path) -> GGUFSource | None:
+    """The GGUF a checkpoint was published as: itself, the bundled GGUF for the bundled model's
+    directory, None for any other directory (floats)."""
+    from swarm.model.gguf import GGUFSource
+
     if model_path.is_file() and model_path.suffix.lower() == ".gguf":
-        return of_gguf(GGUFSource(model_path))
+        return GGUFSource(model_path)
     try:
         source = json.loads((model_path / STAMP).read_text()).get("source")
     except (OSError, ValueError, AttributeError):
-        return "none"
-    return of_gguf(GGUFSource(bundled_gguf_path())) if source == BUNDLED_FILE else "none"
+        return None
+    return GGUFSource(bundled_gguf_path()) if source == BUNDLED_FILE else None

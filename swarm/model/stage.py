@@ -46,6 +46,7 @@ from swarm.model.capability import kv_format_problem, probe
 from swarm.model.config import ModelArgs
 from swarm.model.kvcache import KVCache, check_kv_format
 from swarm.model.quant import check_quant, linear_paths, quantize_block
+from swarm.model.quant_formats import Packed
 from swarm.model.weights import TensorSource
 
 if TYPE_CHECKING:
@@ -419,6 +420,23 @@ class Head(nn.Module):
         self.lm_head = lm_head  # weight tied to embed_tokens.weight where the config says so
         self.tied = self.lm_head.weight is self.embed_tokens.weight
         self.softcap = softcap
+        self.head_packed: Packed | None = None  # the LM head held int8 (hold_head_int8), else dense
+
+    @property
+    def head_quant(self) -> str:
+        """How :meth:`logits` multiplies by the LM head: "int8" (packed) or "none" (dense)."""
+        return "none" if self.head_packed is None else self.head_packed.kind
+
+    def hold_head_int8(self) -> None:
+        """Multiply by an int8 copy of the LM head (per-row symmetric, quant_formats.Packed.int8,
+        the kernel the device's table picks) instead of the dense weight. The dense weight stays:
+        the embedding reads it where the two are tied (a tied head then costs V*K more bytes), and
+        drafters copy it."""
+        w = cast(torch.Tensor, self.lm_head.weight)
+        spec, q, s = Packed.int8(w, w.dtype, w.device)
+        self.register_buffer("head_qweight", q, persistent=False)
+        self.register_buffer("head_scales", s, persistent=False)
+        self.head_packed = spec
 
     @classmethod
     def load(
@@ -469,7 +487,11 @@ class Head(nn.Module):
         """
         w = cast(torch.Tensor, self.lm_head.weight)
         x = self.norm(h.to(device=w.device, dtype=w.dtype)[None])  # (1, T, D)
-        out = self.lm_head(x)[0]  # (T, V)
+        if self.head_packed is None:
+            out = self.lm_head(x)[0]  # (T, V)
+        else:
+            q, s = cast(torch.Tensor, self.head_qweight), cast(torch.Tensor, self.head_scales)
+            out = self.head_packed.matmul(x[0], q, s)  # (T, V)
         if self.softcap is not None:
             out = torch.tanh(out / self.softcap) * self.softcap
         return out.float()

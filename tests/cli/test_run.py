@@ -105,6 +105,27 @@ def test_quant_auto_keeps_the_bundled_ggufs_int4_where_the_packed_kernel_runs(ca
     assert default["quant"] == ("int4" if auto_dtype("cpu") == torch.bfloat16 else "none")
     dense = run_json(capsys, [*base, "--dtype", "bf16", "--quant", "none"])
     assert (dense["quant"], dense["quant_auto"]) == ("none", None)
+    # its LM head (the tied Q8_0 embedding) likewise: int8 where the packed kernel runs, dense
+    # otherwise, and dense under any explicit --quant
+    assert (bf16["head_quant"], fp32["head_quant"], dense["head_quant"]) == ("int8", "none", "none")
+    assert default["head_quant"] == ("int8" if auto_dtype("cpu") == torch.bfloat16 else "none")
+    layers = run_json(capsys, [*base, "--dtype", "bf16", "--quant", "int4"])
+    assert (layers["quant"], layers["head_quant"]) == ("int4", "none")
+
+
+def test_a_receipt_replays_the_heads_format(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--receipt`` holds the head as the receipt says (a ring's receipt has no head_quant: its
+    nodes keep a dense head), whatever ``--quant auto`` would choose."""
+    base = ["--prompt-ids", "1,2,3", "--max-new-tokens", "6", "--draft", "none", "--dtype", "bf16"]
+    first = run_json(capsys, base)
+    assert first["head_quant"] == "int8"
+    receipt = tmp_path / "receipt.json"
+    receipt.write_text(json.dumps(first))
+    replayed = run_json(capsys, ["--dtype", "bf16", "--receipt", str(receipt)])
+    assert (replayed["head_quant"], replayed["quant"], replayed["matches_receipt"]) == ("int8", first["quant"], True)
+    ring = {k: v for k, v in first.items() if k != "head_quant"}
+    receipt.write_text(json.dumps(ring))
+    assert run_json(capsys, ["--dtype", "bf16", "--receipt", str(receipt)])["head_quant"] == "none"
 
 
 def test_quant_flags(tiny: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -174,6 +174,23 @@ def test_auto_quant_needs_every_shape_on_the_kernels_tiles() -> None:
     assert capability.auto_quant(cpu(True), BF16, "int8", [(1000, 576)]) == "int8"  # int8: per channel, any N
 
 
+@pytest.mark.parametrize(
+    ("cap", "dtype", "stored", "want"),
+    [
+        (cpu(True), BF16, "int8", "int8"),  # a Q8_0 head (both bundled models): int8pack, measured faster
+        (cpu(False), BF16, "int8", "int8"),  # an explicit --dtype bf16 gets the kernel on any CPU
+        (cpu(True), FP32, "int8", "none"),  # fp32: the packed kernel is scalar there
+        (cpu(True), BF16, "int4", "none"),  # an int4 head: not measured, stays dense
+        (cpu(True), BF16, "none", "none"),  # a float head is never made coarser
+        (cuda(8, 9), BF16, "int8", "none"),  # CUDA's int8pack is naive
+    ],
+)
+def test_auto_head_quant_keeps_an_int8_head_only_where_the_packed_kernel_runs_it(
+    cap: Capability, dtype: torch.dtype, stored: str, want: str
+) -> None:
+    assert capability.auto_head_quant(cap, dtype, stored) == want
+
+
 def test_choose_quant_asks_the_device_kernel_off_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(capability, "device_capability", lambda d: mps(True))
     monkeypatch.setattr(capability, "kernel_works", lambda device, kernel, dtype: kernel != "int4pack_cuda")

@@ -50,7 +50,7 @@ def test_repacked_blocks_equal_gguf_dequantization(qtype: Q) -> None:
     torch.testing.assert_close(mb.dequantized(), bf.dequantize(), rtol=1e-6, atol=1e-6)
 
 
-def _write(path: Path, qtype: Q) -> Path:
+def _write(path: Path, qtype: Q, embd: Q = Q.F32) -> Path:
     w = gguf.GGUFWriter(str(path), arch="llama")
     for k, v in {"block_count": L, "context_length": 128, "embedding_length": D, "feed_forward_length": F,
                  "attention.head_count": H, "attention.head_count_kv": KV}.items():  # fmt: skip
@@ -58,7 +58,11 @@ def _write(path: Path, qtype: Q) -> Path:
     w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
     w.add_float32("llama.rope.freq_base", 10000.0)
     rng = np.random.default_rng(0)
-    w.add_tensor("token_embd.weight", (rng.standard_normal((32, D)) * 0.1).astype(np.float32))
+    embedding = (rng.standard_normal((32, D)) * 0.1).astype(np.float32)
+    if embd == Q.F32:
+        w.add_tensor("token_embd.weight", embedding)
+    else:
+        w.add_tensor("token_embd.weight", gguf.quants.quantize(embedding, embd), raw_dtype=embd)
     w.add_tensor("output_norm.weight", np.ones(D, np.float32))
     hd = D // H
     shapes = {"attn_q": (H * hd, D), "attn_k": (KV * hd, D), "attn_v": (KV * hd, D), "attn_output": (D, H * hd),
@@ -137,3 +141,15 @@ def test_the_bundled_model_is_stored_as_int4_and_a_float_directory_as_none(tmp_p
     assert stored_quant(bundled_gguf_path()) == "int4"  # Q4_1 throughout its layers
     assert stored_quant(default_model_dir()) == "int4"  # its converted directory: from that GGUF
     assert stored_quant(write_checkpoint(tmp_path, TinySpec(n_layers=1), seed=0)) == "none"
+
+
+def test_stored_head_quant_names_the_tied_heads_format(tmp_path: Path) -> None:
+    from swarm.model.bundled import default_model_dir
+    from swarm.model.packaged import stored_head_quant
+    from swarm.testing.checkpoints import TinySpec, write_checkpoint
+
+    assert stored_head_quant(_write(tmp_path / "f32.gguf", Q.Q4_0)) == "none"  # no output.weight: tied, F32
+    assert stored_head_quant(_write(tmp_path / "q8.gguf", Q.Q4_0, embd=Q.Q8_0)) == "int8"
+    assert stored_head_quant(bundled_gguf_path()) == "int8"  # its token_embd is Q8_0
+    assert stored_head_quant(default_model_dir()) == "int8"
+    assert stored_head_quant(write_checkpoint(tmp_path / "dense", TinySpec(n_layers=1), seed=0)) == "none"
