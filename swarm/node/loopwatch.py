@@ -32,6 +32,7 @@ class LoopWatch(trio.abc.Instrument):
         self.max_step_task = ""
         self.max_late_s = 0.0
         self.late_over_100ms = 0  # ticks that woke more than 100 ms late
+        self.steps_over_100ms = 0  # task steps that held the loop more than 100 ms
         # (second, longest step, its task, largest lateness), one entry per second with activity
         self._buckets: deque[list[Any]] = deque(maxlen=BUCKETS)
 
@@ -44,6 +45,8 @@ class LoopWatch(trio.abc.Instrument):
             return  # the step that installed us started before we were there
         took = time.perf_counter() - self._t0
         if took > 0.001:
+            if took > 0.1:
+                self.steps_over_100ms += 1
             b = self._bucket()
             if took > b[1]:
                 b[1], b[2] = took, task.name
@@ -83,6 +86,7 @@ class LoopWatch(trio.abc.Instrument):
             "max_step_task": self.max_step_task,
             "max_late_ms": round(1000 * self.max_late_s, 2),
             "late_over_100ms": self.late_over_100ms,
+            "steps_over_100ms": self.steps_over_100ms,
             "window_s": window_s,
             "window_max_step_ms": round(1000 * step[1], 2),
             "window_max_step_task": step[2],

@@ -76,8 +76,9 @@ async def test_eight_sessions_on_a_slow_ring_lose_no_peer_and_match_alone(ckpt: 
             assert f"peer {pid[:16]}… left" not in lg and f"{pid} left" not in lg, lg[-3000:]
         loop = st["loop"]
         print(st["peer_id"][-8:], loop, st["stage"])
-        # compute never runs on the loop: no task step as long as one forward's blocking part
-        assert loop["window_max_step_ms"] < 1000 * DELAY_S, loop
+        # compute never runs on the loop: a forward there would hold it its whole DELAY_S, once per
+        # forward (dozens here); a busy machine descheduling the process can stretch a step or two
+        assert loop["steps_over_100ms"] <= 2 and loop["window_max_step_ms"] < 2000 * DELAY_S, loop
     stages = [st["stage"] for st in statuses if st["stage"]]
     assert stages and max(s["max_batch"] for s in stages) > 1, stages  # the sessions shared forwards
 
