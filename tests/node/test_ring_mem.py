@@ -297,10 +297,11 @@ async def test_sessions_started_apart_come_to_share_every_forward(ckpt: Path, ga
         print(w, "gather" if gather else "no gather", [len(b) for b in w.trace], w.stats)
         # how often all four share a forward (mean ~4 with gathering on a quiet box, < 3.5 without)
         # is a timing figure: wall-clock here, so it is printed, not asserted (a full suite on a
-        # busy 2-core box read [1, 3, 4, 1, 3, 4, ...]); the policy's windows are asserted on
+        # busy 2-core box read [1, 3, 4, 1, 3, 4, ...], and a clean-clone CI run never saw four
+        # share one forward: sizes [3, 42, 3]); the policy's windows are asserted on
         # virtual time in tests/node/test_gathering.py
-        if gather:
-            assert w.stats.gathers > 0 and w.stats.sizes[3] > 0, ([len(b) for b in w.trace], mean)
+        if gather:  # it waited, and a wait let sessions share (all four at once: timing, above)
+            assert w.stats.gathers > 0 and w.stats.max_batch >= 2, ([len(b) for b in w.trace], mean)
         else:  # the control: no gathering at all
             assert w.stats.gathers == 0, [len(b) for b in w.trace]
 
