@@ -3,8 +3,9 @@
 How it counts: a 3-stage ring of a tiny checkpoint decodes a few tokens while
 ``sys.setprofile``/``threading.setprofile`` record every Python call made on a stage's behalf:
 every call whose stack holds a ``StageWorker`` method (its reader, its compute loop, its forward
-in a worker thread), from the inbound link's ``receive`` to the outbound link's ``send``. A file
-counts once per stage however often it is entered. Files outside swarm/ (torch, trio,
+in a worker thread), from the inbound link's ``receive`` to the outbound link's ``send``; calls
+made by ``serve`` itself when the inbound link closes (teardown, after the last hidden state) are
+not. A file counts once per stage however often it is entered. Files outside swarm/ (torch, trio,
 transformers) are not counted. The ring runs twice, both traced:
 
 - in memory (``swarm.testing.ring``): the hops are ``swarm/testing/memnet.py`` links;
@@ -43,6 +44,10 @@ ROOT = Path(__file__).resolve().parents[1]
 SWARM = str(ROOT / "swarm")
 WORKER = str(ROOT / "swarm" / "node" / "ring" / "stage_worker.py")
 PROMPT = [5, 17, 99, 3]
+# StageWorker methods that no hidden state passes through: ``serve``'s own handlers run once,
+# when the inbound link closes (unwrapping the nursery's exception group, freeing sessions);
+# what ``serve`` starts (the reader, the compute loop, the forwards) is counted
+TEARDOWN = frozenset({"serve"})
 
 
 def traced(run: Callable[[], Any]) -> tuple[Any, list[str]]:
@@ -56,9 +61,10 @@ def traced(run: Callable[[], Any]) -> tuple[Any, list[str]]:
         if not path.startswith(SWARM):
             return
         f = frame
-        while f is not None:  # on a stage's behalf?
+        while f is not None:  # on a stage's behalf? (its innermost StageWorker frame)
             if f.f_code.co_filename == WORKER:
-                seen.add(str(Path(path).relative_to(ROOT)))
+                if f.f_code.co_name not in TEARDOWN:
+                    seen.add(str(Path(path).relative_to(ROOT)))
                 return
             f = f.f_back
 
@@ -136,7 +142,7 @@ def main() -> None:
 
     out = {
         "what": "swarm/ files a stage's code runs in while hidden states pass it (a 3-stage ring, 4 tokens)",
-        "how": "sys/threading.setprofile: calls whose stack holds a StageWorker method (benchmarks/count_hops.py)",
+        "how": "sys/threading.setprofile: calls whose innermost StageWorker frame is one a hidden state passes (not serve's teardown when the inbound link closes) (benchmarks/count_hops.py)",
         "files": mem_files,
         "count": len(mem_files),
         "by_package": by_package(mem_files),
