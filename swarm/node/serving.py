@@ -63,12 +63,17 @@ class Serving:
         self.epochs = Epochs(settings, peer_id, models, self.admission, notices, leader=view.leader, memory=view.memory,
                              drafts=view.drafts)  # fmt: skip
 
-        def cannot_load(a: int, b: int) -> int:
+        def cannot_load(a: int, b: int, coordinator: bool) -> int:
             """Offer one layer less than the block that did not fit (and less than before): the
             leader's next plan gives us less, and nobody is blamed (node/compute/memory.py). One layer at a
-            time, so a swarm that can hold the model without the layer we lack still finds it."""
-            offer, spec = service.membership.local.memory_bytes, models.spec
-            fewer = predicted_peak(spec, (a, b - 1), coordinator=False)  # the budget's arithmetic (planner/budget.py)
+            time, so a swarm that can hold the model without the layer we lack still finds it. A
+            coordinator keeps room for its part (head, draft) beside the smaller block: lowered as a
+            stage's, its offer left it one layer fewer than it could load, and a swarm in which every
+            peer can load only its share then never served."""
+            local, spec = service.membership.local, models.spec
+            offer = local.memory_bytes
+            fewer = predicted_peak(spec, (a, b - 1), coordinator=coordinator,  # the budget's arithmetic (planner/budget.py)
+                                   draft_bytes=(local.draft_bytes or 0) if coordinator else 0)  # fmt: skip
             new = max(0, min(offer - spec.bytes_per_layer, fewer))
             if service.membership.update_local(memory_bytes=new):
                 service.readvertise()

@@ -246,7 +246,7 @@ class Epochs:
             # last forward keeps the old one until that returns)
             cur.stage = cur.worker = None
         if me in plan.blocks:
-            ep.stage = await self.models.stage(*plan.blocks[me])
+            ep.stage = await self.models.stage(*plan.blocks[me], coordinator=plan.coordinator == me)
         if plan.coordinator == me:
             s = self.settings
             head = await self.models.head()
