@@ -26,14 +26,32 @@ of half the layers (tests/cli/test_fetch_join.py's FetchLab, its processes a sub
 
 One run, not a ratio of alternated sides: these are the parts of one time. Writes
 benchmarks/results/join_split.json.
+
+With ``--memlimit`` (issues 25 and 26: the memory benchmark on a checkpoint of at least 2 GB) each
+join process runs inside a memory cgroup whose limit is its ``--memory`` offer (swarm.testing.memlimit;
+each offer is below the model's bytes), and the same run also serves ``--sessions`` concurrent
+generations whose prompts fill the invite's ``--context``, once the new peers serve and again
+after the re-plan. Per peer, at ``load`` (serving, no session yet), ``sessions_8``, ``replan_load``
+and ``replan_sessions_8``: its own status's VmHWM (``measured_peak_bytes``) and the cgroup's peak
+(v1 ``memory.max_usage_in_bytes``: page cache the fetch wrote included, reclaimable) each ÷ the
+predicted peak its status reports (planner/budget.py), the kernel's OOM kills, alive, VmHWM over
+the offer; and the ring's greedy tokens against one process's. ``--kv-heads 2`` keeps 8 sessions'
+KV at the context small enough that half the layers' offer stays below the model. Writes
+``--out`` (benchmarks/results/memory_2gb.json):
+
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_join_split.py --gb 2 --memlimit --kv-heads 2 \
+        --context 512 --new-tokens 4 --out benchmarks/results/memory_2gb.json
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import os
 import platform
+import random
 import shutil
 import signal
 import sys
@@ -42,11 +60,19 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+import trio
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from swarm import client  # noqa: E402
+from swarm.launch import offer_for  # noqa: E402
+from swarm.manifest.manifest import read_manifest  # noqa: E402
 from swarm.manifest.model_manifest import ModelManifest, manifest_of_path  # noqa: E402
+from swarm.model.generate import LocalModel, generate  # noqa: E402
 from swarm.testing.checkpoints import TinySpec, write_checkpoint  # noqa: E402
+from swarm.testing.memlimit import MemoryCgroup, memlimit_unavailable_reason, memory_cgroup  # noqa: E402
 from swarm.testing.origin_server import have_nginx, origin_server  # noqa: E402
 from tests.cli import test_fetch_join as fetchlab  # noqa: E402
 from tests.cli.joinkit import JoinProc  # noqa: E402
@@ -72,11 +98,100 @@ class StampedProc(JoinProc):
                 self.stderr.append(line)
 
 
-def spec_for(gb: float) -> TinySpec:
-    per_layer = 4 * (4 * DIM * DIM + 3 * DIM * INTER)
-    layers = max(6, round(gb * 1e9 / per_layer) // 2 * 2)  # even: two peers can hold half each
-    return TinySpec(n_layers=layers, dim=DIM, n_heads=8, n_kv_heads=8, intermediate_size=INTER, vocab_size=512,
+def spec_for(gb: float, kv_heads: int = 8) -> TinySpec:
+    """At least ``gb`` GB of layers, an even number of them (two peers can hold half each)."""
+    kv_dim = DIM // 8 * kv_heads
+    per_layer = 4 * (2 * DIM * DIM + 2 * DIM * kv_dim + 3 * DIM * INTER)
+    layers = max(6, math.ceil(gb * 1e9 / per_layer / 2) * 2)
+    return TinySpec(n_layers=layers, dim=DIM, n_heads=8, n_kv_heads=kv_heads, intermediate_size=INTER, vocab_size=512,
                     max_position_embeddings=2048)  # fmt: skip
+
+
+def in_cgroups(cgroups: list[MemoryCgroup]) -> type[StampedProc]:
+    """A StampedProc that joins the next of ``cgroups`` as soon as it is started (before it has
+    imported torch), as tests/node/test_memory_budget_processes.py's nodes do."""
+    queue = list(cgroups)
+
+    class Limited(StampedProc):
+        def __init__(self, name: str, args: list[str], env: dict[str, str]) -> None:
+            super().__init__(name, args, env)
+            self.cgroup = queue.pop(0)
+            self.cgroup.add(self.proc.pid)
+
+    return Limited
+
+
+class Memory:
+    """The memory half of a ``--memlimit`` run: each peer's figures at a phase, the sessions."""
+
+    def __init__(self, lab: fetchlab.FetchLab, prompts: list[list[int]], new_tokens: int) -> None:
+        inv = read_manifest(lab.invite)
+        self.lab, self.prompts, self.new = lab, prompts, new_tokens
+        self.secret, self.swarm_id = inv.secret.value, inv.swarm_id
+        self.phases: dict[str, list[dict[str, Any]]] = {}
+        self.outputs: dict[str, list[list[int]]] = {}
+        self.seconds: dict[str, float] = {}
+
+    async def _status(self, i: int) -> dict[str, Any]:
+        async with client.open_client(self.lab.addrs[i], secret=self.secret, swarm_id=self.swarm_id) as (h, peer):
+            return await client.status(h, peer)
+
+    def measure(self, phase: str, nodes: list[int]) -> None:
+        rows = []
+        for i in nodes:
+            st = trio.run(self._status, i)
+            m = dict(st.get("memory") or {})
+            cg: MemoryCgroup = self.lab.procs[i].cgroup  # type: ignore[attr-defined]
+            pred, hwm, peak = m.get("predicted_peak_bytes"), m.get("measured_peak_bytes"), cg.peak_bytes()
+            plan = st.get("plan") or {}
+            m |= {"peer": i, "block": plan.get("blocks", {}).get(st.get("peer_id")) if plan else None,
+                  "coordinator": bool(plan) and plan.get("coordinator") == st.get("peer_id"),
+                  "cgroup_limit_bytes": cg.limit_bytes, "cgroup_peak_bytes": peak, "oom_kills": cg.oom_kills(),
+                  "hwm_over_predicted": round(hwm / pred, 3) if pred and hwm else None,
+                  "cgroup_peak_over_predicted": round(peak / pred, 3) if pred else None,
+                  "hwm_over_offered": round(hwm / cg.limit_bytes, 3) if hwm else None}  # fmt: skip
+            rows.append(m)
+            print(f"{phase} peer {i} block {m['block']} coord {m['coordinator']}: VmHWM {hwm / 1e6:.0f} MB, cgroup peak "
+                  f"{peak / 1e6:.0f} MB, predicted {(pred or 0) / 1e6:.0f} MB, offer {cg.limit_bytes / 1e6:.0f} MB: "
+                  f"{m['hwm_over_predicted']} / {m['cgroup_peak_over_predicted']} of predicted, oom kills {m['oom_kills']}")  # fmt: skip
+        self.phases[phase] = rows
+
+    async def _sessions(self) -> list[list[int]]:
+        got: list[list[int]] = [[] for _ in self.prompts]
+        async with client.open_client(self.lab.addrs[0], secret=self.secret, swarm_id=self.swarm_id) as (h, peer):
+            await client.wait_ready(h, peer, timeout=300)
+
+            async def one(k: int) -> None:
+                r = await client.generate(h, peer, prompt_ids=self.prompts[k], max_new_tokens=self.new, draft="none",
+                                          timeout=900)  # fmt: skip
+                got[k] = list(r["output_token_ids"])
+
+            async with trio.open_nursery() as nursery:
+                for k in range(len(self.prompts)):
+                    nursery.start_soon(one, k)
+        return got
+
+    def sessions(self, phase: str) -> None:
+        t0 = time.monotonic()
+        self.outputs[phase] = trio.run(self._sessions)
+        self.seconds[phase] = round(time.monotonic() - t0, 1)
+        print(f"{phase}: {len(self.prompts)} sessions of {len(self.prompts[0])} prompt tokens in {self.seconds[phase]} s")
+
+    def report(self, served: Path) -> dict[str, Any]:
+        """The figures, once the lab is closed: one process's greedy tokens for the same prompts."""
+        torch.set_num_threads(2)
+        model = LocalModel.load(served, stages=1, dtype=torch.float32)
+        want = [generate(model, p, max_new_tokens=self.new, eos_token_ids=()).output_token_ids for p in self.prompts]
+        rows = [r for ph in self.phases.values() for r in ph]
+        ratios = {ph: [r["hwm_over_predicted"] for r in rows_] for ph, rows_ in self.phases.items()}
+        cg_ratios = {ph: [r["cgroup_peak_over_predicted"] for r in rows_] for ph, rows_ in self.phases.items()}
+        return {"offer_bytes": self.lab.offer, "prompt_tokens": len(self.prompts[0]), "new_tokens": self.new,
+                "sessions": len(self.prompts), "hwm_over_predicted": ratios, "cgroup_peak_over_predicted": cg_ratios,
+                "max_hwm_over_offered": max(r["hwm_over_offered"] or 0 for r in rows),
+                "oom_kills": sum(r["oom_kills"] for r in self.phases[list(self.phases)[-1]]),
+                "none_over_offer": all((r["measured_peak_bytes"] or 0) <= r["cgroup_limit_bytes"] for r in rows),
+                "greedy_equal_one_process": {ph: out == want for ph, out in self.outputs.items()},
+                "sessions_seconds": self.seconds, "target": [0.9, 1.05], "phases": self.phases}  # fmt: skip
 
 
 def split(p: StampedProc, since: float, epoch: int | None) -> dict[str, Any]:
@@ -112,9 +227,16 @@ def main() -> None:
     ap.add_argument("--gb", type=float, default=0.5)
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for serving, each phase")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--context", type=int, default=2048, help="the invite's context (offers are sized for it)")
+    ap.add_argument("--memlimit", action="store_true", help="each peer in a cgroup at its offer; sessions; memory")
+    ap.add_argument("--sessions", type=int, default=8)
+    ap.add_argument("--new-tokens", type=int, default=4)
     a = ap.parse_args()
     if not have_nginx():
         sys.exit("needs nginx (apt-get install nginx-light)")
+    if a.memlimit and (why := memlimit_unavailable_reason()) is not None:
+        sys.exit(f"--memlimit: {why}")
     work = Path(tempfile.mkdtemp(prefix="bench-join-split-"))
     try:
         run(a, work)
@@ -123,7 +245,7 @@ def main() -> None:
 
 
 def run(a: argparse.Namespace, work: Path) -> None:
-    spec = spec_for(a.gb)
+    spec = spec_for(a.gb, a.kv_heads)
     t0 = time.perf_counter()
     served = write_checkpoint(work / "origin", spec, seed=5, shards=4)
     m = manifest_of_path(served, name="tiny")
@@ -132,14 +254,26 @@ def run(a: argparse.Namespace, work: Path) -> None:
     print(f"checkpoint: {spec.n_layers} layers, {size / 1e9:.2f} GB, written in {time.perf_counter() - t0:.1f} s")
     mfst = len(m.canonical_bytes())
     out: dict[str, Any] = {
-        "checkpoint": {"gb": round(size / 1e9, 3), "layers": spec.n_layers, "dtype": "fp32", "shards": 4,
+        "command": "PYTHONPATH=. .venv/bin/python benchmarks/bench_join_split.py " + " ".join(sys.argv[1:]),
+        "checkpoint": {"gb": round(size / 1e9, 3), "bytes": size, "layers": spec.n_layers, "dtype": "fp32", "shards": 4,
+                       "kv_heads": spec.n_kv_heads, "context": a.context,
                        "asked_gb": a.gb, "issue_asks_gb": 2.0,
                        "note": "the issue's proof asks for >= 2 GB; this run's size is 'gb'"},
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_before": os.getloadavg()},
     }  # fmt: skip
-    with origin_server(served, work / "nginx") as srv:
-        lab = fetchlab.FetchLab(work, srv, served, m, 3, layers_each=spec.n_layers // 2, proc=StampedProc, start_s=a.timeout)
+    with origin_server(served, work / "nginx") as srv, contextlib.ExitStack() as stack:
+        proc: type[StampedProc] = StampedProc
+        if a.memlimit:  # each peer's limit: its offer, below the model's bytes
+            offer = offer_for(served, spec.n_layers // 2, context_tokens=a.context)
+            out["checkpoint"] |= {"offer_bytes": offer, "offer_below_model": offer < size}  # the issue asks it below
+            print(f"each peer offers and is limited to {offer / 1e9:.3f} GB; the model is {size / 1e9:.3f} GB")
+            proc = in_cgroups([stack.enter_context(memory_cgroup(offer, f"bench-{i}")) for i in range(3)])
+        lab = fetchlab.FetchLab(work, srv, served, m, 3, layers_each=spec.n_layers // 2, proc=proc, start_s=a.timeout,
+                                context=a.context)  # fmt: skip
         procs: list[StampedProc] = lab.procs  # type: ignore[assignment]
+        rng = random.Random(7)
+        prompts = [[rng.randrange(spec.vocab_size) for _ in range(a.context - a.new_tokens)] for _ in range(a.sessions)]
+        mem = Memory(lab, prompts, a.new_tokens) if a.memlimit else None
         try:
             lab.wait(lambda: lab.coordinator() is not None and sum(1 for p in procs if p.of("serving")) >= 2, "serving")
             plan = lab.coordinator()
@@ -163,6 +297,10 @@ def run(a: argparse.Namespace, work: Path) -> None:
                       f"{row.get('fetch_s')} (verify {row.get('verify_s')}) + load {row.get('load_s')} + other "
                       f"{row.get('other_s')} (in at {row.get('first_member_s')}, plan at {row.get('to_plan_s')}); fetched/block {row['fetched_over_block']}")  # fmt: skip
             out["new_peer"] = {"epoch": plan["epoch"], "ring": plan["ring"], "peers": peers}
+            if mem is not None:
+                mem.measure("load", [0, 1, 2])
+                mem.sessions("sessions_8")
+                mem.measure("sessions_8", [0, 1, 2])
             victims = [q for q in plan["ring"] if q not in (plan["coordinator"], ids[0])]
             if not victims:
                 out["replan"] = {"skipped": f"the plan used no stage but the bootstrap and coordinator: {plan['ring']}"}
@@ -199,8 +337,20 @@ def run(a: argparse.Namespace, work: Path) -> None:
                           f"fetch {row.get('fetch_s')} (verify {row.get('verify_s')}) + load {row.get('load_s')} + "
                           f"other {row.get('other_s')} (plan at {row.get('to_plan_s')}); fetched {got} B for new layers {want} B")  # fmt: skip
                 out["replan"] = {"killed": v, "epoch": new["epoch"], "ring": new["ring"], "survivors": survivors}
+                if mem is not None:
+                    alive = [i for i in range(3) if i != v]
+                    mem.measure("replan_load", alive)
+                    mem.sessions("replan_sessions_8")
+                    mem.measure("replan_sessions_8", alive)
+            if mem is not None:
+                out["alive"] = [p.proc.poll() is None for p in procs]
         finally:
             lab.close()
+    if mem is not None:
+        out["memory"] = mem.report(served)
+        print(json.dumps({k: out["memory"][k] for k in ("hwm_over_predicted", "cgroup_peak_over_predicted",
+                                                         "max_hwm_over_offered", "none_over_offer", "oom_kills",
+                                                         "greedy_equal_one_process")}, indent=1))  # fmt: skip
     out["machine"]["load_after"] = os.getloadavg()
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(out, indent=1) + "\n")

@@ -43,19 +43,22 @@ class FetchLab:
 
     def __init__(self, tmp: Path, srv: OriginServer, served: Path, m: ModelManifest, n: int, layers_each: int,
                  model: Path | None = None, own_copy: frozenset[int] = frozenset(), origin: bool = True,
-                 proc: type[JoinProc] = JoinProc, start_s: float = START_S) -> None:  # fmt: skip
+                 proc: type[JoinProc] = JoinProc, start_s: float = START_S, context: int = 2048) -> None:  # fmt: skip
         """``proc``: what runs each join (a benchmark's subclass stamps its events); ``start_s``: how
-        long a wait may take."""
+        long a wait may take; ``context``: the invite's context, which the offers are sized for.
+        Each node listens on its own port, so ``addrs[i]`` reaches node i itself (its status)."""
         self.tmp, self.m, self.served, self.start_s = tmp, m, served, start_s
         self.ids = sorted((Identity(bytes([i + 31]) * 32) for i in range(n)), key=lambda ident: ident.peer_id)
-        port = free_port()
-        boot = f"/ip4/127.0.0.1/tcp/{port}/p2p/{self.ids[0].peer_id}"
+        ports = [free_port() for _ in range(n)]
+        self.addrs = [f"/ip4/127.0.0.1/tcp/{pt}/p2p/{ident.peer_id}" for pt, ident in zip(ports, self.ids, strict=True)]
+        boot = self.addrs[0]
         cfg = m.files["config.json"].sha256 if "config.json" in m.files else None
         spec = ModelSpec("tiny", cfg, {}, m.digest(), (srv.url,) if origin else (), f"{srv.url}/model-manifest.json")
         self.invite = tmp / "invite.json"
         write_manifest(sign_manifest(new_manifest(swarm_name="fetchlab", issuer=self.ids[0].public_key,
-                                                  bootstrap=(boot,), model=spec, context=2048), self.ids[0]), self.invite)  # fmt: skip
-        mem = offer_for(model or served, layers_each, context_tokens=2048)  # the checkpoint sizes the offers
+                                                  bootstrap=(boot,), model=spec, context=context), self.ids[0]), self.invite)  # fmt: skip
+        mem = offer_for(model or served, layers_each, context_tokens=context)  # the checkpoint sizes the offers
+        self.offer = mem
         self.procs: list[JoinProc] = []
         for i in range(n):
             key = tmp / f"n{i}.key"
@@ -63,7 +66,7 @@ class FetchLab:
             env = {**os.environ, "SHARD_SWARM_CONFIG": str(tmp / f"cfg{i}"), "PYTHONPATH": str(ROOT),
                    "SHARD_SWARM_CACHE": str(tmp / f"cache{i}")}  # fmt: skip
             env.pop("HF_TOKEN", None)
-            listen = f"/ip4/127.0.0.1/tcp/{port if i == 0 else 0}"
+            listen = f"/ip4/127.0.0.1/tcp/{ports[i]}"
             args = ["--manifest", str(self.invite), "--key", str(key), "--listen", listen, "--dtype", "fp32",
                     "--threads", "1", "--memory", str(mem), "--no-mdns", "--no-relay", "--json"]  # fmt: skip
             if i in own_copy:  # the user's own copy of the model (checked in place, served to members)
