@@ -362,7 +362,7 @@ def bench_lan(model_dir: Path, tok: Tokenizer, a: argparse.Namespace) -> dict[st
             [{"role": "user", "content": CHAT_PROMPT}], add_generation_prompt=True
         )
     )
-    local = LocalModel.load(model_dir, stages=1, dtype=DTYPES[a.dtype])
+    local = LocalModel.load(model_dir, stages=1, dtype=DTYPES[a.dtype], quant=a.quant)
     ring_runs: list[dict[str, Any]] = []
     local_runs: list[dict[str, Any]] = []
     outputs: dict[str, list[int]] = {}
@@ -401,7 +401,7 @@ def bench_lan(model_dir: Path, tok: Tokenizer, a: argparse.Namespace) -> dict[st
     install_tracer(trace_dir)
     try:
         swarm = start_local_swarm(
-            3, model_dir, dtype=a.dtype, threads=a.threads, draft="none", workdir=workdir(a, "lan")
+            3, model_dir, dtype=a.dtype, threads=a.threads, draft="none", workdir=workdir(a, "lan"), quant=a.quant
         )
     finally:
         uninstall_tracer()
@@ -418,7 +418,8 @@ def bench_lan(model_dir: Path, tok: Tokenizer, a: argparse.Namespace) -> dict[st
     blocks = sorted(tuple(b) for b in plan["blocks"].values())
     floor_runs, floor_local = [], []
     for _ in range(max(2, a.runs // 2)):
-        floor_runs.append(floor_tok_s(model_dir, [(int(x), int(y)) for x, y in blocks], ids, a.lan_new_tokens, DTYPES[a.dtype]))
+        floor_runs.append(floor_tok_s(model_dir, [(int(x), int(y)) for x, y in blocks], ids, a.lan_new_tokens, DTYPES[a.dtype],
+                                      quant=a.quant))  # fmt: skip
         floor_local.append(run_local()["decode_tokens_per_s"])
     ratios = [
         r["decode_tokens_per_s"] / o["decode_tokens_per_s"]
@@ -429,6 +430,7 @@ def bench_lan(model_dir: Path, tok: Tokenizer, a: argparse.Namespace) -> dict[st
     ring_ms, local_ms = 1000 / ring_tok_s, 1000 / local_tok_s
     return {
         "peers": 3,
+        "quant": a.quant,  # the layers' format on both sides (the swarm's setting; heads dense)
         "prompt": "chat: " + CHAT_PROMPT,
         "prompt_tokens": len(ids),
         "plan": plan,
@@ -691,6 +693,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     p.add_argument("--delay-ms", type=float, default=25.0)
+    p.add_argument("--quant", default="none", choices=("none", "int8", "int4"),
+                   help="the LAN part's layers (both sides; the swarm's quant, as an invite sets it)")
     p.add_argument("--only", choices=("lan", "lan-auto", "wan"), default=None)
     p.add_argument("--drafts", default="int4,int8,self", help="draft models for the WAN rows (comma-separated)")
     p.add_argument(

@@ -30,11 +30,12 @@ from swarm.model.stage import Head, Stage
 from swarm.model.weights import open_checkpoint
 
 
-def _stage_proc(model_dir: str, a: int, b: int, dtype: str, ready: Any, inbox: Connection, outbox: Connection) -> None:
+def _stage_proc(model_dir: str, a: int, b: int, dtype: str, ready: Any, inbox: Connection, outbox: Connection,
+                quant: str = "none") -> None:  # fmt: skip
     torch.set_num_threads(1)
     ck = open_checkpoint(Path(model_dir))
     dt = getattr(torch, dtype)
-    stage = Stage.load(ck.args, ck.source, a, b, dtype=dt)
+    stage = Stage.load(ck.args, ck.source, a, b, dtype=dt, quant=quant)
     stage.open_session(0, 4096)
     ready.put(a)
     while True:
@@ -46,7 +47,8 @@ def _stage_proc(model_dir: str, a: int, b: int, dtype: str, ready: Any, inbox: C
         outbox.send_bytes(stage.forward(0, h).contiguous().view(torch.uint8).numpy().tobytes())
 
 
-def floor_tok_s(model_dir: Path, blocks: list[tuple[int, int]], ids: list[int], new_tokens: int, dtype: torch.dtype = torch.bfloat16) -> float:
+def floor_tok_s(model_dir: Path, blocks: list[tuple[int, int]], ids: list[int], new_tokens: int, dtype: torch.dtype = torch.bfloat16,
+                quant: str = "none") -> float:  # fmt: skip
     """Decode tok/s of the pipe ring (module doc), after the prompt's prefill."""
     torch.set_num_threads(1)
     ctx = mp.get_context("spawn")
@@ -54,7 +56,7 @@ def floor_tok_s(model_dir: Path, blocks: list[tuple[int, int]], ids: list[int], 
     pipes = [ctx.Pipe(duplex=False) for _ in range(n + 1)]  # pipes[i]: into stage i (pipes[n]: back to us)
     ready = ctx.Queue()
     procs = [
-        ctx.Process(target=_stage_proc, args=(str(model_dir), a, b, str(dtype).removeprefix("torch."), ready, pipes[i][0], pipes[i + 1][1]), daemon=True)
+        ctx.Process(target=_stage_proc, args=(str(model_dir), a, b, str(dtype).removeprefix("torch."), ready, pipes[i][0], pipes[i + 1][1], quant), daemon=True)
         for i, (a, b) in enumerate(blocks)
     ]
     for p in procs:
