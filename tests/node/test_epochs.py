@@ -157,3 +157,32 @@ def test_an_epochs_members_are_its_coordinator_and_ring_and_inbound_waits_are_sh
     ep = Epoch(_plan(1, coord="C", ring=("A", "C")), b"")
     assert ep.members == {"A", "C"} and ep.live
     assert ep.wait_inbound(1) is ep.wait_inbound(1) and ep.wait_inbound(0) is not ep.wait_inbound(1)
+
+
+async def test_wait_for_wakes_the_instant_an_epoch_is_taken_serves_or_ends(autojump_clock: trio.testing.MockClock) -> None:
+    """Epochs.wait_for is woken by the change itself (no poll): each waiter returns at the virtual
+    instant of the accept, mark_serving or end it waits on, and None at its timeout."""
+    epochs, _ = _epochs()
+    got: dict[str, tuple[float, Any]] = {}
+
+    async def wait(name: str, ready: Any, timeout: float = 60) -> None:
+        value = await epochs.wait_for(ready, timeout)
+        got[name] = (trio.current_time(), value)
+
+    def taken(n: int) -> Any:
+        return lambda: epochs.current if epochs.current is not None and epochs.current.plan.epoch >= n else None
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(wait, "none", taken(9), 2.0)
+        nursery.start_soon(wait, "taken", taken(3))
+        nursery.start_soon(wait, "serving", lambda: epochs.current if epochs.current and epochs.current.serving.is_set() else None)
+        nursery.start_soon(wait, "ended", lambda: epochs.current if epochs.current and not epochs.current.live else None)
+        await trio.sleep(3.25)
+        await epochs.accept("L", _signed(3))
+        await trio.sleep(1.5)
+        epochs.mark_serving(epochs.get(3))
+        await trio.sleep(0.75)
+        epochs.end("test")
+    assert got["none"] == (2.0, None)
+    assert got["taken"][0] == 3.25 and got["taken"][1].plan.epoch == 3
+    assert got["serving"][0] == 4.75 and got["ended"][0] == 5.5

@@ -102,8 +102,8 @@ def _serve(n: _Node, plan: Plan) -> Epoch:
     if n.epochs.current is not None:
         n.epochs.end(f"replaced by epoch {plan.epoch}")
     ep = Epoch(plan, b"")
-    ep.serving.set()
     n.epochs.previous, n.epochs.current = n.epochs.current, ep
+    n.epochs.mark_serving(ep)  # wakes Epochs.wait_for's waiters
     return ep
 
 

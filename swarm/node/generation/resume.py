@@ -33,7 +33,6 @@ from swarm.node.ring.coordinator import RingRun
 RECOVERY_TIMEOUT_S = 120.0  # a re-plan may include loading a block
 NOTICE_EVERY_S = 2.0  # while a run waits for a re-plan, its client hears this often that it does
 PROBLEM_GRACE_S = 3.0  # how long the planner may call the swarm too small before a run gives up
-POLL_S = 0.05
 
 
 class CoordinatorMoved(PeerError):
@@ -116,16 +115,20 @@ class Resumer:
     ) -> Epoch:
         """The next serving epoch after ``after``; PeerError when none comes within ``timeout``,
         PlanningError when the live members cannot hold the model for PROBLEM_GRACE_S."""
+        def ready() -> Epoch | None:  # coordinated here: once its ring is set up (it serves)
+            ep = self.epochs.serving
+            if ep is not None and ep.plan.epoch > after and (ep.serving.is_set() or ep.plan.coordinator != self.peer_id):
+                return ep
+            return None
+
         problem_since: float | None = None
         start = trio.current_time()
         next_check = start + 1.0
         next_notice = start + NOTICE_EVERY_S
         with trio.move_on_after(timeout):
-            while True:
-                ep = self.epochs.serving
-                if ep is not None and ep.plan.epoch > after and (
-                    ep.serving.is_set() or ep.plan.coordinator != self.peer_id
-                ):
+            while True:  # woken by the epochs the moment one is taken or serves; else by our duties
+                ep = await self.epochs.wait_for(ready, min(next_check, next_notice) - trio.current_time())
+                if ep is not None:
                     return ep
                 now = trio.current_time()
                 if now >= next_notice:
@@ -140,8 +143,4 @@ class Resumer:
                         problem_since = now
                     elif now - problem_since > PROBLEM_GRACE_S:
                         raise PlanningError(f"the swarm cannot serve: {problem}; it keeps waiting for peers")
-                cur = self.epochs.serving
-                setting_up = cur is not None and cur.plan.epoch > after and not cur.serving.is_set()
-                with trio.move_on_after(POLL_S):  # a ring being set up here: resume the moment it serves
-                    await (cur.serving.wait() if cur is not None and setting_up else trio.sleep(POLL_S))
         raise PeerError(f"the swarm did not recover within {timeout:.0f} s (no new plan); see the nodes' logs")

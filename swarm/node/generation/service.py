@@ -59,7 +59,6 @@ log = logging.getLogger("swarm.node.generation.service")
 
 REQUEST_TIMEOUT_S = 20.0
 HAND_OVER_WAIT_S = 30.0  # how long the coordinator a run is handed over to may wait for its ring
-SERVING_POLL_S = 0.1
 PROGRESS_EVERY_S = 2.0  # how often a long prefill tells its client how far it got
 
 
@@ -162,19 +161,21 @@ class GenService:
         return await self._generate(ep, req, sink)
 
     async def _serving_epoch(self, wait_s: float) -> Epoch:
-        deadline = trio.current_time() + wait_s
-        while True:
+        def ready() -> Epoch | None:
             ep = self.epochs.serving
             if ep is not None and (ep.plan.coordinator != self.peer_id or ep.serving.is_set()):
                 return ep
-            if trio.current_time() >= deadline:
-                problem = self.planning_problem()
-                if problem is not None:
-                    raise PlanningError(f"the swarm cannot serve: {problem}; it keeps waiting for peers")
-                cur = self.epochs.current
-                state = "no plan yet" if cur is None else f"epoch {cur.plan.epoch} not serving"
-                raise PeerError(f"the swarm is not ready ({state}); retry in a few seconds")
-            await trio.sleep(SERVING_POLL_S)
+            return None
+
+        ep = await self.epochs.wait_for(ready, wait_s)
+        if ep is not None:
+            return ep
+        problem = self.planning_problem()
+        if problem is not None:
+            raise PlanningError(f"the swarm cannot serve: {problem}; it keeps waiting for peers")
+        cur = self.epochs.current
+        state = "no plan yet" if cur is None else f"epoch {cur.plan.epoch} not serving"
+        raise PeerError(f"the swarm is not ready ({state}); retry in a few seconds")
 
     async def _relay(self, coordinator: str, req: Gen, sink: GenSink) -> dict[str, Any]:
         """Pass ``req`` to the coordinator and its news back to ``sink``; its receipt."""

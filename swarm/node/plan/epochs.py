@@ -20,7 +20,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import trio
 
@@ -42,6 +42,7 @@ from swarm.proto.signing import peer_id_of
 log = logging.getLogger("swarm.node")
 
 MAX_CAUSE = 300
+T = TypeVar("T")
 
 
 @dataclass
@@ -56,6 +57,7 @@ class Epoch:
     inbound: dict[int, Link] = field(default_factory=dict)  # hop index -> link into this node
     inbound_ready: dict[int, trio.Event] = field(default_factory=dict)
     outbound: Link | None = None
+    outbound_ready: trio.Event = field(default_factory=trio.Event)  # set with ``outbound``
     done: trio.Event = field(default_factory=trio.Event)
     serving: trio.Event = field(default_factory=trio.Event)
     started: float = field(default_factory=time.time)
@@ -168,6 +170,28 @@ class Epochs:
         self.ended_at = -1e9  # trio time the last epoch ended
         self.end_reason = ""  # ... and why (the next plan carries it as its cause)
         self.replans: collections.deque[dict[str, Any]] = collections.deque(maxlen=100)  # epoch ends, for status
+        self._changed = trio.Event()  # set, and replaced, whenever an epoch is taken, serves or ends
+
+    def notify(self) -> None:
+        """Wake the waiters of :meth:`wait_for` (accept, end and mark_serving call it)."""
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def mark_serving(self, ep: Epoch) -> None:
+        """``ep``'s coordinator serves (its result link is open): waiters on it wake."""
+        ep.serving.set()
+        self.notify()
+
+    async def wait_for(self, ready: Callable[[], T | None], timeout: float) -> T | None:
+        """``ready()``'s first value that is not None, checked now and again each time an epoch is
+        taken, starts serving or ends (never by polling); None if none came within ``timeout``."""
+        with trio.move_on_after(timeout):
+            while True:
+                value = ready()
+                if value is not None:
+                    return value
+                await self._changed.wait()
+        return None
 
     @property
     def serving(self) -> Epoch | None:
@@ -230,6 +254,7 @@ class Epochs:
         cause = msg.plan.get("cause", "")
         ep = Epoch(plan, msg.signer, cause=cause[:MAX_CAUSE] if isinstance(cause, str) else "", msg=msg)
         self.previous, self.current = cur, ep
+        self.notify()
         self.on_plan()
         me = self.peer_id
         role = "+".join(r for r, on in (("coordinator", plan.coordinator == me),
@@ -279,5 +304,6 @@ class Epochs:
             ep.coordinator._fail_all(PeerError(f"epoch {ep.plan.epoch} ended: {reason}"))
         self.ended_at = trio.current_time()
         ep.done.set()
+        self.notify()
         self.notices.life("replan", ended_epoch=ep.plan.epoch, cause=reason[:300])
         self.on_end(ep)

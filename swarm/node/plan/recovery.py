@@ -39,7 +39,6 @@ log = logging.getLogger("swarm.node")
 LEAVE_TIMEOUT_S = 5.0  # a leaver waits at most this long for its hand-over, then goes anyway
 LEAVING_NOTICE_S = 1.5  # ... of which telling the members it leaves takes at most this long
 NUDGE_AFTER_S = 4.0  # a member whose ring ended tells the leader after this long without a new plan
-LEAVE_POLL_S = 0.05
 
 
 class Recovery:
@@ -247,11 +246,11 @@ class Recovery:
         ep = self.epochs.current
         if ep is not None and peer in ep.members:
             self.epochs.end(f"peer {peer} is leaving")
-        with trio.move_on_after(LEAVE_TIMEOUT_S):
-            while True:
-                ep = self.epochs.serving
-                if ep is not None and peer not in ep.members:
-                    return ctl.Ack()
-                await trio.sleep(LEAVE_POLL_S)
+        def without() -> Epoch | None:
+            ep = self.epochs.serving
+            return ep if ep is not None and peer not in ep.members else None
+
+        if await self.epochs.wait_for(without, LEAVE_TIMEOUT_S) is not None:
+            return ctl.Ack()
         raise PeerTimeout(f"no ring without {peer} within {LEAVE_TIMEOUT_S:.0f} s")
 

@@ -175,6 +175,7 @@ class Wiring:
             ep.coordinator.attach(link)
         if ep.stage is not None and hop == ep.plan.ring.index(self.peer_id) + 1:
             ep.outbound = link
+            ep.outbound_ready.set()
 
     def _set_inbound(self, ep: Epoch, hop: int, link: Link) -> None:
         ep.inbound[hop] = link
@@ -254,8 +255,8 @@ class Wiring:
         async def run() -> None:
             with trio.fail_after(LINK_TIMEOUT_S):
                 await ep.wait_inbound(idx).wait()
-                while ep.outbound is None:
-                    await trio.sleep(0.01)
+                await ep.outbound_ready.wait()
+            assert ep.outbound is not None
             await worker.serve(ep.inbound[idx], ep.outbound)
 
         try:
@@ -291,7 +292,7 @@ class Wiring:
         if not ep.wait_inbound(len(ep.plan.ring)).is_set():
             raise PeerTimeout(f"the result link of epoch {epoch} did not open within {LINK_TIMEOUT_S:.0f} s")
         self.nursery.start_soon(self._run_results, ep, ep.plan.ring[-1])
-        ep.serving.set()
+        self.epochs.mark_serving(ep)
         self.notices.event(f"serving epoch {epoch}: ring ready")
         self.notices.life("serving", epoch=epoch, role="coordinator")
 
