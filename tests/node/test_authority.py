@@ -310,7 +310,7 @@ async def test_a_replan_that_moves_our_block_lets_go_of_the_old_one_before_loadi
             self.alive_at_load: list[list[tuple[int, int]]] = []
             self.made: list[weakref.ref[Block]] = []
 
-        async def stage(self, a: int, b: int) -> Block:
+        async def stage(self, a: int, b: int, *, coordinator: bool = False) -> Block:
             if (a, b) in self.held:
                 return self.held[(a, b)]
             self.held.clear()
