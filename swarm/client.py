@@ -16,7 +16,8 @@ import trio
 
 from swarm.errors import PeerError, PeerTimeout, ProtocolError
 from swarm.net.host import SwarmHost, open_host
-from swarm.node.generation.genwire import receive_message, send_message
+from swarm.node.generation.genstream import GenStream, resuming
+from swarm.node.generation.genwire import send_message
 from swarm.node.hosting import Host
 from swarm.node.members.heartbeat import Liveness, serve_ctl_inbound
 from swarm.proto import control as ctl
@@ -147,48 +148,51 @@ async def generate(
     draft_k: int | None = None,
     wait_s: float = 0.0,
     timeout: float = 60.0,
+    deadline: float | None = None,
     on_tokens: Callable[[list[int], str], None] | None = None,
     on_notice: Callable[[str], None] | None = None,
-    continue_ids: list[int] | None = None,
+    resume: bool = False,
 ) -> dict[str, Any]:
     """Run one generation; returns the receipt. ``on_tokens(ids, text)`` streams as they commit;
     ``on_notice(text)`` gets the coordinator's one-line news (a pause for a re-plan, the resume).
-    ``continue_ids``: with ``text``, tokens already generated after it (a resume). ``timeout``
-    bounds each wait for progress (the first token: plus ``wait_s``): a notice that the swarm is
-    still re-planning is news, not progress, so it never stretches the wait. The request is
-    checked here against the same bounds the serving peer applies (BadRequest naming the field)."""
-    if prompt_ids is None:
-        if text is None:
-            raise ValueError("give text or prompt_ids")
-        ids = list(continue_ids or ())
-    else:
-        ids = [*prompt_ids, *(continue_ids or ())]
-    req = ctl.Gen.checked(ids, text=text if prompt_ids is None else None, chat=chat, max_new_tokens=max_new_tokens,
-                          temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, draft=draft, depth=depth,
-                          draft_k=draft_k, wait_s=wait_s)  # fmt: skip
-    async with host.open_stream(peer, PROTO_GEN, timeout=timeout) as fs:
-        await send_message(fs, req, timeout=timeout)
-        progress_by = trio.current_time() + timeout + wait_s
-        while True:
-            left = progress_by - trio.current_time()
-            if left <= 0:
-                raise PeerTimeout(f"peer {peer}: no new token within {timeout:.0f} s")
-            reply = await receive_message(fs, timeout=left)
-            if isinstance(reply, ctl.Tokens):
-                progress_by = trio.current_time() + timeout
-                if on_tokens is not None:
-                    on_tokens(list(reply.ids), reply.text)
-            elif isinstance(reply, ctl.Progress):  # a long prompt's prefill goes on: progress, not news
-                progress_by = trio.current_time() + timeout
-            elif isinstance(reply, ctl.Notice):
-                if on_notice is not None:
-                    on_notice(reply.text)
-            elif isinstance(reply, ctl.Done):
-                return dict(reply.receipt)
-            elif isinstance(reply, ctl.Fail):
-                raise reply.error("generation failed: ")  # CannotServe: the live peers cannot hold the model
-            else:
-                raise ProtocolError(f"peer {peer}: unexpected {reply!r} during a generation")
+    The stream is read by ``swarm.node.generation.genstream`` under its one timeout rule:
+    ``timeout`` bounds each silence (any frame, a notice included, ends one; the first reply may
+    take ``wait_s`` more), ``deadline`` (trio time), where given, the whole generation.
+    ``resume``: a generation lost on the way (its coordinator, or ``peer``, gone) is asked again
+    from the prompt plus the tokens committed so far, and the receipt covers the whole run
+    (genstream.resuming). The request is checked here against the same bounds the serving peer
+    applies (BadRequest naming the field)."""
+    if prompt_ids is None and text is None:
+        raise ValueError("give text or prompt_ids")
+    req = ctl.Gen.checked(list(prompt_ids or ()), text=text if prompt_ids is None else None, chat=chat,
+                          max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                          draft=draft, depth=depth, draft_k=draft_k, wait_s=wait_s)  # fmt: skip
+    committed: list[int] = []
+
+    class Sink:
+        async def tokens(self, ids: list[int], text: str) -> None:
+            committed.extend(ids)
+            if on_tokens is not None:
+                on_tokens(list(ids), text)
+
+        async def notice(self, text: str) -> None:
+            if on_notice is not None:
+                on_notice(text)
+
+        async def progress(self, done: int, total: int) -> None:
+            return None
+
+    async def attempt(r: ctl.Gen) -> dict[str, Any]:
+        async with host.open_stream(peer, PROTO_GEN, timeout=timeout) as fs:
+            await send_message(fs, r, timeout=timeout)
+            stream = GenStream(fs, peer, idle_s=timeout, first_s=timeout + r.wait_s, deadline=deadline)
+            return await stream.read(Sink())
+
+    if not resume:
+        return await attempt(req)
+    receipt = await resuming(attempt, req, committed, notify=on_notice or (lambda text: None))
+    assert receipt is not None  # attempt always returns one
+    return receipt
 
 
 def _describe(st: dict[str, Any]) -> str:

@@ -16,8 +16,9 @@ an error) stops the generation on the swarm: in-process its task is cancelled, o
 stream is *reset* rather than half-closed, so the serving peer's next write fails at once, which
 ends its generation and frees its session on every stage.
 
-Errors stay typed from the service to here; :func:`api_error` maps each kind to its OpenAI error
-once (the protocol's fail codes: bad request 400, busy 429, too small or unavailable 503).
+Errors stay typed from the service (or the gen stream) to the server, where :func:`api_error`
+maps each kind to its OpenAI error once (the protocol's fail codes: bad request 400, busy 429,
+too small or unavailable 503; a gen stream that the swarm's side broke 502).
 """
 
 from __future__ import annotations
@@ -33,11 +34,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 import trio
 
 from swarm.api.requests import ApiError
-from swarm.errors import PeerError, SwarmError
+from swarm.errors import Forbidden, ProtocolError, SwarmError
 from swarm.model.tokenizer import Tokenizer
 from swarm.model.weights import open_checkpoint
 from swarm.node.errors_util import unwrap
-from swarm.node.generation.genwire import receive_message, send_message
+from swarm.node.generation.genstream import GenStream
+from swarm.node.generation.genwire import send_message
 from swarm.proto import control as ctl
 from swarm.proto.limits import PROTO_GEN
 
@@ -48,7 +50,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("swarm.api")
 
 OPEN_TIMEOUT_S = 15.0
-TOKEN_TIMEOUT_S = 60.0  # longest silence between two frames of one generation (over libp2p)
+TOKEN_TIMEOUT_S = 60.0  # longest silence on a generation's stream (over libp2p; genstream.py's idle wait)
 READY_WAIT_S = 10.0  # how long the serving peer may wait for the ring to come up
 
 Event = list[int] | str | dict[str, Any]  # committed token ids, a notice, or (last) the receipt
@@ -77,6 +79,9 @@ def api_error(exc: SwarmError) -> ApiError:
     if fail.code == "refused":  # a peer could not serve this request (out of memory): it alone failed
         return ApiError(f"the swarm could not serve this request: {fail.message}", status=503, type="server_error",
                         code="request_refused")  # fmt: skip
+    if isinstance(exc, ProtocolError) and not isinstance(exc, Forbidden):  # the swarm's side broke the gen stream
+        return ApiError(f"the swarm answered out of protocol: {exc}", status=502, type="server_error",
+                        code="bad_gateway")  # fmt: skip
     if fail.code in ("bad_request", "forbidden"):
         return ApiError(fail.message, status=400, code="invalid_value")
     if fail.code == "busy":  # every slot of the ring's KV memory taken, queue full
@@ -118,21 +123,17 @@ class Generation:
 
     async def _events(self) -> AsyncIterator[list[int] | str]:
         """Batches of committed token ids, and (as str) the swarm's one-line news for the client:
-        a pause for a re-plan, the resume."""
-        try:
-            async for ev in self.events:
-                if isinstance(ev, dict):
-                    self.receipt = ev
-                    return
-                if isinstance(ev, str):
-                    log.info("swarm: %s", ev[:300])
-                else:
-                    self.ids.extend(ev)
-                yield ev
-        except SwarmError as exc:
-            raise api_error(exc) from None
-        raise ApiError("the swarm ended the generation without a receipt", status=502, type="server_error",
-                       code="bad_gateway")  # fmt: skip
+        a pause for a re-plan, the resume. Errors stay typed (the server maps them, api_error)."""
+        async for ev in self.events:
+            if isinstance(ev, dict):
+                self.receipt = ev
+                return
+            if isinstance(ev, str):
+                log.info("swarm: %s", ev[:300])
+            else:
+                self.ids.extend(ev)
+            yield ev
+        raise ProtocolError("the swarm ended the generation without a receipt")
 
 
 class NodeBackend:
@@ -203,44 +204,31 @@ class ClientBackend:
 
     @contextlib.asynccontextmanager
     async def open_generation(self, req: ctl.Gen) -> AsyncIterator[Generation]:
-        try:
-            async with self.host.open_stream(self.peer, PROTO_GEN, timeout=OPEN_TIMEOUT_S) as fs:
-                gen = Generation(_frames(fs))
-                try:
-                    await send_message(fs, req, timeout=OPEN_TIMEOUT_S)
-                    yield gen
-                finally:
-                    if gen.receipt is None:
-                        await fs.reset()  # shielded inside; the serving peer's next write fails
-        except PeerError as exc:
-            raise ApiError(f"cannot reach the swarm: {exc}", status=503, type="server_error",
-                           code="swarm_unavailable") from None  # fmt: skip
+        async with self.host.open_stream(self.peer, PROTO_GEN, timeout=OPEN_TIMEOUT_S) as fs:
+            gen = Generation(_frames(fs, self.peer, req))
+            try:
+                await send_message(fs, req, timeout=OPEN_TIMEOUT_S)
+                yield gen
+            finally:
+                if gen.receipt is None:
+                    await fs.reset()  # shielded inside; the serving peer's next write fails
 
 
-async def _frames(fs: Any) -> AsyncIterator[Event]:
-    """A gen stream's replies as events; a Fail raises its typed error."""
-    timeout = TOKEN_TIMEOUT_S + READY_WAIT_S
+async def _frames(fs: Any, peer: str, req: ctl.Gen) -> AsyncIterator[Event]:
+    """A gen stream's replies as events, read by the one reader (genstream.GenStream: any frame
+    ends a silence; the first may take the request's ``wait_s`` longer); a Fail raises its typed
+    error, a broken stream PeerError or ProtocolError (api_error maps them)."""
+    stream = GenStream(fs, peer, idle_s=TOKEN_TIMEOUT_S, first_s=TOKEN_TIMEOUT_S + req.wait_s)
     while True:
-        try:
-            msg = await receive_message(fs, timeout=timeout)
-        except PeerError as exc:
-            raise ApiError(f"the swarm stopped answering: {exc}", status=503, type="server_error",
-                           code="swarm_unavailable") from None  # fmt: skip
-        timeout = TOKEN_TIMEOUT_S
+        msg = await stream.next()
         if isinstance(msg, ctl.Tokens):
             yield [int(i) for i in msg.ids]
-        elif isinstance(msg, ctl.Progress):  # a long prefill goes on: no event, but the wait starts again
-            continue
         elif isinstance(msg, ctl.Notice):  # a pause for a re-plan: the completion carries on after it
             yield msg.text
         elif isinstance(msg, ctl.Done):
             yield dict(msg.receipt)
             return
-        elif isinstance(msg, ctl.Fail):
-            raise msg.error()
-        else:
-            raise ApiError(f"the swarm sent an unexpected {type(msg).__name__} on the gen stream", status=502,
-                           type="server_error", code="bad_gateway")  # fmt: skip
+        # a Progress (a long prefill goes on) is no event
 
 
 def gen_request(req: ctl.Gen, *, wait_s: float = READY_WAIT_S) -> ctl.Gen:

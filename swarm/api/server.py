@@ -43,12 +43,12 @@ from swarm.api.console import console_routes, run_summary
 from swarm.api.requests import ApiError, GenSpec, parse_chat, parse_completion
 from swarm.api.stops import TextAssembler
 from swarm.errors import SwarmError, UsageError
+from swarm.node.generation.genstream import resuming
+from swarm.proto.control import Gen
 
 log = logging.getLogger("swarm.api")
 
 DEFAULT_BIND = "127.0.0.1:8000"
-RESUME_TIMEOUT_S = 60.0  # how long a lost generation is retried on the next coordinator
-RESUME_PAUSE_S = 0.5  # between two tries (each also waits for a serving ring, backend.READY_WAIT_S)
 MAX_BODY = 1 << 20
 BODY_TIMEOUT_S = 30.0  # a body that trickles in slower than this is dropped (408)
 # ... and one that trickles: after BODY_GRACE_S it must have come at MIN_BODY_RATE on average,
@@ -282,44 +282,36 @@ class Api:
 
         The committed tokens are kept here. When the swarm loses the generation (its coordinator
         was lost, or moved), it is resumed from the prompt plus those tokens, on whatever
-        coordinator the swarm serves next, for at most RESUME_TIMEOUT_S; ``on_notice`` hears of
-        it. Greedy output is then the same as without the loss wherever the model's arithmetic
-        is exact enough to keep every argmax (fp32 here; see README, "What is promised").
-        Unresumable (no coordinator in time, or the swarm cannot hold the model): an ApiError
-        503 naming the reason."""
+        coordinator the swarm serves next (genstream.resuming, as the CLI does); ``on_notice``
+        hears of it, and the receipt covers the whole run. Greedy output is then the same as
+        without the loss wherever the model's arithmetic is exact enough to keep every argmax
+        (fp32 here; see README, "What is promised"). Unresumable (no coordinator in time, or
+        the swarm cannot hold the model): an ApiError 503 naming the reason."""
         text = TextAssembler(self._decode, spec.stops)
         committed: list[int] = []
-        lost_since: float | None = None
-        while True:
-            try:
-                async with open_generation(self.backend, spec.request.resumed(committed)) as gen:
-                    async for ids in gen:
-                        if isinstance(ids, str):
-                            if on_notice is not None:
-                                await on_notice(ids)
-                            continue
-                        committed += ids
-                        piece = text.feed(ids)
-                        if piece:
-                            await on_piece(piece)
-                        if text.stopped:
-                            return text, "stop"  # leaving the block cancels the generation
-                    receipt = gen.receipt or {}
-                    text.receipt = receipt
-                break
-            except SwarmError as exc:
-                err = api_error(exc)
-                now = trio.current_time()
-                lost_since = now if lost_since is None else lost_since
-                if err.code != "swarm_unavailable" or now - lost_since > RESUME_TIMEOUT_S:
-                    raise err from None  # only a lost generation is resumed (not a bad request, a full swarm)
-                why = err.message
-            note = (f"the swarm lost this generation after {len(committed)} tokens ({why[:200]}); "
-                    "resuming on the next coordinator from the prompt and those tokens")  # fmt: skip
-            log.info("%s", note)
-            if on_notice is not None:
-                await on_notice(note)
-            await trio.sleep(RESUME_PAUSE_S)
+
+        async def attempt(req: Gen) -> dict[str, Any] | None:
+            async with open_generation(self.backend, req) as gen:
+                async for ids in gen:
+                    if isinstance(ids, str):
+                        if on_notice is not None:
+                            await on_notice(ids)
+                        continue
+                    committed.extend(ids)
+                    piece = text.feed(ids)
+                    if piece:
+                        await on_piece(piece)
+                    if text.stopped:
+                        return None  # leaving the block cancels the generation
+            return gen.receipt
+
+        try:
+            receipt = await resuming(attempt, spec.request, committed, notify=on_notice or (lambda note: None))
+        except SwarmError as exc:
+            raise api_error(exc) from None
+        if receipt is None:
+            return text, "stop"
+        text.receipt = receipt
         rest = text.finish()
         if rest:
             await on_piece(rest)

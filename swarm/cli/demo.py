@@ -118,7 +118,7 @@ def generate(
     receipt: Path | None = typer.Option(None, "--receipt"),
     timeout: float = typer.Option(
         60.0, "--timeout", min=1.0,
-        help="Seconds to reach the swarm, and the longest wait for the next token (a re-plan's pause included).",
+        help="Seconds to reach the swarm, and the longest silence from it during the generation (any news ends one: a re-plan says every 2 s that it waits, and gives up by itself after 120 s).",
     ),
 ) -> None:
     """Run one generation on a running swarm."""
@@ -172,65 +172,11 @@ async def _run_one(addr: str | list[str], secret: bytes, swarm_id: str, timeout:
                 sys.stdout.write("\n")
             ui.notice(text)
 
-        committed: list[int] = []
-
-        def on_tokens(ids: list[int], text: str) -> None:
-            committed.extend(ids)
-            show(ids, text)
-
-        receipt = await _resuming(host, peer, req, committed, on_tokens, notice, timeout)
+        receipt = await client.generate(host, peer, on_tokens=show, on_notice=notice, timeout=timeout, resume=True,
+                                        **req)  # fmt: skip
         if not quiet_stream:
             sys.stdout.write("\n")
         return {"text": "".join(pieces), **receipt}
-
-
-RESUME_TIMEOUT_S = 60.0  # as the API's (swarm/api/server.py)
-
-
-async def _resuming(host: Any, peer: str, req: dict[str, Any], committed: list[int], on_tokens: Any, notice: Any,
-                    timeout: float) -> dict[str, Any]:  # fmt: skip
-    """One generation that survives a lost coordinator: the tokens committed so far are kept
-    here, and a failed generation is asked again from the prompt plus them, on whatever
-    coordinator the swarm serves next (the peer waits for it: wait_s), for RESUME_TIMEOUT_S.
-    The receipt then covers the whole output. CannotServe (the live peers cannot hold the
-    model) is not retried, nor is anything once ``timeout`` has passed without a new token."""
-    from swarm import client
-    from swarm.errors import CannotServe, PeerError
-
-    lost_since: float | None = None
-    last_token = [trio.current_time()]
-
-    def progress(ids: list[int], text: str) -> None:
-        last_token[0] = trio.current_time()
-        on_tokens(ids, text)
-
-    while True:
-        done = list(committed)
-        left = int(req["max_new_tokens"]) - len(done)
-        try:
-            receipt = await client.generate(host, peer, on_tokens=progress, on_notice=notice, timeout=timeout,
-                                            continue_ids=done or None, wait_s=10.0 if done else 0.0,
-                                            **{**req, "max_new_tokens": left})  # fmt: skip
-        except CannotServe:
-            raise
-        except PeerError as exc:
-            now = trio.current_time()
-            lost_since = now if lost_since is None else lost_since
-            if now - lost_since > RESUME_TIMEOUT_S or now - last_token[0] > timeout or left <= 0:
-                raise
-            notice(f"the swarm lost this generation after {len(committed)} tokens ({exc}); resuming on the "
-                   "next coordinator from the prompt and those tokens")  # fmt: skip
-            await trio.sleep(0.5)
-            continue
-        if done:
-            from swarm.node.ring.coordinator import output_sha256
-
-            n = len(done)
-            receipt["prompt_token_ids"] = list(receipt["prompt_token_ids"])[: len(receipt["prompt_token_ids"]) - n]
-            receipt["output_token_ids"] = [*done, *receipt["output_token_ids"]]
-            receipt["output_sha256"] = output_sha256(receipt["output_token_ids"])
-            receipt["resumed_at_tokens"] = [*receipt.get("resumed_at_tokens", []), n]
-        return receipt
 
 
 async def _serve_api(addr: str, secret: bytes, swarm_id: str, model_dir: Path, bind: str, context: int) -> None:

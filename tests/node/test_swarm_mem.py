@@ -14,6 +14,7 @@ import trio
 from swarm.errors import PeerError
 from swarm.manifest.identity import Identity
 from swarm.model.generate import LocalModel, generate
+from swarm.node.ring.coordinator import output_sha256
 from swarm.testing.checkpoints import TinySpec, write_checkpoint
 from swarm.testing.memnet import MemNet
 from swarm.testing.memswarm import MemSwarm
@@ -391,6 +392,31 @@ async def test_a_lost_coordinator_fails_fast_then_the_swarm_serves_again(
         assert plan.coordinator != swarm.ids[coord]
         again = await swarm.generate(other, PROMPT, N_NEW, draft="ngram")
         assert again["output_token_ids"] == reference
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_client_that_resumes_outlives_its_lost_coordinator(
+    ckpt: Path, reference: list[int], autojump_clock  # type: ignore[no-untyped-def]
+) -> None:
+    """``client.generate(resume=True)``, as ``shard-swarm generate`` runs (genstream.resuming):
+    the coordinator dies mid-generation; the client asks again, through the same relaying peer,
+    from the prompt plus the tokens it had, and its receipt covers the whole output: every token
+    it streamed, in order, the ones before the loss one box's."""
+    async with trio.open_nursery() as nursery:
+        swarm = MemSwarm(MemNet(delay=0.005), ckpt, nursery, layers=[4, 4, 4, 4])
+        await swarm.start_all()
+        coord, _ = _roles(swarm, await swarm.ready())
+        other = next(i for i in swarm.peers if i != coord)
+        notes: list[str] = []
+        streamed = _killer(swarm, {30: lambda: swarm.kill(coord)})
+        with trio.fail_after(120):
+            got = await swarm.generate(other, PROMPT, N_NEW, draft="none", timeout=20, resume=True,
+                                       on_notice=notes.append, on_tokens=streamed)  # fmt: skip
+        (at,) = got["resumed_at_tokens"]
+        assert got["prompt_token_ids"] == PROMPT and got["output_token_ids"] == streamed.seen  # type: ignore[attr-defined]
+        assert len(streamed.seen) == N_NEW and streamed.seen[:at] == reference[:at] and at >= 30  # type: ignore[attr-defined]
+        assert got["output_sha256"] == output_sha256(streamed.seen)  # type: ignore[attr-defined]
+        assert any(f"after {at} tokens" in n and "resuming on the next coordinator" in n for n in notes), notes
         nursery.cancel_scope.cancel()
 
 

@@ -4,8 +4,9 @@ A request is one :class:`~swarm.proto.control.Gen` (prompt ids, or text that the
 tokenizes, with or without the chat template), already checked against its bounds where it was
 made or decoded. :meth:`GenService.generate` serves it on this node, whatever the caller: the
 coordinator runs it and streams its tokens to a :class:`GenSink` as they commit, and returns the
-run receipt; a peer that is not the coordinator relays it there over ``/shard-swarm/gen/1``, so
-users can point their tools at their own machine. The API server of this node calls
+run receipt; a peer that is not the coordinator relays it there over ``/shard-swarm/gen/1``
+(reading the coordinator's replies with the one reader of a gen stream, genstream.py), so users
+can point their tools at their own machine. The API server of this node calls
 ``generate`` directly; :meth:`GenService.serve` is the same service for a client on the network
 (``shard-swarm generate``, the demo, a relaying peer): a ``gen`` or ``status`` request in,
 ``tokens`` and ``notice`` frames and one ``done`` (the receipt) or ``status_reply`` out. Anything
@@ -21,7 +22,7 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import trio
 
@@ -39,14 +40,14 @@ from swarm.node.compute.drafting import RingTimes
 from swarm.node.compute.runtime import Models
 from swarm.node.dispatch import Dispatcher
 from swarm.node.errors_util import unwrap
-from swarm.node.generation.genwire import receive_message, send_message
+from swarm.node.generation.genstream import GenSink, GenStream, stitch_receipt
+from swarm.node.generation.genwire import send_message
 from swarm.node.generation.report import Reporter
 from swarm.node.generation.resume import CoordinatorMoved, Resumer
 from swarm.node.hosting import Host
 from swarm.node.members.view import MemberView
 from swarm.node.plan.epochs import Epoch, Epochs
 from swarm.node.ring.capacity import SlotQueue
-from swarm.node.ring.coordinator import output_sha256
 from swarm.node.settings import NodeSettings
 from swarm.planner import Plan
 from swarm.proto import control as ctl
@@ -60,16 +61,6 @@ log = logging.getLogger("swarm.node.generation.service")
 REQUEST_TIMEOUT_S = 20.0
 HAND_OVER_WAIT_S = 30.0  # how long the coordinator a run is handed over to may wait for its ring
 PROGRESS_EVERY_S = 2.0  # how often a long prefill tells its client how far it got
-
-
-class GenSink(Protocol):
-    """Where a generation's news goes as it happens (the receipt is ``generate``'s value)."""
-
-    async def tokens(self, ids: list[int], text: str) -> None: ...
-
-    async def notice(self, text: str) -> None: ...
-
-    async def progress(self, done: int, total: int) -> None: ...
 
 
 class _StreamSink:
@@ -178,26 +169,18 @@ class GenService:
         raise PeerError(f"the swarm is not ready ({state}); retry in a few seconds")
 
     async def _relay(self, coordinator: str, req: Gen, sink: GenSink) -> dict[str, Any]:
-        """Pass ``req`` to the coordinator and its news back to ``sink``; its receipt."""
+        """Pass ``req`` to the coordinator and its news back to ``sink``; its receipt. The
+        coordinator's stream is read by the one reader (genstream.py): a silence of the chunk
+        timeout and 5 s more (the first reply: and the request's ``wait_s``) ends it, any frame
+        (a re-plan's notices too) does not; a Fail is raised in the coordinator's own words."""
+        idle = self.settings.chunk_timeout + 5
         async with self.host.open_stream(coordinator, PROTO_GEN, timeout=REQUEST_TIMEOUT_S) as up:
-            finished = False
+            stream = GenStream(up, coordinator, idle_s=idle, first_s=idle + req.wait_s)
             try:
                 await send_message(up, req, timeout=REQUEST_TIMEOUT_S)
-                while True:
-                    reply = await receive_message(up, timeout=self.settings.chunk_timeout + 5)
-                    if isinstance(reply, ctl.Tokens):
-                        await sink.tokens(list(reply.ids), reply.text)
-                    elif isinstance(reply, ctl.Progress):
-                        await sink.progress(reply.done, reply.total)
-                    elif isinstance(reply, ctl.Notice):
-                        await sink.notice(reply.text)
-                    else:
-                        finished = True
-                        if isinstance(reply, ctl.Fail):
-                            raise reply.error()  # the coordinator's words, as they were
-                        return dict(ctl.expect(reply, ctl.Done, coordinator, "gen").receipt)
+                return await stream.read(sink)
             finally:
-                if not finished:  # our client went away (or the coordinator did): stop the generation
+                if not stream.done:  # our client went away (or the coordinator did): stop the generation
                     with trio.CancelScope(shield=True), trio.move_on_after(2):
                         await up.reset()
 
@@ -389,15 +372,12 @@ def check_context(prompt_tokens: int, max_new_tokens: int, context: int) -> None
 def _handed_over_receipt(
     rest: dict[str, Any], prompt: list[int], moved: CoordinatorMoved, replans: list[dict[str, Any]], started: float
 ) -> dict[str, Any]:
-    """The receipt of a run finished by another coordinator: its receipt, over the whole run."""
+    """The receipt of a run finished by another coordinator: its receipt, over the whole run
+    (stitched as a client stitches a resumed run's, genstream.stitch_receipt)."""
     n = len(rest["prompt_token_ids"]) - len(prompt)  # tokens committed here before the hand-over
-    out = [*rest["prompt_token_ids"][len(prompt):], *rest["output_token_ids"]]
     old = moved.epoch
     return {
-        **rest,
-        "prompt_token_ids": prompt,
-        "output_token_ids": out,
-        "output_sha256": output_sha256(out),
+        **stitch_receipt(rest, n),
         "started_unix": started,
         "replans": [*replans, {
             "reason": str(moved)[:300], "cause": old.cause, "moved_to": moved.coordinator,
