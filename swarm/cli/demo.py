@@ -223,7 +223,7 @@ async def _resuming(host: Any, peer: str, req: dict[str, Any], committed: list[i
             await trio.sleep(0.5)
             continue
         if done:
-            from swarm.node.ring.coordinator import output_sha256
+            from swarm.model.driver import output_sha256
 
             n = len(done)
             receipt["prompt_token_ids"] = list(receipt["prompt_token_ids"])[: len(receipt["prompt_token_ids"]) - n]

@@ -34,6 +34,7 @@ from swarm.errors import (
     SwarmError,
     UsageError,
 )
+from swarm.model.driver import output_sha256
 from swarm.model.sampling import SamplingParams
 from swarm.node.compute.drafting import RingTimes
 from swarm.node.compute.runtime import Models
@@ -46,7 +47,6 @@ from swarm.node.hosting import Host
 from swarm.node.members.view import MemberView
 from swarm.node.plan.epochs import Epoch, Epochs
 from swarm.node.ring.capacity import SlotQueue
-from swarm.node.ring.coordinator import output_sha256
 from swarm.node.settings import NodeSettings
 from swarm.planner import Plan
 from swarm.proto import control as ctl
@@ -335,7 +335,7 @@ class GenService:
             choice.close()  # the draft's KV cache for this generation
         if moved is not None:
             return _handed_over_receipt(handed_over, prompt, moved, replans, t0)
-        gen = run.gen
+        gen = run.result()
         receipt = self.reporter.receipt(ep, gen, params, started=t0)
         self.reporter.recent.append((gen.tokens_per_s, gen.tokens_per_traversal))
         receipt["replans"] = replans
