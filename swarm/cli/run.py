@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # torch and the model load in the command, so other commands 
 
 
 def output_sha256(ids: Sequence[int]) -> str:
-    from swarm.model.generate import output_sha256 as checksum
+    from swarm.model.driver import output_sha256 as checksum
 
     return checksum(ids)
 

@@ -30,6 +30,8 @@ Files (filled in as the runtime grows; keep this list current):
 - ``sampling.py`` greedy, temperature/top-k/top-p with a seeded generator
 - ``speculative.py`` the sans-IO speculative decoder: chunks, lossless verification (greedy and
                   rejection sampling), drafting chunk by chunk (``poll_iter``)
+- ``driver.py``   the decode driver: a generation's steps (send chunks, await a result, verify), its
+                  streaming, timing and result; run in process (``Decode.run``) or by the ring's coordinator
 - ``kpolicy.py``  K and the depth in flight: the one-box cost model and the ring's time model
 - ``drafters.py`` prompt lookup; ``DraftModel`` weights and each generation's ``ModelDrafter``
                   (its own KV cache, reused by common prefix); the layer-skipped ``self`` draft;

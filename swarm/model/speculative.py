@@ -63,7 +63,6 @@ from typing import Protocol
 import torch
 
 from swarm.errors import UsageError
-from swarm.model.config import ModelArgs
 from swarm.model.kpolicy import KPolicy
 from swarm.model.sampling import (
     STREAM_ACCEPT,
@@ -191,35 +190,6 @@ class SpeculativeDecoder:
         self._next_id = 0
         self._prefill_chunk = prefill_chunk
         self._prepared = False  # the drafter's prepare(prompt) was called
-
-    @classmethod
-    def for_model(
-        cls,
-        args: ModelArgs,
-        prompt_ids: Sequence[int],
-        *,
-        max_len: int | None = None,
-        params: SamplingParams | None = None,
-        max_new_tokens: int = 64,
-        drafter: DraftSource | None = None,
-        policy: KPolicy | None = None,
-        eos_token_ids: Sequence[int] | None = None,
-        prefill_chunk: int | None = None,
-    ) -> SpeculativeDecoder:
-        """The decoder of one generation on ``args``'s model, as both drivers build it (the
-        one-box ``generate.generate`` and the ring's ``Coordinator``): prompt ids checked against
-        the vocabulary, the model's EOS ids unless given, greedy unless ``params``, prompt plus
-        new tokens within ``max_len`` (default: the model's context)."""
-        prompt = [int(t) for t in prompt_ids]
-        bad = [t for t in prompt if not 0 <= t < args.vocab_size]
-        if bad:
-            raise UsageError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {args.vocab_size})")
-        return cls(
-            prompt, params=params or SamplingParams(), max_new_tokens=max_new_tokens,
-            eos_token_ids=args.eos_token_ids if eos_token_ids is None else tuple(eos_token_ids),
-            drafter=drafter, policy=policy, prefill_chunk=DEFAULT_PREFILL_CHUNK if prefill_chunk is None else prefill_chunk,
-            max_len=max_len or args.max_seq_len,
-        )  # fmt: skip
 
     # -- state ---------------------------------------------------------------------------
 
@@ -426,20 +396,3 @@ class SpeculativeDecoder:
             residual = p  # p == q up to rounding: any draw from p is exact
         return False, draw(residual, position_generator(self.params.seed, position, STREAM_SAMPLE))
 
-
-def run_sync(decoder: SpeculativeDecoder, execute: ExecuteFn) -> None:
-    """Drive a decoder with a synchronous executor until it finishes (the in-process loop)."""
-    while not decoder.done:
-        chunks = decoder.poll()
-        if not chunks:
-            raise AssertionError("decoder idle with nothing in flight")
-        for chunk in chunks:
-            if not decoder.is_live(chunk.chunk_id):
-                continue  # discarded by a rejection in an earlier chunk of this batch
-            decoder.feed(chunk.chunk_id, execute(chunk))
-            if decoder.done:
-                break
-
-
-class ExecuteFn(Protocol):
-    def __call__(self, chunk: VerifyChunk) -> torch.Tensor: ...

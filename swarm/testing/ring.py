@@ -12,8 +12,9 @@ from dataclasses import dataclass
 
 import trio
 
+from swarm.model.driver import GenerationResult
 from swarm.model.generate import LocalModel
-from swarm.node.ring.coordinator import Coordinator, RingGeneration
+from swarm.node.ring.coordinator import Coordinator
 from swarm.node.ring.stage_worker import StageWorker
 from swarm.testing.memnet import MemLink
 
@@ -27,7 +28,7 @@ class MemoryRing:
 
 async def run_memory_ring(
     model: LocalModel,
-    jobs: Sequence[Callable[[Coordinator], Awaitable[RingGeneration]]],
+    jobs: Sequence[Callable[[Coordinator], Awaitable[GenerationResult]]],
     *,
     delay: float = 0.0,
     epoch: int = 1,
@@ -36,7 +37,7 @@ async def run_memory_ring(
     compute_delay_s: float = 0.0,
     trace: bool = False,
     gather: bool = True,
-) -> tuple[list[RingGeneration | BaseException], MemoryRing]:
+) -> tuple[list[GenerationResult | BaseException], MemoryRing]:
     """Run ``jobs`` (each gets the coordinator) concurrently on a ring made of ``model``'s stages.
     ``compute_delay_s``: every forward blocks this much longer (load tests); ``trace``: each
     worker records its batches (``worker.trace``); ``gather``: workers wait for sessions due
@@ -56,9 +57,9 @@ async def run_memory_ring(
         w.trace = [] if trace else None
         w.gathering.enabled = gather
     ring = MemoryRing(coord, workers, links)
-    results: list[RingGeneration | BaseException] = [RuntimeError("not run")] * len(jobs)
+    results: list[GenerationResult | BaseException] = [RuntimeError("not run")] * len(jobs)
 
-    async def one(i: int, job: Callable[[Coordinator], Awaitable[RingGeneration]]) -> None:
+    async def one(i: int, job: Callable[[Coordinator], Awaitable[GenerationResult]]) -> None:
         try:
             results[i] = await job(coord)
         except Exception as exc:  # recorded for the test to inspect

@@ -19,8 +19,8 @@ from swarm.api.backend import TOKEN_TIMEOUT_S, ClientBackend, Generation, api_er
 from swarm.api.requests import ApiError, GenSpec
 from swarm.api.server import Api
 from swarm.errors import SwarmError
+from swarm.model.driver import output_sha256
 from swarm.node.generation.genwire import receive_message, send_message
-from swarm.node.ring.coordinator import output_sha256
 from swarm.proto import control as ctl
 from swarm.proto.frame import Frame, MsgType
 from swarm.proto.limits import PROTO_GEN

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from swarm.launch import start_local_swarm
+from swarm.model.driver import output_sha256
 from swarm.model.generate import LocalModel, generate
-from swarm.node.ring.coordinator import output_sha256
 from swarm.testing.checkpoints import TinySpec, write_checkpoint
 
 pytestmark = pytest.mark.slow

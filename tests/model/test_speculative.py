@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from swarm.errors import UsageError
+from swarm.model.driver import Decode
 from swarm.model.sampling import (
     STREAM_DRAFT,
     SamplingParams,
@@ -30,7 +31,6 @@ from swarm.model.speculative import (
     Rollback,
     SpeculativeDecoder,
     VerifyChunk,
-    run_sync,
 )
 
 torch.set_num_threads(1)  # the test machine is shared: more threads than cores is far slower
@@ -99,7 +99,7 @@ class CyclingDrafter:
 
 def plain(target: FakeTarget, prompt: list[int], n: int, params: SamplingParams) -> list[int]:
     dec = SpeculativeDecoder(prompt, params=params, max_new_tokens=n, prefill_chunk=3)
-    run_sync(dec, target.execute)
+    Decode(dec).run(target.execute)
     return dec.output_ids
 
 
@@ -137,7 +137,7 @@ def test_greedy_with_any_drafter_equals_plain_greedy(drafter_kind: str, k: int) 
     }[drafter_kind]
     dec = SpeculativeDecoder(PROMPT, params=params, max_new_tokens=40, drafter=drafter,
                              policy=KPolicy(fixed_k=k), prefill_chunk=4)
-    run_sync(dec, target.execute)
+    Decode(dec).run(target.execute)
     assert dec.output_ids == ref
     assert dec.finish_reason == "length"
     if drafter_kind == "good":  # the target itself as draft: everything accepted
@@ -201,13 +201,13 @@ def test_eos_stops_and_budget_is_respected() -> None:
     dec = SpeculativeDecoder(PROMPT, params=SamplingParams(), max_new_tokens=40,
                              eos_token_ids=[eos], drafter=CyclingDrafter(),
                              policy=KPolicy(fixed_k=4))
-    run_sync(dec, target.execute)
+    Decode(dec).run(target.execute)
     assert dec.output_ids == ref[:stop] and dec.finish_reason == "eos"
     for n in (1, 2, 7):
         dec = SpeculativeDecoder(PROMPT, params=SamplingParams(), max_new_tokens=n,
                                  drafter=TableDrafter(5, 0, noise_from=target, mix=1.0),
                                  policy=KPolicy(fixed_k=5))
-        run_sync(dec, FakeTarget(5, seed=1).execute)
+        Decode(dec).run(FakeTarget(5, seed=1).execute)
         assert dec.output_ids == ref[:n]
 
 
@@ -235,26 +235,6 @@ def test_bad_construction() -> None:
         SpeculativeDecoder([1], params=SamplingParams(), max_new_tokens=0)
     with pytest.raises(UsageError, match="context window"):
         SpeculativeDecoder([1] * 10, params=SamplingParams(), max_new_tokens=10, max_len=15)
-
-
-def test_a_decoder_for_a_model_checks_the_prompt_against_it_and_takes_its_defaults() -> None:
-    """``SpeculativeDecoder.for_model``: how both drivers (generate.generate, the ring's
-    Coordinator) build their decoder, so the two read the same parameters the same way."""
-    from swarm.model.config import ModelArgs
-
-    args = ModelArgs(architecture="llama", vocab_size=100, dim=8, n_layers=2, n_heads=2, n_kv_heads=2, head_dim=4,
-                     max_seq_len=32, tie_word_embeddings=True, bos_token_id=1, eos_token_ids=(2, 7))  # fmt: skip
-    dec = SpeculativeDecoder.for_model(args, [5, 99, 0], max_new_tokens=4)
-    assert dec.committed == [5, 99, 0] and dec.eos == {2, 7} and dec.params == SamplingParams()
-    assert dec.max_total == 7
-    chunked = SpeculativeDecoder.for_model(args, [5] * 7, max_new_tokens=2, eos_token_ids=(), prefill_chunk=3)
-    assert chunked.eos == frozenset() and [len(c.tokens) for c in chunked.poll()][:1] == [3]
-    with pytest.raises(UsageError, match=r"prompt token ids \[100, -1\] are outside the vocabulary \[0, 100\)"):
-        SpeculativeDecoder.for_model(args, [5, 100, -1])
-    with pytest.raises(UsageError, match="context window of 32 tokens"):
-        SpeculativeDecoder.for_model(args, [5] * 20, max_new_tokens=13)
-    with pytest.raises(UsageError, match="context window of 16 tokens"):  # a smaller context than the model's
-        SpeculativeDecoder.for_model(args, [5] * 10, max_new_tokens=7, max_len=16)
 
 
 def test_adaptive_k_and_depth_follow_acceptance_deterministically() -> None:
@@ -293,7 +273,7 @@ def empirical(target: FakeTarget, drafter: object, params_of: Callable[[int], Sa
     for run in range(n_runs):
         dec = SpeculativeDecoder(prompt, params=params_of(run), max_new_tokens=N_NEW,
                                  drafter=drafter, policy=KPolicy(fixed_k=k))  # type: ignore[arg-type]
-        run_sync(dec, target.execute)
+        Decode(dec).run(target.execute)
         counts[tuple(dec.output_ids)] += 1
     return counts
 
@@ -406,7 +386,7 @@ def test_target_and_draft_distributions_meet_on_the_host(monkeypatch: pytest.Mon
     def run(drafter: TableDrafter, execute: Callable[[VerifyChunk], torch.Tensor]) -> list[int]:
         target.cache.clear()
         dec = SpeculativeDecoder(PROMPT, params=params, max_new_tokens=30, drafter=drafter, prefill_chunk=4)
-        run_sync(dec, execute)
+        Decode(dec).run(execute)
         assert dec.stats.proposed > dec.stats.accepted > 0  # drafts were both accepted and rejected
         return dec.output_ids
 

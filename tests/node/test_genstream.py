@@ -15,9 +15,9 @@ import trio
 import trio.testing
 
 from swarm.errors import Busy, CannotServe, PeerError, PeerLost, PeerTimeout, ProtocolError
+from swarm.model.driver import output_sha256
 from swarm.node.generation.genstream import GenStream, resuming, stitch_receipt
 from swarm.node.generation.genwire import send_message
-from swarm.node.ring.coordinator import output_sha256
 from swarm.proto import control as ctl
 from swarm.proto.frame import Frame, MsgType
 from swarm.proto.limits import PROTO_GEN

@@ -11,10 +11,11 @@ import trio
 
 from swarm.errors import PeerError, PeerTimeout
 from swarm.model.drafters import NgramDrafter
+from swarm.model.driver import output_sha256
 from swarm.model.generate import LocalModel, generate
 from swarm.model.sampling import SamplingParams
 from swarm.model.speculative import KPolicy
-from swarm.node.ring.coordinator import Coordinator, output_sha256
+from swarm.node.ring.coordinator import Coordinator
 from swarm.testing.checkpoints import TinySpec, write_checkpoint
 from swarm.testing.ring import run_memory_ring
 

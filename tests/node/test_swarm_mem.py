@@ -13,8 +13,8 @@ import trio
 
 from swarm.errors import PeerError
 from swarm.manifest.identity import Identity
+from swarm.model.driver import output_sha256
 from swarm.model.generate import LocalModel, generate
-from swarm.node.ring.coordinator import output_sha256
 from swarm.testing.checkpoints import TinySpec, write_checkpoint
 from swarm.testing.memnet import MemNet
 from swarm.testing.memswarm import MemSwarm

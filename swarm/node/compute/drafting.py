@@ -61,7 +61,7 @@ import logging
 import math
 import statistics
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -367,14 +367,14 @@ async def drafting_ahead(dec: SpeculativeDecoder, limiter: trio.CapacityLimiter 
     return out  # type: ignore[return-value]
 
 
-async def issue(dec: SpeculativeDecoder, send: Callable[[VerifyChunk], Awaitable[None]],
+async def issue(dec: SpeculativeDecoder, chunks: Iterator[VerifyChunk], send: Callable[[VerifyChunk], Awaitable[None]],
                 limiter: trio.CapacityLimiter | None) -> None:
-    """Send the decoder's next chunks, each as soon as it exists; a drafter's work runs in a
-    worker thread behind ``limiter`` (unless it says it is ``cheap``, as prompt lookup is, or
-    ``limiter`` is None: in-memory tests on a mock clock). After the prompt's prefill chunks, a
-    draft model runs the prompt into its cache (while the ring prefills)."""
+    """Send ``chunks`` (the decoder's ``poll_iter``, as the decode driver hands it out), each as
+    soon as it exists; a drafter's work runs in a worker thread behind ``limiter`` (unless it says
+    it is ``cheap``, as prompt lookup is, or ``limiter`` is None: in-memory tests on a mock clock).
+    After the prompt's prefill chunks, a draft model runs the prompt into its cache (while the ring
+    prefills)."""
     offload = limiter is not None and dec.drafter is not None and not getattr(dec.drafter, "cheap", False)
-    chunks = dec.poll_iter()
     prefill = False
     while True:
         chunk = await trio.to_thread.run_sync(next, chunks, None, limiter=limiter) if offload else next(chunks, None)

@@ -41,8 +41,8 @@ from typing import Any, Protocol
 import trio
 
 from swarm.errors import Busy, CannotServe, PeerError, PeerTimeout, ProtocolError
+from swarm.model.driver import output_sha256
 from swarm.node.generation.genwire import receive_message
-from swarm.node.ring.coordinator import output_sha256
 from swarm.proto import control as ctl
 from swarm.proto.limits import DEFAULT_LIMITS, Limits
 

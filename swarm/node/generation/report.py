@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 from swarm import __version__
+from swarm.model.driver import GenerationResult
 from swarm.model.sampling import SamplingParams
 from swarm.node.compute.memory import measured_memory
 from swarm.node.compute.runtime import Models
@@ -27,7 +28,6 @@ from swarm.node.members.view import MemberView
 from swarm.node.plan.epochs import Epoch, Epochs, hops
 from swarm.node.plan.wiring import Wiring
 from swarm.node.ring.capacity import SlotQueue
-from swarm.node.ring.coordinator import RingGeneration
 from swarm.node.settings import peak_bytes
 from swarm.planner import Plan
 from swarm.planner.budget import predicted_peak
@@ -57,7 +57,7 @@ class Reporter:
         # one line per generation this node coordinated, for the console's speed history
         self.runs: collections.deque[dict[str, Any]] = collections.deque(maxlen=RUNS_KEPT)
 
-    def receipt(self, ep: Epoch, gen: RingGeneration, params: SamplingParams, *, started: float) -> dict[str, Any]:
+    def receipt(self, ep: Epoch, gen: GenerationResult, params: SamplingParams, *, started: float) -> dict[str, Any]:
         plan = ep.plan
         view = self.service.membership.view()
         pf = self.service.membership.peers_file()

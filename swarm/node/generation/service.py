@@ -319,7 +319,7 @@ class GenService:
             choice.close()  # the draft's KV cache for this generation
         if moved is not None:
             return _handed_over_receipt(handed_over, prompt, moved, replans, t0)
-        gen = run.gen
+        gen = run.result()
         receipt = self.reporter.receipt(ep, gen, params, started=t0)
         self.reporter.recent.append((gen.tokens_per_s, gen.tokens_per_traversal))
         receipt["replans"] = replans

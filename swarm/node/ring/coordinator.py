@@ -3,17 +3,17 @@
 Theory of operation
 -------------------
 The coordinator holds the embedding, the final norm and LM head, and (optionally) a drafter
-(drafting.py: a draft model runs off this loop, and each chunk is sent as soon as it is drafted). For
-each generation it runs a ``SpeculativeDecoder`` (swarm/model/speculative.py), the same sans-IO
-state machine the in-process reference uses, and pumps it over two links: ``first`` (to ring[0])
-and the result link from the tail, read by one reader task that dispatches RESULT/ERROR frames to
-the session they belong to.
+(drafting.py: a draft model runs off this loop, and each chunk is sent as soon as it is drafted).
+Each generation is a run of the decode driver (swarm/model/driver.py), the same driver the
+in-process reference runs; the ring is its target: a chunk the driver sends is embedded and sent
+on ``first`` (to ring[0]), and its result comes back on the link from the tail, read by one reader
+task that dispatches RESULT/ERROR frames to the session they belong to. A live chunk's hidden
+state goes through the LM head and its logits back to the driver.
 
-Schedule (this is what makes the ring exactly reproducible): the decoder is polled once at the
-start and once after every result received, live or stale, and chunks are sent in the order
-polled. Results come back in send order (every hop is FIFO), so the sequence of chunks issued
-depends only on the results, never on timing; ``swarm.model.generate`` drives the decoder with
-the same rule, so the ring and one box compute the same chunks, hence the same numbers.
+Schedule (this is what makes the ring exactly reproducible): the driver's. Results come back in
+send order (every hop is FIFO), and the driver polls its decoder after every result, live or
+stale, so the chunks issued depend only on the results, never on timing: the ring and one box
+(``swarm.model.generate``) compute the same chunks, hence the same numbers.
 
 Several chunks may be in flight (the decoder's depth policy). A rejection discards later chunks:
 stages still compute them, and their results are skipped here (no LM head work). An ERROR from
@@ -37,13 +37,13 @@ compute; the receipt counts ``shared_head_calls``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import logging
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Unpack
 
 import torch
 import trio
@@ -59,9 +59,8 @@ from swarm.errors import (
     SwarmError,
     UsageError,
 )
-from swarm.model.generate import output_sha256
-from swarm.model.sampling import SamplingParams
-from swarm.model.speculative import Committed, DraftSource, KPolicy, SpeculativeDecoder, VerifyChunk
+from swarm.model.driver import Await, Decode, DecodeSettings, GenerationResult, Send
+from swarm.model.speculative import SpeculativeDecoder, VerifyChunk
 from swarm.model.stage import Head
 from swarm.node.compute import drafting, memory
 from swarm.node.compute.headbatch import SharedHead
@@ -80,64 +79,23 @@ REQUEST_ERRORS: dict[str, type[SwarmError]] = {"context_exceeded": ContextTooLon
 SLOW_WAIT_FACTOR = 10  # a busy ring (results flowing to other sessions) is waited for this many deadlines
 
 
-@dataclass
-class RingGeneration:
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    finish_reason: str
-    prefill_s: float
-    decode_s: float
-    rounds: int
-    proposed: int
-    accepted: int
-    chunks: list[tuple[int, int]] = field(default_factory=list)  # (base, tokens) sent, in order
-    shared_head_calls: int = 0  # LM head calls computed together with other sessions' rows
-    traversal_ms: list[float] = field(default_factory=list)  # send -> result, per live chunk
+class RingRun(Decode):
+    """One generation's decoding (driver.py) with what a ring adds: where its drafter runs, a
+    hook before decoding begins, and the ring's own figures. It outlives the ring it started on."""
 
-    @property
-    def tokens_per_s(self) -> float:
-        total = self.prefill_s + self.decode_s
-        return len(self.output_token_ids) / total if total > 0 else 0.0
+    def __init__(self, decoder: SpeculativeDecoder, *, on_tokens: Callable[[Sequence[int]], None] | None = None) -> None:
+        super().__init__(decoder, on_tokens=on_tokens)
+        self.draft_limiter: trio.CapacityLimiter | None = None  # a model drafter's forwards (drafting.py)
+        # called once, with the number of other generations on the ring, when the prompt's prefill is
+        # out and before any decode chunk is polled (it may change the drafter: drafting.py, sharing)
+        self.before_decode: Callable[[int], None] | None = None
+        self.shared_head_calls = 0  # LM head calls computed together with other sessions' rows
+        self.traversal_ms: list[float] = []  # send -> result, per live chunk
 
-    @property
-    def decode_tokens_per_s(self) -> float:
-        n = max(len(self.output_token_ids) - 1, 0)
-        return n / self.decode_s if self.decode_s > 0 else 0.0
-
-    @property
-    def accepted_per_round(self) -> float | None:
-        return self.accepted / self.rounds if self.rounds else None
-
-    @property
-    def tokens_per_traversal(self) -> float | None:
-        """Committed tokens per live decode chunk (1.0 without drafting)."""
-        n = len([c for c in self.chunks if c[1] > 0]) - self._prefill_chunks
-        return len(self.output_token_ids) / n if n > 0 else None
-
-    _prefill_chunks: int = 0
-
-    @property
-    def output_sha256(self) -> str:
-        return output_sha256(self.output_token_ids)
-
-
-
-@dataclass
-class RingRun:
-    """One generation's state across rings: the decoder, what it fed, its timing."""
-
-    decoder: SpeculativeDecoder
-    gen: RingGeneration
-    on_tokens: Callable[[Sequence[int]], None] | None = None
-    on_progress: Callable[[int, int], None] | None = None  # (prompt tokens prefilled, prompt length)
-    fed_log: list[VerifyChunk] = field(default_factory=list)  # live chunks fed, in order
-    draft_limiter: trio.CapacityLimiter | None = None  # a model drafter's forwards (drafting.py)
-    # called once, with the number of other generations on the ring, when the prompt's prefill is
-    # out and before any decode chunk is polled (it may change the drafter: drafting.py, sharing)
-    before_decode: Callable[[int], None] | None = None
-    t0: float | None = None
-    t_first: float | None = None
-    t_last: float | None = None
+    def result(self) -> GenerationResult:
+        return dataclasses.replace(
+            super().result(), shared_head_calls=self.shared_head_calls, traversal_ms=list(self.traversal_ms)
+        )
 
 
 class Coordinator:
@@ -211,95 +169,52 @@ class Coordinator:
 
     # -- one generation -------------------------------------------------------------------
 
-    def new_run(
-        self,
-        prompt_ids: Sequence[int],
-        *,
-        params: SamplingParams | None = None,
-        max_new_tokens: int = 64,
-        drafter: DraftSource | None = None,
-        policy: KPolicy | None = None,
-        eos_token_ids: Sequence[int] | None = None,
-        prefill_chunk: int | None = None,
-        on_tokens: Callable[[Sequence[int]], None] | None = None,
-    ) -> RingRun:
+    def new_run(self, prompt_ids: Sequence[int], **settings: Unpack[DecodeSettings]) -> RingRun:
         """The state of one generation; it outlives the epoch it started in (see drive)."""
-        dec = SpeculativeDecoder.for_model(
-            self.args, prompt_ids, max_len=self.max_len, params=params, max_new_tokens=max_new_tokens,
-            eos_token_ids=eos_token_ids, drafter=drafter, policy=policy, prefill_chunk=prefill_chunk,
-        )  # fmt: skip
-        return RingRun(dec, RingGeneration(dec.committed[:], [], "length", 0.0, 0.0, 0, 0, 0), on_tokens)
+        return RingRun.for_model(self.args, prompt_ids, max_len=self.max_len, **settings)
 
-    async def generate(self, prompt_ids: Sequence[int], **kw: Any) -> RingGeneration:
+    async def generate(self, prompt_ids: Sequence[int], **settings: Unpack[DecodeSettings]) -> GenerationResult:
         """One generation on this ring from start to end (no recovery: see drive)."""
-        return await self.drive(self.new_run(prompt_ids, **kw))
+        return await self.drive(self.new_run(prompt_ids, **settings))
 
-    async def drive(self, run: RingRun) -> RingGeneration:
+    async def drive(self, run: RingRun) -> GenerationResult:
         """Run ``run`` on this ring until it finishes, or raise when the ring fails.
 
-        A run that already made progress on an earlier ring resumes exactly: the chunks it fed
-        before are replayed first, with the same shapes in the same order, so every stage's cache
-        holds bit-for-bit what it held before (results ignored), then the chunks that were in
-        flight are sent again, then decoding goes on. Tokens are never lost or repeated: only
-        fed results commit tokens, and each chunk is fed once.
+        This ring is the decode driver's target (driver.py). A run that already made progress on
+        an earlier ring resumes exactly: the chunks it fed before are replayed first, with the
+        same shapes in the same order, so every stage's cache holds bit-for-bit what it held
+        before (results ignored), then the driver re-sends the chunks that were in flight, then
+        decoding goes on.
         """
         if self._first is None:
             raise UsageError("coordinator has no ring attached")
         if self._broken is not None:
             raise self._broken
-        dec, gen = run.decoder, run.gen
         session = next(self._session_ids)
         send_chan, recv_chan = trio.open_memory_channel[Frame | SwarmError](math.inf)
         self._sessions[session] = send_chan
         sent: dict[int, tuple[VerifyChunk | None, float]] = {}
-        if run.t0 is None:
-            run.t0 = time.perf_counter()
+        steps = run.steps()
         try:
             if run.fed_log:
                 await self._replay(run.fed_log, session, sent)
-            if dec.inflight:  # the chunks in flight when the last ring failed: sent again
-                await self._send(list(dec.inflight), session, sent, gen, dec)
-            else:
-                await self._issue(run, session, sent)
-            if gen._prefill_chunks == 0:
-                gen._prefill_chunks = len(gen.chunks)
-            while not dec.done:
-                if not sent:
-                    raise AssertionError("speculative decoder idle with nothing in flight")
-                chunk_id, h = await drafting.drafting_ahead(  # the draft model works while we wait
-                    dec, self._draft_limiter(run), lambda: self._next_result(recv_chan, session)
-                )
-                entry = sent.pop(chunk_id, None)
-                if entry is None:
-                    raise ProtocolError(f"tail {self._tail_peer}: result for unknown chunk {chunk_id}")
-                chunk, t_sent = entry
-                if chunk is None:
-                    continue  # a replayed chunk: it only rebuilt the caches
-                if dec.is_live(chunk_id):
-                    gen.traversal_ms.append(1000 * (time.perf_counter() - t_sent))
-                    rows = h[chunk.logits_from:]
-                    if rows.shape[0]:
-                        try:
-                            logits, shared = await self.shared_head.logits(rows, session)
-                        except memory.OOM_ERRORS as exc:  # this request fails alone (node/compute/memory.py)
-                            memory.release(str(rows.device))
-                            raise RequestRefused(f"the coordinator's LM head: {memory.describe(exc)}") from None
-                        gen.shared_head_calls += shared
-                    else:
-                        logits = torch.empty(0, self.args.vocab_size)
-                    run.fed_log.append(chunk)
-                    if chunk.prefill and run.on_progress is not None:
-                        run.on_progress(chunk.base + len(chunk.tokens), dec.prompt_len)
-                    for ev in dec.feed(chunk_id, logits):
-                        if isinstance(ev, Committed):
-                            run.t_last = time.perf_counter()
-                            if run.t_first is None:
-                                run.t_first = run.t_last
-                            if run.on_tokens is not None:
-                                run.on_tokens(ev.tokens)
-                if not dec.done:
-                    await self._issue(run, session, sent)
+            answer: int | torch.Tensor | None = None
+            hidden, t_sent = torch.empty(0), 0.0  # the latest result's
+            while True:
+                try:
+                    step = steps.send(answer)
+                except StopIteration:
+                    break
+                if isinstance(step, Send):
+                    await self._issue(run, step, session, sent)
+                    answer = None
+                elif isinstance(step, Await):
+                    answer, hidden, t_sent = await self._answer(run, recv_chan, session, sent)
+                else:
+                    run.traversal_ms.append(1000 * (time.perf_counter() - t_sent))
+                    answer = await self._logits(run, hidden[step.chunk.logits_from:], session)
         finally:
+            steps.close()
             del self._sessions[session]
             self.shared_head.forget(session)
             with trio.move_on_after(SEND_TIMEOUT_S) as scope:
@@ -309,28 +224,53 @@ class Coordinator:
                         await self._first.send(SessionEnd(session).to_frame(), timeout=SEND_TIMEOUT_S)
                 except SwarmError as exc:
                     log.info("session %d: could not send SESSION_END: %s", session, exc)
-        t_end = time.perf_counter()
-        t_first = run.t_first if run.t_first is not None else t_end
-        st = dec.stats
-        gen.output_token_ids = dec.output_ids
-        gen.finish_reason = dec.finish_reason or "length"
-        gen.prefill_s, gen.decode_s = t_first - run.t0, t_end - t_first
-        gen.rounds, gen.proposed, gen.accepted = st.rounds, st.proposed, st.accepted
-        return gen
+        return run.result()
+
+    async def _answer(
+        self, run: RingRun, chan: trio.MemoryReceiveChannel[Frame | SwarmError], session: int,
+        sent: dict[int, tuple[VerifyChunk | None, float]],
+    ) -> tuple[int, torch.Tensor, float]:  # fmt: skip
+        """The next result of a chunk the driver sent: (its id, its hidden state, when it was
+        sent); a replayed chunk's result only rebuilt the caches and is passed over."""
+        while True:
+            chunk_id, h = await drafting.drafting_ahead(  # the draft model works while we wait
+                run.decoder, self._draft_limiter(run), lambda: self._next_result(chan, session)
+            )
+            entry = sent.pop(chunk_id, None)
+            if entry is None:
+                raise ProtocolError(f"tail {self._tail_peer}: result for unknown chunk {chunk_id}")
+            if entry[0] is not None:
+                return chunk_id, h, entry[1]
+
+    async def _logits(self, run: RingRun, rows: torch.Tensor, session: int) -> torch.Tensor:
+        """The LM head on a live chunk's rows (n_rows, D) -> (n_rows, V), batched across sessions."""
+        if not rows.shape[0]:
+            return torch.empty(0, self.args.vocab_size)
+        try:
+            logits, shared = await self.shared_head.logits(rows, session)
+        except memory.OOM_ERRORS as exc:  # this request fails alone (node/compute/memory.py)
+            memory.release(str(rows.device))
+            raise RequestRefused(f"the coordinator's LM head: {memory.describe(exc)}") from None
+        run.shared_head_calls += shared
+        return logits
 
     def _draft_limiter(self, run: RingRun) -> trio.CapacityLimiter | None:
         """Where a drafter's work runs: a worker thread behind this limiter; None: inline."""
         return None if self.inline else (run.draft_limiter or self.limiter)
 
-    async def _issue(self, run: RingRun, session: int, sent: dict[int, tuple[VerifyChunk | None, float]]) -> None:
-        """The decoder's next chunks, each sent as soon as it exists (a model drafter drafts off
-        this loop, drafting.py); the same chunks a plain poll() gives, in the same order."""
+    async def _issue(self, run: RingRun, step: Send, session: int, sent: dict[int, tuple[VerifyChunk | None, float]]) -> None:
+        """Send the driver's chunks, each as soon as it exists (a model drafter drafts off this
+        loop, drafting.py); chunks sent again after a failed ring are just sent."""
+        send = lambda c: self._send(c, session, sent, run)  # noqa: E731
+        if step.resent:
+            for chunk in step.chunks:
+                await send(chunk)
+            return
         dec = run.decoder
         if run.before_decode is not None and dec.stats.chunks and not dec.stats.decode_chunks:
             hook, run.before_decode = run.before_decode, None  # once: the prefill is out, no decode chunk yet
             hook(len(self._sessions) - 1)
-        send = lambda c: self._send([c], session, sent, run.gen, run.decoder)  # noqa: E731
-        await drafting.issue(run.decoder, send, self._draft_limiter(run))
+        await drafting.issue(dec, step.chunks, send, self._draft_limiter(run))
 
     async def _replay(self, chunks: list[VerifyChunk], session: int, sent: dict[int, tuple[VerifyChunk | None, float]]) -> None:
         assert self._first is not None
@@ -343,24 +283,17 @@ class Coordinator:
             async with self._send_lock:
                 await self._first.send(frame, timeout=SEND_TIMEOUT_S)
 
-    async def _send(
-        self,
-        chunks: list[VerifyChunk],
-        session: int,
-        sent: dict[int, tuple[VerifyChunk | None, float]],
-        gen: RingGeneration,
-        dec: SpeculativeDecoder,
-    ) -> None:
+    async def _send(self, chunk: VerifyChunk, session: int, sent: dict[int, tuple[VerifyChunk | None, float]],
+                    run: RingRun) -> None:  # fmt: skip
         assert self._first is not None
-        for chunk in chunks:
-            ids = torch.tensor(chunk.tokens, dtype=torch.long)
-            h = self.head.embed(ids)  # (T, D): a table lookup, cheaper than a thread hand-off
-            mode = "prefill" if chunk.prefill else ("verify" if len(chunk.tokens) > 1 else "decode")
-            frame = hidden_chunk(session, chunk.chunk_id, chunk.base, mode, h, self.epoch).to_frame()
-            sent[chunk.chunk_id] = (chunk, time.perf_counter())
-            gen.chunks.append((chunk.base, len(chunk.tokens)))
-            async with self._send_lock:
-                await self._first.send(frame, timeout=SEND_TIMEOUT_S)
+        ids = torch.tensor(chunk.tokens, dtype=torch.long)
+        h = self.head.embed(ids)  # (T, D): a table lookup, cheaper than a thread hand-off
+        mode = "prefill" if chunk.prefill else ("verify" if len(chunk.tokens) > 1 else "decode")
+        frame = hidden_chunk(session, chunk.chunk_id, chunk.base, mode, h, self.epoch).to_frame()
+        sent[chunk.chunk_id] = (chunk, time.perf_counter())
+        run.chunks.append((chunk.base, len(chunk.tokens)))
+        async with self._send_lock:
+            await self._first.send(frame, timeout=SEND_TIMEOUT_S)
 
     async def _receive(self, chan: trio.MemoryReceiveChannel[Frame | SwarmError], session: int) -> Frame | SwarmError:
         """The session's next result, waiting while the ring is busy (module doc: slow is not gone)."""
