@@ -31,8 +31,10 @@ With ``--memlimit`` (issues 25 and 26: the memory benchmark on a checkpoint of a
 join process runs inside a memory cgroup whose limit is its ``--memory`` offer (swarm.testing.memlimit;
 each offer is below the model's bytes), and the same run also serves ``--sessions`` concurrent
 generations whose prompts fill the invite's ``--context``, once the new peers serve and again
-after the re-plan. Per peer, at ``load`` (serving, no session yet), ``sessions_8``, ``replan_load``
-and ``replan_sessions_8``: its own status's VmHWM (``measured_peak_bytes``) and the cgroup's peak
+after the re-plan. Per peer, at ``load`` (serving, no session yet: over the peak predicted at load),
+``sessions_8``, ``replan_load`` (its VmHWM over its whole life: over the whole predicted peak where
+it kept the block it served sessions with, over the peak at load where its block is new) and
+``replan_sessions_8``: its own status's VmHWM (``measured_peak_bytes``) and the cgroup's peak
 (v1 ``memory.max_usage_in_bytes``: page cache the fetch wrote included, reclaimable) each ÷ the
 predicted peak its status reports (planner/budget.py), the kernel's OOM kills, alive, VmHWM over
 the offer; and the ring's greedy tokens against one process's. ``--kv-heads 2`` keeps 8 sessions'
@@ -143,11 +145,17 @@ class Memory:
             m = dict(st.get("memory") or {})
             cg: MemoryCgroup = self.lab.procs[i].cgroup  # type: ignore[attr-defined]
             pred, hwm, peak = m.get("predicted_peak_bytes"), m.get("measured_peak_bytes"), cg.peak_bytes()
+            load = m.get("predicted_load_peak_bytes")
+            stat = dict(line.split() for line in (cg.path / "memory.stat").read_text().splitlines())
             plan = st.get("plan") or {}
             m |= {"peer": i, "block": plan.get("blocks", {}).get(st.get("peer_id")) if plan else None,
                   "coordinator": bool(plan) and plan.get("coordinator") == st.get("peer_id"),
                   "cgroup_limit_bytes": cg.limit_bytes, "cgroup_peak_bytes": peak, "oom_kills": cg.oom_kills(),
+                  # now, of the cgroup's charge: anonymous memory and page cache (the fetch's writes)
+                  "cgroup_anon_bytes": int(stat.get("total_rss", stat.get("anon", 0))),
+                  "cgroup_file_bytes": int(stat.get("total_cache", stat.get("file", 0))),
                   "hwm_over_predicted": round(hwm / pred, 3) if pred and hwm else None,
+                  "hwm_over_predicted_load": round(hwm / load, 3) if load and hwm else None,
                   "cgroup_peak_over_predicted": round(peak / pred, 3) if pred else None,
                   "hwm_over_offered": round(hwm / cg.limit_bytes, 3) if hwm else None}  # fmt: skip
             rows.append(m)
@@ -183,10 +191,21 @@ class Memory:
         model = LocalModel.load(served, stages=1, dtype=torch.float32)
         want = [generate(model, p, max_new_tokens=self.new, eos_token_ids=()).output_token_ids for p in self.prompts]
         rows = [r for ph in self.phases.values() for r in ph]
-        ratios = {ph: [r["hwm_over_predicted"] for r in rows_] for ph, rows_ in self.phases.items()}
+        # at load (serving, no session yet) over the peak predicted at load, and so at the re-plan's
+        # load for a peer whose block is new (a standby growing into the lost layers); a peer that
+        # kept its block has served sessions with it: over the whole predicted peak
+        served = {r["peer"]: r["block"] for r in self.phases.get("sessions_8", [])}
+
+        def ratio(ph: str, r: dict[str, Any]) -> float | None:
+            fresh = ph == "load" or (ph == "replan_load" and served.get(r["peer"]) != r["block"])
+            return r["hwm_over_predicted_load" if fresh else "hwm_over_predicted"]
+
+        ratios = {ph: [ratio(ph, r) for r in rows_] for ph, rows_ in self.phases.items()}
         cg_ratios = {ph: [r["cgroup_peak_over_predicted"] for r in rows_] for ph, rows_ in self.phases.items()}
         return {"offer_bytes": self.lab.offer, "prompt_tokens": len(self.prompts[0]), "new_tokens": self.new,
-                "sessions": len(self.prompts), "hwm_over_predicted": ratios, "cgroup_peak_over_predicted": cg_ratios,
+                "sessions": len(self.prompts), "hwm_over_predicted": ratios,
+                "load_hwm_over_whole_predicted": [r["hwm_over_predicted"] for r in self.phases["load"]],
+                "cgroup_peak_over_predicted": cg_ratios,
                 "max_hwm_over_offered": max(r["hwm_over_offered"] or 0 for r in rows),
                 "oom_kills": sum(r["oom_kills"] for r in self.phases[list(self.phases)[-1]]),
                 "none_over_offer": all((r["measured_peak_bytes"] or 0) <= r["cgroup_limit_bytes"] for r in rows),
@@ -348,7 +367,8 @@ def run(a: argparse.Namespace, work: Path) -> None:
             lab.close()
     if mem is not None:
         out["memory"] = mem.report(served)
-        print(json.dumps({k: out["memory"][k] for k in ("hwm_over_predicted", "cgroup_peak_over_predicted",
+        print(json.dumps({k: out["memory"][k] for k in ("hwm_over_predicted", "load_hwm_over_whole_predicted",
+                                                         "cgroup_peak_over_predicted",
                                                          "max_hwm_over_offered", "none_over_offer", "oom_kills",
                                                          "greedy_equal_one_process")}, indent=1))  # fmt: skip
     out["machine"]["load_after"] = os.getloadavg()

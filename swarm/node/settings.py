@@ -93,15 +93,16 @@ def plan_memory(memory_bytes: int, dtype: torch.dtype) -> int:
     return memory_bytes * 2 // torch.empty(0, dtype=dtype).element_size()
 
 
-def overhead_bytes(args: ModelArgs, dtype: torch.dtype, device: str) -> int:
-    """This peer's fixed overhead (real bytes) outside the planned part: planner/budget.py."""
+def overhead_bytes(args: ModelArgs, dtype: torch.dtype, device: str, *, coordinator: bool = True) -> int:
+    """This peer's fixed overhead (real bytes) outside the planned part: planner/budget.py (the
+    default, as coordinator, is what an advert leaves out)."""
     import torch
 
     from swarm.model.quant import layer_bytes as quant_layer_bytes
     from swarm.planner.budget import runtime_overhead
 
     dense = quant_layer_bytes(args, "none", torch.empty(0, dtype=dtype).element_size())
-    return runtime_overhead(torch.device(device).type, dense)
+    return runtime_overhead(torch.device(device).type, dense, coordinator=coordinator)
 
 
 def advert_memory(offered: int, dtype: torch.dtype, device: str, args: ModelArgs) -> int:
@@ -111,18 +112,19 @@ def advert_memory(offered: int, dtype: torch.dtype, device: str, args: ModelArgs
 
 
 def peak_bytes(args: ModelArgs, dtype: torch.dtype, device: str, spec: ModelSpec, block: tuple[int, int], *,
-               coordinator: bool, draft_bytes: int = 0, margin: float = 1.0) -> int:
+               coordinator: bool, draft_bytes: int = 0, margin: float = 1.0, at_load: bool = False) -> int:
     """A peer's whole predicted peak in real bytes, serving in ``dtype`` on ``device``: the planned
     part of ``spec`` (the planner's 2-byte unit, as ``draft_bytes``) at ``dtype``'s width, times
-    ``margin``, plus its overhead. The inverse of advert_memory: ``plan`` prints it, ``status``
-    shows it beside the measured peak, local swarms offer it (launch.sized_offers)."""
+    ``margin``, plus its overhead in that role (``at_load``: before any session, budget.py). For
+    a coordinator, the inverse of advert_memory (a stage's is its coordinator overhead less):
+    ``status`` shows it beside the measured peak, local swarms offer it (launch.sized_offers)."""
     import torch
 
     from swarm.planner.budget import predicted_peak
 
-    planned = predicted_peak(spec, block, coordinator=coordinator, draft_bytes=draft_bytes)
+    planned = predicted_peak(spec, block, coordinator=coordinator, draft_bytes=draft_bytes, at_load=at_load)
     width = torch.empty(0, dtype=dtype).element_size()
-    return int(planned * width / 2 * margin) + overhead_bytes(args, dtype, device)
+    return int(planned * width / 2 * margin) + overhead_bytes(args, dtype, device, coordinator=coordinator)
 
 
 def planned_part(spec: ModelSpec, layers: float, *, coordinator: bool) -> int:

@@ -10,31 +10,46 @@ activations of one prefill chunk (``ModelSpec.activation_bytes``; a head-only co
 stage and needs none), and where
 it coordinates the embedding, final norm, head and its draft model. The *overhead* is this peer's
 own and so is not in the swarm-wide ModelSpec: on a CPU (or MPS) the runtime itself (Python,
-torch and the node's modules, :data:`RUNTIME_BYTES`) plus the largest layer's dense bytes (the
-load-time peak: a block is converted one layer at a time); on CUDA nothing, because the runtime
-lives in host RAM and the CUDA context is inside ``--memory auto``'s margin (devices.py).
+torch and the node's modules, :data:`RUNTIME_BYTES`), where it coordinates the coordinator's own
+(:data:`COORDINATOR_RUNTIME_BYTES`: its tokenizer and the head's load), plus the largest layer's
+dense bytes (the load-time peak: a block is converted one layer at a time); on CUDA nothing,
+because the runtime lives in host RAM and the CUDA context is inside ``--memory auto``'s margin
+(devices.py).
 
 A node subtracts its overhead from what it offers before it advertises (settings.advert_memory),
-so an advert is the room for the planned part, and "fits" means ``predicted_peak <= advert``.
+so an advert is the room for the planned part, and "fits" means ``predicted_peak <= advert``. A
+node advertises before any plan says whether it coordinates, and any peer may be chosen, so the
+advert leaves out the coordinator's overhead on every peer; a peer planned as a stage then
+predicts its peak without it, and that much of its offer stays unused (the advert carries no
+per-peer coordinator overhead the planner could charge to the one it picks: a follow-up).
+
+At load (``at_load``) a peer holds its block's weights, the coordinator part and its overhead,
+no session's KV and no prefill chunk's activations yet: the peak to compare with a node's
+VmHWM once it serves and before any session has run (status's ``predicted_load_peak_bytes``).
 """
 
 from __future__ import annotations
 
 from swarm.planner.spec import ModelSpec
 
-# A running node's own VmHWM besides what it holds, on x86-64 Linux with torch 2.x (bundled model, fp32,
-# benchmarks/bench_memory.py, an AMX CPU), since tensors are read rather than mapped (weights.py) and
-# freed temporaries leave the process (node/compute/memory.py): a standby (imports, host, tokenizer
-# not loaded, one dense layer measured) 371-374 MB; a stage less its block, its 8 full-context
-# sessions' KV and a prefill chunk's activations ~386 MB; a head-only coordinator less its head
-# 456 MB (its tokenizer, ~40 MB here, and the head's load, which reads the stored bf16 beside the
-# fp32 copy, are in that). 440 MB put stages under 8 sessions at 0.91 of their predicted peak, but
-# a clean-clone CI run of the whole suite saw an int4 stage loaded from the Q4_1 GGUF reach 700 MB
-# of a 695 MB offer (1.03 of predicted): the spread between runs of one node is ~30 MB (heap
-# arenas, which threads ran first), so the constant carries 40 MB for it. ~150 MB of the runtime
-# are shared libraries' pages, of which a node touches more or fewer with other CPUs' kernels
-# (AVX2, AVX512, AMX, NEON). Before the checkpoint's pages stopped counting it was 520 MB.
-RUNTIME_BYTES = 480 * 10**6
+# A running node's own VmHWM besides what it holds, on x86-64 Linux with torch 2.x, since tensors are
+# read rather than mapped (weights.py) and freed temporaries leave the process (node/compute/memory.py);
+# the bundled model in fp32 and int4 (benchmarks/bench_memory.py, memory.json) and a 2 GB fp32
+# checkpoint fetched by join (benchmarks/bench_join_split.py --memlimit, memory_2gb.json). Per role,
+# the VmHWM under 8 full-context sessions less the planned part and the dense layer:
+# - a stage: 358-372 MB on the bundled model (fp32 [0, 15), [15, 30); int4 [9, 30) from bf16 345, from
+#   the Q4_1 GGUF 334), ~330 MB on the 2 GB checkpoint. RUNTIME_BYTES is 410 MB: the worst seen plus
+#   ~40 MB for the spread between runs of one node (heap arenas, which threads ran first), and ~150
+#   MB of it are shared libraries' pages, of which other CPUs' kernels (AVX2, AVX512, AMX, NEON)
+#   touch more or fewer;
+# - a coordinator, 406-442 MB (head-only fp32 442; with a block 406-421), and once, in a clean-clone
+#   CI run of the whole suite, an int4 node from the Q4_1 GGUF at 700 MB of a 695 MB offer (~450):
+#   it holds the tokenizer (~40 MB here) and its head's load reads the stored tensors beside the
+#   converted copy. COORDINATOR_RUNTIME_BYTES puts a coordinator at 480 MB in all, as the single
+#   constant did before: what every advert leaves out (the module doc) does not change.
+# A standby (imports, host, one dense layer measured, no block) is 371-376 MB.
+RUNTIME_BYTES = 410 * 10**6
+COORDINATOR_RUNTIME_BYTES = 70 * 10**6
 PREFILL_CHUNK_TOKENS = 512  # the most tokens one forward takes (stage_worker.MAX_BATCH_TOKENS)
 
 
@@ -45,14 +60,16 @@ def predicted_peak(
     coordinator: bool,
     draft_bytes: int = 0,
     sessions: int | None = None,
+    at_load: bool = False,
 ) -> int:
     """The planned part of a peer's peak (bytes, in the spec's unit) holding layers ``block`` with
     the KV cache of ``sessions`` sessions (default: the spec's reserve), and the coordinator's
-    part (with ``draft_bytes`` of draft model) where it coordinates."""
+    part (with ``draft_bytes`` of draft model) where it coordinates. ``at_load``: before any
+    session (no KV, no activations: the module doc)."""
     start, end = block
-    n = spec.sessions if sessions is None else sessions
+    n = 0 if at_load else spec.sessions if sessions is None else sessions
     peak = sum(spec.weights[start:end]) + (end - start) * spec.session_kv_bytes_per_layer * n
-    if end > start:
+    if end > start and not at_load:
         peak += spec.activation_bytes
     if coordinator:
         peak += spec.coordinator_bytes + draft_bytes
@@ -71,8 +88,9 @@ def sessions_that_fit(
     return (memory_bytes - base) // per_session
 
 
-def runtime_overhead(device_kind: str, largest_layer_dense_bytes: int) -> int:
-    """This peer's overhead (real bytes) outside the planned part: see the module doc."""
+def runtime_overhead(device_kind: str, largest_layer_dense_bytes: int, *, coordinator: bool = True) -> int:
+    """This peer's overhead (real bytes) outside the planned part: see the module doc. The default,
+    ``coordinator``, is what an advert leaves out (a peer may be chosen to coordinate)."""
     if device_kind == "cuda":
         return 0
-    return RUNTIME_BYTES + largest_layer_dense_bytes
+    return RUNTIME_BYTES + largest_layer_dense_bytes + (COORDINATOR_RUNTIME_BYTES if coordinator else 0)

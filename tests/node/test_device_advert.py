@@ -88,21 +88,25 @@ def test_a_node_advertises_its_offer_less_its_overhead_and_peak_bytes_is_its_inv
     monkeypatch: pytest.MonkeyPatch, device: str, dtype: torch.dtype
 ) -> None:
     """--memory is the whole budget (planner/budget.py): a CPU node's advert leaves out the runtime
-    and one dense layer, a GPU node's nothing; the offer that peak_bytes names for a block is
-    advertised as room for exactly that block's predicted peak."""
+    (a coordinator's: any peer may be chosen) and one dense layer, a GPU node's nothing; the offer
+    that peak_bytes names for a block and the head is advertised as room for exactly that predicted
+    peak, and a stage's predicted peak is the coordinator's runtime less than the offer advertised
+    as room for its block."""
     from swarm.model.config import ModelArgs
     from swarm.model.quant import layer_bytes
     from swarm.node.settings import advert_memory, model_spec, peak_bytes
-    from swarm.planner.budget import RUNTIME_BYTES, predicted_peak
+    from swarm.planner.budget import COORDINATOR_RUNTIME_BYTES, RUNTIME_BYTES, predicted_peak
     from swarm.testing.checkpoints import TinySpec, tiny_config
 
     fake_hardware(monkeypatch, cuda=1)
     args = ModelArgs.from_config(tiny_config(TinySpec(n_layers=6)))
     width = torch.empty(0, dtype=dtype).element_size()
-    overhead = 0 if device.startswith("cuda") else RUNTIME_BYTES + layer_bytes(args, "none", width)
+    cpu = not device.startswith("cuda")
+    overhead = RUNTIME_BYTES + COORDINATOR_RUNTIME_BYTES + layer_bytes(args, "none", width) if cpu else 0
     assert advert_memory(GIB + overhead, dtype, device, args) == GIB * 2 // width  # the planner's 2-byte unit
     assert advert_memory(overhead // 2, dtype, device, args) == 0
     spec = model_spec(args, torch.bfloat16, 256, sessions=8)
     for block, coord in (((0, 3), True), ((3, 6), False)):
         offer = peak_bytes(args, dtype, device, spec, block, coordinator=coord)
-        assert advert_memory(offer, dtype, device, args) == predicted_peak(spec, block, coordinator=coord)
+        unused = 0 if coord or not cpu else COORDINATOR_RUNTIME_BYTES  # a stage's share of what the advert left out
+        assert advert_memory(offer + unused, dtype, device, args) == predicted_peak(spec, block, coordinator=coord)

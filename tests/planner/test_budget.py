@@ -7,7 +7,13 @@ import pytest
 
 from swarm.errors import PlanningError
 from swarm.planner import Latency, ModelSpec, Peer, plan
-from swarm.planner.budget import RUNTIME_BYTES, predicted_peak, runtime_overhead, sessions_that_fit
+from swarm.planner.budget import (
+    COORDINATOR_RUNTIME_BYTES,
+    RUNTIME_BYTES,
+    predicted_peak,
+    runtime_overhead,
+    sessions_that_fit,
+)
 
 # 4 layers of 1000 bytes; one session's KV is 2 * 100 = 200 bytes a layer; 3 sessions reserved
 SPEC = ModelSpec(n_layers=4, layer_bytes=1000, kv_bytes_per_token_per_layer=2, coordinator_bytes=500,
@@ -21,6 +27,9 @@ def test_the_planned_part_counts_weights_reserved_kv_activations_and_the_coordin
     assert predicted_peak(SPEC, (0, 2), coordinator=False, sessions=5) == 2 * 1000 + 2 * 5 * 200 + 70
     # a head-only coordinator runs no stage: no KV, no activations
     assert predicted_peak(SPEC, (0, 0), coordinator=True) == 500
+    # at load: no session's KV and no prefill chunk yet, the weights and the coordinator part already
+    assert predicted_peak(SPEC, (0, 2), coordinator=False, at_load=True) == 2 * 1000
+    assert predicted_peak(SPEC, (0, 2), coordinator=True, draft_bytes=9, sessions=5, at_load=True) == 2 * 1000 + 500 + 9
 
 
 def test_sessions_that_fit_is_predicted_peak_solved_for_sessions() -> None:
@@ -33,9 +42,13 @@ def test_sessions_that_fit_is_predicted_peak_solved_for_sessions() -> None:
 
 
 def test_the_overhead_is_the_runtime_and_a_layer_on_cpu_and_nothing_on_cuda() -> None:
-    assert runtime_overhead("cpu", 1234) == RUNTIME_BYTES + 1234
-    assert runtime_overhead("mps", 1234) == RUNTIME_BYTES + 1234
-    assert runtime_overhead("cuda", 1234) == 0
+    """A coordinator's runtime is a stage's and its own (tokenizer, the head's load); what an
+    advert leaves out is the coordinator's, since any peer may be chosen."""
+    coord = RUNTIME_BYTES + COORDINATOR_RUNTIME_BYTES + 1234
+    assert runtime_overhead("cpu", 1234) == runtime_overhead("cpu", 1234, coordinator=True) == coord
+    assert runtime_overhead("mps", 1234) == coord
+    assert runtime_overhead("cpu", 1234, coordinator=False) == RUNTIME_BYTES + 1234 < coord
+    assert runtime_overhead("cuda", 1234) == runtime_overhead("cuda", 1234, coordinator=False) == 0
 
 
 def test_the_planner_places_a_block_exactly_when_its_predicted_peak_fits() -> None:

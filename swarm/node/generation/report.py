@@ -154,17 +154,19 @@ class Reporter:
         }
 
     def _memory(self, plan: Plan | None) -> dict[str, Any]:
-        """This node's whole predicted peak (real bytes: planner/budget.py) and what the OS
-        measured of it (VmHWM, VmRSS; None where there is no /proc)."""
+        """This node's whole predicted peak (real bytes: planner/budget.py), and at load, and what
+        the OS measured of it (VmHWM, VmRSS; None where there is no /proc)."""
         s, m = self.models.settings, self.models
         block = plan.blocks.get(self.peer_id) if plan is not None else None
         coord = plan is not None and plan.coordinator == self.peer_id
         draft = (self.service.membership.local.draft_bytes or 0) if coord else 0  # as the planner counts it
-        predicted = peak_bytes(m.args, m.dtype, s.device, m.spec, block or (0, 0), coordinator=coord,
-                               draft_bytes=draft) if block or coord else None  # fmt: skip
+        predicted = at_load = None  # a standby predicts nothing for a block it does not hold
+        if block or coord:
+            predicted, at_load = (peak_bytes(m.args, m.dtype, s.device, m.spec, block or (0, 0), coordinator=coord,
+                                             draft_bytes=draft, at_load=load) for load in (False, True))  # fmt: skip
         hwm, rss = measured_memory()
         return {"offered_bytes": s.memory_bytes or None, "predicted_peak_bytes": predicted,
-                "measured_peak_bytes": hwm, "measured_rss_bytes": rss}  # fmt: skip
+                "predicted_load_peak_bytes": at_load, "measured_peak_bytes": hwm, "measured_rss_bytes": rss}  # fmt: skip
 
     def _recent(self) -> dict[str, Any]:
         """Medians over the last generations this node coordinated."""
