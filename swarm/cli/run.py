@@ -257,6 +257,7 @@ def run_command(
         "quant": quant,
         "quant_auto": None if stored is None else {"stored": stored, "chose": quant},
         "head_quant": lm.head.head_quant,
+        "head_kernel": lm.head.head_kernel,
         "kv_cache": kv_cache,
         "device": dict(zip(("kind", "name"), describe_device(dev), strict=True)),
         "threads": torch.get_num_threads(),
@@ -308,13 +309,9 @@ def _auto_head_quant(model_path: Path, dev: torch.device, dtype: torch.dtype) ->
     rule on the format the checkpoint stores it in."""
     from swarm.model.capability import choose_head_quant
     from swarm.model.packaged import stored_head_quant
-    from swarm.model.weights import open_checkpoint
 
     stored = stored_head_quant(model_path)
-    if stored == "none":
-        return "none"
-    args = open_checkpoint(model_path).args
-    return choose_head_quant(stored, dev, dtype, args.vocab_size, args.dim)
+    return "none" if stored == "none" else choose_head_quant(stored, dev, dtype)
 
 
 def _compile_stages(lm: LocalModel, max_len: int) -> dict[str, Any]:

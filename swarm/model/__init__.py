@@ -14,6 +14,8 @@ Files (filled in as the runtime grows; keep this list current):
 - ``gguf_convert.py`` a GGUF written out as a Hugging Face style directory (the bundled model)
 - ``quant.py``    ``quantize_block`` (linears and MoE experts), ``QuantLinear``, planned bytes per layer
 - ``quant_formats.py`` int8/int4 formats in torch's packed layouts, and MXFP4: encoding, packing, matmul
+- ``quant_dynamic.py`` ``DynamicInt8``: an int8 weight times activations quantized per call
+                  (fbgemm's dynamic linear: the LM head on x86-64)
 - ``quant_experts.py`` ``QuantExperts``: a MoE layer's fused experts, one packed weight per expert,
                   grouped by expert with one host transfer per layer
 - ``gguf_quant.py`` GGUF Q4_0/Q4_1/Q4_K blocks repacked straight into int4; which types stay compact

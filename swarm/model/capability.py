@@ -34,9 +34,12 @@ The rules, and the fact behind each:
   is slower than the dense one it replaces (measured on the bundled SmolLM2, 1 thread, AVX512-BF16:
   bf16 int4pack 35 tok/s, int8pack 26, dense bf16 21, dense fp32 18.5).
 - The LM head likewise (:func:`auto_head_quant`): held int8 where the checkpoint stores it in 5 to
-  8 bits (both bundled GGUFs tie it to a Q8_0 embedding) and the int8 packed kernel runs; it is the
-  largest single matrix of a small model (Gemma-3-270M: 262144x640). Only ``run`` does this; swarm
-  nodes (invites) keep a dense head.
+  8 bits (both bundled GGUFs tie it to a Q8_0 embedding) and an int8 kernel runs it; it is the
+  largest single matrix of a small model (Gemma-3-270M: 262144x640). On a CPU where torch has
+  fbgemm (x86-64) that kernel is fbgemm's dynamic int8 linear (:func:`head_kernel`,
+  quant_dynamic.py: 2.6x int8pack's speed there, the activation quantized to 8 bits per call, 7
+  without AVX512-VNNI), at any serving dtype; elsewhere int8pack at bf16. Only ``run`` does this;
+  swarm nodes (invites) keep a dense head.
 """
 
 from __future__ import annotations
@@ -57,14 +60,16 @@ class Capability:
     kind: str  # "cpu" | "cuda" | "mps" | "meta" (shapes only: tests place a stage there)
     native_bf16: bool
     sm: tuple[int, int] | None = None  # CUDA compute capability (major, minor)
+    fbgemm: bool = False  # a CPU where torch runs fbgemm's dynamic int8 linear (quant_dynamic.py)
+    vnni: bool = False  # a CPU with AVX512-VNNI: fbgemm's int8 dot products cannot saturate there
 
     @property
     def label(self) -> str:
         return f"{self.kind} sm{self.sm[0]}{self.sm[1]}" if self.sm else self.kind
 
 
-def cpu(native_bf16: bool) -> Capability:
-    return Capability("cpu", native_bf16)
+def cpu(native_bf16: bool, *, fbgemm: bool = False, vnni: bool = False) -> Capability:
+    return Capability("cpu", native_bf16, fbgemm=fbgemm, vnni=vnni)
 
 
 def cuda(major: int, minor: int = 0) -> Capability:
@@ -86,9 +91,10 @@ def probe(device: torch.device) -> Capability:
     if device.type == "mps":
         # bf16 on MPS needs macOS 14 (torch refuses bf16 tensors there otherwise)
         return mps(bool(torch.backends.mps.is_macos_or_newer(14, 0)))
-    from swarm.model.dtypes import cpu_has_native_bf16
+    from swarm.model.dtypes import cpu_has_avx512_vnni, cpu_has_native_bf16
+    from swarm.model.quant_dynamic import fbgemm_available
 
-    return cpu(cpu_has_native_bf16())
+    return cpu(cpu_has_native_bf16(), fbgemm=fbgemm_available(), vnni=cpu_has_avx512_vnni())
 
 
 def auto_dtype(cap: Capability, model_type: str | None = None) -> torch.dtype:
@@ -160,20 +166,45 @@ def auto_quant(cap: Capability, dtype: torch.dtype, stored: str, shapes: list[tu
     return "none"
 
 
+def head_kernel(cap: Capability, dtype: torch.dtype) -> str:
+    """How an int8 LM head multiplies: ``fbgemm_dynamic`` (the activation quantized per call,
+    quant_dynamic.py) on a CPU where torch runs fbgemm, at any serving dtype (it takes the
+    activation in fp32, so fp32 serving gets it too); elsewhere as an int8 layer does
+    (:func:`int8_kernel`)."""
+    if cap.kind == "cpu" and cap.fbgemm:
+        return "fbgemm_dynamic"
+    return int8_kernel(cap, dtype)
+
+
+def dynamic_reduce_range(cap: Capability) -> bool:
+    """Whether ``fbgemm_dynamic`` must quantize activations to 7 bits: on a CPU without AVX512-VNNI
+    fbgemm sums pairs of 8-bit products in int16, which 8-bit activations can saturate."""
+    return not cap.vnni
+
+
 def auto_head_quant(cap: Capability, dtype: torch.dtype, stored_head: str) -> str:
     """What ``--quant auto`` holds the LM head in: "int8" where the checkpoint stores it in 5 to 8
-    bits (``stored_head``, gguf_quant.stored_head_quant) and this device multiplies int8 by its
-    packed kernel at ``dtype``, else "none" (dense). Measured on this project's 2-core AVX512-BF16
-    EPYC, 1 thread, one token, bf16 (benchmarks/bench_head_matmul.py, load 2.0): 262144x640
-    (Gemma-3-270M) 39.6 ms dense, 24.5 ms int8pack; 49152x576 (SmolLM2-135M) 6.9 ms dense, 4.0 ms
-    int8pack. An int4-stored head stays dense (not measured)."""
-    return "int8" if stored_head == "int8" and int8_kernel(cap, dtype) == "int8pack" else "none"
+    bits (``stored_head``, gguf_quant.stored_head_quant) and this device has an int8 kernel for it
+    at ``dtype`` (:func:`head_kernel`: not one that dequantizes per call), else "none" (dense).
+    Measured on this project's 2-core AVX512-VNNI EPYC, 1 thread, one token, bf16
+    (benchmarks/bench_head_matmul.py): 262144x640 (Gemma-3-270M) 39.6 ms dense, 24.5 ms int8pack
+    (load 2.0), 9.6 ms fbgemm_dynamic (load 0.7, int8pack 25.0 beside it); results/head_matmul.json
+    has the latest. An int4-stored head stays dense (not measured)."""
+    return "int8" if stored_head == "int8" and head_kernel(cap, dtype) in ("int8pack", "fbgemm_dynamic") else "none"
 
 
-def choose_head_quant(stored_head: str, device: torch.device, dtype: torch.dtype, n: int, k: int) -> str:
-    """:func:`auto_head_quant` on ``device`` itself (its kernel checked there, as :func:`choose_kernel` does)."""
+def choose_head_kernel(device: torch.device, dtype: torch.dtype) -> str:
+    """:func:`head_kernel` on ``device`` itself (a GPU's kernel checked there, as :func:`choose_kernel` does)."""
+    kernel = head_kernel(device_capability(device), dtype)
+    if kernel == "int8pack" and device.type != "cpu" and not kernel_works(str(device), kernel, dtype):
+        return "dequant"
+    return kernel
+
+
+def choose_head_quant(stored_head: str, device: torch.device, dtype: torch.dtype) -> str:
+    """:func:`auto_head_quant` on ``device`` itself (its kernel checked there: :func:`choose_head_kernel`)."""
     quant = auto_head_quant(device_capability(device), dtype, stored_head)
-    if quant != "none" and choose_kernel(quant, device, dtype, n, k) != "int8pack":
+    if quant != "none" and choose_head_kernel(device, dtype) == "dequant":
         return "none"
     return quant
 

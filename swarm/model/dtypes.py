@@ -21,13 +21,23 @@ NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 @functools.cache
-def cpu_has_native_bf16() -> bool:
+def _cpu_flags() -> str:
+    """/proc/cpuinfo ("" where there is none: such a CPU is assumed to lack every extension)."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = f.read()
+            return f.read()
     except OSError:
-        return False
+        return ""
+
+
+def cpu_has_native_bf16() -> bool:
+    flags = _cpu_flags()
     return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def cpu_has_avx512_vnni() -> bool:
+    """AVX512-VNNI: int8 dot products that add in int32 (quant_dynamic.py says why that matters)."""
+    return "avx512_vnni" in _cpu_flags()
 
 
 def auto_dtype(device: str | torch.device = "cpu", model_type: str | None = None) -> torch.dtype:

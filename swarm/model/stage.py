@@ -42,11 +42,18 @@ from torch import nn
 
 from swarm.errors import ModelError, WeightsError
 from swarm.model import families, llama_layers, rows
-from swarm.model.capability import kv_format_problem, probe
+from swarm.model.capability import (
+    choose_head_kernel,
+    device_capability,
+    dynamic_reduce_range,
+    kv_format_problem,
+    probe,
+)
 from swarm.model.config import ModelArgs
 from swarm.model.kvcache import KVCache, check_kv_format
 from swarm.model.quant import check_quant, linear_paths, quantize_block
-from swarm.model.quant_formats import Packed
+from swarm.model.quant_dynamic import DynamicInt8
+from swarm.model.quant_formats import Packed, int8_from_float
 from swarm.model.weights import TensorSource
 
 if TYPE_CHECKING:
@@ -421,19 +428,35 @@ class Head(nn.Module):
         self.tied = self.lm_head.weight is self.embed_tokens.weight
         self.softcap = softcap
         self.head_packed: Packed | None = None  # the LM head held int8 (hold_head_int8), else dense
+        self.head_dynamic: DynamicInt8 | None = None  # ... or int8 through fbgemm (kernel fbgemm_dynamic)
 
     @property
     def head_quant(self) -> str:
-        """How :meth:`logits` multiplies by the LM head: "int8" (packed) or "none" (dense)."""
-        return "none" if self.head_packed is None else self.head_packed.kind
+        """How :meth:`logits` multiplies by the LM head: "int8" or "none" (dense)."""
+        return "none" if self.head_packed is None and self.head_dynamic is None else "int8"
 
-    def hold_head_int8(self) -> None:
-        """Multiply by an int8 copy of the LM head (per-row symmetric, quant_formats.Packed.int8,
-        the kernel the device's table picks) instead of the dense weight. The dense weight stays:
-        the embedding reads it where the two are tied (a tied head then costs V*K more bytes), and
-        drafters copy it."""
+    @property
+    def head_kernel(self) -> str:
+        """The int8 head's kernel (capability.head_kernel), "none" for a dense head."""
+        if self.head_dynamic is not None:
+            return "fbgemm_dynamic"
+        return "none" if self.head_packed is None else self.head_packed.kernel
+
+    def hold_head_int8(self, kernel: str | None = None) -> None:
+        """Multiply by an int8 copy of the LM head (per-row symmetric, quant_formats.int8_from_float)
+        through ``kernel`` (default: the device's, capability.choose_head_kernel) instead of the
+        dense weight. The dense weight stays: the embedding reads it where the two are tied (a tied
+        head then costs V*K more bytes), and drafters copy it. ``head_scales`` (V,) are the int8
+        weight's scales; ``head_qweight`` its integers where the kernel reads them as a tensor."""
         w = cast(torch.Tensor, self.lm_head.weight)
-        spec, q, s = Packed.int8(w, w.dtype, w.device)
+        kernel = kernel or choose_head_kernel(w.device, w.dtype)
+        if kernel == "fbgemm_dynamic":
+            q, s = int8_from_float(w, w.dtype)
+            reduce_range = dynamic_reduce_range(device_capability(w.device))
+            self.head_dynamic = DynamicInt8(q, s, reduce_range=reduce_range)
+            self.register_buffer("head_scales", s, persistent=False)
+            return
+        spec, q, s = Packed.int8(w, w.dtype, w.device, kernel=kernel)
         self.register_buffer("head_qweight", q, persistent=False)
         self.register_buffer("head_scales", s, persistent=False)
         self.head_packed = spec
@@ -487,7 +510,9 @@ class Head(nn.Module):
         """
         w = cast(torch.Tensor, self.lm_head.weight)
         x = self.norm(h.to(device=w.device, dtype=w.dtype)[None])  # (1, T, D)
-        if self.head_packed is None:
+        if self.head_dynamic is not None:
+            out = self.head_dynamic.matmul(x[0])  # (T, V) float32: the activation rows quantized together
+        elif self.head_packed is None:
             out = self.lm_head(x)[0]  # (T, V)
         else:
             q, s = cast(torch.Tensor, self.head_qweight), cast(torch.Tensor, self.head_scales)

@@ -12,6 +12,7 @@ import torch
 from swarm.cli.main import main
 from swarm.cli.run import output_sha256, parse_prompt_ids
 from swarm.errors import UsageError
+from swarm.model.quant_dynamic import fbgemm_available
 from swarm.testing.checkpoints import TinySpec, write_checkpoint
 
 
@@ -105,10 +106,12 @@ def test_quant_auto_keeps_the_bundled_ggufs_int4_where_the_packed_kernel_runs(ca
     assert default["quant"] == ("int4" if auto_dtype("cpu") == torch.bfloat16 else "none")
     dense = run_json(capsys, [*base, "--dtype", "bf16", "--quant", "none"])
     assert (dense["quant"], dense["quant_auto"]) == ("none", None)
-    # its LM head (the tied Q8_0 embedding) likewise: int8 where the packed kernel runs, dense
-    # otherwise, and dense under any explicit --quant
-    assert (bf16["head_quant"], fp32["head_quant"], dense["head_quant"]) == ("int8", "none", "none")
-    assert default["head_quant"] == ("int8" if auto_dtype("cpu") == torch.bfloat16 else "none")
+    # its LM head (the tied Q8_0 embedding) likewise: int8 where an int8 kernel runs (fbgemm's at
+    # any dtype on x86-64, int8pack in bf16), dense otherwise, and dense under any explicit --quant
+    fbgemm = fbgemm_available()
+    assert (bf16["head_quant"], fp32["head_quant"], dense["head_quant"]) == ("int8", "int8" if fbgemm else "none", "none")
+    assert bf16["head_kernel"] == ("fbgemm_dynamic" if fbgemm else "int8pack")
+    assert default["head_quant"] == ("int8" if fbgemm or auto_dtype("cpu") == torch.bfloat16 else "none")
     layers = run_json(capsys, [*base, "--dtype", "bf16", "--quant", "int4"])
     assert (layers["quant"], layers["head_quant"]) == ("int4", "none")
 

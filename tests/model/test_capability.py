@@ -174,21 +174,48 @@ def test_auto_quant_needs_every_shape_on_the_kernels_tiles() -> None:
     assert capability.auto_quant(cpu(True), BF16, "int8", [(1000, 576)]) == "int8"  # int8: per channel, any N
 
 
+X86_VNNI = cpu(True, fbgemm=True, vnni=True)  # this project's AVX512-BF16/VNNI EPYC
+X86_AVX2 = cpu(False, fbgemm=True)  # an AVX2-only x86-64 (fbgemm runs, no VNNI)
+ARM = cpu(False)  # aarch64 (no fbgemm in torch's build) or a torch that dropped it
+
+
 @pytest.mark.parametrize(
-    ("cap", "dtype", "stored", "want"),
+    ("cap", "dtype", "stored", "want", "kernel"),
     [
-        (cpu(True), BF16, "int8", "int8"),  # a Q8_0 head (both bundled models): int8pack, measured faster
-        (cpu(False), BF16, "int8", "int8"),  # an explicit --dtype bf16 gets the kernel on any CPU
-        (cpu(True), FP32, "int8", "none"),  # fp32: the packed kernel is scalar there
-        (cpu(True), BF16, "int4", "none"),  # an int4 head: not measured, stays dense
-        (cpu(True), BF16, "none", "none"),  # a float head is never made coarser
-        (cuda(8, 9), BF16, "int8", "none"),  # CUDA's int8pack is naive
+        (X86_VNNI, BF16, "int8", "int8", "fbgemm_dynamic"),  # a Q8_0 head (both bundled models): 2.6x int8pack
+        (X86_VNNI, FP32, "int8", "int8", "fbgemm_dynamic"),  # fbgemm takes fp32 activations: fp32 serving too
+        (X86_AVX2, FP32, "int8", "int8", "fbgemm_dynamic"),  # auto = fp32 there
+        (cpu(True), BF16, "int8", "int8", "int8pack"),  # no fbgemm: torch's packed kernel, faster than dense
+        (ARM, BF16, "int8", "int8", "int8pack"),  # an explicit --dtype bf16 gets the kernel on any CPU
+        (ARM, FP32, "int8", "none", "dequant"),  # fp32 without fbgemm: int8pack is scalar there
+        (X86_VNNI, BF16, "int4", "none", "fbgemm_dynamic"),  # an int4 head: not measured, stays dense
+        (X86_VNNI, BF16, "none", "none", "fbgemm_dynamic"),  # a float head is never made coarser
+        (cuda(8, 9), BF16, "int8", "none", "dequant"),  # CUDA's int8pack is naive
+        (mps(True), BF16, "int8", "int8", "int8pack"),
     ],
 )
-def test_auto_head_quant_keeps_an_int8_head_only_where_the_packed_kernel_runs_it(
-    cap: Capability, dtype: torch.dtype, stored: str, want: str
+def test_auto_head_quant_keeps_an_int8_head_only_where_an_int8_kernel_runs_it(
+    cap: Capability, dtype: torch.dtype, stored: str, want: str, kernel: str
 ) -> None:
     assert capability.auto_head_quant(cap, dtype, stored) == want
+    assert capability.head_kernel(cap, dtype) == kernel
+
+
+def test_fbgemm_quantizes_activations_to_7_bits_only_without_vnni() -> None:
+    # without VNNI fbgemm adds pairs of uint8 x int8 products in int16: 2 * 255 * 127 saturates it
+    assert capability.dynamic_reduce_range(X86_AVX2) is True
+    assert capability.dynamic_reduce_range(cpu(True, fbgemm=True)) is True  # AVX512 without VNNI
+    assert capability.dynamic_reduce_range(X86_VNNI) is False
+
+
+def test_the_probe_sees_fbgemm_where_torch_lists_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    from swarm.model import quant_dynamic
+
+    here = capability.probe(torch.device("cpu"))
+    assert here.fbgemm == ("fbgemm" in torch.backends.quantized.supported_engines)
+    monkeypatch.setattr(quant_dynamic, "fbgemm_available", lambda: False)  # a torch without it
+    assert capability.probe(torch.device("cpu")).fbgemm is False
+    assert capability.head_kernel(capability.probe(torch.device("cpu")), BF16) == "int8pack"
 
 
 def test_choose_quant_asks_the_device_kernel_off_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
