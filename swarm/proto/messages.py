@@ -17,6 +17,7 @@ ADVERT and the epoch for PLAN.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
@@ -35,9 +36,18 @@ from swarm.proto.fields import (
     header_values,
     meta,
     read_fields,
+    wire_fields,
     write_fields,
 )
-from swarm.proto.frame import DType, Frame, MsgType, decode_frame, encode_frame, payload_bytes
+from swarm.proto.frame import (
+    DType,
+    Frame,
+    MsgType,
+    canonical_bytes,
+    decode_frame,
+    encode_frame,
+    payload_bytes,
+)
 from swarm.proto.limits import DEFAULT_LIMITS, Limits
 
 NONCE_BYTES = 32
@@ -49,6 +59,11 @@ MAX_REASON = 256
 I63 = (1 << 63) - 1
 MAX_HELD_RANGES = 64  # layer ranges an advert says its peer holds
 MAX_LAYER = 1 << 16
+# an advert's fields from a newer version (Advert.extra): at most this many, named like ours, this
+# many bytes of canonical JSON in all
+MAX_ADVERT_EXTRA = 8
+MAX_ADVERT_EXTRA_BYTES = 2048
+_EXTRA_KEY = re.compile(r"[a-z][a-z0-9_]{0,31}")
 
 
 class Message:
@@ -87,6 +102,10 @@ class Message:
 
     @classmethod
     def from_frame(cls, frame: Frame, limits: Limits) -> Message:
+        return cls._read(frame, limits)
+
+    @classmethod
+    def _read(cls, frame: Frame, limits: Limits) -> Message:
         cls.check_frame(frame, limits)
         src = Fields(frame.meta, cls.TYPE.name)
         hdr = {f.name: getattr(frame, f.name) for f in dataclasses.fields(Frame)}
@@ -217,6 +236,32 @@ class Advert(Message):
     # the stage worker's 64, node/ring/capacity.MAX_SESSIONS), so the leader plans its block with
     # that count; absent: the leader's own count (planner Peer.sessions)
     sessions: int | None = meta("sessions", Int(1, 64), optional=True, default=None)
+    # top-level fields this version does not know (a newer peer's): signed with the rest and passed
+    # on as they came, never interpreted, so a swarm can upgrade one member at a time (bounded:
+    # MAX_ADVERT_EXTRA keys named like ours, MAX_ADVERT_EXTRA_BYTES of JSON)
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def from_frame(cls, frame: Frame, limits: Limits) -> Message:
+        known = {w.key if w.group is None else w.group for _, w, _ in wire_fields(cls)}
+        extra = {k: v for k, v in frame.meta.items() if k not in known}
+        if not extra:
+            return cls._read(frame, limits)
+        name = cls.TYPE.name
+        if len(extra) > MAX_ADVERT_EXTRA:
+            raise ProtocolError(f"{name}: {len(extra)} fields this version does not know, over {MAX_ADVERT_EXTRA}")
+        for k in extra:
+            if not _EXTRA_KEY.fullmatch(k):
+                raise ProtocolError(f"{name} field {k[:64]!r}: unknown, and not named as a field can be")
+        if len(canonical_bytes(extra)) > MAX_ADVERT_EXTRA_BYTES:
+            raise ProtocolError(f"{name}: its unknown fields ({', '.join(sorted(extra))}) hold over "
+                                f"{MAX_ADVERT_EXTRA_BYTES} bytes")  # fmt: skip
+        rest = dataclasses.replace(frame, meta={k: v for k, v in frame.meta.items() if k in known})
+        msg = cls._read(rest, limits)
+        return dataclasses.replace(msg, extra=extra)  # type: ignore[type-var]
+
+    def meta(self) -> dict[str, Any]:
+        return {**write_fields(self), **self.extra}
 
     def check(self, limits: Limits, fail: Any) -> None:
         if len({self.draft_name is None, self.draft_bytes is None, self.draft_us is None}) > 1:
@@ -230,8 +275,8 @@ class Advert(Message):
         return sorted({i for k, end in (self.held or {}).items() for i in range(int(k), end)})
 
     def body(self) -> dict[str, Any]:
-        """Everything that is signed (all but the signature)."""
-        return write_fields(self, skip=frozenset({"sig"}))
+        """Everything that is signed (all but the signature; a newer peer's fields too)."""
+        return {**write_fields(self, skip=frozenset({"sig"})), **self.extra}
 
 
 @register

@@ -201,6 +201,30 @@ def test_an_advert_may_say_how_many_sessions_its_stage_reserves() -> None:
             Advert.from_frame(frame, DEFAULT_LIMITS)
 
 
+def test_a_newer_peers_advert_fields_are_kept_signed_and_passed_on_as_they_came() -> None:
+    """A field this version does not know (a newer peer's) is kept in ``extra``: the advert
+    verifies (its signature covers it), encodes to the same bytes when passed on, and a relay that
+    drops or changes it breaks the signature. Bounded: count, names and bytes."""
+    newer = _advert(extra={"gpu_graphs": True, "link_mbps": {"a": 900}})
+    got = decode_message(newer.encode())
+    assert isinstance(got, Advert) and got.extra == {"gpu_graphs": True, "link_mbps": {"a": 900}}
+    verify_advert(got, SWARM)
+    assert got.encode() == newer.encode()  # gossiped on intact
+    with pytest.raises(ProtocolError, match="forged or corrupted signature"):
+        verify_advert(dataclasses.replace(got, extra={}), SWARM)
+    with pytest.raises(ProtocolError, match="forged or corrupted signature"):
+        verify_advert(dataclasses.replace(got, extra={"gpu_graphs": False, "link_mbps": {"a": 900}}), SWARM)
+    plain = decode_message(_advert().encode())
+    assert isinstance(plain, Advert) and plain.extra == {}  # an advert with none signs as before
+    frame = _advert().to_frame()
+    for bad, why in (({f"f{i}": 1 for i in range(9)}, "over 8"), ({"Bad-Name": 1}, "not named as a field can be"),
+                     ({"blob": "x" * 3000}, "over 2048 bytes")):  # fmt: skip
+        with pytest.raises(ProtocolError, match=why):
+            Advert.from_frame(dataclasses.replace(frame, meta={**frame.meta, **bad}), DEFAULT_LIMITS)
+    with pytest.raises(ProtocolError, match="device"):  # a known field still reads strictly
+        Advert.from_frame(dataclasses.replace(frame, meta={**frame.meta, "device": {"kind": "cpu"}}), DEFAULT_LIMITS)
+
+
 def test_made_up_identities_expire_and_never_lock_a_newcomer_out() -> None:
     """A member gossips adverts of identities it made up: they stay unconfirmed (they never
     connect), a newcomer that connects evicts the oldest of them from a full book, and the rest
