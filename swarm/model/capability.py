@@ -224,7 +224,7 @@ def table(cap: Capability, model_type: str | None = None) -> dict[str, object]:
     """Every rule's answer for ``cap`` at a typical shape (for status lines and gpu_check)."""
     dt = auto_dtype(cap, model_type)
     return {"device": cap.label, "auto_dtype": str(dt).removeprefix("torch."),
-            "int8": int8_kernel(cap, dt), "int4": int4_kernel(cap, dt, 4096, 4096)}
+            "int8": int8_kernel(cap, dt), "int4": int4_kernel(cap, dt, 4096, 4096), "head_int8": head_kernel(cap, dt)}
 
 
 @functools.cache
