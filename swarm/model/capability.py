@@ -37,7 +37,7 @@ The rules, and the fact behind each:
   8 bits (both bundled GGUFs tie it to a Q8_0 embedding) and an int8 kernel runs it; it is the
   largest single matrix of a small model (Gemma-3-270M: 262144x640). On a CPU where torch has
   fbgemm (x86-64) that kernel is fbgemm's dynamic int8 linear (:func:`head_kernel`,
-  quant_dynamic.py: 2.6x int8pack's speed there, the activation quantized to 8 bits per call, 7
+  quant_dynamic.py: 2.2-2.6x int8pack's speed here, the activation quantized to 8 bits per call, 7
   without AVX512-VNNI), at any serving dtype; elsewhere int8pack at bf16. Only ``run`` does this;
   swarm nodes (invites) keep a dense head.
 """
@@ -187,9 +187,10 @@ def auto_head_quant(cap: Capability, dtype: torch.dtype, stored_head: str) -> st
     bits (``stored_head``, gguf_quant.stored_head_quant) and this device has an int8 kernel for it
     at ``dtype`` (:func:`head_kernel`: not one that dequantizes per call), else "none" (dense).
     Measured on this project's 2-core AVX512-VNNI EPYC, 1 thread, one token, bf16
-    (benchmarks/bench_head_matmul.py): 262144x640 (Gemma-3-270M) 39.6 ms dense, 24.5 ms int8pack
-    (load 2.0), 9.6 ms fbgemm_dynamic (load 0.7, int8pack 25.0 beside it); results/head_matmul.json
-    has the latest. An int4-stored head stays dense (not measured)."""
+    (benchmarks/bench_head_matmul.py, load 4.2): 262144x640 (Gemma-3-270M) 41.5 ms dense, 28.0 ms
+    int8pack, 12.1 ms fbgemm_dynamic; 49152x576 (SmolLM2-135M) 7.0, 4.8, 2.0 ms. Dense fp32 reads
+    twice bf16's bytes, so fp32 serving gains more (not measured). An int4-stored head stays dense
+    (not measured)."""
     return "int8" if stored_head == "int8" and head_kernel(cap, dtype) in ("int8pack", "fbgemm_dynamic") else "none"
 
 
@@ -223,7 +224,7 @@ def table(cap: Capability, model_type: str | None = None) -> dict[str, object]:
     """Every rule's answer for ``cap`` at a typical shape (for status lines and gpu_check)."""
     dt = auto_dtype(cap, model_type)
     return {"device": cap.label, "auto_dtype": str(dt).removeprefix("torch."),
-            "int8": int8_kernel(cap, dt), "int4": int4_kernel(cap, dt, 4096, 4096)}
+            "int8": int8_kernel(cap, dt), "int4": int4_kernel(cap, dt, 4096, 4096), "head_int8": head_kernel(cap, dt)}
 
 
 @functools.cache

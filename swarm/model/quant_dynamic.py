@@ -11,9 +11,11 @@ symmetric int8 (quant_formats.int8_from_float: same integers, same scales), repa
 layout once (the original integers are not kept: the packed copy costs about the same bytes).
 
 Measured on this project's 2-core AVX512-VNNI EPYC, 1 thread, one token, the 262144x640 LM head of
-Gemma-3-270M (benchmarks/bench_head_matmul.py; load 0.7): int8pack 25.0 ms, fbgemm 9.6 ms, onednn's
-``qlinear_pointwise`` (the quantized-tensor-free op inductor uses) 15.9 ms at load 2.7 where fbgemm
-took 11.8 and int8pack 27.8, ``torch._int_mm`` 19.0 ms.
+Gemma-3-270M (benchmarks/bench_head_matmul.py, load 4.2): int8pack 28.0 ms, fbgemm 12.1 ms. Tried
+beside them in a scratch script (alternated, medians): onednn's ``qlinear_pointwise`` (the op
+without quantized tensors that inductor uses, uint8 activations; int8 ones take a reference path,
+4 s) 15.9 ms where fbgemm took 11.8 and int8pack 27.8 (load 2.7); ``torch._int_mm`` 19.0 ms where
+fbgemm took 9.6 and int8pack 25.0 (load 0.7); int8pack over row blocks of 16384 no faster (25.1).
 
 Saturation: without VNNI, fbgemm adds pairs of uint8 x int8 products in int16 (``vpmaddubsw``),
 which saturates past 32767 (2 x 255 x 127 = 64770); ``reduce_range`` quantizes the activation to 7

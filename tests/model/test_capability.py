@@ -201,6 +201,11 @@ def test_auto_head_quant_keeps_an_int8_head_only_where_an_int8_kernel_runs_it(
     assert capability.head_kernel(cap, dtype) == kernel
 
 
+def test_the_status_table_names_the_heads_kernel() -> None:
+    assert capability.table(X86_VNNI)["head_int8"] == "fbgemm_dynamic"
+    assert capability.table(cuda(8, 9))["head_int8"] == "dequant"
+
+
 def test_fbgemm_quantizes_activations_to_7_bits_only_without_vnni() -> None:
     # without VNNI fbgemm adds pairs of uint8 x int8 products in int16: 2 * 255 * 127 saturates it
     assert capability.dynamic_reduce_range(X86_AVX2) is True

@@ -31,7 +31,9 @@ PROMPT = [5, 9, 33, 2, 71, 5, 9, 33, 100, 4, 17]
 NEW = 24
 BF16_UNIT_ROUNDOFF = 2.0**-8
 # the stated tolerance: an int8 head's logits are within 2% of the dense logits' range (measured
-# here ~0.3%: the int8 step is 1/127 of a row's largest weight, its errors mostly cancel over K)
+# here 0.54% with int8pack, 0.69% with fbgemm: the int8 step is 1/127 of a row's largest weight,
+# its errors mostly cancel over K; on Gemma-3-270M's own rows 2.7% and 3.3%, bench_head_matmul
+# --accuracy: this tiny model's bound does not carry over to a real one's)
 RANGE_TOLERANCE = 0.02
 # fbgemm_dynamic/7bit: the 7-bit activations a CPU without AVX512-VNNI gets (reduce_range), here
 _NO_FBGEMM = pytest.mark.skipif(not fbgemm_available(), reason="torch runs no fbgemm on this CPU (not x86-64)")
