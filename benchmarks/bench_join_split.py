@@ -363,6 +363,17 @@ def run(a: argparse.Namespace, work: Path) -> None:
                     mem.measure("replan_sessions_8", alive)
             if mem is not None:
                 out["alive"] = [p.proc.poll() is None for p in procs]
+        except BaseException as exc:  # what went wrong, and where each peer was, goes into --out
+            out["failed"] = {"error": f"{type(exc).__name__}: {str(exc)[:2000]}", "phases_measured": list(mem.phases) if mem else None,
+                             "alive": [p.proc.poll() is None for p in procs], "returncodes": [p.proc.poll() for p in procs],
+                             "oom_kills": [p.cgroup.oom_kills() for p in procs] if mem else None,  # type: ignore[attr-defined]
+                             "events": [[e for e in p.events if e["event"] not in ("rtt", "fetch_progress")][-30:] for p in procs],
+                             "stderr": ["".join(p.stderr[-20:]) for p in procs], "memory": mem.phases if mem else None}  # fmt: skip
+            a.out.parent.mkdir(parents=True, exist_ok=True)
+            a.out.write_text(json.dumps(out, indent=1, default=str) + "\n")
+            print(f"failed: {out['failed']['error'][:300]}; alive {out['failed']['alive']}, oom kills "
+                  f"{out['failed']['oom_kills']}; wrote {a.out}")  # fmt: skip
+            raise
         finally:
             lab.close()
     if mem is not None:
