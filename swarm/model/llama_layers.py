@@ -35,8 +35,9 @@ agree to the last bit or at least never swap the arg-max:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -294,3 +295,40 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         h = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, self.layer_idx, pos)
         return h + self.mlp(self.post_attention_layernorm(h))  # (1, T, D)
+
+    def forward_rows(self, x: torch.Tensor, spans: Sequence[Span]) -> torch.Tensor:
+        """x (1, R, D): consecutive row spans, each a chunk at its own position of its own cache
+        (several sessions' chunks, or several chunks of one session in order) -> (1, R, D).
+
+        One span is :meth:`forward`. Several are one pass for everything that works row by row
+        (the norms, the Q/K/V and output projections, the MLP: one weight read for all R rows)
+        and attention span by span in order, each as :meth:`forward` of that chunk computes it
+        (``Attention.attend``): a span writes its keys and values before the next one attends, so
+        a chunk of one session that starts inside the one before overwrites those entries. Rows
+        equal their one-span bits only where the row-wise kernels do not depend on the row count
+        (rows.py proves it for a replay; batched.py accepts last-bit differences)."""
+        if len(spans) == 1:
+            s = spans[0]
+            s.cache.at(s.pos, s.cos.shape[0])
+            return self(x, s.cos, s.sin, s.cache, s.pos)  # type: ignore[no-any-return]
+        attn = self.self_attn
+        hn = self.input_layernorm(x)
+        q, k, v = attn.q_proj(hn), attn.k_proj(hn), attn.v_proj(hn)  # (1, R, H*hd), (1, R, KV*hd) x2
+        outs, off = [], 0
+        for s in spans:
+            T = s.cos.shape[0]
+            sl = slice(off, off + T)
+            s.cache.at(s.pos, T)
+            outs.append(attn.attend(q[:, sl], k[:, sl], v[:, sl], s.cos, s.sin, s.cache, self.layer_idx, s.pos))
+            off += T
+        h = x + attn.o_proj(torch.cat(outs, dim=1))  # (1, R, D)
+        return h + self.mlp(self.post_attention_layernorm(h))  # (1, R, D)
+
+
+class Span(NamedTuple):
+    """One chunk's rows in a :meth:`DecoderLayer.forward_rows` pass: where they go and their rotary."""
+
+    cache: Any  # the chunk's session's KVCache
+    pos: int  # the chunk's first position
+    cos: torch.Tensor  # (T, hd): the chunk's rotary rows, T its row count
+    sin: torch.Tensor  # (T, hd)

@@ -10,12 +10,14 @@ model's resume slower than a re-prefill (benchmarks/results/faults_bundled.json)
 Theory of operation
 -------------------
 Consecutive small chunks of one session (each at most MAX_ROWS tokens, together at most MAX_ROWS)
-run through a hand-written decoder layer (llama_layers.DecoderLayer) as one (1, R, D) pass for
-everything that works row by row (the norms, the Q/K/V and output projections, the MLP: one
-weight read for R rows), and attention chunk by chunk in order, each exactly as a forward of
-that chunk computes it (``Attention.attend``, the one implementation of it): chunk j writes its
-keys and values at its positions before chunk j+1 attends, so a chunk that starts inside the one
-before (a rejected draft's tail) overwrites those entries just as it did the first time.
+run through a hand-written decoder layer as one (1, R, D) pass (``DecoderLayer.forward_rows``,
+llama_layers.py, inside the stage's one layer loop ``Stage._walk``) for everything that works
+row by row (the norms, the Q/K/V and output projections, the MLP: one weight read for R rows),
+and attention chunk by chunk in order, each exactly as a forward of that chunk computes it
+(``Attention.attend``, the one implementation of it): chunk j writes its keys and values at its
+positions before chunk j+1 attends, so a chunk that starts inside the one before (a rejected
+draft's tail) overwrites those entries just as it did the first time. This module says which
+chunks may share a pass (:func:`row_units`).
 
 That is bit for bit the chunks one by one only if a row of those row-wise operations does not
 depend on how many rows it is computed with. A GEMM kernel may pick its blocking, and so its
@@ -45,27 +47,6 @@ from swarm.model.llama_layers import DecoderLayer
 log = logging.getLogger("swarm.model.rows")
 
 MAX_ROWS = 16  # the most rows one merged pass takes (and the largest chunk it merges)
-
-
-def layer_rows(
-    layer: DecoderLayer,
-    x: torch.Tensor,  # (1, R, D): the rows of consecutive chunks of one session, in order
-    spans: Sequence[tuple[int, int]],  # each chunk's (pos, T), sum of T = R
-    rope: Sequence[tuple[torch.Tensor, torch.Tensor]],  # each chunk's (cos, sin), (T, hd) each
-    cache: Any,  # the session's KVCache: each chunk writes its keys/values at its positions
-) -> torch.Tensor:
-    """The chunks through ``layer`` in one pass (module doc) -> (1, R, D)."""
-    attn = layer.self_attn
-    hn = layer.input_layernorm(x)
-    q, k, v = attn.q_proj(hn), attn.k_proj(hn), attn.v_proj(hn)  # (1, R, H*hd), (1, R, KV*hd) x2
-    outs, off = [], 0
-    for (pos, T), (cos, sin) in zip(spans, rope, strict=True):
-        sl = slice(off, off + T)
-        cache._pos, cache._end = pos, pos + T  # what begin() sets for this chunk
-        outs.append(attn.attend(q[:, sl], k[:, sl], v[:, sl], cos, sin, cache, layer.layer_idx, pos))  # (1, T, H*hd)
-        off += T
-    h = x + attn.o_proj(torch.cat(outs, dim=1))  # (1, R, D)
-    return h + layer.mlp(layer.post_attention_layernorm(h))  # (1, R, D)
 
 
 def rows_invariant(stage: Any, rows: int) -> bool:

@@ -34,7 +34,7 @@ Threads: torch's intra-op thread count is a per-process setting; the process tha
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -60,6 +60,7 @@ if TYPE_CHECKING:
     from swarm.model.compiled import CompiledStep
 
 Progress = Callable[[int, int], None]
+LayerStep = Callable[[int, nn.Module, torch.Tensor], torch.Tensor]  # (layer index, layer, x) -> x
 
 
 class Stage(nn.Module):
@@ -295,43 +296,43 @@ class Stage(nn.Module):
         zero = torch.zeros((), dtype=self.dtype, device=self.device)
         return torch.where(allowed, zero, torch.finfo(self.dtype).min)
 
-    @torch.inference_mode()
-    def forward(self, session: Hashable, h: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        """h (T, D) at positions session_len .. session_len+T-1 -> (T, D); appends T cache entries."""
-        cache = self._cache(session)
+    def _check_rows(self, h: torch.Tensor) -> None:
         if h.dim() != 2 or h.shape[1] != self.args.dim or h.shape[0] == 0:
             raise ModelError(
                 f"stage [{self.start}, {self.end}) expects hidden states (T, {self.args.dim}) "
                 f"with T >= 1, got {tuple(h.shape)}"
             )
+
+    @torch.inference_mode()
+    def forward(self, session: Hashable, h: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        """h (T, D) at positions session_len .. session_len+T-1 -> (T, D); appends T cache entries."""
+        cache = self._cache(session)
+        self._check_rows(h)
         T = h.shape[0]
         if T == 1 and self.compiled is not None and cache.max_len == self.compiled.capacity:
             return self.compiled.step(cache, h)  # (1, D)
-        pos = cache.begin(T)
-        x = h.to(device=self.device, dtype=self.dtype).unsqueeze(0)  # (1, T, D)
-        if self.runtime == "handwritten":
-            cos, sin = self._rope_tables(pos + T)
-            cos, sin = cos[pos : pos + T], sin[pos : pos + T]  # (T, hd)
-            for layer in self.layers:
-                x = layer(x, cos, sin, cache, pos)
-            cache.advance(T)
-            return x[0]  # (T, D)
-        position_ids = torch.arange(pos, pos + T, device=self.device)[None]  # (1, T)
-        rope: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        masks: dict[int | None, torch.Tensor | None] = {}
-        for layer, window, kind in self._layer_plan():
-            if kind not in rope:
-                rope[kind] = self._rotary(x, position_ids, kind)
-            if window not in masks:
-                masks[window] = self._mask(pos, T, window)
-            x = layer(
-                x, attention_mask=masks[window], position_embeddings=rope[kind],
-                position_ids=position_ids, cache=cache, use_cache=True,
-            )
-            if isinstance(x, tuple):
-                x = x[0]
+        (out,) = self._walk([[(cache, cache.begin(T), h)]])
         cache.advance(T)
-        return x[0]  # (T, D)
+        return out  # (T, D)
+
+    @torch.inference_mode()
+    def forward_batch(self, items: Sequence[tuple[Hashable, torch.Tensor]]) -> list[torch.Tensor]:
+        """``[(session, h (T_i, D)), ...]`` of distinct sessions -> ``[(T_i, D), ...]``, appending
+        T_i entries to each session's cache as :meth:`forward` does: the sessions' rows go through
+        each layer as one pass (``DecoderLayer.forward_rows``), attention per session; rows may
+        differ from :meth:`forward`'s in the last bits (batched.py, which decides when to batch).
+        The hand-written layers only (transformers' layers take one chunk a call)."""
+        if self.runtime != "handwritten":
+            raise ModelError(f"stage [{self.start}, {self.end}) runs transformers' layers: one session a forward")
+        chunks = []
+        for session, h in items:
+            self._check_rows(h)
+            cache = self._cache(session)
+            chunks.append((cache, cache.begin(h.shape[0]), h))
+        outs = self._walk([chunks])
+        for cache, _, h in chunks:
+            cache.advance(h.shape[0])
+        return outs
 
     @torch.inference_mode()
     def forward_seq(self, session: Hashable, chunks: list[tuple[int, torch.Tensor]]) -> list[torch.Tensor]:
@@ -360,29 +361,63 @@ class Stage(nn.Module):
                 cache.rollback(pos)
                 outs.append(self.forward(session, h))
             return outs
-        rope = []  # each chunk's rotary tables, taken in turn as forward() takes them
-        for pos, h in chunks:
-            cos, sin = self._rope_tables(pos + h.shape[0])
-            rope.append((cos[pos : pos + h.shape[0]], sin[pos : pos + h.shape[0]]))  # (T, hd) x2
-        xs = [h.to(device=self.device, dtype=self.dtype).unsqueeze(0) for _, h in chunks]  # (1, T, D) each
         units = rows.row_units(self, chunks)  # chunks merged into one pass where proven exact (rows.py)
-        for layer in self.layers:
-            for unit in units:
-                if len(unit) > 1:
-                    spans = [(chunks[k][0], chunks[k][1].shape[0]) for k in unit]
-                    y = rows.layer_rows(
-                        cast(Any, layer), torch.cat([xs[k] for k in unit], dim=1), spans, [rope[k] for k in unit], cache
-                    )  # (1, R, D)
-                    off = 0
-                    for k, (_, T) in zip(unit, spans, strict=True):
-                        xs[k], off = y[:, off : off + T], off + T
-                    continue
-                k = unit[0]
-                pos, h = chunks[k]
-                cache._pos, cache._end = pos, pos + h.shape[0]  # what begin() sets for this chunk
-                xs[k] = layer(xs[k], *rope[k], cache, pos)  # (1, T, D)
+        outs = self._walk([[(cache, *chunks[k]) for k in unit] for unit in units])
         cache.length = held
-        return [x[0] for x in xs]  # [(T, D)]
+        return outs
+
+    def _walk(self, units: list[list[tuple[KVCache, int, torch.Tensor]]]) -> list[torch.Tensor]:
+        """The one layer loop: units of chunks ``(cache, pos, h (T, D))`` -> each chunk's (T, D), in
+        order. Every unit goes through a layer before any goes through the next (a replay keeps a
+        layer's weights hot; one unit is a plain forward). A unit of several chunks is one pass of
+        their rows (hand-written layers: ``DecoderLayer.forward_rows``); a chunk writes its cache
+        at ``pos`` (``KVCache.at``); moving each cache's length is the caller's."""
+        xs, steps = [], []
+        for unit in units:
+            hs = [h.to(device=self.device, dtype=self.dtype) for _, _, h in unit]
+            xs.append((hs[0] if len(hs) == 1 else torch.cat(hs)).unsqueeze(0))  # (1, R, D)
+            steps.append(self._layer_step(unit))
+        for i, layer in enumerate(self.layers):
+            for u, step in enumerate(steps):
+                xs[u] = step(i, layer, xs[u])  # (1, R, D)
+        outs: list[torch.Tensor] = []
+        for unit, x in zip(units, xs, strict=True):
+            outs.extend([x[0]] if len(unit) == 1 else torch.split(x[0], [h.shape[0] for _, _, h in unit]))
+        return outs  # [(T, D)]
+
+    def _layer_step(self, unit: list[tuple[KVCache, int, torch.Tensor]]) -> LayerStep:
+        """How one unit goes through layer i: its rotary rows, masks and positions, made once."""
+        if self.runtime == "handwritten":
+            spans = []
+            for cache, pos, h in unit:  # each chunk's rotary tables, taken in turn as forward() takes them
+                end = pos + h.shape[0]
+                cos, sin = self._rope_tables(end)
+                spans.append(llama_layers.Span(cache, pos, cos[pos:end], sin[pos:end]))  # (T, hd) x2
+            return lambda i, layer, x: cast(llama_layers.DecoderLayer, layer).forward_rows(x, spans)
+        if len(unit) != 1:
+            raise ModelError(f"stage [{self.start}, {self.end}) runs transformers' layers: one chunk a pass")
+        ((cache, pos, h),) = unit
+        T = h.shape[0]
+        plan = self._layer_plan()
+        position_ids = torch.arange(pos, pos + T, device=self.device)[None]  # (1, T)
+        rope: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        masks: dict[int | None, torch.Tensor | None] = {}
+
+        def step(i: int, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+            _, window, kind = plan[i]
+            if kind not in rope:
+                rope[kind] = self._rotary(x, position_ids, kind)
+            if window not in masks:
+                masks[window] = self._mask(pos, T, window)
+            cache.at(pos, T)
+            y = layer(
+                x, attention_mask=masks[window], position_embeddings=rope[kind],
+                position_ids=position_ids, cache=cache, use_cache=True,
+            )
+            return cast(torch.Tensor, y[0] if isinstance(y, tuple) else y)
+
+        return step
+
 
 def _load_handwritten(
     layer: nn.Module, source: TensorSource, prefix: str, names: list[str], dtype: torch.dtype,

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from swarm.model import rows
+from swarm.model.llama_layers import DecoderLayer
 from swarm.model.stage import Stage
 from swarm.model.weights import Checkpoint, open_checkpoint
 from swarm.testing.checkpoints import TinySpec, write_checkpoint
@@ -65,9 +66,12 @@ def test_forward_seq_merged_is_the_chunks_bit_for_bit(ck: Checkpoint, dtype: tor
     hs = [(p, torch.randn(t, ck.args.dim, generator=gen).to(dtype)) for p, t in pattern]
     groups = [hs[:4], hs[4:]]  # as a stage takes them
     expected = [u for g in groups for u in rows.row_units(stage, g) if len(u) > 1]  # probes run here
-    passes: list[int] = []
-    real = rows.layer_rows
-    monkeypatch.setattr(rows, "layer_rows", lambda layer, x, *a: passes.append(x.shape[1]) or real(layer, x, *a))
+    passes: list[int] = []  # the row count of every pass of several chunks through a layer
+    real = DecoderLayer.forward_rows
+    monkeypatch.setattr(
+        DecoderLayer, "forward_rows",
+        lambda layer, x, spans: (len(spans) > 1 and passes.append(x.shape[1])) or real(layer, x, spans),
+    )
     stage.open_session("one", 64)
     one = []
     for p, h in hs:
@@ -81,6 +85,8 @@ def test_forward_seq_merged_is_the_chunks_bit_for_bit(ck: Checkpoint, dtype: tor
     for i in a._k:
         assert torch.equal(a._k[i][:, :, :37], b._k[i][:, :, :37]) and torch.equal(a._v[i][:, :, :37], b._v[i][:, :, :37])
     assert len(passes) == len(expected) * len(stage.layers)  # one pass per layer per merged unit
+    merged = [[sum(g[k][1].shape[0] for k in u) for u in rows.row_units(stage, g) if len(u) > 1] for g in groups]
+    assert passes == [n for m in merged for _ in stage.layers for n in m]  # layer by layer, each group in turn
     assert bool(passes) == any(stage.rows_exact_memo.values())
 
 
