@@ -75,7 +75,9 @@ async def test_gemma3_gguf_ring_with_a_text_prompt_matches_one_process(tmp_path:
     local = _run(["--model", str(path), "--stages", "1", "--receipt", str(tmp_path / "r.json")])
     assert local["output_token_ids"] == receipt["output_token_ids"]
     assert local["output_sha256"] == receipt["output_sha256"]
-    fresh = _run(["--model", str(path), "--stages", "1", "--no-chat", "--prompt", TEXT,
+    # the ring's layers and head are dense (a swarm's quant is its invite's, none here); `run`'s
+    # default `--quant auto` would hold this GGUF's Q8_0-stored head int8 (fbgemm's, on x86-64)
+    fresh = _run(["--model", str(path), "--stages", "1", "--no-chat", "--prompt", TEXT, "--quant", "none",
                   "--max-new-tokens", str(NEW)])  # fmt: skip
     assert fresh["prompt_token_ids"] == receipt["prompt_token_ids"]
     assert fresh["output_token_ids"] == receipt["output_token_ids"]
