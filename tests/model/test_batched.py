@@ -64,6 +64,8 @@ def test_one_after_another_mode_is_bit_exact_and_duplicates_are_refused(ckpt: Pa
         assert torch.equal(g, alone.forward(s, h))
     with pytest.raises(ModelError, match="twice"):
         batched.forward_many(together, [("a", items[0][1]), ("a", items[0][1])])
+    with pytest.raises(ModelError, match="twice"):
+        together.forward_batch([("b", items[1][1]), ("b", items[1][1])])
 
 
 def test_transformers_layers_run_one_session_at_a_time(ckpt: Path) -> None:
