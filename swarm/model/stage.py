@@ -324,6 +324,8 @@ class Stage(nn.Module):
         The hand-written layers only (transformers' layers take one chunk a call)."""
         if self.runtime != "handwritten":
             raise ModelError(f"stage [{self.start}, {self.end}) runs transformers' layers: one session a forward")
+        if len({s for s, _ in items}) != len(items):
+            raise ModelError(f"forward_batch: a session appears twice in one batch ({[s for s, _ in items]})")
         chunks = []
         for session, h in items:
             self._check_rows(h)

@@ -10,6 +10,8 @@ import torch
 from swarm.errors import ModelError
 from swarm.model import batched
 from swarm.model.generate import LocalModel
+from swarm.model.stage import Stage
+from swarm.model.weights import open_checkpoint
 from swarm.testing.checkpoints import TinySpec, write_checkpoint
 
 
@@ -62,3 +64,23 @@ def test_one_after_another_mode_is_bit_exact_and_duplicates_are_refused(ckpt: Pa
         assert torch.equal(g, alone.forward(s, h))
     with pytest.raises(ModelError, match="twice"):
         batched.forward_many(together, [("a", items[0][1]), ("a", items[0][1])])
+    with pytest.raises(ModelError, match="twice"):
+        together.forward_batch([("b", items[1][1]), ("b", items[1][1])])
+
+
+def test_transformers_layers_run_one_session_at_a_time(ckpt: Path) -> None:
+    """transformers' layers take one chunk a call: forward_batch refuses them, and forward_many
+    runs their sessions one after another, bit for bit each alone."""
+    ck = open_checkpoint(ckpt)
+    alone, together = (Stage.load(ck.args, ck.source, 0, ck.args.n_layers, dtype=torch.float32, runtime="transformers")
+                       for _ in range(2))
+    assert together.runtime == "transformers"
+    for s in "ab":
+        alone.open_session(s, 16)
+        together.open_session(s, 16)
+    items = [("a", torch.randn(2, alone.args.dim)), ("b", torch.randn(1, alone.args.dim))]
+    with pytest.raises(ModelError, match="transformers' layers"):
+        together.forward_batch(items)
+    assert together.session_len("a") == 0  # refused before any cache moved
+    for (s, h), g in zip(items, batched.forward_many(together, items), strict=True):
+        assert torch.equal(g, alone.forward(s, h))
