@@ -183,16 +183,23 @@ if _dir:
         _sw.StageWorker._run_batch = _run_traced
 
         _send = _co.Coordinator._send
-        async def _send_traced(self, chunks, session, *a, **k):
+        async def _send_traced(self, chunk, session, *a, **k):  # one chunk (the decode driver's Send)
             t_in = time.perf_counter()
-            await _send(self, chunks, session, *a, **k)
-            _rec(k="send", s=session, c=[c.chunk_id for c in chunks], t_in=t_in, t_out=time.perf_counter())
+            await _send(self, chunk, session, *a, **k)
+            try:  # tracing never fails a send: a changed signature shows as trace_error
+                cs = chunk if isinstance(chunk, (list, tuple)) else [chunk]
+                _rec(k="send", s=session, c=[c.chunk_id for c in cs], t_in=t_in, t_out=time.perf_counter())
+            except Exception as exc:
+                _rec(k="trace_error", error=repr(exc))
         _co.Coordinator._send = _send_traced
 
         _next = _co.Coordinator._next_result
         async def _next_traced(self, chan, session, *a, **k):
             out = await _next(self, chan, session, *a, **k)
-            _rec(k="result", s=session, c=out[0], t=time.perf_counter())
+            try:
+                _rec(k="result", s=session, c=out[0], t=time.perf_counter())
+            except Exception as exc:
+                _rec(k="trace_error", error=repr(exc))
             return out
         _co.Coordinator._next_result = _next_traced
     except Exception as exc:  # a renamed method: run untraced, say so in the trace
