@@ -29,7 +29,6 @@ from swarm.manifest.identity import Identity
 from swarm.node.hosting import Host
 from swarm.node.loopwatch import LoopWatch
 from swarm.node.members.gossip import MemberEvent, MembershipService
-from swarm.node.members.heartbeat import Liveness
 from swarm.node.members.membership import Membership
 from swarm.node.members.view import MemberView
 from swarm.node.notices import Hooks, Notices
@@ -150,7 +149,7 @@ async def open_peer(
         )  # fmt: skip
         peer: Peer | None = None
         service = MembershipService(
-            host, membership, liveness=Liveness(clock=clock),
+            host, membership, clock=clock,
             on_event=lambda ev: _member_event(peer, ev),
             on_stall=lambda gap: peer.serving.recovery.stalled(gap) if peer and peer.serving else None,
         )  # fmt: skip

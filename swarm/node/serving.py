@@ -60,8 +60,6 @@ class Serving:
         peer_id = identity.peer_id
         self.models = models
         self.admission = SlotQueue()  # generations the ring's KV memory holds at once (capacity.py)
-        self.epochs = Epochs(settings, peer_id, models, self.admission, notices, leader=view.leader, memory=view.memory,
-                             drafts=view.drafts)  # fmt: skip
 
         def cannot_load(a: int, b: int, coordinator: bool) -> int:
             """Offer one layer less than the block that did not fit (and less than before): the
@@ -79,7 +77,10 @@ class Serving:
                 service.readvertise()
             return new
 
-        models.on_cannot_load = cannot_load
+        # an epoch's end and a taken plan reach recovery and the leader, built below on the epochs
+        self.epochs = Epochs(settings, peer_id, models, self.admission, notices, leader=view.leader, memory=view.memory,
+                             drafts=view.drafts, on_end=lambda ep: self.recovery.epoch_ended(ep),
+                             on_plan=lambda: self.leader.took_plan(), cannot_load=cannot_load)  # fmt: skip
         ring_table = Dispatcher(view, self.epochs.roles, {}, PROTO_RING)
         self.ring = RingClient(host, peer_id, ring_table)
 
@@ -96,8 +97,6 @@ class Serving:
                              catch_stall=service.liveness.catch_stall,
                              door_open=self.wiring.door_open)  # fmt: skip
         self.recovery = Recovery(view, self.epochs, self.leader, self.ring, notices, nursery)
-        self.epochs.on_end = self.recovery.epoch_ended
-        self.epochs.on_plan = self.leader.took_plan
         self.reporter = Reporter(peer_id, host, service, view, self.epochs, self.wiring, models, self.admission, loopwatch)
         resumer = Resumer(peer_id, self.epochs, notices, self.leader.planning_problem, report_fault)
         gen_table = Dispatcher(view, self.epochs.roles, {}, PROTO_GEN)

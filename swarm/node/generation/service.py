@@ -279,15 +279,6 @@ class GenService:
                 next_progress[0] = time.time() + PROGRESS_EVERY_S
                 send.send_nowait((done, total))
 
-        try:
-            run = coord.new_run(prompt, params=params, max_new_tokens=req.max_new_tokens, drafter=choice.drafter,
-                                policy=choice.policy, on_tokens=on_tokens)  # fmt: skip
-        except BaseException:
-            choice.close()
-            raise
-        run.draft_limiter = drafts.limiter
-        run.on_progress = on_progress
-
         def before_decode(others: int) -> None:  # a shared ring: a default prompt lookup stands down
             nonlocal choice
             shared = choice.shared(others)
@@ -295,7 +286,13 @@ class GenService:
                 choice = shared
                 run.decoder.stop_drafting()
 
-        run.before_decode = before_decode
+        try:
+            run = coord.new_run(prompt, params=params, max_new_tokens=req.max_new_tokens, drafter=choice.drafter,
+                                policy=choice.policy, on_tokens=on_tokens, on_progress=on_progress,
+                                draft_limiter=drafts.limiter, before_decode=before_decode)  # fmt: skip
+        except BaseException:
+            choice.close()
+            raise
         moved: CoordinatorMoved | None = None
         handed_over: dict[str, Any] = {}
         try:

@@ -97,7 +97,7 @@ class MembershipService:
         host: Host,
         membership: Membership,
         *,
-        liveness: Liveness | None = None,
+        clock: Callable[[], float] = trio.current_time,
         interval: float = DEFAULT_INTERVAL,
         on_event: Callable[[MemberEvent], None] | None = None,
         on_stall: Callable[[float], None] | None = None,
@@ -112,9 +112,7 @@ class MembershipService:
         self.publish = publish
         self._announced: set[str] = set()  # peers whose "joined" was emitted (they advertised)
         self.interval = interval
-        self.liveness = liveness or Liveness()
-        self.liveness._on_transition = self._on_transition
-        self.liveness.on_stall = on_stall
+        self.liveness = Liveness(on_transition=self._on_transition, clock=clock, on_stall=on_stall)
         # a full advert book makes room for a connected newcomer by the peer heard from least recently
         membership.guard_book(last_heard=self.liveness.detector.last_heard)
         self._on_event = on_event

@@ -58,12 +58,12 @@ class Liveness:
 
     def __init__(
         self, detector: FailureDetector | None = None, on_transition: OnTransition | None = None,
-        clock: Callable[[], float] = trio.current_time,
+        clock: Callable[[], float] = trio.current_time, on_stall: Callable[[float], None] | None = None,
     ) -> None:  # fmt: skip
         self.detector = detector or FailureDetector()
         self.clock = clock  # this node's clock (an in-memory test stops a "frozen" node's)
         self._on_transition = on_transition
-        self.on_stall: Callable[[float], None] | None = None  # called with the gap after we were stopped
+        self.on_stall = on_stall  # called with the gap after we were stopped
         self._rtts: dict[str, deque[float]] = {}
         self._path_rtts: dict[str, float] = {}  # probed on the path hops take (swarm.node.members.probe)
         self._ran_at: float | None = None  # our clock when this node last ran its liveness code
