@@ -10,6 +10,7 @@ dispatch tables that say which role may send each request and which component an
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import trio
@@ -87,10 +88,16 @@ class Serving:
         async def report_fault(peer: str, why: str, epoch: int) -> None:
             await self.recovery.report_fault(peer, why, epoch)
 
+        tensors = None  # members fetch from each other (issue 25): a liar is reported like a fault
+        if models.fetch is not None:
+            tensors = self._share_model_bytes(
+                models.fetch, host, service, view, fastpath,
+                report_liar=lambda peer, why: nursery.start_soon(self.recovery.report_bad_bytes, peer, why),
+            )  # fmt: skip
         self.wiring = Wiring(
             peer_id, host, fastpath, self.epochs, models, notices, nursery,
             report_fault=report_fault, offered=lambda: service.membership.local.memory_bytes,
-            own_draft=lambda: service.membership.local.draft_bytes or 0,
+            own_draft=lambda: service.membership.local.draft_bytes or 0, tensors=tensors,
         )  # fmt: skip
         self.leader = Leader(settings, identity, view, self.epochs, self.ring, models.spec, notices,
                              peers_file=service.membership.peers_file,
@@ -117,16 +124,12 @@ class Serving:
         host.handle(PROTO_RING, self.ring.serve)
         host.handle(PROTO_ACT, self.wiring.serve_act)
         host.handle(PROTO_GEN, self.gen.serve, roles=(MEMBER, CLIENT))  # ring, act: members only (the door)
-        if models.fetch is not None:
-            self.wiring.tensors = self._share_model_bytes(models.fetch, host, service, view, fastpath)
-            recovery = self.recovery
-            models.fetch.report_liar = lambda peer, why: nursery.start_soon(recovery.report_bad_bytes, peer, why)
         self._fastpath = fastpath
         self._service = service
 
     @staticmethod
     def _share_model_bytes(fetcher: BlockFetcher, host: Host, service: MembershipService, view: MemberView,
-                           fastpath: Any) -> TensorServer:  # fmt: skip
+                           fastpath: Any, *, report_liar: Callable[[str, str], None]) -> TensorServer:  # fmt: skip
         """Members fetch from each other (issue 25): serve what we hold verified on
         /shard-swarm/tensors/1, say in our advert which layers that is, and ask the members whose
         adverts say they hold what we need (not the benched or leaving) before the origin."""
@@ -148,7 +151,7 @@ class Serving:
             async def dial_fast(peer: str, timeout: float) -> FrameLink:
                 return FrameLink(await fastpath.dial(peer, timeout=timeout))
 
-        fetcher.join_members(host, holders, on_held, dial_fast=dial_fast)
+        fetcher.join_members(host, holders, on_held, dial_fast=dial_fast, report_liar=report_liar)
         served = serve_tensors(host, fetcher.holdings, widen=fetcher.widen if fetcher.local is not None else None)
         on_held(*fetcher.held())  # a restarted node says at once what its cache holds
         return served  # the fast channels that open with a range request (wiring.py)

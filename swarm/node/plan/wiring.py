@@ -61,6 +61,7 @@ class Wiring:
         report_fault: Callable[[str, str, int], Any],
         offered: Callable[[], int],
         own_draft: Callable[[], int] = lambda: 0,
+        tensors: Callable[[str, Any, RangeRequest], Awaitable[None]] | None = None,
     ) -> None:
         self.peer_id = peer_id
         self.host = host
@@ -75,7 +76,7 @@ class Wiring:
         self.hop_paths: dict[int, str] = {}  # hop index -> "direct" | "libp2p" | "local", for status
         self.corrupt = False  # fault injection (chaos tests, SIGUSR1 in python -m swarm.node)
         # a fast channel that opens with a RANGE_REQUEST: serve_tensors' handler (serving.py)
-        self.tensors: Callable[[str, Any, RangeRequest], Awaitable[None]] | None = None
+        self.tensors = tensors
 
     # -- connect: the hops that leave us, and our stage worker --------------------------------
 
