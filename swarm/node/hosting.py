@@ -19,6 +19,7 @@ import trio
 
 from swarm.proto.frame import Frame
 from swarm.proto.limits import Limits
+from swarm.proto.messages import Message, Msg
 
 
 class Stream(Protocol):
@@ -30,6 +31,16 @@ class Stream(Protocol):
     async def send(self, frame: Frame, timeout: float | None = None) -> None: ...
 
     async def receive(self, timeout: float | None = None) -> Frame: ...
+
+    async def send_message(self, msg: Message, timeout: float | None = None) -> None:
+        """One typed message (its frame is built below node/, in swarm.proto.messages)."""
+        ...
+
+    async def receive_message(self, timeout: float | None = None, *, expect: type[Msg] = ...) -> Msg:
+        """The next message, an ``expect`` (default any) or a ProtocolError naming the peer."""
+        ...
+
+    async def request_message(self, msg: Message, timeout: float | None = None, *, expect: type[Msg] = ...) -> Msg: ...
 
     async def close(self) -> None: ...
 
