@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Awaitable, Callable, Iterable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, overload
 
 import trio
 
@@ -36,11 +36,19 @@ class Stream(Protocol):
         """One typed message (its frame is built below node/, in swarm.proto.messages)."""
         ...
 
-    async def receive_message(self, timeout: float | None = None, *, expect: type[Msg] = ...) -> Msg:
-        """The next message, an ``expect`` (default any) or a ProtocolError naming the peer."""
+    @overload
+    async def receive_message(self, timeout: float | None = None) -> Message: ...
+
+    @overload
+    async def receive_message(self, timeout: float | None = None, *, expect: type[Msg]) -> Msg:
+        """The next message, an ``expect`` or a ProtocolError naming the peer and what came."""
         ...
 
-    async def request_message(self, msg: Message, timeout: float | None = None, *, expect: type[Msg] = ...) -> Msg: ...
+    @overload
+    async def request_message(self, msg: Message, timeout: float | None = None) -> Message: ...
+
+    @overload
+    async def request_message(self, msg: Message, timeout: float | None = None, *, expect: type[Msg]) -> Msg: ...
 
     async def close(self) -> None: ...
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar, overload
 
 from swarm.errors import ProtocolError
 from swarm.proto.fields import (
@@ -189,14 +189,26 @@ class MessageIO:
         """Send one message (encoded as its one frame; the wire bytes are ``msg.encode()``'s)."""
         await self.send(msg.to_frame(), timeout)
 
-    async def receive_message(self, timeout: float | None = None, *, expect: type[Msg] = Message) -> Msg:  # type: ignore[assignment]
+    @overload
+    async def receive_message(self, timeout: float | None = None) -> Message: ...
+
+    @overload
+    async def receive_message(self, timeout: float | None = None, *, expect: type[Msg]) -> Msg: ...
+
+    async def receive_message(self, timeout: float | None = None, *, expect: type[Message] = Message) -> Message:
         """The next message, checked to be an ``expect`` (default: any message); ProtocolError
         naming the peer and what came instead, PeerTimeout/PeerLost as ``receive``."""
         return expect_message(await self.receive(timeout), self.limits, expect, peer=self.peer, where=self.protocol)
 
+    @overload
+    async def request_message(self, msg: Message, timeout: float | None = None) -> Message: ...
+
+    @overload
+    async def request_message(self, msg: Message, timeout: float | None = None, *, expect: type[Msg]) -> Msg: ...
+
     async def request_message(
-        self, msg: Message, timeout: float | None = None, *, expect: type[Msg] = Message  # type: ignore[assignment]
-    ) -> Msg:
+        self, msg: Message, timeout: float | None = None, *, expect: type[Message] = Message
+    ) -> Message:
         """Send ``msg`` and return the next message received (each wait bounded by ``timeout``)."""
         await self.send_message(msg, timeout)
         return await self.receive_message(timeout, expect=expect)

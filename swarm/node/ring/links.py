@@ -10,7 +10,7 @@ passes, PeerLost when the other end is gone.
 from __future__ import annotations
 
 import math
-from typing import Protocol
+from typing import Protocol, overload
 
 import trio
 
@@ -29,7 +29,11 @@ class Link(Protocol):
 
     async def send_message(self, msg: Message, timeout: float | None = None) -> None: ...
 
-    async def receive_message(self, timeout: float | None = None, *, expect: type[Msg] = ...) -> Msg: ...
+    @overload
+    async def receive_message(self, timeout: float | None = None) -> Message: ...
+
+    @overload
+    async def receive_message(self, timeout: float | None = None, *, expect: type[Msg]) -> Msg: ...
 
     async def close(self) -> None: ...
 
