@@ -185,20 +185,30 @@ class MessageIO:
     async def receive(self, timeout: float | None = None) -> Frame:
         raise NotImplementedError
 
+    async def receive_view(self, timeout: float | None = None) -> Frame:
+        """``receive``, its payload a view of the bytes that came where the class can give one
+        (a fast-path link does); here a copy."""
+        return await self.receive(timeout)
+
     async def send_message(self, msg: Message, timeout: float | None = None) -> None:
         """Send one message (encoded as its one frame; the wire bytes are ``msg.encode()``'s)."""
         await self.send(msg.to_frame(), timeout)
 
     @overload
-    async def receive_message(self, timeout: float | None = None) -> Message: ...
+    async def receive_message(self, timeout: float | None = None, *, view: bool = False) -> Message: ...
 
     @overload
-    async def receive_message(self, timeout: float | None = None, *, expect: type[Msg]) -> Msg: ...
+    async def receive_message(self, timeout: float | None = None, *, expect: type[Msg], view: bool = False) -> Msg: ...
 
-    async def receive_message(self, timeout: float | None = None, *, expect: type[Message] = Message) -> Message:
+    async def receive_message(
+        self, timeout: float | None = None, *, expect: type[Message] = Message, view: bool = False
+    ) -> Message:
         """The next message, checked to be an ``expect`` (default: any message); ProtocolError
-        naming the peer and what came instead, PeerTimeout/PeerLost as ``receive``."""
-        return expect_message(await self.receive(timeout), self.limits, expect, peer=self.peer, where=self.protocol)
+        naming the peer and what came instead, PeerTimeout/PeerLost as ``receive``. ``view``:
+        its payload a view, not a copy, where the link can (``receive_view``: model bytes that
+        are only hashed and written, swarm/node/compute/rangepipe.py)."""
+        frame = await (self.receive_view(timeout) if view else self.receive(timeout))
+        return expect_message(frame, self.limits, expect, peer=self.peer, where=self.protocol)
 
     @overload
     async def request_message(self, msg: Message, timeout: float | None = None) -> Message: ...
