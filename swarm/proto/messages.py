@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar, overload
 
 from swarm.errors import ProtocolError
 from swarm.proto.fields import (
@@ -139,6 +139,89 @@ def parse_message(frame: Frame, limits: Limits = DEFAULT_LIMITS) -> Message:
 def decode_message(data: bytes, limits: Limits = DEFAULT_LIMITS) -> Message:
     """One whole frame's bytes -> its message."""
     return parse_message(decode_frame(data, limits), limits)
+
+
+Msg = TypeVar("Msg", bound=Message)
+
+
+def message_name(kind: Message | type[Message]) -> str:
+    """How an error names a message (or a message class): its type, and a CONTROL op's name."""
+    mtype, op = getattr(kind, "TYPE", None), getattr(kind, "OP", None)
+    if mtype is None:
+        return "any message"
+    return f"{mtype.name} {op}" if op else mtype.name
+
+
+def expect_message(frame: Frame, limits: Limits, expect: type[Msg], *, peer: str, where: str = "") -> Msg:
+    """``frame`` from ``peer`` as a message of class ``expect`` (``Message``: any), or a
+    ProtocolError that names the peer, ``where`` it came (a protocol, a hop) and what came."""
+    on = f" on {where}" if where else ""
+    try:
+        msg = parse_message(frame, limits)
+    except ProtocolError as exc:
+        raise type(exc)(f"peer {peer}{on}: {exc}") from None
+    if not isinstance(msg, expect):
+        raise ProtocolError(f"peer {peer}{on} sent {message_name(msg)} where {message_name(expect)} was expected")
+    return msg
+
+
+class MessageIO:
+    """Typed messages over a link or stream that carries frames: the one place (with the message
+    classes' ``to_frame``/``parse_message`` above) where a message becomes a frame and back, so
+    the code above a link (swarm/node/) sends and receives messages, never frames.
+
+    A class mixes it in beside its own frame-level ``send(frame, timeout)`` and
+    ``receive(timeout)`` (which relays and wire tests keep using) and says which ``peer`` it
+    talks to and with which ``limits`` it decodes. No I/O here: each method is one await on the
+    class's own frame methods."""
+
+    peer: str
+    limits: Limits
+    protocol: str = ""  # where its messages come, for errors
+
+    async def send(self, frame: Frame, timeout: float | None = None) -> None:
+        raise NotImplementedError
+
+    async def receive(self, timeout: float | None = None) -> Frame:
+        raise NotImplementedError
+
+    async def receive_view(self, timeout: float | None = None) -> Frame:
+        """``receive``, its payload a view of the bytes that came where the class can give one
+        (a fast-path link does); here a copy."""
+        return await self.receive(timeout)
+
+    async def send_message(self, msg: Message, timeout: float | None = None) -> None:
+        """Send one message (encoded as its one frame; the wire bytes are ``msg.encode()``'s)."""
+        await self.send(msg.to_frame(), timeout)
+
+    @overload
+    async def receive_message(self, timeout: float | None = None, *, view: bool = False) -> Message: ...
+
+    @overload
+    async def receive_message(self, timeout: float | None = None, *, expect: type[Msg], view: bool = False) -> Msg: ...
+
+    async def receive_message(
+        self, timeout: float | None = None, *, expect: type[Message] = Message, view: bool = False
+    ) -> Message:
+        """The next message, checked to be an ``expect`` (default: any message); ProtocolError
+        naming the peer and what came instead, PeerTimeout/PeerLost as ``receive``. ``view``:
+        its payload a view, not a copy, where the link can (``receive_view``: model bytes that
+        are only hashed and written, swarm/node/compute/rangepipe.py)."""
+        frame = await (self.receive_view(timeout) if view else self.receive(timeout))
+        return expect_message(frame, self.limits, expect, peer=self.peer, where=self.protocol)
+
+    @overload
+    async def request_message(self, msg: Message, timeout: float | None = None) -> Message: ...
+
+    @overload
+    async def request_message(self, msg: Message, timeout: float | None = None, *, expect: type[Msg]) -> Msg: ...
+
+    async def request_message(
+        self, msg: Message, timeout: float | None = None, *, expect: type[Message] = Message
+    ) -> Message:
+        """Send ``msg`` and return the next message received (each wait bounded by ``timeout``)."""
+        await self.send_message(msg, timeout)
+        return await self.receive_message(timeout, expect=expect)
 
 
 # ---------------------------------------------------------------- admission

@@ -64,7 +64,6 @@ from swarm.node.dispatch import role_of
 from swarm.node.hosting import Host, Stream
 from swarm.proto.admission import MEMBER
 from swarm.proto.limits import PROTO_TENSORS
-from swarm.proto.messages import parse_message
 from swarm.proto.tensors import RangeData, RangeRequest
 from swarm.proto.tensors import RangeRefused as Refused
 from swarm.proto.text import printable
@@ -119,7 +118,7 @@ def serve_tensors(host: Host, holdings: Callable[[], Holdings | None], *, io_s: 
         msg: Any = first
         while True:
             if msg is None:
-                msg = parse_message(await fs.receive(timeout=IDLE_S), limits)
+                msg = await fs.receive_message(timeout=IDLE_S)
             if not isinstance(msg, RangeRequest):
                 raise ProtocolError(f"{PROTO_TENSORS}: expected RANGE_REQUEST, got {type(msg).__name__}")
             try:
@@ -130,7 +129,7 @@ def serve_tensors(host: Host, holdings: Callable[[], Holdings | None], *, io_s: 
             except RangeRefused as e:
                 log.info("refused %s range request %s [%d, +%d): %s", peer, printable(msg.file)[:80],
                          msg.offset, msg.length, e.code)  # fmt: skip
-                await fs.send(Refused(msg.req, e.code, str(e)[:256]).to_frame(), timeout=io_s)
+                await fs.send_message(Refused(msg.req, e.code, str(e)[:256]), timeout=io_s)
             msg = None
 
     async def handler(peer: str, fs: Stream) -> None:
@@ -169,7 +168,7 @@ async def _send_range(fs: Any, h: Holdings, msg: RangeRequest, slots: trio.Semap
             nursery.start_soon(reads)
             async with chunks:
                 async for off, data in chunks:
-                    await fs.send(RangeData.of(msg.req, off, data, off + len(data) >= end).to_frame(), timeout=io_s)
+                    await fs.send_message(RangeData.of(msg.req, off, data, off + len(data) >= end), timeout=io_s)
     except BaseExceptionGroup as group:  # the caller's own exception, not a group
         if len(group.exceptions) == 1:
             raise group.exceptions[0] from None

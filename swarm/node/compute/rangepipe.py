@@ -38,7 +38,6 @@ from swarm.fetch.cache import ModelCache
 from swarm.fetch.origin import FetchError
 from swarm.fetch.peers import Assignment, Piece, PieceSink, RangeRefused
 from swarm.proto.limits import Limits
-from swarm.proto.messages import parse_message
 from swarm.proto.tensors import RangeReader, RangeRequest
 from swarm.proto.tensors import RangeRefused as Refused
 from swarm.proto.text import printable
@@ -117,8 +116,7 @@ class _Pipe:
 Job = tuple[Callable[[], Any], Callable[[Any], None] | None]  # run in a thread, then (result) on the loop
 
 
-async def _pump(p: _Pipe, receive: Callable[..., Any], send: trio.MemorySendChannel[Job],
-                io_s: float) -> PeerError | ProtocolError | FetchError | None:  # fmt: skip
+async def _pump(p: _Pipe, send: trio.MemorySendChannel[Job], io_s: float) -> PeerError | ProtocolError | FetchError | None:
     """Ask and receive until nothing is left (None), or the stream broke or the member refused
     for good: that error, returned, so that what is queued still lands before it is raised."""
     fs = p.fs
@@ -126,12 +124,13 @@ async def _pump(p: _Pipe, receive: Callable[..., Any], send: trio.MemorySendChan
         while True:
             while len(p.inflight) < DEPTH and (nr := p.next_request()) is not None:
                 req, t = nr
-                await fs.send(req.to_frame(), timeout=io_s)
+                await fs.send_message(req, timeout=io_s)
                 p.inflight.append((RangeReader(req), t))
             if not p.inflight:
                 return None
             reader, t = p.inflight[0]
-            msg = parse_message(await receive(timeout=io_s), p.limits)
+            # a fast channel's payloads as views of the opened message: one copy of each MiB fewer
+            msg = await fs.receive_message(timeout=io_s, view=True)
             p.unproven = False
             if isinstance(msg, Refused) and msg.req == reader.req.req:
                 p.inflight.popleft()
@@ -169,8 +168,6 @@ async def fetch_pieces(fs: Any, cache: ModelCache, a: Assignment, peer: str, ids
     broke the stream (PeerError, ProtocolError, a refusal other than not-held/busy) after the
     pieces that arrived whole have landed; every piece taken and not landed goes back to ``a``."""
     p = _Pipe(fs, cache, a, peer, ids, limits, collections.deque(first), unproven)
-    # a fast channel's payloads as views of the opened message: one copy of each MiB fewer
-    receive = getattr(fs, "receive_view", fs.receive)
     send, recv = trio.open_memory_channel[Job](WRITE_AHEAD)
 
     async def writer() -> None:  # what is queued lands in one trip to the thread
@@ -192,7 +189,7 @@ async def fetch_pieces(fs: Any, cache: ModelCache, a: Assignment, peer: str, ids
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(writer)
                 async with send:  # closed on the way out: the writer lands what is queued, then ends
-                    broke = await _pump(p, receive, send, io_s)
+                    broke = await _pump(p, send, io_s)
             if broke is not None:  # raised only now: what fully arrived before it has landed
                 raise broke
         except BaseExceptionGroup as group:  # the caller's own exception, not a group
