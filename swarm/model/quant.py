@@ -51,6 +51,7 @@ __all__ = [
     "int8_from_float",
     "layer_bytes",
     "layer_bytes_each",
+    "layer_compact_bytes_each",
     "linear_paths",
     "quantize_block",
 ]
@@ -218,6 +219,16 @@ def layer_bytes_each(args: ModelArgs, quant: str, dtype_bytes: int) -> list[int]
             total += count * (linear_bytes(n, k, quant, dtype_bytes) - n * k * dtype_bytes)
         out.append(total)
     return out
+
+
+def layer_compact_bytes_each(args: ModelArgs, quant: str) -> list[int]:
+    """The part of each decoder layer's resident bytes under ``quant`` that is the same at every
+    serving width: its packed integers (int8 and int4 codes; all of an MXFP4 weight) and any
+    tensor a family keeps in float32 whatever it serves in (a router). The rest (scales, zeros,
+    norms, biases) is as wide as the serving dtype, so a layer's bytes are affine in the width
+    ``w``: ``compact + rest_at_2 * w / 2``, and the compact part is what the line meets at w = 0
+    (the planner's ModelSpec.at_width). 0 where every byte widens (a dense llama layer)."""
+    return [2 * at2 - at4 for at2, at4 in zip(layer_bytes_each(args, quant, 2), layer_bytes_each(args, quant, 4), strict=True)]
 
 
 def layer_bytes(args: ModelArgs, quant: str, dtype_bytes: int) -> int:

@@ -147,6 +147,7 @@ async def open_peer(
             identity, s.swarm_id, addrs=_announce(s.announce, host), memory_bytes=memory,
             ms_per_layer=models.ms_per_layer if models is not None else 0.0, revoked=s.revoked, device=device,
             draft=draft, sessions=models.spec.sessions if models is not None else None,
+            dtype_bytes=models.dtype.itemsize if models is not None else None,
         )  # fmt: skip
         peer: Peer | None = None
         service = MembershipService(

@@ -61,7 +61,7 @@ class Serving:
         self.models = models
         self.admission = SlotQueue()  # generations the ring's KV memory holds at once (capacity.py)
         self.epochs = Epochs(settings, peer_id, models, self.admission, notices, leader=view.leader, memory=view.memory,
-                             drafts=view.drafts)  # fmt: skip
+                             drafts=view.drafts, widths=view.widths)  # fmt: skip
 
         def cannot_load(a: int, b: int, coordinator: bool) -> int:
             """Offer one layer less than the block that did not fit (and less than before): the

@@ -86,8 +86,9 @@ def plan_memory(memory_bytes: int, dtype: torch.dtype) -> int:
     A ring mixes dtypes (each peer resolves ``--dtype auto`` for its own device), but the leader
     plans with one ModelSpec, and every peer must compute the same plan. So every spec is built
     at 2 bytes per value (bf16, ``Models.spec``) and a peer that serves 4-byte fp32 advertises half its
-    memory: a block whose bf16 bytes fit in the half fits in fp32 in the whole (its compact int
-    weights are the same size, so a quantized fp32 peer is budgeted conservatively)."""
+    memory: a block whose bf16 bytes fit in the half fits in fp32 in the whole. A quantized layer's
+    packed integers do not widen, so the planner states them at this peer's own width (its
+    advert's ``dtype_bytes``; planner ModelSpec.at_width)."""
     import torch
 
     return memory_bytes * 2 // torch.empty(0, dtype=dtype).element_size()
@@ -122,8 +123,8 @@ def peak_bytes(args: ModelArgs, dtype: torch.dtype, device: str, spec: ModelSpec
 
     from swarm.planner.budget import predicted_peak
 
-    planned = predicted_peak(spec, block, coordinator=coordinator, draft_bytes=draft_bytes, at_load=at_load)
     width = torch.empty(0, dtype=dtype).element_size()
+    planned = predicted_peak(spec.at_width(width), block, coordinator=coordinator, draft_bytes=draft_bytes, at_load=at_load)
     return int(planned * width / 2 * margin) + overhead_bytes(args, dtype, device, coordinator=coordinator)
 
 
@@ -147,6 +148,7 @@ def model_spec(args: ModelArgs, dtype: torch.dtype, context_tokens: int, quant: 
     from swarm.model.kvcache import kv_bytes_per_token_per_layer
     from swarm.model.quant import layer_bytes as quant_layer_bytes
     from swarm.model.quant import layer_bytes_each as quant_layer_bytes_each
+    from swarm.model.quant import layer_compact_bytes_each
     from swarm.planner.budget import PREFILL_CHUNK_TOKENS
 
     nbytes = torch.empty(0, dtype=dtype).element_size()
@@ -154,6 +156,8 @@ def model_spec(args: ModelArgs, dtype: torch.dtype, context_tokens: int, quant: 
         n_layers=args.n_layers,
         layer_bytes=quant_layer_bytes(args, quant, nbytes),
         layer_bytes_each=tuple(quant_layer_bytes_each(args, quant, nbytes)),  # each layer at its own size
+        # what keeps its size at any width, so a peer's own width can be stated (ModelSpec.at_width)
+        compact_bytes_each=tuple(layer_compact_bytes_each(args, quant)) if nbytes == 2 else (),
         kv_bytes_per_token_per_layer=kv_bytes_per_token_per_layer(args, kv_cache, nbytes),
         coordinator_bytes=args.head_bytes(nbytes),
         context_tokens=context_tokens,

@@ -16,6 +16,13 @@ dense bytes (the load-time peak: a block is converted one layer at a time); on C
 because the runtime lives in host RAM and the CUDA context is inside ``--memory auto``'s margin
 (devices.py).
 
+Every peer of a swarm plans in one unit, a value 2 bytes wide (settings.plan_memory: an fp32 peer
+advertises half its memory), and states a quantized layer at its own width (its advert's
+``dtype_bytes``; ``Peer.own`` and ``ModelSpec.at_width``): packed integers keep their size at any
+width, so an fp32 peer's int4 layer is not its bf16 bytes doubled. The planner, a stage's and the
+ring's capacity (node/ring/capacity.py), ``plan`` and ``status`` all go through ``Peer.own`` (or
+``at_width`` with the peer's own width) and then :func:`predicted_peak`.
+
 A node subtracts its overhead from what it offers before it advertises (settings.advert_memory),
 so an advert is the room for the planned part, and "fits" means ``predicted_peak <= advert``. A
 node advertises before any plan says whether it coordinates, and any peer may be chosen, so the

@@ -192,7 +192,8 @@ class Reporter:
             block = plan.blocks.get(peer) if plan is not None else None
             coord = plan is not None and plan.coordinator == peer
             # the planned part of its peak, against its advert (planner/budget.py)
-            used = predicted_peak(spec, block or (0, 0), coordinator=coord, draft_bytes=adv.draft_bytes or 0,
+            own = spec.at_width(adv.dtype_bytes) if adv.dtype_bytes else spec  # as the planner counts it (Peer.own)
+            used = predicted_peak(own, block or (0, 0), coordinator=coord, draft_bytes=adv.draft_bytes or 0,
                                   sessions=adv.sessions) \
                 if block or coord else 0
             out[peer] = {

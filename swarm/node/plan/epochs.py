@@ -153,6 +153,7 @@ class Epochs:
         leader: Callable[[], str],
         memory: Callable[[], dict[str, int]],
         drafts: Callable[[], dict[str, int]] = dict,
+        widths: Callable[[], dict[str, int]] = dict,
     ) -> None:
         self.settings = settings
         self.peer_id = peer_id
@@ -162,6 +163,7 @@ class Epochs:
         self.leader = leader
         self.memory = memory
         self.drafts = drafts  # each member's advertised draft model bytes (the planner's coordinator part)
+        self.widths = widths  # each member's advertised value width (the planner's Peer.dtype_bytes)
         self.on_end: Callable[[Epoch], None] = lambda ep: None
         self.on_plan: Callable[[], None] = lambda: None
         self.current: Epoch | None = None
@@ -281,7 +283,8 @@ class Epochs:
                 inline=not self.models.compute.threads, max_len=self.models.context_tokens,
             )  # fmt: skip
             # how many generations the ring's KV memory holds (capacity.py)
-            self.admission.set_capacity(ring_capacity(self.models.spec, plan, self.memory(), self.drafts()))
+            self.admission.set_capacity(ring_capacity(self.models.spec, plan, self.memory(), self.drafts(),
+                                                        self.widths()))
             await self.models.load_tokenizer()
             await self.models.drafts.use(plan.draft, head=head, ckpt=self.models.ckpt, dtype=self.models.dtype,
                                          device=s.device, tokenizer=self.models.tokenizer,
