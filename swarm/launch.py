@@ -252,7 +252,7 @@ def sized_offers(n: int, model_dir: Path, dtypes: list[str], *, device: str = "a
         spec = model_spec(args, torch.bfloat16, context_tokens, quant, kv_cache, sessions)  # the planner's unit
         extra = plan_memory(draft_bytes(draft, args, dtype, context_tokens), dtype)
         offers.append(peak_bytes(args, dtype, str(dev), spec, (0, math.ceil(args.n_layers / n)), coordinator=True,
-                                 draft_bytes=extra, margin=1.02))  # fmt: skip
+                                 draft_bytes=extra, margin=1.02, quant=quant))  # fmt: skip
     return offers
 
 
@@ -278,7 +278,7 @@ def offer_for(model_dir: Path, layers: float, *, dtype: str = "fp32", device: st
     dt = resolve_dtype(dtype, resolve_device(device))
     planned = planned_bytes(model_dir, layers, context_tokens=context_tokens, quant=quant, kv_cache=kv_cache,
                             sessions=sessions, coordinator=coordinator, dtype_bytes=dt.itemsize)  # fmt: skip
-    return planned * dt.itemsize // 2 + overhead_bytes(args, dt, str(resolve_device(device)))
+    return planned * dt.itemsize // 2 + overhead_bytes(args, dt, str(resolve_device(device)), quant=quant)
 
 
 def _start_delay_proxy(delay_ms: float, targets: list[int], workdir: Path) -> tuple[subprocess.Popen[bytes], list[int]]:

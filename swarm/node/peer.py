@@ -134,7 +134,7 @@ async def open_peer(
             models.ms_per_layer = ms_per_layer
         memory, device = advertised_resources(s)
         # less this peer's overhead, in the planner's unit (a mixed ring plans alike): planner/budget.py
-        memory = advert_memory(memory, models.dtype, s.device, models.args)
+        memory = advert_memory(memory, models.dtype, s.device, models.args, s.quant)
     else:
         memory, device = s.memory_bytes, None
     async with open_host(s) as host, contextlib.AsyncExitStack() as stack:

@@ -70,7 +70,8 @@ class Serving:
             coordinator keeps room for its part (head, draft) beside the smaller block: lowered as a
             stage's, its offer left it one layer fewer than it could load, and a swarm in which every
             peer can load only its share then never served."""
-            local, spec = service.membership.local, models.spec
+            local = service.membership.local
+            spec = models.spec.at_width(models.dtype.itemsize)  # as the leader states our layers (Peer.own)
             offer = local.memory_bytes
             fewer = predicted_peak(spec, (a, b - 1), coordinator=coordinator,  # the budget's arithmetic (planner/budget.py)
                                    draft_bytes=(local.draft_bytes or 0) if coordinator else 0)  # fmt: skip

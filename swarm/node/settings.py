@@ -94,29 +94,33 @@ def plan_memory(memory_bytes: int, dtype: torch.dtype) -> int:
     return memory_bytes * 2 // torch.empty(0, dtype=dtype).element_size()
 
 
-def overhead_bytes(args: ModelArgs, dtype: torch.dtype, device: str, *, coordinator: bool = True) -> int:
+def overhead_bytes(args: ModelArgs, dtype: torch.dtype, device: str, *, coordinator: bool = True,
+                   quant: str = "none") -> int:
     """This peer's fixed overhead (real bytes) outside the planned part: planner/budget.py (the
-    default, as coordinator, is what an advert leaves out)."""
+    default, as coordinator, is what an advert leaves out), its load-time peak a layer of its
+    swarm's ``quant`` loaded (quant.layer_load_bytes)."""
     import torch
 
-    from swarm.model.quant import layer_bytes as quant_layer_bytes
+    from swarm.model.quant import layer_load_bytes
     from swarm.planner.budget import runtime_overhead
 
-    dense = quant_layer_bytes(args, "none", torch.empty(0, dtype=dtype).element_size())
-    return runtime_overhead(torch.device(device).type, dense, coordinator=coordinator)
+    load = layer_load_bytes(args, quant, dtype.itemsize)
+    return runtime_overhead(torch.device(device).type, load, coordinator=coordinator)
 
 
-def advert_memory(offered: int, dtype: torch.dtype, device: str, args: ModelArgs) -> int:
+def advert_memory(offered: int, dtype: torch.dtype, device: str, args: ModelArgs, quant: str = "none") -> int:
     """What a peer offering ``offered`` bytes in all advertises: the offer less its own overhead,
     in the planner's unit (plan_memory)."""
-    return plan_memory(max(0, offered - overhead_bytes(args, dtype, device)), dtype)
+    return plan_memory(max(0, offered - overhead_bytes(args, dtype, device, quant=quant)), dtype)
 
 
 def peak_bytes(args: ModelArgs, dtype: torch.dtype, device: str, spec: ModelSpec, block: tuple[int, int], *,
-               coordinator: bool, draft_bytes: int = 0, margin: float = 1.0, at_load: bool = False) -> int:
+               coordinator: bool, draft_bytes: int = 0, margin: float = 1.0, at_load: bool = False,
+               quant: str = "none") -> int:
     """A peer's whole predicted peak in real bytes, serving in ``dtype`` on ``device``: the planned
     part of ``spec`` (the planner's 2-byte unit, as ``draft_bytes``) at ``dtype``'s width, times
-    ``margin``, plus its overhead in that role (``at_load``: before any session, budget.py). For
+    ``margin``, plus its overhead in that role (``at_load``: before any session, budget.py; its
+    load-time peak at the swarm's ``quant``, as the spec's layers). For
     a coordinator, the inverse of advert_memory (a stage's is its coordinator overhead less):
     ``status`` shows it beside the measured peak, local swarms offer it (launch.sized_offers)."""
     import torch
@@ -125,7 +129,7 @@ def peak_bytes(args: ModelArgs, dtype: torch.dtype, device: str, spec: ModelSpec
 
     width = torch.empty(0, dtype=dtype).element_size()
     planned = predicted_peak(spec.at_width(width), block, coordinator=coordinator, draft_bytes=draft_bytes, at_load=at_load)
-    return int(planned * width / 2 * margin) + overhead_bytes(args, dtype, device, coordinator=coordinator)
+    return int(planned * width / 2 * margin) + overhead_bytes(args, dtype, device, coordinator=coordinator, quant=quant)
 
 
 def planned_part(spec: ModelSpec, layers: float, *, coordinator: bool) -> int:

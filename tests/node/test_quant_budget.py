@@ -10,13 +10,15 @@ Storage bytes, not RSS: every tensor a layer keeps (parameters and buffers)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from swarm.model.bundled import bundled_gguf_path, default_model_dir
-from swarm.model.quant import block_nbytes, layer_compact_bytes_each
+from swarm.model.quant import block_nbytes, layer_compact_bytes_each, layer_load_bytes
 from swarm.model.stage import Stage
 from swarm.model.weights import open_checkpoint
 from swarm.node.settings import advert_memory, model_spec, peak_bytes
@@ -77,3 +79,35 @@ def test_a_peers_advert_is_room_for_the_peak_it_predicts(quant: str) -> None:
     for block in ((0, 9), (9, 30)):
         offer = peak_bytes(args, torch.float32, "cpu", spec, block, coordinator=True)
         assert advert_memory(offer, torch.float32, "cpu", args) == predicted_peak(own, block, coordinator=True)
+
+
+def _allocation_peak(fn: Callable[[], Stage]) -> tuple[Stage, int]:
+    """(fn(), the most bytes torch's CPU allocator held at once while it ran, from the profiler's
+    allocation records: exact sizes, not the process's RSS)."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+    records = sorted((r.start_ns(), r.nbytes()) for r in prof.profiler.kineto_results.events() if r.name() == "[memory]")
+    assert records, "the profiler recorded no allocation"
+    now = peak = 0
+    for _, nbytes in records:
+        now += nbytes
+        peak = max(peak, now)
+    return out, peak
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("source", "quant"), [("safetensors", "none"), ("safetensors", "int4"),
+                                               ("safetensors", "int8"), ("gguf", "int4")])  # fmt: skip
+def test_loading_a_layer_holds_at_most_its_predicted_load_peak(source: str, quant: str, dtype: torch.dtype) -> None:
+    """A block's load never holds more than its resident bytes and one layer's load-time peak
+    (quant.layer_load_bytes: the layer in the serving dtype, and the temporaries of quantizing its
+    largest weight) at once: two layers loaded, the second's float weights beside the first's
+    compact ones."""
+    ck = open_checkpoint(default_model_dir() if source == "safetensors" else bundled_gguf_path())
+    Stage.load(ck.args, ck.source, 0, 1, dtype=dtype, quant=quant)  # first-use caches (layouts) out of the figure
+    stage, peak = _allocation_peak(lambda: Stage.load(ck.args, ck.source, 0, 2, dtype=dtype, quant=quant))
+    beyond = peak - _resident(stage)
+    bound = layer_load_bytes(ck.args, quant, dtype.itemsize)
+    assert beyond <= bound
+    if source == "safetensors" and quant != "none":  # from float weights the bound is a near one
+        assert beyond > 0.5 * bound  # (a GGUF's int4 groups are repacked without a float copy)
