@@ -133,7 +133,7 @@ async def open_peer(
             models.ms_per_layer = ms_per_layer
         memory, device = advertised_resources(s)
         # less this peer's overhead, in the planner's unit (a mixed ring plans alike): planner/budget.py
-        memory = advert_memory(memory, models.dtype, s.device, models.args)
+        memory = advert_memory(memory, models.dtype, s.device, models.args, s.quant)
     else:
         memory, device = s.memory_bytes, None
     async with open_host(s) as host, contextlib.AsyncExitStack() as stack:
@@ -146,6 +146,7 @@ async def open_peer(
             identity, s.swarm_id, addrs=_announce(s.announce, host), memory_bytes=memory,
             ms_per_layer=models.ms_per_layer if models is not None else 0.0, revoked=s.revoked, device=device,
             draft=draft, sessions=models.spec.sessions if models is not None else None,
+            dtype_bytes=models.dtype.itemsize if models is not None else None,
         )  # fmt: skip
         peer: Peer | None = None
         service = MembershipService(

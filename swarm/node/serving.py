@@ -69,7 +69,8 @@ class Serving:
             coordinator keeps room for its part (head, draft) beside the smaller block: lowered as a
             stage's, its offer left it one layer fewer than it could load, and a swarm in which every
             peer can load only its share then never served."""
-            local, spec = service.membership.local, models.spec
+            local = service.membership.local
+            spec = models.spec.at_width(models.dtype.itemsize)  # as the leader states our layers (Peer.own)
             offer = local.memory_bytes
             fewer = predicted_peak(spec, (a, b - 1), coordinator=coordinator,  # the budget's arithmetic (planner/budget.py)
                                    draft_bytes=(local.draft_bytes or 0) if coordinator else 0)  # fmt: skip
@@ -80,7 +81,7 @@ class Serving:
 
         # an epoch's end and a taken plan reach recovery and the leader, built below on the epochs
         self.epochs = Epochs(settings, peer_id, models, self.admission, notices, leader=view.leader, memory=view.memory,
-                             drafts=view.drafts, on_end=lambda ep: self.recovery.epoch_ended(ep),
+                             drafts=view.drafts, widths=view.widths, on_end=lambda ep: self.recovery.epoch_ended(ep),
                              on_plan=lambda: self.leader.took_plan(), cannot_load=cannot_load)  # fmt: skip
         ring_table = Dispatcher(view, self.epochs.roles, {}, PROTO_RING)
         self.ring = RingClient(host, peer_id, ring_table)

@@ -319,6 +319,10 @@ class Advert(Message):
     # the stage worker's 64, node/ring/capacity.MAX_SESSIONS), so the leader plans its block with
     # that count; absent: the leader's own count (planner Peer.sessions)
     sessions: int | None = meta("sessions", Int(1, 64), optional=True, default=None)
+    # the width in bytes of the values it serves in (4: fp32), so the leader states a quantized
+    # layer's packed integers, which do not widen, at that width (planner Peer.dtype_bytes); absent:
+    # the planner's 2-byte unit, which budgets them at twice their size on an fp32 peer
+    dtype_bytes: int | None = meta("dtype_bytes", Int(1, 8), optional=True, default=None)
     # top-level fields this version does not know (a newer peer's): signed with the rest and passed
     # on as they came, never interpreted, so a swarm can upgrade one member at a time (bounded:
     # MAX_ADVERT_EXTRA keys named like ours, MAX_ADVERT_EXTRA_BYTES of JSON)
@@ -352,6 +356,8 @@ class Advert(Message):
         for k, end in (self.held or {}).items():
             if not (k.isascii() and k.isdigit() and str(int(k)) == k and int(k) < end):
                 raise fail("held", f"entry {k[:8]!r}: expected a start layer below its end {end}")
+        if self.dtype_bytes is not None and self.dtype_bytes not in (1, 2, 4, 8):
+            raise fail("dtype_bytes", f"{self.dtype_bytes}: a value is 1, 2, 4 or 8 bytes wide")
 
     def held_layers(self) -> list[int]:
         """Every layer of :attr:`held` (bounded by MAX_LAYER and MAX_HELD_RANGES)."""

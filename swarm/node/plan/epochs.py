@@ -156,6 +156,7 @@ class Epochs:
         leader: Callable[[], str],
         memory: Callable[[], dict[str, int]],
         drafts: Callable[[], dict[str, int]] = dict,
+        widths: Callable[[], dict[str, int]] = dict,
         on_end: Callable[[Epoch], None] = lambda ep: None,
         on_plan: Callable[[], None] = lambda: None,
         cannot_load: Callable[[int, int, bool], int] | None = None,
@@ -168,6 +169,7 @@ class Epochs:
         self.leader = leader
         self.memory = memory
         self.drafts = drafts  # each member's advertised draft model bytes (the planner's coordinator part)
+        self.widths = widths  # each member's advertised value width (the planner's Peer.dtype_bytes)
         self.on_end = on_end
         self.on_plan = on_plan
         self.cannot_load = cannot_load  # a block that did not fit: lower our offer, return the new one
@@ -288,7 +290,8 @@ class Epochs:
                 inline=not self.models.compute.threads, max_len=self.models.context_tokens,
             )  # fmt: skip
             # how many generations the ring's KV memory holds (capacity.py)
-            self.admission.set_capacity(ring_capacity(self.models.spec, plan, self.memory(), self.drafts()))
+            self.admission.set_capacity(ring_capacity(self.models.spec, plan, self.memory(), self.drafts(),
+                                                        self.widths()))
             await self.models.load_tokenizer()
             await self.models.drafts.use(plan.draft, head=head, ckpt=self.models.ckpt, dtype=self.models.dtype,
                                          device=s.device, tokenizer=self.models.tokenizer,

@@ -166,7 +166,8 @@ class Wiring:
         """Sessions our block's KV caches fit in the memory we advertised (capacity.py)."""
         block = ep.plan.blocks[self.peer_id]
         coord = ep.plan.coordinator == self.peer_id
-        return stage_capacity(self.models.spec, self.offered(), block, coordinator=coord,
+        spec = self.models.spec.at_width(self.models.dtype.itemsize)  # as the leader planned it (Peer.own)
+        return stage_capacity(spec, self.offered(), block, coordinator=coord,
                               draft_bytes=self.own_draft() if coord else 0)  # fmt: skip
 
     def _set_outbound(self, ep: Epoch, hop: int, link: Link) -> None:
