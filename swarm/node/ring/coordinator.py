@@ -62,6 +62,7 @@ from swarm.errors import (
 from swarm.model.driver import Await, Decode, DecodeSettings, GenerationResult, Send, decoder_for
 from swarm.model.speculative import SpeculativeDecoder, VerifyChunk
 from swarm.model.stage import Head
+from swarm.net.channel import FastLock
 from swarm.node.compute import drafting, memory
 from swarm.node.compute.headbatch import SharedHead
 from swarm.node.ring.codec import REPLAY_ID_BASE, hidden_chunk, read_hidden
@@ -134,7 +135,10 @@ class Coordinator:
         self.limits = limits
         self.dtype = next(head.parameters()).dtype
         self._sessions: dict[int, trio.MemorySendChannel[Frame | SwarmError]] = {}
-        self._send_lock = trio.Lock()
+        # taken without a scheduler pass when free: a chunk the driver issues goes on the wire
+        # before any other task runs (the token just streamed to the client, heartbeats), not
+        # after a libp2p write half the time (trio runs a ready batch in random order)
+        self._send_lock = FastLock()
         self._first: Link | None = None
         self._tail_peer = "?"
         self._broken: SwarmError | None = None
