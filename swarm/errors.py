@@ -89,6 +89,17 @@ class FrameError(ProtocolError):
     """A frame is malformed, truncated, over a size cap, or of an unknown version/type."""
 
 
+class BadMessage(ProtocolError):
+    """A whole frame that is no valid message, or not the one expected. The stream it came on is
+    still sound, so the receiver may answer this one (``session``, ``seq``: its frame's header)
+    and go on reading."""
+
+    def __init__(self, message: str, session: int = 0, seq: int = 0) -> None:
+        super().__init__(message)
+        self.session = session
+        self.seq = seq
+
+
 class Forbidden(ProtocolError):
     """A well-formed request from a party not entitled to send it (its role does not allow it)."""
 

@@ -139,3 +139,66 @@ def test_node_package_docs_name_every_file(sub: str) -> None:
     for path in (ROOT / sub).glob("*.py"):
         if path.stem != "__init__":
             assert path.name in doc, f"swarm/{sub}/__init__.py does not say what {path.name} holds"
+
+
+# Issue 24: above the link layer, code sends and receives typed messages. A message becomes a
+# frame and back in one place, swarm.proto.messages (MessageIO, which every link and stream mixes
+# in); node/, api/, cli/ and the client never build, encode, decode or parse a frame themselves.
+# The one exception is a link that lives in node/: the fast path's hop (bytes <-> frames).
+FRAME_CODEC = {
+    "parse_message", "to_frame", "from_frame", "decode_message", "expect_message",
+    "encode_frame", "decode_frame", "FrameDecoder", "frames_of", "MsgType",
+}
+TYPED_ONLY = ["node", "api", "cli", "client.py"]
+LINKS_IN_NODE = {"node/ring/fastlink.py"}
+
+
+def _frame_codec_uses(path: Path) -> list[str]:
+    """Where ``path`` names the frame codec (a call, an attribute, an import) or builds a Frame."""
+    found: list[str] = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        name = None
+        if isinstance(node, ast.Name):
+            name = node.id
+        elif isinstance(node, ast.Attribute):
+            name = node.attr
+        elif isinstance(node, ast.ImportFrom):
+            found += [f"line {node.lineno}: imports {a.name}" for a in node.names if a.name in FRAME_CODEC]
+        if name in FRAME_CODEC:
+            found.append(f"line {node.lineno}: {name}")
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "Frame":
+            found.append(f"line {node.lineno}: builds a Frame")
+    return sorted(found, key=lambda f: int(f.split(":")[0].removeprefix("line ")))
+
+
+def _typed_only_modules() -> list[Path]:
+    paths = [ROOT / where for where in TYPED_ONLY]
+    return sorted(q for p in paths for q in ([p] if p.suffix == ".py" else p.rglob("*.py")))
+
+
+@pytest.mark.parametrize("path", _typed_only_modules(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_above_the_links_code_handles_messages_not_frames(path: Path) -> None:
+    if str(path.relative_to(ROOT)) in LINKS_IN_NODE:
+        return
+    uses = _frame_codec_uses(path)
+    assert not uses, (
+        f"swarm/{path.relative_to(ROOT)} handles frames ({'; '.join(uses)}): send and receive typed "
+        "messages (send_message / receive_message(expect=...), swarm.proto.messages.MessageIO)"
+    )
+
+
+def test_the_frame_check_sees_a_frame_handled(tmp_path: Path) -> None:
+    """The check above can fail: each way of handling a frame is caught."""
+    code = (
+        "from swarm.proto.messages import parse_message\n"
+        "async def f(fs, msg):\n"
+        "    await fs.send(msg.to_frame())\n"
+        "    await fs.send(Frame(1))\n"
+        "    return parse_message(await fs.receive())\n"
+    )
+    (tmp_path / "bad.py").write_text(code)
+    uses = _frame_codec_uses(tmp_path / "bad.py")
+    assert uses == ["line 1: imports parse_message", "line 3: to_frame", "line 4: builds a Frame",
+                    "line 5: parse_message"], uses
+    (tmp_path / "good.py").write_text("async def f(fs, msg):\n    await fs.send_message(msg)\n")
+    assert _frame_codec_uses(tmp_path / "good.py") == []

@@ -10,13 +10,14 @@ Files:
                     both ways
 - ``fields.py``     the declarative field codec: a message lists its fields once (wire key,
                     bounds), encoding and strict decoding come from that list
-- ``messages.py``   the message base, ``parse_message``, the swarm-level messages (admission,
-                    advert, heartbeat, plan) and the activation path's (chunk, result, rollback,
-                    session end, error)
+- ``messages.py``   the message base, ``parse_message``, ``MessageIO`` (typed send/receive that
+                    every link and stream mixes in: the one place a message becomes a frame and
+                    back), the swarm-level messages (admission, advert, heartbeat, plan) and the
+                    activation path's (chunk, result, rollback, session end, error)
 - ``control.py``    CONTROL: one typed message per ring / generation / status op, the one
                     generation request (``Gen``) and its bounds, ``Fail`` and its error codes
 - ``parts.py``      long messages in small frames: a prompt or receipt as PART frames, then the
-                    message (``frames_of``), joined and bounded by an ``Assembler``
+                    message (``pieces_of``), joined and bounded by an ``Assembler``
 - ``signing.py``    canonical JSON, Ed25519 sign/verify helpers, peer ID of a public key
 - ``signed.py``     ``sign_advert``/``verify_advert``/``AdvertBook`` and ``sign_plan``/``verify_plan``
 - ``tensors.py``    /shard-swarm/tensors/1: a model file's byte range asked of a member

@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar, overload
 
-from swarm.errors import ProtocolError
+from swarm.errors import BadMessage, ProtocolError
 from swarm.proto.fields import (
     B64,
     Addrs,
@@ -154,14 +154,16 @@ def message_name(kind: Message | type[Message]) -> str:
 
 def expect_message(frame: Frame, limits: Limits, expect: type[Msg], *, peer: str, where: str = "") -> Msg:
     """``frame`` from ``peer`` as a message of class ``expect`` (``Message``: any), or a
-    ProtocolError that names the peer, ``where`` it came (a protocol, a hop) and what came."""
+    BadMessage that names the peer, ``where`` it came (a protocol, a hop) and what came, and
+    carries the frame's session and seq."""
     on = f" on {where}" if where else ""
     try:
         msg = parse_message(frame, limits)
     except ProtocolError as exc:
-        raise type(exc)(f"peer {peer}{on}: {exc}") from None
+        raise BadMessage(f"peer {peer}{on}: {exc}", frame.session, frame.seq) from None
     if not isinstance(msg, expect):
-        raise ProtocolError(f"peer {peer}{on} sent {message_name(msg)} where {message_name(expect)} was expected")
+        what = f"sent {message_name(msg)} where {message_name(expect)} was expected"
+        raise BadMessage(f"peer {peer}{on} {what}", frame.session, frame.seq)
     return msg
 
 

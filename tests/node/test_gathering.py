@@ -13,8 +13,14 @@ import trio
 import trio.testing
 
 from swarm.node.ring.codec import REPLAY_ID_BASE, hidden_chunk
-from swarm.node.ring.gathering import GATHER_MAX_S, GATHER_MERGE_MAX_S, Gatherer, GatherStats
-from swarm.proto.frame import Frame
+from swarm.node.ring.gathering import (
+    GATHER_MAX_S,
+    GATHER_MERGE_MAX_S,
+    Gatherer,
+    GatherStats,
+    Inbound,
+)
+from swarm.proto.messages import Chunk
 
 
 class _Stage:
@@ -27,17 +33,17 @@ class _Stage:
         return sorted(self.open)
 
 
-def _chunk(session: int, chunk_id: int = 1) -> Frame:
-    return hidden_chunk(session, chunk_id, 0, "decode", torch.zeros(1, 4), epoch=0).to_frame()
+def _chunk(session: int, chunk_id: int = 1) -> Chunk:
+    return hidden_chunk(session, chunk_id, 0, "decode", torch.zeros(1, 4), epoch=0)
 
 
 def _gatherer(sessions: set[int], max_batch: int = 8) -> Gatherer:
     return Gatherer(_Stage(sessions), GatherStats(), max_batch)  # type: ignore[arg-type]
 
 
-async def _wait(g: Gatherer, pending: deque[Frame], arrivals: list[tuple[float, int]]) -> float:
+async def _wait(g: Gatherer, pending: deque[Inbound], arrivals: list[tuple[float, int]]) -> float:
     """Run ``g.wait`` while ``arrivals`` (delay, session) come in; the time it took."""
-    send, recv = trio.open_memory_channel[Frame](16)
+    send, recv = trio.open_memory_channel[Inbound](16)
     t0 = trio.current_time()
 
     async def feed() -> None:

@@ -6,6 +6,7 @@ test_ring_mem.py; real peers in test_ring_processes.py and tests/security/test_f
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -147,6 +148,23 @@ async def test_a_message_that_does_not_belong_on_the_activation_path_is_reported
         await s.send(hidden_result(9, 3, 0, _hidden(stage, 1), EPOCH))
         err = await s.next()
     assert isinstance(err, Error) and err.code == "unexpected" and "RESULT on the activation path" in err.message
+    assert (err.session, err.chunk_id) == (9, 3)
+
+
+async def test_a_frame_that_is_no_valid_message_is_answered_and_the_stage_goes_on(ckpt: Path) -> None:
+    """The link hands the reader a BadMessage (swarm.proto.messages.expect_message): its frame's
+    session and chunk id get a bad_frame ERROR, and the next chunk is computed as usual."""
+    stage = _stages(ckpt)[0]
+    good = hidden_chunk(6, 1, 0, "prefill", _hidden(stage, 2), EPOCH).to_frame()
+    bad = dataclasses.replace(good, session=5, seq=8, meta={**good.meta, "junk": 1})
+    async with _serving(stage) as s:
+        await s.inbound.send(bad, timeout=5)
+        await s.inbound.send(good, timeout=5)
+        err, out = await s.next(), await s.next()
+    assert isinstance(err, Error) and err.code == "bad_frame" and (err.session, err.chunk_id) == (5, 8)
+    assert "peer up->stage" in err.message and "'junk'" in err.message
+    assert isinstance(out, Chunk) and (out.session, out.chunk_id) == (6, 1)
+    assert s.worker.stats.errors == 1
 
 
 async def test_a_forward_out_of_memory_fails_only_the_session_that_needs_it(ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -7,7 +7,7 @@ import pytest
 import trio
 import trio.testing
 
-from swarm.errors import ProtocolError
+from swarm.errors import BadMessage, ProtocolError
 from swarm.net.streams import TrioStreamRaw, open_framed
 from swarm.node.ring.links import LocalLink
 from swarm.proto import control as ctl
@@ -66,7 +66,7 @@ async def test_a_malformed_frame_raises_its_own_error_with_the_peer() -> None:
     await io.send(Frame(MsgType.HEARTBEAT, seq=1, meta={"t": 1, "junk": 2}))
     with pytest.raises(ProtocolError, match=r"^peer QmBad: HEARTBEAT field 'junk'") as info:
         await io.receive_message()
-    assert type(info.value) is ProtocolError
+    assert isinstance(info.value, BadMessage) and (info.value.session, info.value.seq) == (0, 1)
     bad_frame = Frame(MsgType.HEARTBEAT, seq=1, session=3, meta={"t": 1})
     with pytest.raises(ProtocolError, match="QmBad"):
         expect_message(bad_frame, DEFAULT_LIMITS, Heartbeat, peer="QmBad")

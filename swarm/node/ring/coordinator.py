@@ -49,6 +49,7 @@ import torch
 import trio
 
 from swarm.errors import (
+    BadMessage,
     ContextTooLong,
     FaultyPeer,
     PeerError,
@@ -66,10 +67,9 @@ from swarm.net.channel import FastLock
 from swarm.node.compute import drafting, memory
 from swarm.node.compute.headbatch import SharedHead
 from swarm.node.ring.codec import REPLAY_ID_BASE, hidden_chunk, read_hidden
+from swarm.node.ring.gathering import session_of
 from swarm.node.ring.links import Link
-from swarm.proto.frame import Frame
-from swarm.proto.limits import DEFAULT_LIMITS, Limits
-from swarm.proto.messages import Error, Result, SessionEnd, parse_message
+from swarm.proto.messages import Error, Message, Result, SessionEnd
 
 log = logging.getLogger("swarm.node.ring.coordinator")
 
@@ -120,7 +120,6 @@ class Coordinator:
         first_hop: str,
         chunk_timeout: float = DEFAULT_CHUNK_TIMEOUT_S,
         limiter: trio.CapacityLimiter | None = None,
-        limits: Limits = DEFAULT_LIMITS,
         compute_delay_s: float = 0.0,
         inline: bool = False,
         max_len: int | None = None,
@@ -132,9 +131,8 @@ class Coordinator:
         self.first_hop = first_hop
         self.chunk_timeout = chunk_timeout
         self.limiter = limiter or trio.CapacityLimiter(1)
-        self.limits = limits
         self.dtype = next(head.parameters()).dtype
-        self._sessions: dict[int, trio.MemorySendChannel[Frame | SwarmError]] = {}
+        self._sessions: dict[int, trio.MemorySendChannel[Message | SwarmError]] = {}
         # taken without a scheduler pass when free: a chunk the driver issues goes on the wire
         # before any other task runs (the token just streamed to the client, heartbeats), not
         # after a libp2p write half the time (trio runs a ready batch in random order)
@@ -151,20 +149,24 @@ class Coordinator:
     # -- the result reader -----------------------------------------------------------------
 
     async def serve_results(self, inbound: Link, *, tail_peer: str) -> None:
-        """Read RESULT/ERROR frames from the tail and hand them to their sessions."""
+        """Read RESULT/ERROR messages from the tail and hand them to their sessions."""
         self._tail_peer = tail_peer
         try:
             while True:
+                item: Message | SwarmError
                 try:
-                    frame = await inbound.receive(timeout=5.0)
+                    item = await inbound.receive_message(timeout=5.0)
                 except PeerTimeout:
                     continue
+                except BadMessage as exc:  # its session's error (the link is sound: others go on)
+                    item = exc
+                session = session_of(item)
                 self._last_result = trio.current_time()
-                self.shared_head.note_result(frame.session)
-                chan = self._sessions.get(frame.session)
+                self.shared_head.note_result(session)
+                chan = self._sessions.get(session)
                 if chan is not None:  # else a session that already ended (its discarded chunks drain here)
                     with contextlib.suppress(trio.WouldBlock):  # unbounded buffer: never blocks
-                        chan.send_nowait(frame)
+                        chan.send_nowait(item)
                 await trio.lowlevel.checkpoint()  # the fast path's hot receive never yields
         except PeerLost as exc:
             self._fail_all(PeerLost(f"tail {tail_peer}: result link closed ({exc})"))
@@ -212,7 +214,7 @@ class Coordinator:
         if self._broken is not None:
             raise self._broken
         session = next(self._session_ids)
-        send_chan, recv_chan = trio.open_memory_channel[Frame | SwarmError](math.inf)
+        send_chan, recv_chan = trio.open_memory_channel[Message | SwarmError](math.inf)
         self._sessions[session] = send_chan
         sent: dict[int, tuple[VerifyChunk | None, float]] = {}
         steps = run.steps()
@@ -242,13 +244,13 @@ class Coordinator:
                 scope.shield = True
                 try:
                     async with self._send_lock:
-                        await self._first.send(SessionEnd(session).to_frame(), timeout=SEND_TIMEOUT_S)
+                        await self._first.send_message(SessionEnd(session), timeout=SEND_TIMEOUT_S)
                 except SwarmError as exc:
                     log.info("session %d: could not send SESSION_END: %s", session, exc)
         return run.result()
 
     async def _answer(
-        self, run: RingRun, chan: trio.MemoryReceiveChannel[Frame | SwarmError], session: int,
+        self, run: RingRun, chan: trio.MemoryReceiveChannel[Message | SwarmError], session: int,
         sent: dict[int, tuple[VerifyChunk | None, float]],
     ) -> tuple[int, torch.Tensor, float]:  # fmt: skip
         """The next result of a chunk the driver sent: (its id, its hidden state, when it was
@@ -300,9 +302,9 @@ class Coordinator:
             h = self.head.embed(ids)
             cid = REPLAY_ID_BASE + i
             sent[cid] = (None, time.perf_counter())
-            frame = hidden_chunk(session, cid, chunk.base, "prefill", h, self.epoch).to_frame()
+            msg = hidden_chunk(session, cid, chunk.base, "prefill", h, self.epoch)
             async with self._send_lock:
-                await self._first.send(frame, timeout=SEND_TIMEOUT_S)
+                await self._first.send_message(msg, timeout=SEND_TIMEOUT_S)
 
     async def _send(self, chunk: VerifyChunk, session: int, sent: dict[int, tuple[VerifyChunk | None, float]],
                     run: RingRun) -> None:  # fmt: skip
@@ -310,13 +312,13 @@ class Coordinator:
         ids = torch.tensor(chunk.tokens, dtype=torch.long)
         h = self.head.embed(ids)  # (T, D): a table lookup, cheaper than a thread hand-off
         mode = "prefill" if chunk.prefill else ("verify" if len(chunk.tokens) > 1 else "decode")
-        frame = hidden_chunk(session, chunk.chunk_id, chunk.base, mode, h, self.epoch).to_frame()
+        msg = hidden_chunk(session, chunk.chunk_id, chunk.base, mode, h, self.epoch)
         sent[chunk.chunk_id] = (chunk, time.perf_counter())
         run.chunks.append((chunk.base, len(chunk.tokens)))
         async with self._send_lock:
-            await self._first.send(frame, timeout=SEND_TIMEOUT_S)
+            await self._first.send_message(msg, timeout=SEND_TIMEOUT_S)
 
-    async def _receive(self, chan: trio.MemoryReceiveChannel[Frame | SwarmError], session: int) -> Frame | SwarmError:
+    async def _receive(self, chan: trio.MemoryReceiveChannel[Message | SwarmError], session: int) -> Message | SwarmError:
         """The session's next result, waiting while the ring is busy (module doc: slow is not gone)."""
         start = trio.current_time()
         while True:
@@ -335,12 +337,11 @@ class Coordinator:
             log.info("session %d: the ring is busy: still waiting for a result after %.0f s", session, now - start)
 
     async def _next_result(
-        self, chan: trio.MemoryReceiveChannel[Frame | SwarmError], session: int
+        self, chan: trio.MemoryReceiveChannel[Message | SwarmError], session: int
     ) -> tuple[int, torch.Tensor]:
-        item = await self._receive(chan, session)
-        if isinstance(item, SwarmError):
-            raise item
-        msg = parse_message(item, self.limits)
+        msg = await self._receive(chan, session)
+        if isinstance(msg, SwarmError):
+            raise msg
         if isinstance(msg, Error):
             text = f"ring error on session {session} chunk {msg.chunk_id}: {msg.code}: {msg.message}"
             if msg.code in REQUEST_ERRORS:  # this request alone fails: the ring is sound, nobody is to blame

@@ -40,15 +40,24 @@ from dataclasses import dataclass
 
 import trio
 
+from swarm.errors import BadMessage
 from swarm.model.stage import Stage
 from swarm.node.ring.codec import is_replay
-from swarm.proto.frame import Frame, MsgType
+from swarm.proto.messages import Chunk, Message
 
 GATHER_MAX_S = 0.1  # the longest a forward waits for sessions due (module doc)
 GATHER_MERGE_MAX_S = 0.25  # the longest a smaller group waits to merge with the others
 
 
-def drain(recv: trio.MemoryReceiveChannel[Frame], pending: deque[Frame]) -> None:
+Inbound = Message | BadMessage  # what a stage reads off its inbound link: a message, or why a frame was none
+
+
+def session_of(item: Inbound) -> int:
+    """The session an inbound item belongs to (0: none, a swarm-level message)."""
+    return getattr(item, "session", 0)  # type: ignore[no-any-return]
+
+
+def drain(recv: trio.MemoryReceiveChannel[Inbound], pending: deque[Inbound]) -> None:
     """Everything read so far into ``pending``, without waiting."""
     while True:
         try:
@@ -100,9 +109,9 @@ class Gatherer:
         for state in (self.arrived, self.cycle, self.mates):
             state.pop(session, None)
 
-    def due(self, pending: deque[Frame]) -> set[int]:
+    def due(self, pending: deque[Inbound]) -> set[int]:
         """Sessions that shared the queued ones' last forward, not queued yet (module doc)."""
-        queued = {f.session for f in pending}
+        queued = {session_of(m) for m in pending}
         due: set[int] = set()
         for session in queued:  # a forward's sessions come back together...
             mates, ended = self.mates.get(session, (frozenset(), math.inf))
@@ -129,16 +138,16 @@ class Gatherer:
         # bounded only by the estimate timed out when they ran late, and the groups stayed split
         return others, min(max(until - now, max(self.cycle[s] for s in others)), GATHER_MERGE_MAX_S)
 
-    async def wait(self, recv: trio.MemoryReceiveChannel[Frame], pending: deque[Frame]) -> None:
+    async def wait(self, recv: trio.MemoryReceiveChannel[Inbound], pending: deque[Inbound]) -> None:
         """Wait (bounded) for the sessions due about now, reading into ``pending``, so they share
         the next forward."""
         window = min(self.typical_s, GATHER_MAX_S)
         if not self.enabled or window == math.inf or not pending:
             return
-        queued = {f.session for f in pending if f.msg_type == MsgType.CHUNK}
+        queued = {m.session for m in pending if isinstance(m, Chunk)}
         if not queued or len(queued) >= self.max_batch:
             return
-        if any(f.msg_type == MsgType.CHUNK and is_replay(f.seq) for f in pending):
+        if any(isinstance(m, Chunk) and is_replay(m.chunk_id) for m in pending):
             return  # a resumed run's replay: computed at once (module doc)
         due = self.due(pending)
         if not due:
@@ -150,13 +159,13 @@ class Gatherer:
         with trio.move_on_after(window) as scope:
             while due and len(queued) < self.max_batch:
                 try:
-                    frame = await recv.receive()
+                    item = await recv.receive()
                 except trio.EndOfChannel:
                     break
-                pending.append(frame)
+                pending.append(item)
                 drain(recv, pending)
-                queued.update(f.session for f in pending if f.msg_type == MsgType.CHUNK)
-                due -= {f.session for f in pending}
+                queued.update(m.session for m in pending if isinstance(m, Chunk))
+                due -= {session_of(m) for m in pending}
         self.stats.gathers += 1
         self.stats.gather_timeouts += scope.cancelled_caught
         self.stats.gather_s += trio.current_time() - t0

@@ -73,7 +73,7 @@ from dataclasses import dataclass, field
 import torch
 import trio
 
-from swarm.errors import PeerLost, PeerTimeout, ProtocolError, SwarmError
+from swarm.errors import BadMessage, PeerLost, PeerTimeout, ProtocolError, SwarmError
 from swarm.model.batched import forward_many
 from swarm.model.stage import Stage
 from swarm.node.compute import memory
@@ -87,11 +87,9 @@ from swarm.node.ring.codec import (
     is_replay,
     read_hidden,
 )
-from swarm.node.ring.gathering import Gatherer, GatherStats, drain
+from swarm.node.ring.gathering import Gatherer, GatherStats, Inbound, drain, session_of
 from swarm.node.ring.links import Link
-from swarm.proto.frame import Frame, MsgType
-from swarm.proto.limits import DEFAULT_LIMITS, Limits
-from swarm.proto.messages import Chunk, Error, Result, Rollback, SessionEnd, parse_message
+from swarm.proto.messages import Chunk, Error, Message, Result, Rollback, SessionEnd, message_name
 
 log = logging.getLogger("swarm.node.stage")
 
@@ -127,7 +125,6 @@ class StageWorker:
         max_sessions: int = 64,
         max_len: int | None = None,
         limiter: trio.CapacityLimiter | None = None,
-        limits: Limits = DEFAULT_LIMITS,
         on_bad_input: Callable[[str, str], None] | None = None,
         compute_delay_s: float = 0.0,
         max_batch: int = MAX_BATCH,
@@ -140,7 +137,6 @@ class StageWorker:
         self.max_sessions = max_sessions
         self.max_len = max_len or stage.args.max_seq_len
         self.limiter = limiter or trio.CapacityLimiter(1)
-        self.limits = limits
         # bad activations are reported to the leader by us, the receiving end of the hop: an
         # in-band ERROR naming a peer is only a claim that any stage on the way could forge
         self.on_bad_input = on_bad_input
@@ -155,7 +151,7 @@ class StageWorker:
         # inside the compute, as a busy box's compute does), wherever the forward runs
         self.compute_delay_s = compute_delay_s
         self.inline = inline  # every forward on the trio thread (in-memory tests on a mock clock)
-        self._pending: deque[Frame] = deque()  # read, not yet handled (sessions busy in a batch)
+        self._pending: deque[Inbound] = deque()  # read, not yet handled (sessions busy in a batch)
         self.gathering = Gatherer(stage, self.stats, self.max_batch)  # waits for sessions due (gathering.py)
         self._replayed: dict[int, int] = {}  # session -> replay chunks computed (module doc: replay)
         self.trace: list[list[tuple[int, int, int]]] | None = None  # tests: (session, pos, tokens) per batch
@@ -165,7 +161,7 @@ class StageWorker:
 
     async def serve(self, inbound: Link, outbound: Link) -> None:
         """Run until the inbound link closes (PeerLost) or the caller cancels."""
-        send, recv = trio.open_memory_channel[Frame](math.inf)
+        send, recv = trio.open_memory_channel[Inbound](math.inf)
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._read, inbound, send)
@@ -182,23 +178,26 @@ class StageWorker:
             for session in list(self.stage.sessions()):
                 self.stage.close_session(session)
 
-    async def _read(self, inbound: Link, send: trio.MemorySendChannel[Frame]) -> None:
+    async def _read(self, inbound: Link, send: trio.MemorySendChannel[Inbound]) -> None:
         async with send:
             try:
                 while True:
+                    item: Inbound
                     try:
-                        frame = await inbound.receive(timeout=IDLE_POLL_S)
+                        item = await inbound.receive_message(timeout=IDLE_POLL_S)
                     except PeerTimeout:
                         continue
+                    except BadMessage as exc:  # answered in its turn with an ERROR (_take_batch)
+                        item = exc
                     if not self.swallow:
-                        if frame.msg_type == MsgType.CHUNK:
-                            self.gathering.note_arrival(frame.session)
-                        send.send_nowait(frame)  # unbounded: what is in flight is bounded upstream
+                        if isinstance(item, Chunk):
+                            self.gathering.note_arrival(item.session)
+                        send.send_nowait(item)  # unbounded: what is in flight is bounded upstream
                     await trio.lowlevel.checkpoint()  # the fast path's hot receive never yields
             except PeerLost:
                 log.info("%r: upstream %s closed", self, self.upstream)
 
-    async def _compute_loop(self, recv: trio.MemoryReceiveChannel[Frame], outbound: Link) -> None:
+    async def _compute_loop(self, recv: trio.MemoryReceiveChannel[Inbound], outbound: Link) -> None:
         while True:
             if not self._pending:
                 try:
@@ -213,32 +212,31 @@ class StageWorker:
             await trio.lowlevel.checkpoint()
 
     async def _take_batch(self, outbound: Link) -> list[list[tuple[Chunk, torch.Tensor]]]:
-        """Scan the queue in order: each session's first frame is handled (a control frame) or
-        joins the batch (a chunk, with the replay chunks queued behind it if it is one); later
-        frames of a session in the batch wait (module doc)."""
+        """Scan the queue in order: each session's first message is handled (a control message,
+        or a frame that was none) or joins the batch (a chunk, with the replay chunks queued
+        behind it if it is one); later messages of a session in the batch wait (module doc)."""
         batch: list[list[tuple[Chunk, torch.Tensor]]] = []
         busy: set[int] = set()
-        keep: deque[Frame] = deque()
+        keep: deque[Inbound] = deque()
         tokens = 0
         while self._pending:
-            frame = self._pending.popleft()
-            if frame.session in busy or len(batch) >= self.max_batch:
-                keep.append(frame)
-                busy.add(frame.session)
+            msg = self._pending.popleft()
+            session = session_of(msg)
+            if session in busy or len(batch) >= self.max_batch:
+                keep.append(msg)
+                busy.add(session)
                 continue
-            try:
-                msg = parse_message(frame, self.limits)
-            except ProtocolError as exc:
+            if isinstance(msg, BadMessage):
                 self.stats.errors += 1
-                log.warning("%r: bad frame from %s: %s", self, self.upstream, exc)
-                await self._report(outbound, frame.session, frame.seq, "bad_frame", str(exc))
+                log.warning("%r: bad frame from %s: %s", self, self.upstream, msg)
+                await self._report(outbound, msg.session, msg.seq, "bad_frame", str(msg))
                 continue
             if not isinstance(msg, Chunk):
-                await self._control(msg, frame, outbound)
+                await self._control(msg, outbound)
                 continue
             if batch and tokens + msg.tokens > MAX_BATCH_TOKENS:
-                keep.append(frame)
-                busy.add(frame.session)
+                keep.append(msg)
+                busy.add(session)
                 continue
             h = await self._admit(msg, outbound)
             if h is not None:
@@ -258,15 +256,15 @@ class StageWorker:
         done = self._replayed.get(first.session, 0)
         self._replayed[first.session] = done + 1
         while len(group) < min(REPLAY_GROUP, max(1, done)):
-            i = next((i for i, f in enumerate(self._pending) if f.session == first.session), None)
-            if i is None or self._pending[i].msg_type != MsgType.CHUNK or not is_replay(self._pending[i].seq):
+            i = next((i for i, m in enumerate(self._pending) if session_of(m) == first.session), None)
+            msg = None if i is None else self._pending[i]
+            if i is None or not isinstance(msg, Chunk) or not is_replay(msg.chunk_id):
+                break
+            if msg.epoch != self.epoch or msg.pos > end:
+                break
+            if msg.pos + msg.tokens > self.max_len or tokens + msg.tokens > room:
                 break
             try:
-                msg = parse_message(self._pending[i], self.limits)
-                if not isinstance(msg, Chunk) or msg.epoch != self.epoch or msg.pos > end:
-                    break
-                if msg.pos + msg.tokens > self.max_len or tokens + msg.tokens > room:
-                    break
                 group.append((msg, read_hidden(msg, dim=self.stage.args.dim, expect=self.dtype, peer=self.upstream)))
             except SwarmError:
                 break
@@ -275,24 +273,27 @@ class StageWorker:
             self._replayed[first.session] += 1
         return group
 
-    async def _control(self, msg: object, frame: Frame, outbound: Link) -> None:
+    async def _control(self, msg: Message, outbound: Link) -> None:
+        """A session's next message that is no chunk: acted on here and passed on (SESSION_END,
+        ROLLBACK: the stages after us hold the session too; ERROR: for the coordinator)."""
         if isinstance(msg, SessionEnd):
             if msg.session in self.stage.sessions():
                 self.stage.close_session(msg.session)
             self.gathering.forget(msg.session)
             self._replayed.pop(msg.session, None)
             if not self.is_tail:
-                await outbound.send(frame, timeout=SEND_TIMEOUT_S)
+                await outbound.send_message(msg, timeout=SEND_TIMEOUT_S)
         elif isinstance(msg, Rollback):
             if msg.session in self.stage.sessions() and self.stage.session_len(msg.session) > msg.length:
                 self.stage.rollback(msg.session, msg.length)
             if not self.is_tail:
-                await outbound.send(frame, timeout=SEND_TIMEOUT_S)
+                await outbound.send_message(msg, timeout=SEND_TIMEOUT_S)
         elif isinstance(msg, Error):
-            await outbound.send(frame, timeout=SEND_TIMEOUT_S)
-        else:
+            await outbound.send_message(msg, timeout=SEND_TIMEOUT_S)
+        else:  # a RESULT, a swarm-level message (session 0: not answered)
+            chunk_id = msg.chunk_id if isinstance(msg, Result) else 0
             await self._report(
-                outbound, frame.session, frame.seq, "unexpected", f"{MsgType(frame.msg_type).name} on the activation path"
+                outbound, session_of(msg), chunk_id, "unexpected", f"{message_name(msg)} on the activation path"
             )
 
     async def _admit(self, msg: Chunk, outbound: Link) -> torch.Tensor | None:
@@ -410,7 +411,7 @@ class StageWorker:
                 reply = hidden_result(msg.session, msg.chunk_id, msg.pos, enc, msg.epoch)
             else:
                 reply = hidden_chunk(msg.session, msg.chunk_id, msg.pos, msg.mode, enc, msg.epoch, msg.flags)
-            await outbound.send(reply.to_frame(), timeout=SEND_TIMEOUT_S)
+            await outbound.send_message(reply, timeout=SEND_TIMEOUT_S)
             await trio.lowlevel.checkpoint()  # the fast path's hot send never yields
 
     def _prepare_cache(self, msg: Chunk, where: str) -> None:
@@ -435,6 +436,6 @@ class StageWorker:
         if session == 0:
             return
         try:
-            await outbound.send(Error(session, chunk_id, code, text[:1000]).to_frame(), timeout=SEND_TIMEOUT_S)
+            await outbound.send_message(Error(session, chunk_id, code, text[:1000]), timeout=SEND_TIMEOUT_S)
         except SwarmError as exc:
             log.warning("%r: could not report error downstream: %s", self, exc)
