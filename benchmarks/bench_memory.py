@@ -17,14 +17,14 @@ largest dense layer) beside the kernel's VmHWM. Phases:
   ``after_load`` over the new block's peak at load), then 8 sessions again; the survivors' VmHWM
   over their whole life;
 - ``int4_sessions_8``: the first phase's swarm and sessions with ``--quant int4`` from the bf16
-  safetensors (``--no-int4`` skips it).
+  safetensors (``--no-int4`` skips it; ``--int8`` adds the same with ``--quant int8``).
 
 Target 0.9–1.05: below, the budget wastes memory a peer offered; above, a peer goes over what it
 offered. A head-only coordinator or a standby predicts nothing for a block it does not hold.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/bench_memory.py [--nodes 3] [--dtype fp32] [--context 512] [--new-tokens 16] [--no-int4]
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_memory.py [--nodes 3] [--dtype fp32] [--context 512] [--new-tokens 16] [--no-int4] [--int8] [--out PATH]
 
-Prints and writes benchmarks/results/memory.json.
+Prints and writes benchmarks/results/memory.json (or ``--out``), with the load average at its start and end.
 """
 
 from __future__ import annotations
@@ -135,29 +135,37 @@ def _ratios(rows: list[dict[str, Any]], key: str = "hwm_over_predicted") -> list
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
+    start_load = os.getloadavg()
     prompts = _prompts(args.context, args.new_tokens)
     fp = await _steady(args, prompts, "none")
     rp = await _replan(args, prompts)
     q4 = await _steady(args, prompts, "int4") if args.int4 else None
+    q8 = await _steady(args, prompts, "int8") if args.int8 else None
     at_load = "hwm_over_predicted_load"  # once serving, before any session: the peak predicted at load
     ratios = {"load": _ratios(fp["load"], at_load), "sessions_8": _ratios(fp["sessions_8"]),
               "replan_after_load": _ratios(rp["after_load"], at_load), "replan_sessions_8": _ratios(rp["sessions_8"])}  # fmt: skip
     if q4 is not None:
         ratios |= {"int4_load": _ratios(q4["load"], at_load), "int4_sessions_8": _ratios(q4["sessions_8"])}
+    if q8 is not None:
+        ratios |= {"int8_load": _ratios(q8["load"], at_load), "int8_sessions_8": _ratios(q8["sessions_8"])}
     # the same VmHWM at load over the whole predicted peak (its sessions' KV not yet written)
     at_load_of_whole = {"load": _ratios(fp["load"]), "replan_after_load": _ratios(rp["after_load"])}
     if q4 is not None:
         at_load_of_whole["int4_load"] = _ratios(q4["load"])
-    over = [r["hwm_over_offered"] for ph in (fp, rp, q4) if ph for k in ("sessions_8",) for r in ph[k]]
+    if q8 is not None:
+        at_load_of_whole["int8_load"] = _ratios(q8["load"])
+    over = [r["hwm_over_offered"] for ph in (fp, rp, q4, q8) if ph for k in ("sessions_8",) for r in ph[k]]
     return {
         "command": f"PYTHONPATH=. .venv/bin/python benchmarks/bench_memory.py --nodes {args.nodes} --dtype {args.dtype} "
-                   f"--context {args.context} --new-tokens {args.new_tokens}" + ("" if args.int4 else " --no-int4"),
-        "machine": {"cpu": platform.processor() or platform.machine(), "load_average": os.getloadavg()},
+                   f"--context {args.context} --new-tokens {args.new_tokens}" + ("" if args.int4 else " --no-int4")
+                   + (" --int8" if args.int8 else "") + ("" if args.out == RESULTS else f" --out {args.out}"),
+        "machine": {"cpu": platform.processor() or platform.machine(), "load_average_start": start_load,
+                    "load_average": os.getloadavg()},
         "nodes": args.nodes, "dtype": args.dtype, "context_tokens": args.context,
         "prompt_tokens": [len(p) for p in prompts],
         "hwm_over_predicted": ratios, "load_hwm_over_whole_predicted": at_load_of_whole,
         "max_hwm_over_offered": max(x for x in over if x is not None),
-        "target": [0.9, 1.05], "phases": {"fp32": fp, "replan": rp, "int4": q4},
+        "target": [0.9, 1.05], "phases": {"fp32": fp, "replan": rp, "int4": q4, "int8": q8},
     }  # fmt: skip
 
 
@@ -168,10 +176,12 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--no-int4", dest="int4", action="store_false")
+    ap.add_argument("--int8", action="store_true", help="also an int8 swarm, as the int4 one")
+    ap.add_argument("--out", type=Path, default=RESULTS, help="results file (default: benchmarks/results/memory.json)")
     args = ap.parse_args()
     out = trio.run(run, args)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(out, indent=2) + "\n")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=2) + "\n")
     print(json.dumps({k: out[k] for k in ("hwm_over_predicted", "load_hwm_over_whole_predicted", "max_hwm_over_offered",
                                           "machine")}, indent=2))  # fmt: skip
 
