@@ -43,6 +43,7 @@ discarded. Writes benchmarks/results/ring.json (with ``--only``, only that part 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -136,6 +137,7 @@ if _dir:
     try:
         from swarm.model import stage as _st
         from swarm.node.ring import coordinator as _co, stage_worker as _sw
+        _rec(k="code", file=_sw.__file__)  # which tree this node runs (--ab checks it)
 
         _fwd = _st.Stage.forward
         def forward(self, session, h):
@@ -181,6 +183,15 @@ if _dir:
             except Exception as exc:
                 _rec(k="trace_error", error=repr(exc))
         _sw.StageWorker._run_batch = _run_traced
+
+        # when a stage's result left (its send returned): the batch's end above comes after the
+        # checkpoint that follows each send, where a busy box may deschedule the stage
+        from swarm.node.ring import fastlink as _fl
+        _flsend = _fl.FrameLink.send
+        async def _flsend_traced(self, frame, *a, **k):
+            await _flsend(self, frame, *a, **k)
+            _rec(k="sent", s=frame.session, c=frame.seq, t=time.perf_counter())
+        _fl.FrameLink.send = _flsend_traced
 
         _send = _co.Coordinator._send
         async def _send_traced(self, chunk, session, *a, **k):  # one chunk (the decode driver's Send)
@@ -230,8 +241,14 @@ def analyse_trace(trace_dir: Path, plan: dict[str, Any]) -> dict[str, Any]:
     (result in -> next chunk sent: LM head, decoder, embed, encode, send)."""
     ev: list[dict[str, Any]] = []
     for f in trace_dir.glob("ring-trace-*.jsonl"):
-        ev += [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+        mine = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+        sent = {(e["s"], e["c"]): e["t"] for e in mine if e["k"] == "sent"}
+        for e in mine:  # a stage's result is out when its send returned (the tracer's FrameLink.send)
+            if e["k"] == "stage" and (e["s"], e["c"]) in sent:
+                e["t_out"] = min(e["t_out"], sent[(e["s"], e["c"])])
+        ev += mine
     errors = [e["error"] for e in ev if e["k"] == "trace_error"]
+    code = sorted({str(Path(e["file"]).parents[3]) for e in ev if e["k"] == "code"})
     stages: dict[tuple[int, int], list[dict[str, Any]]] = {}
     for e in ev:
         if e["k"] == "stage":
@@ -280,6 +297,7 @@ def analyse_trace(trace_dir: Path, plan: dict[str, Any]) -> dict[str, Any]:
     med_rows = {k: round(med(v), 2) for k, v in rows.items()}
     return {
         "chunks_traced": len(rows.get("token cycle (send -> next send)", [])),
+        "code": code,  # the source trees the nodes imported swarm from
         "ms_median": med_rows,
         "errors": errors,
     }
@@ -293,14 +311,14 @@ def workdir(a: argparse.Namespace, name: str) -> Path:
     return path
 
 
-def git_state() -> str:
+def git_state(root: Path = ROOT) -> str:
     """The commit measured, and whether the working tree had uncommitted changes."""
     try:
         head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True
         )
         dirty = subprocess.run(
-            ["git", "status", "--porcelain", "swarm"], cwd=ROOT, capture_output=True, text=True
+            ["git", "status", "--porcelain", "swarm"], cwd=root, capture_output=True, text=True
         )
     except OSError:
         return "unknown"
@@ -386,22 +404,40 @@ def bench_lan(model_dir: Path, tok: Tokenizer, a: argparse.Namespace) -> dict[st
             "cpu_ms_per_token": 1000 * cpu / len(res.output_token_ids),
         }
 
+    base_runs: list[dict[str, Any]] = []
+    base_plan: dict[str, Any] = {}
+
+    async def ring_run(sw: LocalSwarm, host: Any, peer: str, side: str, runs: list[dict[str, Any]]) -> None:
+        c0 = swarm_cpu_s(sw)
+        rc = await _ring_gen(host, peer, ids, a.lan_new_tokens, "none")
+        cpu = swarm_cpu_s(sw) - c0
+        outputs[side] = rc["output_token_ids"]
+        runs.append(_slim(rc) | {"cpu_ms_per_token": 1000 * cpu / len(rc["output_token_ids"])})
+
     async def body(host: Any, peer: str, st: dict[str, Any]) -> dict[str, Any]:
         plan = st["plan"]
-        await _ring_gen(host, peer, ids, a.lan_new_tokens, "none")  # warm-up
-        await trio.to_thread.run_sync(run_local)
-        for r in range(a.runs):
-            for side in ("ring", "local") if r % 2 == 0 else ("local", "ring"):
-                if side == "ring":
-                    c0 = swarm_cpu_s(swarm)
-                    rc = await _ring_gen(host, peer, ids, a.lan_new_tokens, "none")
-                    cpu = swarm_cpu_s(swarm) - c0
-                    outputs["ring"] = rc["output_token_ids"]
-                    ring_runs.append(
-                        _slim(rc) | {"cpu_ms_per_token": 1000 * cpu / len(rc["output_token_ids"])}
-                    )
-                else:
-                    local_runs.append(await trio.to_thread.run_sync(run_local))
+        async with contextlib.AsyncExitStack() as stack:
+            sides: tuple[str, ...] = ("ring", "local")
+            if swarm_b is not None:  # --ab: the same ring running the code at a.ab, in every round
+                host_b, peer_b = await stack.enter_async_context(client.open_client(
+                    swarm_b.addrs[-1], secret=swarm_b.secret, swarm_id=swarm_b.swarm_id, timeout=READY_TIMEOUT_S))
+                st_b = await client.wait_ready(host_b, peer_b, timeout=READY_TIMEOUT_S)
+                # the planner splits by measured speed, so the blocks may differ (13/17 or 17/13 layers):
+                # one session's token crosses every layer either way; the JSON keeps both plans
+                base_plan.update(st_b["plan"])
+                sides = ("ring", "base", "local")
+                await _ring_gen(host_b, peer_b, ids, a.lan_new_tokens, "none")  # warm-up
+            await _ring_gen(host, peer, ids, a.lan_new_tokens, "none")  # warm-up
+            await trio.to_thread.run_sync(run_local)
+            for r in range(a.runs):
+                k = r % len(sides)  # each side goes first, second, ... in turn
+                for side in sides[k:] + sides[:k]:
+                    if side == "ring":
+                        await ring_run(swarm, host, peer, side, ring_runs)
+                    elif side == "base":
+                        await ring_run(swarm_b, host_b, peer_b, side, base_runs)  # type: ignore[arg-type]
+                    else:
+                        local_runs.append(await trio.to_thread.run_sync(run_local))
         return {"plan": plan, "hop_paths": st.get("hop_paths")}
 
     trace_dir = workdir(a, "lan-trace")
@@ -412,7 +448,17 @@ def bench_lan(model_dir: Path, tok: Tokenizer, a: argparse.Namespace) -> dict[st
         )
     finally:
         uninstall_tracer()
-    with swarm:
+    swarm_b, trace_b = None, workdir(a, "lan-trace-base")
+    if a.ab is not None:  # its nodes import the code at a.ab (and the tracer, into their own directory)
+        install_tracer(trace_b)
+        env = {"PYTHONPATH": os.pathsep.join([str(trace_b), str(a.ab)]), "RING_BENCH_TRACE": str(trace_b)}
+        try:
+            swarm_b = start_local_swarm(3, model_dir, dtype=a.dtype, threads=a.threads, draft="none",
+                                        workdir=workdir(a, "lan-base"), quant=a.quant,
+                                        node_env={i: env for i in range(3)})  # fmt: skip
+        finally:
+            uninstall_tracer()
+    with swarm, (swarm_b or contextlib.nullcontext()):
         t0 = time.perf_counter()
         info = trio.run(_with_client, swarm, body)
         wall = time.perf_counter() - t0
@@ -470,7 +516,32 @@ def bench_lan(model_dir: Path, tok: Tokenizer, a: argparse.Namespace) -> dict[st
         "where_the_time_goes": analyse_trace(trace_dir, plan),
         "runs": ring_runs and {"ring": ring_runs, "local": local_runs},
         "wall_s": round(wall, 1),
-    }
+    } | (_ab_rows(a, base_runs, ring_runs, local_runs, outputs, trace_b, base_plan) if swarm_b is not None else {})
+
+
+def _ab_rows(a: argparse.Namespace, base_runs: list[dict[str, Any]], ring_runs: list[dict[str, Any]],
+             local_runs: list[dict[str, Any]], outputs: dict[str, list[int]], trace_b: Path,
+             plan: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+    """--ab: the second swarm's figures beside this tree's, from the same rounds."""
+    base_trace = analyse_trace(trace_b, plan)
+    if base_trace["code"] != [str(a.ab)]:
+        raise SystemExit(f"--ab: the base swarm's nodes ran the code in {base_trace['code']}, not {a.ab}")
+    tok_s = [r["decode_tokens_per_s"] for r in base_runs]
+    ring_vs_base = [r["decode_tokens_per_s"] / b for r, b in zip(ring_runs, tok_s, strict=True)]
+    return {"ab": {
+        "base_root": str(a.ab),
+        "base_git": git_state(Path(a.ab)),
+        "ring_vs_base": round(med(ring_vs_base), 3),  # > 1: this tree's ring is faster
+        "ring_vs_base_runs": [round(x, 3) for x in ring_vs_base],
+        "base_decode_tok_s": round(med(tok_s), 2),
+        "base_vs_local": round(med([b / o["decode_tokens_per_s"] for b, o in zip(tok_s, local_runs, strict=True)]), 3),
+        "base_ms_per_token": round(1000 / med(tok_s), 1),
+        "base_cpu_ms_per_token": round(med([r["cpu_ms_per_token"] for r in base_runs]), 1),
+        "base_greedy_identical_to_local": outputs.get("base") == outputs.get("local"),
+        "base_blocks": sorted(tuple(b) for b in plan["blocks"].values()),
+        "base_where_the_time_goes": base_trace,
+        "base_runs": base_runs,
+    }}
 
 
 def _hops(plan: dict[str, Any]) -> list[tuple[str, str]]:
@@ -708,6 +779,9 @@ def main() -> None:
         "--quick", action="store_true", help="2 runs per side, 24 new tokens (a smoke run)"
     )
     p.add_argument("--keep", action="store_true", help="keep the tail of the node logs in the JSON")
+    p.add_argument("--ab", type=Path, default=None,
+                   help="LAN: a second swarm whose nodes run the code of this tree (e.g. a git worktree of the "
+                        "base commit), its generations in every round beside this tree's ring and one process")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument(
         "--workdir",
@@ -716,6 +790,11 @@ def main() -> None:
     )
     a = p.parse_args()
     a.drafts = [d for d in a.drafts.split(",") if d]
+    if a.ab is not None:
+        # a node runs `python -m swarm.node`, which imports swarm from its working directory
+        # first: run from one without a swarm/ package, so each swarm imports its own tree
+        a.ab, a.out = a.ab.resolve(), a.out.resolve()
+        os.chdir(tempfile.gettempdir())
     if a.quick:
         a.runs, a.wan_runs, a.new_tokens, a.lan_new_tokens = 2, 1, 24, 24
     torch.set_num_threads(a.threads)

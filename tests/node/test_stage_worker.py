@@ -7,9 +7,11 @@ test_ring_mem.py; real peers in test_ring_processes.py and tests/security/test_f
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -195,3 +197,29 @@ async def test_a_forward_out_of_memory_fails_only_the_session_that_needs_it(ckpt
     assert isinstance(ok, Chunk) and torch.equal(read_hidden(ok, dim=stages[0].args.dim, expect=torch.float32, peer="t"), want)
     assert sorted((type(m).__name__, m.session) for m in later) == [("Chunk", 1), ("Chunk", 3)]  # type: ignore[attr-defined]
     assert s.worker.stats.errors == 1 and s.bad == []
+
+
+async def test_a_lone_decode_chunk_runs_on_the_trio_thread_after_a_preempted_forward(ckpt: Path) -> None:
+    """Where each forward ran (node/compute/inline.py): the first in a worker thread (its time
+    unknown), then, one session alone, on the trio thread, even right after a forward that took
+    300 ms (preempted on a busy box: the median says 20 ms). Times are given, not measured."""
+    stage = _stages(ckpt)[0]
+    inbound, outbound = LocalLink("up->stage"), LocalLink("stage->down")
+    worker = StageWorker(stage, epoch=EPOCH, upstream="peer-up", is_tail=False)
+    on_trio_thread: list[bool] = []
+    took = iter([0.02, 0.02, 0.3, 0.02, 0.02])
+    forward = worker._forward
+
+    def timed(groups: list[list[tuple[Chunk, torch.Tensor]]]) -> tuple[list[Any], float]:
+        on_trio_thread.append(threading.current_thread() is threading.main_thread())
+        return forward(groups)[0], next(took)
+
+    worker._forward = timed  # type: ignore[method-assign]
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(worker.serve, inbound, outbound)
+        for pos in range(5):
+            await inbound.send(hidden_chunk(1, pos + 1, pos, "decode", _hidden(stage, 1, pos), EPOCH).to_frame())
+            out = parse_message(await outbound.receive(timeout=30))
+            assert isinstance(out, Chunk) and out.pos == pos
+        await inbound.close()
+    assert on_trio_thread == [False, True, True, True, True]

@@ -244,7 +244,8 @@ class StageWorker:
                 batch.append(group)
                 busy.add(msg.session)
                 tokens += sum(m.tokens for m, _ in group)
-            await trio.lowlevel.checkpoint()  # one frame per step: heartbeats run in between
+            if self._pending:  # one frame per step: heartbeats run in between (not after the last:
+                await trio.lowlevel.checkpoint()  # the batch's sends checkpoint, after its forward)
         self._pending = keep
         return batch
 
