@@ -95,3 +95,23 @@ async def test_every_link_kind_carries_typed_messages() -> None:
         await a.send_message(Heartbeat(1, 1))
         with pytest.raises(ProtocolError, match="peer A on p sent HEARTBEAT where CONTROL tokens was expected"):
             await b.receive_message(expect=ctl.Tokens)
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        Frame(MsgType.SESSION_END, session=4),
+        Frame(MsgType.ROLLBACK, session=1, meta={"len": 5, "epoch": 2}),
+        Frame(MsgType.ERROR, session=1, seq=2, meta={"code": "bad_input", "msg": "upstream=Qm nan"}),
+        Frame(MsgType.HEARTBEAT, seq=3, meta={"t": 5}),
+    ],
+    ids=lambda f: f.msg_type.name,
+)
+async def test_a_message_passed_on_leaves_as_the_bytes_that_came(frame: Frame) -> None:
+    """A stage passes SESSION_END, ROLLBACK and ERROR on, a ctl stream echoes HEARTBEATs: they are
+    re-encoded from the typed message now, not forwarded as frames, so the bytes must not change
+    (a peer of another version reads them)."""
+    io = Recorder()
+    await io.send(frame)
+    await io.send_message(await io.receive_message())
+    assert encode_frame(io.frames[0], DEFAULT_LIMITS) == encode_frame(frame, DEFAULT_LIMITS)

@@ -4,7 +4,7 @@
                    requests, relaying, the coordinator's run
     resume.py      a generation outliving its ring: wait for the next epoch, resume by replay
     report.py      receipts and status
-    genwire.py     a gen/1 stream's messages, however long: sent as their frames, received whole
+    genwire.py     a gen/1 stream's messages, however long: sent in pieces, received whole
     genstream.py   the one client of a generation's stream (CLI, API, a relaying node): the
                    reader and its timeout rule, resume after a lost coordinator, receipt stitching
     ringview.py    build_view: a status dict -> the ring as a person reads it (status command, web console)

@@ -1,6 +1,6 @@
 """The ring's data plane: hidden states from the coordinator through every stage and back.
 
-    links.py         the Link interface of a hop, and the in-process LocalLink
+    links.py         the Link interface of a hop (typed messages in and out), and the in-process LocalLink
     fastlink.py      a hop over a fast-path channel (swarm/net/fastpath.py)
     codec.py         the activation codec: tensors <-> CHUNK/RESULT messages, with every check
     stage_worker.py  a layer block serving verify chunks from upstream to downstream, the

@@ -1,10 +1,13 @@
 """Links: the one interface the ring's data path is written against.
 
-A link carries proto frames in FIFO order between two ends of one hop. Over the network it is a
-``swarm.net.streams.FramedStream`` (libp2p) or a direct channel; inside one process (the
-coordinator that is also a stage) it is :func:`local_link`; in fast tests it is
-``swarm.testing.memnet``. Every ``receive`` and ``send`` takes a timeout: PeerTimeout when it
-passes, PeerLost when the other end is gone.
+A link carries proto frames in FIFO order between two ends of one hop, and the ring's code
+speaks to it in typed messages: ``send_message(msg)`` and ``receive_message()`` (the mixin
+``swarm.proto.messages.MessageIO``, the one place a message becomes a frame and back; a frame
+that is no valid message comes out as a ``BadMessage`` with its session and seq). Over the
+network a link is a ``swarm.net.streams.FramedStream`` (libp2p) or a fast-path channel
+(fastlink.py); inside one process (the coordinator that is also a stage) it is
+:func:`local_link`; in fast tests it is ``swarm.testing.memnet``. Every ``receive`` and ``send``
+takes a timeout: PeerTimeout when it passes, PeerLost when the other end is gone.
 """
 
 from __future__ import annotations
