@@ -337,10 +337,11 @@ class FrameDecoder:
             raise self._error
 
 
-def decode_frame(data: bytes, limits: Limits = DEFAULT_LIMITS, *, view: bool = False) -> Frame:
+def decode_frame(data: bytes | memoryview, limits: Limits = DEFAULT_LIMITS, *, view: bool = False) -> Frame:
     """Decode exactly one whole frame (no bytes missing, none left over). ``view``: the payload
-    is a memoryview of ``data`` (bytes, immutable: nothing can change under it), not a copy:
-    for a receiver that only hashes and writes it (model bytes, a MiB a frame)."""
+    is a memoryview of ``data``, not a copy: for a receiver that only hashes and writes it
+    (model bytes, a MiB a frame), and that leaves ``data`` unchanged until then (bytes, or a
+    view of a buffer it owns)."""
     n = len(data)
     h = _parse_header(data[:HEADER_SIZE], limits) if n >= HEADER_SIZE else None
     if h is None or n != HEADER_SIZE + h.body_len:

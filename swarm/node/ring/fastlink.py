@@ -34,10 +34,14 @@ class FrameLink:
         """The next frame; ``view``: its payload a memoryview of the message, not a copy."""
         return decode_frame(await self.channel.receive(timeout=timeout), self.limits, view=view)
 
-    async def receive_view(self, timeout: float | None = None) -> Frame:
+    async def receive_view(self, timeout: float | None = None, *, into: bytearray | None = None) -> Frame:
         """:meth:`receive` with the payload a memoryview of the opened message, not a copy (for
-        a receiver that only hashes and writes it: model bytes, swarm/node/compute/rangepipe.py)."""
-        return await self.receive(timeout, view=True)
+        a receiver that only hashes and writes it: model bytes, swarm/node/compute/rangepipe.py).
+        ``into``: a buffer the caller owns, left alone until it is done with the frame; a
+        direct-path message is opened straight into it (FastChannel.receive)."""
+        if into is None:
+            return await self.receive(timeout, view=True)
+        return decode_frame(await self.channel.receive(timeout=timeout, into=into), self.limits, view=True)
 
     async def close(self) -> None:
         await self.channel.aclose()
