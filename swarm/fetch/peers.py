@@ -259,7 +259,9 @@ class PieceSink:
 
     Tensor pieces are written in place; :meth:`finish` marks each tensor whose hash matched as
     verified and returns the names of those that did not. A header or small file is kept in
-    memory (a few MB) and written only if its whole hash matches."""
+    memory (a few MB) and written only if its whole hash matches.
+    The cache's state file is saved at most every SAVE_EVERY_S from here
+    (ModelCache.save_due): whoever lands pieces saves it once they stop."""
 
     def __init__(self, cache: ModelCache, piece: Piece) -> None:
         self.cache, self.piece = cache, piece
@@ -328,7 +330,7 @@ class PieceSink:
             with c.lock:  # pieces of several members land in several threads at once
                 c.land_file_bytes(c.manifest.files[p.file], data)
                 c.fetched_total += p.nbytes
-                c.save()
+                c.save_due()
             return []
         self.close()
         os.utime(c.dir / p.file, ns=(FIXED_MTIME_NS, FIXED_MTIME_NS))
@@ -337,7 +339,7 @@ class PieceSink:
                 c.verified.add(name)
                 c.partial.pop(name, None)
             c.fetched_total += p.nbytes
-            c.save()
+            c.save_due()
         return self.bad
 
     def close(self) -> None:

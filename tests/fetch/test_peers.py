@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from swarm.fetch.cache import ModelCache
+from swarm.fetch.cache import SAVE_EVERY_S, ModelCache
 from swarm.fetch.peers import (
     Assignment,
     Holdings,
@@ -123,13 +123,38 @@ def test_a_piece_lands_only_the_tensors_whose_hash_matches(model: tuple[Path, Mo
         s.take(bytes(raw[i : i + 100]))
     assert s.finish() == [piece.tensors[1].name]
     assert piece.tensors[0].name in cache.verified and piece.tensors[1].name not in cache.verified
-    assert ModelCache(tmp_path / "c", m).verified == cache.verified  # saved
+    assert piece.tensors[1].name not in ModelCache(tmp_path / "c", m).verified  # never listed held
+    cache.save()  # as the fetch does once its pieces stop (rangepipe.py)
+    assert ModelCache(tmp_path / "c", m).verified == cache.verified
     bad_header = file_pieces(m, [m.weight_files()[0].path])[0]
     s = PieceSink(ModelCache(tmp_path / "c2", m), bad_header)
     s.take(bytes(bad_header.nbytes))
     assert s.finish() == [bad_header.file]
     with pytest.raises(Exception, match="header is not in the cache"):
         PieceSink(ModelCache(tmp_path / "c3", m), piece)
+
+
+def test_landed_pieces_are_saved_at_most_every_half_second(model: tuple[Path, ModelManifest], tmp_path: Path) -> None:
+    """PieceSink.finish saves the state only when SAVE_EVERY_S passed since the last save (the
+    clock is the test's): a kill loses at most that much, never lists a tensor not verified."""
+    d, m = model
+    cache = ModelCache(tmp_path / "c", m)
+    now = [100.0]
+    cache.clock = lambda: now[0]
+    for p in file_pieces(m, [f.path for f in m.weight_files()]):
+        s = PieceSink(cache, p)
+        s.take((d / p.file).read_bytes()[p.start : p.end])
+        assert s.finish() == []
+    on_disk = lambda: ModelCache(tmp_path / "c", m).verified  # noqa: E731
+    pieces = tensor_pieces(m.block(0, m.n_layers), 1 << 20)
+    assert len(pieces) >= 3 and SAVE_EVERY_S == 0.5
+    for i, piece in enumerate(pieces[:3]):  # 0.2, 0.4, 0.6 s after the headers' save
+        now[0] += 0.2
+        s = PieceSink(cache, piece)
+        s.take((d / piece.file).read_bytes()[piece.start : piece.end])
+        assert s.finish() == []
+        assert {t.name for t in piece.tensors} <= cache.verified
+        assert on_disk() == (cache.verified if i == 2 else set())  # due only at 0.6 s
 
 
 @settings(max_examples=300, deadline=None)

@@ -243,3 +243,4 @@ async def fetch_pieces(fs: Any, cache: ModelCache, a: Assignment, peer: str, ids
     finally:
         for sink in p.sinks:
             sink.close()
+        cache.save()  # what landed since the last save (PieceSink saves at most every SAVE_EVERY_S)
