@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from swarm.fetch.cache import SAVE_EVERY_S, ModelCache
+from swarm.fetch.origin import FetchError
 from swarm.fetch.peers import (
     Assignment,
     Holdings,
@@ -35,7 +36,11 @@ def test_a_member_serves_only_what_it_holds_verified(model: tuple[Path, ModelMan
     t0, t1 = (t for t in sorted(m.block(1, 2), key=lambda t: (t.file, t.start))[:2])
     held = Holdings(m, d, [t0.name], [m.weight_files()[0].path])
     held.check(t0.file, t0.start, t0.nbytes, 1 << 20)
-    assert held.read(t0.file, t0.start, 4) == (d / t0.file).read_bytes()[t0.start : t0.start + 4]
+    bufs = [bytearray(3), bytearray(5)]  # one read, into each buffer in turn
+    held.read_into(t0.file, t0.start, [memoryview(b) for b in bufs])
+    assert bufs[0] + bufs[1] == (d / t0.file).read_bytes()[t0.start : t0.start + 8]
+    with pytest.raises(FetchError, match="shrank"):  # past the file's end: short, never padded
+        held.read_into(t0.file, m.files[t0.file].size - 2, [memoryview(bytearray(4))])
     cases = [
         ((t0.file, t0.start, t0.nbytes + 1), "not-held"),  # one byte past what is held
         ((t0.file, t0.start - 1, 2), "not-held") if t0.start > m.files[t0.file].header_end else None,

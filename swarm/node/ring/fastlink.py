@@ -30,6 +30,11 @@ class FrameLink:
     async def send(self, frame: Frame, timeout: float | None = None) -> None:
         await self.channel.send(encode_frame(frame, self.limits), timeout=timeout)
 
+    async def send_encoded(self, data: bytes | memoryview, timeout: float | None = None) -> None:
+        """An encoded frame as it lies (for a sender that built it in its own buffer: model
+        bytes, swarm/node/compute/members.py); the buffer is free again once this returns."""
+        await self.channel.send(data, timeout=timeout)
+
     async def receive(self, timeout: float | None = None, *, view: bool = False) -> Frame:
         """The next frame; ``view``: its payload a memoryview of the message, not a copy."""
         return decode_frame(await self.channel.receive(timeout=timeout), self.limits, view=view)
