@@ -14,7 +14,7 @@ from typing import Any
 
 import trio
 
-from swarm.errors import PeerError, PeerTimeout, ProtocolError
+from swarm.errors import PeerError, PeerTimeout
 from swarm.net.host import SwarmHost, open_host
 from swarm.node.generation.genstream import GenStream, resuming
 from swarm.node.generation.genwire import send_message
@@ -24,7 +24,6 @@ from swarm.proto import control as ctl
 from swarm.proto.admission import CLIENT, MEMBER, client_secret
 from swarm.proto.admission import member_key as member_key_of
 from swarm.proto.limits import PROTO_CTL, PROTO_GEN
-from swarm.proto.messages import parse_message
 
 
 def client_credential(secret: bytes, role: str, member_key: bytes = b"") -> tuple[bytes, str, bytes]:
@@ -99,12 +98,9 @@ async def _dial_retrying(host: SwarmHost, addr: str, timeout: float) -> str:
 async def request(host: Host, peer: str, msg: ctl.Control, *, timeout: float = 15.0) -> ctl.Control:
     """One request/reply on ``/shard-swarm/gen/1`` (status); a Fail becomes its typed error."""
     async with host.open_stream(peer, PROTO_GEN, timeout=timeout) as fs:
-        await fs.send(msg.to_frame())
-        reply = parse_message(await fs.receive(timeout=timeout))
+        reply = await fs.request_message(msg, timeout=timeout, expect=ctl.Control)
     if isinstance(reply, ctl.Fail):
         raise reply.error(f"peer {peer}: ")
-    if not isinstance(reply, ctl.Control):
-        raise ProtocolError(f"peer {peer}: expected a CONTROL reply, got {reply!r}")
     return reply
 
 

@@ -252,19 +252,21 @@ def sized_offers(n: int, model_dir: Path, dtypes: list[str], *, device: str = "a
         spec = model_spec(args, torch.bfloat16, context_tokens, quant, kv_cache, sessions)  # the planner's unit
         extra = plan_memory(draft_bytes(draft, args, dtype, context_tokens), dtype)
         offers.append(peak_bytes(args, dtype, str(dev), spec, (0, math.ceil(args.n_layers / n)), coordinator=True,
-                                 draft_bytes=extra, margin=1.02))  # fmt: skip
+                                 draft_bytes=extra, margin=1.02, quant=quant))  # fmt: skip
     return offers
 
 
 def planned_bytes(model_dir: Path, layers: float, *, context_tokens: int = 1024, quant: str = "none",
-                  kv_cache: str = "auto", sessions: int = MIN_SESSIONS, coordinator: bool = True) -> int:
+                  kv_cache: str = "auto", sessions: int = MIN_SESSIONS, coordinator: bool = True,
+                  dtype_bytes: int = 2) -> int:
     """The planned part (planner/budget.py, in the planner's 2-byte unit: what a node advertises)
     of holding ``layers`` of the model's largest layers (a fraction adds that much of a layer as
-    slack) and, with ``coordinator``, the head (no draft model)."""
+    slack) and, with ``coordinator``, the head (no draft model), for a node serving values
+    ``dtype_bytes`` wide (its quantized layers stated at that width: ModelSpec.at_width)."""
     import torch
 
     args = open_checkpoint(model_dir).args
-    spec = model_spec(args, torch.bfloat16, context_tokens, quant, kv_cache, sessions)
+    spec = model_spec(args, torch.bfloat16, context_tokens, quant, kv_cache, sessions).at_width(dtype_bytes)
     return planned_part(spec, layers, coordinator=coordinator)
 
 
@@ -272,13 +274,11 @@ def offer_for(model_dir: Path, layers: float, *, dtype: str = "fp32", device: st
               quant: str = "none", kv_cache: str = "auto", sessions: int = MIN_SESSIONS, coordinator: bool = True) -> int:
     """The ``--memory`` under which a local ``dtype`` node advertises ``planned_bytes`` (hand-sized
     offers in tests): that part at the dtype's width, plus the node's fixed overhead."""
-    import torch
-
     args = open_checkpoint(model_dir).args
     dt = resolve_dtype(dtype, resolve_device(device))
     planned = planned_bytes(model_dir, layers, context_tokens=context_tokens, quant=quant, kv_cache=kv_cache,
-                            sessions=sessions, coordinator=coordinator)  # fmt: skip
-    return planned * torch.empty(0, dtype=dt).element_size() // 2 + overhead_bytes(args, dt, str(resolve_device(device)))
+                            sessions=sessions, coordinator=coordinator, dtype_bytes=dt.itemsize)  # fmt: skip
+    return planned * dt.itemsize // 2 + overhead_bytes(args, dt, str(resolve_device(device)), quant=quant)
 
 
 def _start_delay_proxy(delay_ms: float, targets: list[int], workdir: Path) -> tuple[subprocess.Popen[bytes], list[int]]:

@@ -37,6 +37,7 @@ def dialable(addrs: list[str], table: dict[str, list[str]]) -> list[str]:
 
 
 async def _pump(src: Any, dst: Any, done: trio.CancelScope) -> None:
+    """Frames from ``src`` to ``dst`` as they came (a relay: it reads no message)."""
     try:
         while True:
             await dst.send(await src.receive(timeout=FORWARD_IDLE_S))
@@ -54,7 +55,7 @@ async def _forward_requests(service: Any, peer: str, fs: Any) -> None:
     if not members:
         from swarm.proto.control import Fail
 
-        await fs.send(Fail("unavailable", "the bootstrap node sees no member of the swarm yet").to_frame())
+        await fs.send_message(Fail("unavailable", "the bootstrap node sees no member of the swarm yet"))
         return
     last: SwarmError | None = None
     for member in members:

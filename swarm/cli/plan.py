@@ -70,7 +70,7 @@ def model_spec(
         if layers is not None or layer_gb is not None:
             raise UsageError("give either --model or --layers/--layer-gb, not both")
         from swarm.model.config import ModelArgs
-        from swarm.model.quant import layer_bytes_each
+        from swarm.model.quant import layer_bytes_each, layer_compact_bytes_each
 
         if model.is_file() and model.suffix == ".gguf":
             from swarm.model.gguf import config_from_gguf
@@ -89,6 +89,8 @@ def model_spec(
             n_layers=args.n_layers,
             layer_bytes=max(each),
             layer_bytes_each=tuple(each),
+            # in the planner's unit, what keeps its size at a peer's own width (its dtype_bytes)
+            compact_bytes_each=tuple(layer_compact_bytes_each(args, quant)) if dtype_bytes == 2 else (),
             kv_bytes_per_token_per_layer=int(kv),
             coordinator_bytes=int(coord + draft_gb * GB),
             context_tokens=context,
@@ -121,14 +123,18 @@ def plan_json(p: Plan) -> dict[str, Any]:
 
 def predicted_peaks(p: Plan, spec: ModelSpec, peers: Any) -> dict[str, int]:
     """Each placed peer's predicted peak (planner/budget.py): the planned part, against what it
-    advertises (its offer less its own runtime overhead), with the KV of its own sessions."""
-    drafts = {q.id: q.draft_bytes for q in peers}
-    sessions = {q.id: q.sessions for q in peers}
-    out = {pid: predicted_peak(spec, blk, coordinator=pid == p.coordinator, draft_bytes=drafts.get(pid, 0),
-                               sessions=sessions.get(pid))
-           for pid, blk in p.blocks.items()}  # fmt: skip
+    advertises (its offer less its own runtime overhead), with the KV of its own sessions, at its
+    own width (Peer.own)."""
+    by_id = {q.id: q for q in peers}
+
+    def peak(pid: str, blk: tuple[int, int]) -> int:
+        q = by_id.get(pid)
+        return predicted_peak(spec if q is None else q.own(spec), blk, coordinator=pid == p.coordinator,
+                              draft_bytes=0 if q is None else q.draft_bytes)  # fmt: skip
+
+    out = {pid: peak(pid, blk) for pid, blk in p.blocks.items()}
     if p.coordinator not in out:
-        out[p.coordinator] = predicted_peak(spec, (0, 0), coordinator=True, draft_bytes=drafts.get(p.coordinator, 0))
+        out[p.coordinator] = peak(p.coordinator, (0, 0))
     return out
 
 

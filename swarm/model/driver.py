@@ -65,6 +65,7 @@ class DecodeSettings(TypedDict, total=False):
     eos_token_ids: Sequence[int] | None  # the model's unless given
     prefill_chunk: int | None  # DEFAULT_PREFILL_CHUNK unless given
     on_tokens: Callable[[Sequence[int]], None] | None  # newly committed tokens, as decided (streaming)
+    on_progress: Callable[[int, int], None] | None  # a prompt's prefill: (tokens prefilled, prompt length)
 
 
 @dataclass
@@ -152,6 +153,25 @@ class Verify:
 Step = Send | Await | Verify
 
 
+def decoder_for(
+    args: ModelArgs, prompt_ids: Sequence[int], max_len: int | None, settings: DecodeSettings
+) -> SpeculativeDecoder:
+    """One generation's decoder on ``args``'s model, as every driver builds it: prompt ids checked
+    against the vocabulary, the model's EOS ids unless given, greedy unless ``params``, prompt plus
+    new tokens within ``max_len`` (default: the model's context)."""
+    prompt = [int(t) for t in prompt_ids]
+    bad = [t for t in prompt if not 0 <= t < args.vocab_size]
+    if bad:
+        raise UsageError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {args.vocab_size})")
+    eos, chunk = settings.get("eos_token_ids"), settings.get("prefill_chunk")
+    return SpeculativeDecoder(
+        prompt, params=settings.get("params") or SamplingParams(), max_new_tokens=settings.get("max_new_tokens", 64),
+        eos_token_ids=args.eos_token_ids if eos is None else tuple(eos), drafter=settings.get("drafter"),
+        policy=settings.get("policy"), prefill_chunk=DEFAULT_PREFILL_CHUNK if chunk is None else chunk,
+        max_len=max_len or args.max_seq_len,
+    )  # fmt: skip
+
+
 class Decode:
     """One generation's decoding: its decoder, its streaming and timing, the chunks it fed.
     Drive it with ``steps()`` (any target) or ``run(forward)`` (a target in this process)."""
@@ -161,12 +181,13 @@ class Decode:
         decoder: SpeculativeDecoder,
         *,
         on_tokens: Callable[[Sequence[int]], None] | None = None,
+        on_progress: Callable[[int, int], None] | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.decoder = decoder
         self.prompt = decoder.committed[:]
         self.on_tokens = on_tokens
-        self.on_progress: Callable[[int, int], None] | None = None  # (prompt tokens prefilled, prompt length)
+        self.on_progress = on_progress  # (prompt tokens prefilled, prompt length)
         self.fed_log: list[VerifyChunk] = []  # live chunks fed, in order (what a new ring replays)
         self.chunks: list[tuple[int, int]] = []  # (base, n_tokens) the target ran: its executor records them
         self.clock = clock
@@ -180,21 +201,9 @@ class Decode:
         cls, args: ModelArgs, prompt_ids: Sequence[int], *, max_len: int | None = None,
         **settings: Unpack[DecodeSettings],
     ) -> Self:  # fmt: skip
-        """The decoding of one generation on ``args``'s model, as every driver builds it: prompt
-        ids checked against the vocabulary, the model's EOS ids unless given, greedy unless
-        ``params``, prompt plus new tokens within ``max_len`` (default: the model's context)."""
-        prompt = [int(t) for t in prompt_ids]
-        bad = [t for t in prompt if not 0 <= t < args.vocab_size]
-        if bad:
-            raise UsageError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {args.vocab_size})")
-        eos, chunk = settings.get("eos_token_ids"), settings.get("prefill_chunk")
-        dec = SpeculativeDecoder(
-            prompt, params=settings.get("params") or SamplingParams(), max_new_tokens=settings.get("max_new_tokens", 64),
-            eos_token_ids=args.eos_token_ids if eos is None else tuple(eos), drafter=settings.get("drafter"),
-            policy=settings.get("policy"), prefill_chunk=DEFAULT_PREFILL_CHUNK if chunk is None else chunk,
-            max_len=max_len or args.max_seq_len,
-        )  # fmt: skip
-        return cls(dec, on_tokens=settings.get("on_tokens"))
+        """The decoding of one generation on ``args``'s model (see :func:`decoder_for`)."""
+        return cls(decoder_for(args, prompt_ids, max_len, settings), on_tokens=settings.get("on_tokens"),
+                   on_progress=settings.get("on_progress"))  # fmt: skip
 
     @property
     def done(self) -> bool:

@@ -30,6 +30,7 @@ from swarm.model.config import ModelArgs
 from swarm.model.quant_experts import QuantExperts, experts_paths
 from swarm.model.quant_formats import (
     INT4_GROUP,
+    INT8_ROWS,
     Int4Groups,
     Packed,
     int4_from_float,
@@ -51,6 +52,8 @@ __all__ = [
     "int8_from_float",
     "layer_bytes",
     "layer_bytes_each",
+    "layer_compact_bytes_each",
+    "layer_load_bytes",
     "linear_paths",
     "quantize_block",
 ]
@@ -218,6 +221,49 @@ def layer_bytes_each(args: ModelArgs, quant: str, dtype_bytes: int) -> list[int]
             total += count * (linear_bytes(n, k, quant, dtype_bytes) - n * k * dtype_bytes)
         out.append(total)
     return out
+
+
+def layer_compact_bytes_each(args: ModelArgs, quant: str) -> list[int]:
+    """The part of each decoder layer's resident bytes under ``quant`` that is the same at every
+    serving width: its packed integers (int8 and int4 codes; all of an MXFP4 weight) and any
+    tensor a family keeps in float32 whatever it serves in (a router). The rest (scales, zeros,
+    norms, biases) is as wide as the serving dtype, so a layer's bytes are affine in the width
+    ``w``: ``compact + rest_at_2 * w / 2``, and the compact part is what the line meets at w = 0
+    (the planner's ModelSpec.at_width). 0 where every byte widens (a dense llama layer)."""
+    return [2 * at2 - at4 for at2, at4 in zip(layer_bytes_each(args, quant, 2), layer_bytes_each(args, quant, 4), strict=True)]
+
+
+# What quantizing one float weight (N, K) holds at most besides it, per weight, in bytes
+# (quant_formats.int4_from_float: two float32 temporaries of its arithmetic at once and the one-byte
+# integers, 2 x 4 + 1, and a float32 copy of the weight first where it is narrower; int8_from_float
+# the same over at most INT8_ROWS rows at a time, its integers preallocated whole). Measured with
+# torch's profiler on the bundled model, one layer from the bf16 safetensors, beyond the dense
+# layer: 1.3 (int4, fp32), 1.5 (int8, fp32), 2.8 (int4, bf16) and 3.0 (int8, bf16) float32 copies
+# of its largest weight (tests/node/test_quant_budget.py holds the bound).
+QUANTIZE_BYTES_PER_WEIGHT = 9
+FLOAT_COPY_BYTES_PER_WEIGHT = 4
+
+
+def layer_load_bytes(args: ModelArgs, quant: str, dtype_bytes: int) -> int:
+    """The most that loading one decoder layer holds at once beyond the compact layers before it
+    (the load-time peak a block's budget adds once: planner/budget.py): the layer in the serving
+    dtype, and where it is quantized from float weights (int8, int4) the temporaries of
+    quantizing its largest weight (QUANTIZE_BYTES_PER_WEIGHT) and, for a MoE projection, its
+    experts' compact weights once more while they are stacked into one tensor. An upper bound
+    for a checkpoint that stores int4 groups (GGUF Q4_*), which are repacked without a float copy."""
+    dense = layer_bytes(args, "none", dtype_bytes)
+    if quant not in ("int8", "int4"):
+        return dense
+    per_weight = QUANTIZE_BYTES_PER_WEIGHT - 1 + (FLOAT_COPY_BYTES_PER_WEIGHT if dtype_bytes < 4 else 0)
+    worst = 0
+    for weights in args.quantizable_shapes():
+        for count, n, k in weights:
+            rows = min(n, INT8_ROWS) if quant == "int8" else n
+            temp = rows * k * per_weight + n * k  # the float temporaries, and the integers whole
+            if count > 1:
+                temp += count * linear_bytes(n, k, quant, dtype_bytes)
+            worst = max(worst, temp)
+    return dense + worst
 
 
 def layer_bytes(args: ModelArgs, quant: str, dtype_bytes: int) -> int:

@@ -138,7 +138,7 @@ def mxfp4_to_float(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype
     return (table[idx] * scale[..., None]).reshape(*lead, n, half * 2)
 
 
-_INT8_ROWS = 4096  # rows quantized at a time: a 262144-row LM head's float32 temporaries stay small
+INT8_ROWS = 4096  # rows quantized at a time: a 262144-row LM head's float32 temporaries stay small
 
 
 def int8_from_float(w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,12 +146,12 @@ def int8_from_float(w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, 
     (a few thousand rows at a time: each row's integers depend on that row alone)."""
     q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
     s = torch.empty(w.shape[0], dtype=torch.float32, device=w.device)
-    for r in range(0, w.shape[0], _INT8_ROWS):
-        wf = w[r : r + _INT8_ROWS].float()
+    for r in range(0, w.shape[0], INT8_ROWS):
+        wf = w[r : r + INT8_ROWS].float()
         sr = wf.abs().amax(1) / 127.0
         sr = torch.where(sr > 0, sr, torch.ones_like(sr)).to(dtype).float()
-        q[r : r + _INT8_ROWS] = torch.round(wf / sr[:, None]).clamp(-127, 127).to(torch.int8)
-        s[r : r + _INT8_ROWS] = sr
+        q[r : r + INT8_ROWS] = torch.round(wf / sr[:, None]).clamp(-127, 127).to(torch.int8)
+        s[r : r + INT8_ROWS] = sr
     return q, s
 
 

@@ -37,6 +37,7 @@ import trio
 from swarm.errors import FrameError, PeerError, PeerLost, PeerTimeout, SwarmError
 from swarm.proto.frame import Frame, FrameDecoder, encode_frame
 from swarm.proto.limits import DEFAULT_LIMITS, Limits
+from swarm.proto.messages import MessageIO
 
 log = logging.getLogger("swarm.net.streams")
 
@@ -79,8 +80,10 @@ def is_foreign_io_error(exc: BaseException) -> bool:
     )
 
 
-class FramedStream:
-    """Frames to and from one peer over one libp2p stream. Build with :func:`open_framed`."""
+class FramedStream(MessageIO):
+    """Frames to and from one peer over one libp2p stream, and the typed messages they carry
+    (``send_message``/``receive_message``, :class:`~swarm.proto.messages.MessageIO`). Build with
+    :func:`open_framed`."""
 
     def __init__(
         self,

@@ -29,12 +29,12 @@ from typing import Any, Protocol, TypeVar
 
 import trio
 
-from swarm.errors import Forbidden, PeerError, PeerTimeout, ProtocolError, SwarmError
+from swarm.errors import Forbidden, FrameError, PeerError, PeerTimeout, ProtocolError, SwarmError
 from swarm.node.errors_util import first_leaf
-from swarm.node.hosting import Host
+from swarm.node.hosting import Host, Stream
 from swarm.proto import control as ctl
 from swarm.proto.limits import PROTO_RING
-from swarm.proto.messages import Message, parse_message
+from swarm.proto.messages import Message
 from swarm.proto.messages import Plan as PlanMsg
 
 log = logging.getLogger("swarm.node")
@@ -159,19 +159,20 @@ class RingClient:
         if peer == self.peer_id:
             return await self.local(peer, msg)
         async with self.host.open_stream(peer, PROTO_RING, timeout=min(timeout, self.rpc_timeout)) as fs:
-            await fs.send(msg.to_frame())
-            return parse_message(await fs.receive(timeout=timeout))
+            await fs.send_message(msg)
+            return await fs.receive_message(timeout=timeout)
 
-    async def serve(self, peer: str, fs: Any) -> None:
+    async def serve(self, peer: str, fs: Stream) -> None:
         """The ring protocol's server: one request, one reply."""
-        frame = await fs.receive(timeout=self.rpc_timeout)
         try:
-            msg = parse_message(frame)
-        except ProtocolError as exc:
-            await fs.send(ctl.fail_of(exc).to_frame())
+            msg = await fs.receive_message(timeout=self.rpc_timeout)
+        except FrameError:
+            raise  # the stream itself is broken: nothing can be answered on it
+        except ProtocolError as exc:  # a whole frame that is no valid message: told why
+            await fs.send_message(ctl.fail_of(exc))
             return
         reply = await self.local(peer, msg)
-        await fs.send(reply.to_frame())
+        await fs.send_message(reply)
 
     async def ask_each(
         self, peers: Sequence[str], msg: Message, want: type[R], timeout: float

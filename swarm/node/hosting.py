@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Awaitable, Callable, Iterable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, overload
 
 import trio
 
 from swarm.proto.frame import Frame
 from swarm.proto.limits import Limits
+from swarm.proto.messages import Message, Msg
 
 
 class Stream(Protocol):
@@ -30,6 +31,24 @@ class Stream(Protocol):
     async def send(self, frame: Frame, timeout: float | None = None) -> None: ...
 
     async def receive(self, timeout: float | None = None) -> Frame: ...
+
+    async def send_message(self, msg: Message, timeout: float | None = None) -> None:
+        """One typed message (its frame is built below node/, in swarm.proto.messages)."""
+        ...
+
+    @overload
+    async def receive_message(self, timeout: float | None = None, *, view: bool = False) -> Message: ...
+
+    @overload
+    async def receive_message(self, timeout: float | None = None, *, expect: type[Msg], view: bool = False) -> Msg:
+        """The next message, an ``expect`` or a ProtocolError naming the peer and what came."""
+        ...
+
+    @overload
+    async def request_message(self, msg: Message, timeout: float | None = None) -> Message: ...
+
+    @overload
+    async def request_message(self, msg: Message, timeout: float | None = None, *, expect: type[Msg]) -> Msg: ...
 
     async def close(self) -> None: ...
 

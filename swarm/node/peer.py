@@ -29,7 +29,6 @@ from swarm.manifest.identity import Identity
 from swarm.node.hosting import Host
 from swarm.node.loopwatch import LoopWatch
 from swarm.node.members.gossip import MemberEvent, MembershipService
-from swarm.node.members.heartbeat import Liveness
 from swarm.node.members.membership import Membership
 from swarm.node.members.view import MemberView
 from swarm.node.notices import Hooks, Notices
@@ -134,7 +133,7 @@ async def open_peer(
             models.ms_per_layer = ms_per_layer
         memory, device = advertised_resources(s)
         # less this peer's overhead, in the planner's unit (a mixed ring plans alike): planner/budget.py
-        memory = advert_memory(memory, models.dtype, s.device, models.args)
+        memory = advert_memory(memory, models.dtype, s.device, models.args, s.quant)
     else:
         memory, device = s.memory_bytes, None
     async with open_host(s) as host, contextlib.AsyncExitStack() as stack:
@@ -147,10 +146,11 @@ async def open_peer(
             identity, s.swarm_id, addrs=_announce(s.announce, host), memory_bytes=memory,
             ms_per_layer=models.ms_per_layer if models is not None else 0.0, revoked=s.revoked, device=device,
             draft=draft, sessions=models.spec.sessions if models is not None else None,
+            dtype_bytes=models.dtype.itemsize if models is not None else None,
         )  # fmt: skip
         peer: Peer | None = None
         service = MembershipService(
-            host, membership, liveness=Liveness(clock=clock),
+            host, membership, clock=clock,
             on_event=lambda ev: _member_event(peer, ev),
             on_stall=lambda gap: peer.serving.recovery.stalled(gap) if peer and peer.serving else None,
         )  # fmt: skip

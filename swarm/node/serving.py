@@ -10,6 +10,7 @@ dispatch tables that say which role may send each request and which component an
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import trio
@@ -60,8 +61,6 @@ class Serving:
         peer_id = identity.peer_id
         self.models = models
         self.admission = SlotQueue()  # generations the ring's KV memory holds at once (capacity.py)
-        self.epochs = Epochs(settings, peer_id, models, self.admission, notices, leader=view.leader, memory=view.memory,
-                             drafts=view.drafts)  # fmt: skip
 
         def cannot_load(a: int, b: int, coordinator: bool) -> int:
             """Offer one layer less than the block that did not fit (and less than before): the
@@ -70,7 +69,8 @@ class Serving:
             coordinator keeps room for its part (head, draft) beside the smaller block: lowered as a
             stage's, its offer left it one layer fewer than it could load, and a swarm in which every
             peer can load only its share then never served."""
-            local, spec = service.membership.local, models.spec
+            local = service.membership.local
+            spec = models.spec.at_width(models.dtype.itemsize)  # as the leader states our layers (Peer.own)
             offer = local.memory_bytes
             fewer = predicted_peak(spec, (a, b - 1), coordinator=coordinator,  # the budget's arithmetic (planner/budget.py)
                                    draft_bytes=(local.draft_bytes or 0) if coordinator else 0)  # fmt: skip
@@ -79,25 +79,32 @@ class Serving:
                 service.readvertise()
             return new
 
-        models.on_cannot_load = cannot_load
+        # an epoch's end and a taken plan reach recovery and the leader, built below on the epochs
+        self.epochs = Epochs(settings, peer_id, models, self.admission, notices, leader=view.leader, memory=view.memory,
+                             drafts=view.drafts, widths=view.widths, on_end=lambda ep: self.recovery.epoch_ended(ep),
+                             on_plan=lambda: self.leader.took_plan(), cannot_load=cannot_load)  # fmt: skip
         ring_table = Dispatcher(view, self.epochs.roles, {}, PROTO_RING)
         self.ring = RingClient(host, peer_id, ring_table)
 
         async def report_fault(peer: str, why: str, epoch: int) -> None:
             await self.recovery.report_fault(peer, why, epoch)
 
+        tensors = None  # members fetch from each other (issue 25): a liar is reported like a fault
+        if models.fetch is not None:
+            tensors = self._share_model_bytes(
+                models.fetch, host, service, view, fastpath,
+                report_liar=lambda peer, why: nursery.start_soon(self.recovery.report_bad_bytes, peer, why),
+            )  # fmt: skip
         self.wiring = Wiring(
             peer_id, host, fastpath, self.epochs, models, notices, nursery,
             report_fault=report_fault, offered=lambda: service.membership.local.memory_bytes,
-            own_draft=lambda: service.membership.local.draft_bytes or 0,
+            own_draft=lambda: service.membership.local.draft_bytes or 0, tensors=tensors,
         )  # fmt: skip
         self.leader = Leader(settings, identity, view, self.epochs, self.ring, models.spec, notices,
                              peers_file=service.membership.peers_file,
                              catch_stall=service.liveness.catch_stall,
                              door_open=self.wiring.door_open)  # fmt: skip
         self.recovery = Recovery(view, self.epochs, self.leader, self.ring, notices, nursery)
-        self.epochs.on_end = self.recovery.epoch_ended
-        self.epochs.on_plan = self.leader.took_plan
         self.reporter = Reporter(peer_id, host, service, view, self.epochs, self.wiring, models, self.admission, loopwatch)
         resumer = Resumer(peer_id, self.epochs, notices, self.leader.planning_problem, report_fault)
         gen_table = Dispatcher(view, self.epochs.roles, {}, PROTO_GEN)
@@ -118,16 +125,12 @@ class Serving:
         host.handle(PROTO_RING, self.ring.serve)
         host.handle(PROTO_ACT, self.wiring.serve_act)
         host.handle(PROTO_GEN, self.gen.serve, roles=(MEMBER, CLIENT))  # ring, act: members only (the door)
-        if models.fetch is not None:
-            self.wiring.tensors = self._share_model_bytes(models.fetch, host, service, view, fastpath)
-            recovery = self.recovery
-            models.fetch.report_liar = lambda peer, why: nursery.start_soon(recovery.report_bad_bytes, peer, why)
         self._fastpath = fastpath
         self._service = service
 
     @staticmethod
     def _share_model_bytes(fetcher: BlockFetcher, host: Host, service: MembershipService, view: MemberView,
-                           fastpath: Any) -> TensorServer:  # fmt: skip
+                           fastpath: Any, *, report_liar: Callable[[str, str], None]) -> TensorServer:  # fmt: skip
         """Members fetch from each other (issue 25): serve what we hold verified on
         /shard-swarm/tensors/1, say in our advert which layers that is, and ask the members whose
         adverts say they hold what we need (not the benched or leaving) before the origin."""
@@ -149,7 +152,7 @@ class Serving:
             async def dial_fast(peer: str, timeout: float) -> FrameLink:
                 return FrameLink(await fastpath.dial(peer, timeout=timeout))
 
-        fetcher.join_members(host, holders, on_held, dial_fast=dial_fast)
+        fetcher.join_members(host, holders, on_held, dial_fast=dial_fast, report_liar=report_liar)
         served = serve_tensors(host, fetcher.holdings, widen=fetcher.widen if fetcher.local is not None else None)
         on_held(*fetcher.held())  # a restarted node says at once what its cache holds
         return served  # the fast channels that open with a range request (wiring.py)

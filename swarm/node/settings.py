@@ -86,45 +86,50 @@ def plan_memory(memory_bytes: int, dtype: torch.dtype) -> int:
     A ring mixes dtypes (each peer resolves ``--dtype auto`` for its own device), but the leader
     plans with one ModelSpec, and every peer must compute the same plan. So every spec is built
     at 2 bytes per value (bf16, ``Models.spec``) and a peer that serves 4-byte fp32 advertises half its
-    memory: a block whose bf16 bytes fit in the half fits in fp32 in the whole (its compact int
-    weights are the same size, so a quantized fp32 peer is budgeted conservatively)."""
+    memory: a block whose bf16 bytes fit in the half fits in fp32 in the whole. A quantized layer's
+    packed integers do not widen, so the planner states them at this peer's own width (its
+    advert's ``dtype_bytes``; planner ModelSpec.at_width)."""
     import torch
 
     return memory_bytes * 2 // torch.empty(0, dtype=dtype).element_size()
 
 
-def overhead_bytes(args: ModelArgs, dtype: torch.dtype, device: str, *, coordinator: bool = True) -> int:
+def overhead_bytes(args: ModelArgs, dtype: torch.dtype, device: str, *, coordinator: bool = True,
+                   quant: str = "none") -> int:
     """This peer's fixed overhead (real bytes) outside the planned part: planner/budget.py (the
-    default, as coordinator, is what an advert leaves out)."""
+    default, as coordinator, is what an advert leaves out), its load-time peak a layer of its
+    swarm's ``quant`` loaded (quant.layer_load_bytes)."""
     import torch
 
-    from swarm.model.quant import layer_bytes as quant_layer_bytes
+    from swarm.model.quant import layer_load_bytes
     from swarm.planner.budget import runtime_overhead
 
-    dense = quant_layer_bytes(args, "none", torch.empty(0, dtype=dtype).element_size())
-    return runtime_overhead(torch.device(device).type, dense, coordinator=coordinator)
+    load = layer_load_bytes(args, quant, dtype.itemsize)
+    return runtime_overhead(torch.device(device).type, load, coordinator=coordinator)
 
 
-def advert_memory(offered: int, dtype: torch.dtype, device: str, args: ModelArgs) -> int:
+def advert_memory(offered: int, dtype: torch.dtype, device: str, args: ModelArgs, quant: str = "none") -> int:
     """What a peer offering ``offered`` bytes in all advertises: the offer less its own overhead,
     in the planner's unit (plan_memory)."""
-    return plan_memory(max(0, offered - overhead_bytes(args, dtype, device)), dtype)
+    return plan_memory(max(0, offered - overhead_bytes(args, dtype, device, quant=quant)), dtype)
 
 
 def peak_bytes(args: ModelArgs, dtype: torch.dtype, device: str, spec: ModelSpec, block: tuple[int, int], *,
-               coordinator: bool, draft_bytes: int = 0, margin: float = 1.0, at_load: bool = False) -> int:
+               coordinator: bool, draft_bytes: int = 0, margin: float = 1.0, at_load: bool = False,
+               quant: str = "none") -> int:
     """A peer's whole predicted peak in real bytes, serving in ``dtype`` on ``device``: the planned
     part of ``spec`` (the planner's 2-byte unit, as ``draft_bytes``) at ``dtype``'s width, times
-    ``margin``, plus its overhead in that role (``at_load``: before any session, budget.py). For
+    ``margin``, plus its overhead in that role (``at_load``: before any session, budget.py; its
+    load-time peak at the swarm's ``quant``, as the spec's layers). For
     a coordinator, the inverse of advert_memory (a stage's is its coordinator overhead less):
     ``status`` shows it beside the measured peak, local swarms offer it (launch.sized_offers)."""
     import torch
 
     from swarm.planner.budget import predicted_peak
 
-    planned = predicted_peak(spec, block, coordinator=coordinator, draft_bytes=draft_bytes, at_load=at_load)
     width = torch.empty(0, dtype=dtype).element_size()
-    return int(planned * width / 2 * margin) + overhead_bytes(args, dtype, device, coordinator=coordinator)
+    planned = predicted_peak(spec.at_width(width), block, coordinator=coordinator, draft_bytes=draft_bytes, at_load=at_load)
+    return int(planned * width / 2 * margin) + overhead_bytes(args, dtype, device, coordinator=coordinator, quant=quant)
 
 
 def planned_part(spec: ModelSpec, layers: float, *, coordinator: bool) -> int:
@@ -147,6 +152,7 @@ def model_spec(args: ModelArgs, dtype: torch.dtype, context_tokens: int, quant: 
     from swarm.model.kvcache import kv_bytes_per_token_per_layer
     from swarm.model.quant import layer_bytes as quant_layer_bytes
     from swarm.model.quant import layer_bytes_each as quant_layer_bytes_each
+    from swarm.model.quant import layer_compact_bytes_each
     from swarm.planner.budget import PREFILL_CHUNK_TOKENS
 
     nbytes = torch.empty(0, dtype=dtype).element_size()
@@ -154,6 +160,8 @@ def model_spec(args: ModelArgs, dtype: torch.dtype, context_tokens: int, quant: 
         n_layers=args.n_layers,
         layer_bytes=quant_layer_bytes(args, quant, nbytes),
         layer_bytes_each=tuple(quant_layer_bytes_each(args, quant, nbytes)),  # each layer at its own size
+        # what keeps its size at any width, so a peer's own width can be stated (ModelSpec.at_width)
+        compact_bytes_each=tuple(layer_compact_bytes_each(args, quant)) if nbytes == 2 else (),
         kv_bytes_per_token_per_layer=kv_bytes_per_token_per_layer(args, kv_cache, nbytes),
         coordinator_bytes=args.head_bytes(nbytes),
         context_tokens=context_tokens,

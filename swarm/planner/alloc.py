@@ -29,7 +29,7 @@ class Ctx:
     capc: list[int]  # layers that fit next to the coordinator part; -1: may not coordinate
     rank: list[int]  # position in the order (ms_per_layer, id): fastest first
     per_layer: int  # bytes each layer is counted at in cap/capc, at the spec's own sessions (messages)
-    specs: list[ModelSpec]  # the spec with each peer's own sessions (Peer.own)
+    specs: list[ModelSpec]  # the spec with each peer's own sessions, at its own width (Peer.own)
 
     @classmethod
     def build(cls, spec: ModelSpec, peers: Sequence[Peer], lat: Latency, smallest: bool = False) -> Ctx:
@@ -154,9 +154,6 @@ def allocate_exact(ctx: Ctx, nodes: Sequence[int], coord: int) -> tuple[float, l
     spec = ctx.spec
     L, m = spec.n_layers, len(nodes)
     act = spec.activation_bytes  # a block of any size runs one chunk at a time (budget.predicted_peak)
-    pre = [0]  # the weights of layers [0, l)
-    for w in spec.weights:
-        pre.append(pre[-1] + w)
     # rest[k][l]: (compute, squares, count of node k) placing layers [l, L) on nodes k..m-1
     rest: list[list[tuple[float, int, int] | None]] = [[None] * (L + 1) for _ in range(m + 1)]
     rest[m][L] = (0.0, 0, 0)
@@ -166,6 +163,9 @@ def allocate_exact(ctx: Ctx, nodes: Sequence[int], coord: int) -> tuple[float, l
         if room < 0:
             return None
         kv = ctx.specs[i].kv_bytes_per_layer  # at its own sessions
+        pre = [0]  # the weights of layers [0, l), at its own width (Peer.own)
+        for w in ctx.specs[i].weights:
+            pre.append(pre[-1] + w)
         lo, speed = (0 if i == coord else 1), ctx.speed(i)
         disk, new = _disk_room(spec, ctx.peers[i], i == coord)
         if disk < 0:

@@ -11,10 +11,19 @@ stage and needs none), and where
 it coordinates the embedding, final norm, head and its draft model. The *overhead* is this peer's
 own and so is not in the swarm-wide ModelSpec: on a CPU (or MPS) the runtime itself (Python,
 torch and the node's modules, :data:`RUNTIME_BYTES`), where it coordinates the coordinator's own
-(:data:`COORDINATOR_RUNTIME_BYTES`: its tokenizer and the head's load), plus the largest layer's
-dense bytes (the load-time peak: a block is converted one layer at a time); on CUDA nothing,
+(:data:`COORDINATOR_RUNTIME_BYTES`: its tokenizer and the head's load), plus the load-time peak
+of one layer (a block is loaded and converted one layer at a time: the largest layer's dense
+bytes, and in an int8/int4 swarm the temporaries of quantizing its largest weight,
+model/quant.layer_load_bytes); on CUDA nothing,
 because the runtime lives in host RAM and the CUDA context is inside ``--memory auto``'s margin
 (devices.py).
+
+Every peer of a swarm plans in one unit, a value 2 bytes wide (settings.plan_memory: an fp32 peer
+advertises half its memory), and states a quantized layer at its own width (its advert's
+``dtype_bytes``; ``Peer.own`` and ``ModelSpec.at_width``): packed integers keep their size at any
+width, so an fp32 peer's int4 layer is not its bf16 bytes doubled. The planner, a stage's and the
+ring's capacity (node/ring/capacity.py), ``plan`` and ``status`` all go through ``Peer.own`` (or
+``at_width`` with the peer's own width) and then :func:`predicted_peak`.
 
 A node subtracts its overhead from what it offers before it advertises (settings.advert_memory),
 so an advert is the room for the planned part, and "fits" means ``predicted_peak <= advert``. A
@@ -88,9 +97,9 @@ def sessions_that_fit(
     return (memory_bytes - base) // per_session
 
 
-def runtime_overhead(device_kind: str, largest_layer_dense_bytes: int, *, coordinator: bool = True) -> int:
+def runtime_overhead(device_kind: str, layer_load_bytes: int, *, coordinator: bool = True) -> int:
     """This peer's overhead (real bytes) outside the planned part: see the module doc. The default,
     ``coordinator``, is what an advert leaves out (a peer may be chosen to coordinate)."""
     if device_kind == "cuda":
         return 0
-    return RUNTIME_BYTES + largest_layer_dense_bytes + (COORDINATOR_RUNTIME_BYTES if coordinator else 0)
+    return RUNTIME_BYTES + layer_load_bytes + (COORDINATOR_RUNTIME_BYTES if coordinator else 0)

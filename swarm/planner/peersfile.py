@@ -4,8 +4,9 @@
                 "addresses": ["/ip4/..."], "draft_ms": 4.5, "draft_gb": 1.2,  # draft: optional
                 "held": {"0": 10}, "held_head": true, "disk_gb": 40,  # optional: layers 0-9 and
                                                  # the head on disk, 40 GB free for more (none: unbounded)
-                "sessions": 2}],                 # optional: the sessions' KV its stage reserves
+                "sessions": 2,                   # optional: the sessions' KV its stage reserves
                                                  # (none: the planning spec's count)
+                "dtype_bytes": 4}],              # optional: the width it serves in (none: 2)
      "rtt_ms": {"alice": {"bob": 12.5}},          # a missing pair means unreachable
      "one_way_ms": {"alice": {"bob": 5.9}}}       # optional measured one-way latencies
 
@@ -131,8 +132,11 @@ def parse_peers_file(obj: Any, *, where: str = "peers file") -> PeersFile:
         sessions = entry.get("sessions")
         if sessions is not None and (isinstance(sessions, bool) or not isinstance(sessions, int) or sessions < 1):
             raise UsageError(f"{at}: sessions must be a whole number >= 1, got {sessions!r}")
+        width = entry.get("dtype_bytes")
+        if width is not None and (isinstance(width, bool) or not isinstance(width, int) or width not in (1, 2, 4, 8)):
+            raise UsageError(f"{at}: dtype_bytes must be 1, 2, 4 or 8, got {width!r}")
         peers.append(Peer(pid, int(round(mem * GB)), speed, ok, tuple(addrs), draft_ms, int(round(draft_gb * GB)),
-                          held, head, disk, sessions))  # fmt: skip
+                          held, head, disk, sessions, width))  # fmt: skip
         ids.add(pid)
     rtt = _matrix(obj.get("rtt_ms"), ids, f"{where}: rtt_ms")
     one = _matrix(obj.get("one_way_ms"), ids, f"{where}: one_way_ms")
@@ -156,6 +160,7 @@ def dump_peers_file(
                 **({"held_head": True} if p.held_head else {}),
                 **({"disk_gb": p.disk_bytes / GB} if p.disk_bytes is not None else {}),
                 **({"sessions": p.sessions} if p.sessions is not None else {}),
+                **({"dtype_bytes": p.dtype_bytes} if p.dtype_bytes is not None else {}),
             }
             for p in sorted(peers, key=lambda p: p.id)
         ],

@@ -28,6 +28,13 @@ class ModelSpec:
     ``layer_bytes_each`` gives each layer's own weights where layers differ (DeepSeek-V3 and
     GLM-4.5 have dense first layers and MoE layers after them); empty means every layer weighs
     ``layer_bytes``, which is always the largest layer's weights.
+
+    Every byte is counted in the planner's unit: a value 2 bytes wide (settings.plan_memory). A
+    quantized layer's packed integers do not widen with the serving dtype, though: an int4 layer
+    served in fp32 holds its nibbles as they are, and only its scales and norms at 4 bytes.
+    ``compact_bytes_each`` gives, per layer, the part of its weights that keeps its size at every
+    width (empty: none, a dense model), so :meth:`at_width` can state a layer in the planner's unit
+    for a peer whatever width it serves.
     """
 
     n_layers: int
@@ -38,6 +45,7 @@ class ModelSpec:
     layer_bytes_each: tuple[int, ...] = ()
     sessions: int = 1
     activation_bytes: int = 0
+    compact_bytes_each: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.n_layers < 1:
@@ -61,6 +69,27 @@ class ModelSpec:
                 f"model: layer_bytes_each must give {self.n_layers} sizes >= 0 whose largest is "
                 f"layer_bytes ({self.layer_bytes}); got {len(each)} sizes"
             )
+        fixed = self.compact_bytes_each
+        if fixed and (len(fixed) != self.n_layers or any(not 0 <= f <= w for f, w in zip(fixed, self.weights, strict=True))):
+            raise UsageError(
+                f"model: compact_bytes_each must give {self.n_layers} sizes, each >= 0 and at most its "
+                f"layer's weights; got {len(fixed)} sizes"
+            )
+
+    def at_width(self, dtype_bytes: int) -> ModelSpec:
+        """This spec for a peer serving values ``dtype_bytes`` wide, still in the planner's unit
+        (real bytes × 2 / ``dtype_bytes``, as that peer advertises its memory): a layer's compact
+        part ``c`` is ``c`` real bytes at any width, so ``c × 2 / dtype_bytes`` here (rounded up:
+        a prediction never falls below what the peer holds), the rest of its weights as they were.
+        KV, activations and the head widen with the values and stay as they are. The spec itself
+        at 2 bytes, or where no layer has a compact part."""
+        if dtype_bytes < 1:
+            raise UsageError(f"model: dtype_bytes must be at least 1, got {dtype_bytes}")
+        if dtype_bytes == 2 or not any(self.compact_bytes_each):
+            return self
+        each = tuple(w - c + -(-c * 2 // dtype_bytes) for w, c in zip(self.weights, self.compact_bytes_each, strict=True))
+        fixed = tuple(-(-c * 2 // dtype_bytes) for c in self.compact_bytes_each)
+        return dataclasses.replace(self, layer_bytes=max(each), layer_bytes_each=each, compact_bytes_each=fixed)
 
     @property
     def session_kv_bytes_per_layer(self) -> int:
@@ -122,6 +151,9 @@ class Peer:
     # the sessions whose KV its stage reserves (its own ``join --sessions``); None: the spec's
     # (the planning peer's) count, as before adverts carried it (issue 26)
     sessions: int | None = None
+    # the width of the values it serves in, bytes (4: fp32); None: the planner's unit, 2 (an advert
+    # without it, which counts a quantized layer on an fp32 peer at twice its compact bytes: safe)
+    dtype_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if not self.id:
@@ -138,10 +170,15 @@ class Peer:
             raise UsageError(f"peer {self.id}: disk bytes must not be negative")
         if self.sessions is not None and self.sessions < 1:
             raise UsageError(f"peer {self.id}: sessions must be at least 1, got {self.sessions}")
+        if self.dtype_bytes is not None and self.dtype_bytes not in (1, 2, 4, 8):
+            raise UsageError(f"peer {self.id}: dtype_bytes must be 1, 2, 4 or 8, got {self.dtype_bytes}")
 
     def own(self, spec: ModelSpec) -> ModelSpec:
-        """``spec`` with this peer's own session count (the spec itself where it has none): the
-        spec its memory is planned and its stage's capacity sized with."""
+        """``spec`` with this peer's own session count and at its own width (ModelSpec.at_width):
+        the spec its memory is planned and its stage's capacity sized with (the spec itself where
+        it gives neither)."""
+        if self.dtype_bytes is not None:
+            spec = spec.at_width(self.dtype_bytes)
         if self.sessions is None or self.sessions == spec.sessions:
             return spec
         return dataclasses.replace(spec, sessions=self.sessions)

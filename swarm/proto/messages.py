@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar, overload
 
 from swarm.errors import ProtocolError
 from swarm.proto.fields import (
@@ -141,6 +141,96 @@ def decode_message(data: bytes, limits: Limits = DEFAULT_LIMITS) -> Message:
     return parse_message(decode_frame(data, limits), limits)
 
 
+Msg = TypeVar("Msg", bound=Message)
+
+
+def message_name(kind: Message | type[Message]) -> str:
+    """How an error names a message (or a message class): its type, and a CONTROL op's name."""
+    mtype, op = getattr(kind, "TYPE", None), getattr(kind, "OP", None)
+    if mtype is None:
+        return "any message"
+    return f"{mtype.name} {op}" if op else mtype.name
+
+
+def expect_message(frame: Frame, limits: Limits, expect: type[Msg], *, peer: str, where: str = "") -> Msg:
+    """``frame`` from ``peer`` as a message of class ``expect`` (``Message``: any), or a
+    ProtocolError that names the peer, ``where`` it came (a protocol, a hop) and what came."""
+    on = f" on {where}" if where else ""
+    try:
+        msg = parse_message(frame, limits)
+    except ProtocolError as exc:
+        raise type(exc)(f"peer {peer}{on}: {exc}") from None
+    if not isinstance(msg, expect):
+        raise ProtocolError(f"peer {peer}{on} sent {message_name(msg)} where {message_name(expect)} was expected")
+    return msg
+
+
+class MessageIO:
+    """Typed messages over a link or stream that carries frames: the one place (with the message
+    classes' ``to_frame``/``parse_message`` above) where a message becomes a frame and back, so
+    the code above a link (swarm/node/) sends and receives messages, never frames.
+
+    A class mixes it in beside its own frame-level ``send(frame, timeout)`` and
+    ``receive(timeout)`` (which relays and wire tests keep using) and says which ``peer`` it
+    talks to and with which ``limits`` it decodes. No I/O here: each method is one await on the
+    class's own frame methods."""
+
+    peer: str
+    limits: Limits
+    protocol: str = ""  # where its messages come, for errors
+
+    async def send(self, frame: Frame, timeout: float | None = None) -> None:
+        raise NotImplementedError
+
+    async def receive(self, timeout: float | None = None) -> Frame:
+        raise NotImplementedError
+
+    opens_into = False  # receive_view opens a message into the caller's buffer (a fast-path link does)
+
+    async def receive_view(self, timeout: float | None = None, *, into: bytearray | None = None) -> Frame:
+        """``receive``, its payload a view of the bytes that came where the class can give one
+        (a fast-path link does); here a copy. ``into``: a buffer the caller owns and leaves alone
+        until done with the frame, where a class that ``opens_into`` opens the message; here
+        unused."""
+        return await self.receive(timeout)
+
+    async def send_message(self, msg: Message, timeout: float | None = None) -> None:
+        """Send one message (encoded as its one frame; the wire bytes are ``msg.encode()``'s)."""
+        await self.send(msg.to_frame(), timeout)
+
+    @overload
+    async def receive_message(self, timeout: float | None = None, *, view: bool = False,
+                              into: bytearray | None = None) -> Message: ...  # fmt: skip
+
+    @overload
+    async def receive_message(self, timeout: float | None = None, *, expect: type[Msg], view: bool = False,
+                              into: bytearray | None = None) -> Msg: ...  # fmt: skip
+
+    async def receive_message(
+        self, timeout: float | None = None, *, expect: type[Message] = Message, view: bool = False,
+        into: bytearray | None = None,
+    ) -> Message:
+        """The next message, checked to be an ``expect`` (default: any message); ProtocolError
+        naming the peer and what came instead, PeerTimeout/PeerLost as ``receive``. ``view``:
+        its payload a view, not a copy, where the link can (``receive_view``: model bytes that
+        are only hashed and written, swarm/node/compute/rangepipe.py)."""
+        frame = await (self.receive_view(timeout, into=into) if view else self.receive(timeout))
+        return expect_message(frame, self.limits, expect, peer=self.peer, where=self.protocol)
+
+    @overload
+    async def request_message(self, msg: Message, timeout: float | None = None) -> Message: ...
+
+    @overload
+    async def request_message(self, msg: Message, timeout: float | None = None, *, expect: type[Msg]) -> Msg: ...
+
+    async def request_message(
+        self, msg: Message, timeout: float | None = None, *, expect: type[Message] = Message
+    ) -> Message:
+        """Send ``msg`` and return the next message received (each wait bounded by ``timeout``)."""
+        await self.send_message(msg, timeout)
+        return await self.receive_message(timeout, expect=expect)
+
+
 # ---------------------------------------------------------------- admission
 
 
@@ -236,6 +326,10 @@ class Advert(Message):
     # the stage worker's 64, node/ring/capacity.MAX_SESSIONS), so the leader plans its block with
     # that count; absent: the leader's own count (planner Peer.sessions)
     sessions: int | None = meta("sessions", Int(1, 64), optional=True, default=None)
+    # the width in bytes of the values it serves in (4: fp32), so the leader states a quantized
+    # layer's packed integers, which do not widen, at that width (planner Peer.dtype_bytes); absent:
+    # the planner's 2-byte unit, which budgets them at twice their size on an fp32 peer
+    dtype_bytes: int | None = meta("dtype_bytes", Int(1, 8), optional=True, default=None)
     # top-level fields this version does not know (a newer peer's): signed with the rest and passed
     # on as they came, never interpreted, so a swarm can upgrade one member at a time (bounded:
     # MAX_ADVERT_EXTRA keys named like ours, MAX_ADVERT_EXTRA_BYTES of JSON)
@@ -269,6 +363,8 @@ class Advert(Message):
         for k, end in (self.held or {}).items():
             if not (k.isascii() and k.isdigit() and str(int(k)) == k and int(k) < end):
                 raise fail("held", f"entry {k[:8]!r}: expected a start layer below its end {end}")
+        if self.dtype_bytes is not None and self.dtype_bytes not in (1, 2, 4, 8):
+            raise fail("dtype_bytes", f"{self.dtype_bytes}: a value is 1, 2, 4 or 8 bytes wide")
 
     def held_layers(self) -> list[int]:
         """Every layer of :attr:`held` (bounded by MAX_LAYER and MAX_HELD_RANGES)."""

@@ -42,6 +42,12 @@ def _pieces(seq: Any, size: int) -> list[Any]:
 
 def frames_of(msg: Control) -> list[Frame]:
     """``msg`` as the frames that carry it: PART frames (if it is long), then the message."""
+    return [piece.to_frame() for piece in pieces_of(msg)]
+
+
+def pieces_of(msg: Control) -> list[Control]:
+    """``msg`` as the messages that carry it, one frame each: Parts (if it is long), then the
+    message with the last piece."""
     if isinstance(msg, Done):
         receipt = dict(msg.receipt)
         prompt = [int(t) for t in receipt.pop("prompt_token_ids", ())]
@@ -55,13 +61,13 @@ def frames_of(msg: Control) -> list[Frame]:
     n = max(len(id_pieces), len(text_pieces))
     id_pieces += [()] * (n - len(id_pieces))
     text_pieces += [""] * (n - len(text_pieces))
-    frames = [Part(ids=tuple(i), text=t).to_frame() for i, t in zip(id_pieces[:-1], text_pieces[:-1], strict=True)]
+    pieces: list[Control] = [Part(ids=tuple(i), text=t) for i, t in zip(id_pieces[:-1], text_pieces[:-1], strict=True)]
     last: dict[str, Any] = {"ids": tuple(id_pieces[-1])}
     if text is not None:
         last["text"] = text_pieces[-1]
     whole = dataclasses.replace(msg, **last) if n > 1 else msg  # type: ignore[type-var]
-    frames.append(whole.to_frame())
-    return frames
+    pieces.append(whole)
+    return pieces
 
 
 class Assembler:

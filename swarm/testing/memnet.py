@@ -35,15 +35,16 @@ from swarm.net.host import HostEvent
 from swarm.net.streams import open_framed
 from swarm.proto.frame import Frame, FrameDecoder, encode_frame
 from swarm.proto.limits import DEFAULT_LIMITS, Limits
+from swarm.proto.messages import MessageIO
 
 log = logging.getLogger("swarm.testing.memnet")
 
 
-class MemLink:
+class MemLink(MessageIO):
     """One hop: ``send`` on the upstream side, ``receive`` on the downstream side."""
 
     def __init__(self, name: str, *, delay: float = 0.0, limits: Limits = DEFAULT_LIMITS) -> None:
-        self.name = name
+        self.name = self.peer = name
         self.delay = delay
         self.limits = limits
         self._send, self._recv = trio.open_memory_channel[tuple[float, bytes]](math.inf)

@@ -175,9 +175,9 @@ def test_answers_of_the_wrong_kind_are_refused() -> None:
 
 def test_progress_and_timing_come_from_the_driver() -> None:
     ticks = iter(range(100))
-    run = Decode(decoder(None, n=4), clock=lambda: float(next(ticks)))
     progress: list[tuple[int, int]] = []
-    run.on_progress = lambda done, total: progress.append((done, total))
+    run = Decode(decoder(None, n=4), clock=lambda: float(next(ticks)),
+                 on_progress=lambda done, total: progress.append((done, total)))  # fmt: skip
     res = run.run(Target().forward)
     assert progress == [(4, 9), (8, 9), (9, 9)]  # the prompt's pieces, as fed
     # clock reads: t0, then one per commit (4 chunks commit 1 token each), then the end

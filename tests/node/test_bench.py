@@ -37,9 +37,9 @@ class _Service:
 def _bench(ring: tuple[str, ...] = ("A", "B")) -> tuple[Bench, MemberView, Epoch, list[Epoch]]:
     view = MemberView(ME, _Service(["A", "B", "D"]), SimpleNamespace(is_admitted=lambda p: True))  # type: ignore[arg-type]
     settings = NodeSettings(seed=b"s" * 32, swarm_id="friends", secret=b"x" * 32, model_dir=None)
-    epochs = Epochs(settings, ME, None, SlotQueue(), Notices(Hooks()), leader=lambda: ME, memory=dict)  # type: ignore[arg-type]
     ended: list[Epoch] = []
-    epochs.on_end = ended.append
+    epochs = Epochs(settings, ME, None, SlotQueue(), Notices(Hooks()), leader=lambda: ME, memory=dict,  # type: ignore[arg-type]
+                    on_end=ended.append)  # fmt: skip
     ep = Epoch(Plan(2, 6, ME, ring, {p: (3 * i, 3 * i + 3) for i, p in enumerate(ring)}, (), 1.0, 1.0), b"")
     epochs.current = ep
     return Bench(ME, view, epochs), view, ep, ended

@@ -86,8 +86,8 @@ async def test_drafting_ahead_and_rolling_back_with_chunks_in_flight(ckpts: tupl
     state: dict[str, Any] = {}
 
     async def job(c: Coordinator):  # type: ignore[no-untyped-def]
-        run = c.new_run(PROMPT, max_new_tokens=40, eos_token_ids=(), drafter=d, policy=policy())
-        run.draft_limiter = trio.CapacityLimiter(1)
+        run = c.new_run(PROMPT, max_new_tokens=40, eos_token_ids=(), drafter=d, policy=policy(),
+                        draft_limiter=trio.CapacityLimiter(1))  # fmt: skip
         state["run"] = run
         return await c.drive(run)
 
@@ -127,8 +127,8 @@ async def test_sampling_with_a_model_draft_is_reproducible_by_seed(tmp_path: Pat
 
     def job(p: SamplingParams):  # type: ignore[no-untyped-def]
         async def go(c: Coordinator):  # type: ignore[no-untyped-def]
-            run = c.new_run(PROMPT, params=p, max_new_tokens=32, eos_token_ids=(), drafter=dm.drafter(128), policy=policy())
-            run.draft_limiter = trio.CapacityLimiter(1)
+            run = c.new_run(PROMPT, params=p, max_new_tokens=32, eos_token_ids=(), drafter=dm.drafter(128), policy=policy(),
+                            draft_limiter=trio.CapacityLimiter(1))  # fmt: skip
             return await c.drive(run)
 
         return go
@@ -151,8 +151,8 @@ async def test_a_slow_draft_never_holds_the_event_loop(ckpts: tuple[Path, Path])
     done = trio.Event()
 
     async def job(c: Coordinator):  # type: ignore[no-untyped-def]
-        run = c.new_run(PROMPT, max_new_tokens=16, eos_token_ids=(), drafter=d, policy=policy())
-        run.draft_limiter = trio.CapacityLimiter(1)
+        run = c.new_run(PROMPT, max_new_tokens=16, eos_token_ids=(), drafter=d, policy=policy(),
+                        draft_limiter=trio.CapacityLimiter(1))  # fmt: skip
         try:
             return await c.drive(run)
         finally:
@@ -200,8 +200,7 @@ async def test_the_draft_cache_survives_a_replan_and_replay(ckpts: tuple[Path, P
     state: dict[str, Any] = {}
 
     async def first(c: Coordinator):  # type: ignore[no-untyped-def]
-        state["run"] = c.new_run(PROMPT, on_tokens=seen.extend, **kw(d))
-        state["run"].draft_limiter = trio.CapacityLimiter(1)
+        state["run"] = c.new_run(PROMPT, on_tokens=seen.extend, draft_limiter=trio.CapacityLimiter(1), **kw(d))
         return await c.drive(state["run"])
 
     async def kill_when_halfway(ring: Any) -> None:
@@ -340,8 +339,7 @@ async def test_sampling_with_a_model_draft_on_the_ring_keeps_the_target_distribu
         async def go(c: Coordinator):  # type: ignore[no-untyped-def]
             run = c.new_run(prompt, params=SamplingParams(temperature=1.0, seed=seed), max_new_tokens=N_NEW,
                             eos_token_ids=(), drafter=dm.drafter(8), policy=KPolicy(fixed_k=2, max_depth=2,
-                            depth_threshold=0.0))  # fmt: skip
-            run.draft_limiter = limiter
+                            depth_threshold=0.0), draft_limiter=limiter)  # fmt: skip
             return await c.drive(run)
 
         return go

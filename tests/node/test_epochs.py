@@ -13,6 +13,7 @@ import trio.testing
 
 from swarm.errors import PeerLost, ProtocolError
 from swarm.manifest.identity import Identity
+from swarm.node.compute import memory
 from swarm.node.notices import Hooks, Notices
 from swarm.node.plan.epochs import Epoch, Epochs, hops, plan_body, plan_from_body
 from swarm.node.ring.capacity import SlotQueue
@@ -33,11 +34,11 @@ def _signed(epoch: int, cause: str = "test", **kw: Any) -> PlanMsg:
     return sign_plan(PlanMsg(epoch, plan_body(_plan(epoch, **kw), cause)), LEADER, "friends")
 
 
-def _epochs(me: str = "S") -> tuple[Epochs, list[dict[str, Any]]]:
+def _epochs(me: str = "S", models: Any = None, **hooks: Any) -> tuple[Epochs, list[dict[str, Any]]]:
     life: list[dict[str, Any]] = []
     settings = NodeSettings(seed=b"s" * 32, swarm_id="friends", secret=b"x" * 32, model_dir=None)
     notices = Notices(Hooks(on_life=life.append))
-    epochs = Epochs(settings, me, None, SlotQueue(), notices, leader=lambda: LEADER.peer_id, memory=dict)  # type: ignore[arg-type]
+    epochs = Epochs(settings, me, models, SlotQueue(), notices, leader=lambda: LEADER.peer_id, memory=dict, **hooks)
     return epochs, life
 
 
@@ -73,9 +74,8 @@ async def test_which_epoch_answers_for_a_message(autojump_clock: trio.testing.Mo
 
 
 async def test_a_stale_report_never_ends_the_epoch_that_replaced_it(autojump_clock: trio.testing.MockClock) -> None:
-    epochs, life = _epochs()
     ended: list[int] = []
-    epochs.on_end = lambda ep: ended.append(ep.plan.epoch)
+    epochs, life = _epochs(on_end=lambda ep: ended.append(ep.plan.epoch))
     old = await epochs.accept("L", _signed(3))
     new = await epochs.accept("L", _signed(4))
     assert ended == [3] and not old.live  # taking epoch 4 ended epoch 3
@@ -91,9 +91,8 @@ async def test_a_stale_report_never_ends_the_epoch_that_replaced_it(autojump_clo
 async def test_a_replan_records_what_replaced_the_ended_epoch_and_after_how_long(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    epochs, life = _epochs()
     planned: list[int] = []
-    epochs.on_plan = lambda: planned.append(1)
+    epochs, life = _epochs(on_plan=lambda: planned.append(1))
     await epochs.accept("L", _signed(3))
     await trio.sleep(1)
     epochs.end("peer B is lost")
@@ -186,3 +185,25 @@ async def test_wait_for_wakes_the_instant_an_epoch_is_taken_serves_or_ends(autoj
     assert got["none"] == (2.0, None)
     assert got["taken"][0] == 3.25 and got["taken"][1].plan.epoch == 3
     assert got["serving"][0] == 4.75 and got["ended"][0] == 5.5
+
+
+async def test_a_block_that_does_not_fit_lowers_the_offer_through_the_injected_hook(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Models.stage raises CannotLoad; the epochs ask the composition root's ``cannot_load`` for
+    the lowered offer (with the role: a coordinator keeps its part) and say it in the error."""
+
+    class _Models:
+        async def stage(self, a: int, b: int) -> None:
+            raise memory.CannotLoad(f"cannot load layers [{a}, {b}): out of memory")
+
+    asked: list[tuple[int, int, bool]] = []
+
+    def cannot_load(a: int, b: int, coordinator: bool) -> int:
+        asked.append((a, b, coordinator))
+        return 300_000_000
+
+    epochs, _ = _epochs("A", models=_Models(), cannot_load=cannot_load)
+    with pytest.raises(memory.CannotLoad, match=r"cannot load layers \[0, 3\).*now offers 0.30 GB"):
+        await epochs.accept("L", _signed(3))
+    assert asked == [(0, 3, False)]

@@ -195,8 +195,7 @@ async def test_our_own_stall_excuses_the_others_silence(mock_clock: trio.testing
     same silence while our loop keeps ticking does lose the peer."""
     events: list[PeerState] = []
     stalls: list[float] = []
-    liv = Liveness(on_transition=lambda t: events.append(t.new))
-    liv.on_stall = stalls.append
+    liv = Liveness(on_transition=lambda t: events.append(t.new), on_stall=stalls.append)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(liv.watch, 0.25)
         liv.heard(B)

@@ -138,7 +138,8 @@ async def test_a_malformed_frame_is_a_protocol_error_naming_the_peer(autojump_cl
         await fs.send(Frame(MsgType.CONTROL, meta={"op": "tokens", "body": {"text": 5}}))
 
     async with _stream(script) as (fs, peer):
-        with pytest.raises(ProtocolError, match=f"peer {peer} broke the generation stream"):
+        # the stream names the peer, itself and the field (swarm.proto.messages.expect_message)
+        with pytest.raises(ProtocolError, match=f"peer {peer} on /shard-swarm/gen/1: CONTROL tokens field 'text'"):
             await GenStream(fs, peer, idle_s=5).read(Sink())
 
 

@@ -293,8 +293,7 @@ async def _fast(host: SwarmHost, served: Any, nursery: trio.Nursery) -> AsyncIte
 
     async with open_fastpath_service(host) as fp:
         w = Wiring(host.peer_id, host, fp, None, None, None, nursery,  # type: ignore[arg-type]
-                   report_fault=lambda *a: None, offered=lambda: 0)  # fmt: skip
-        w.tensors = served
+                   report_fault=lambda *a: None, offered=lambda: 0, tensors=served)  # fmt: skip
         nursery.start_soon(w.accept_fast)
         yield SimpleNamespace(service=fp, dial=fp.dial)
 

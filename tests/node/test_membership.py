@@ -72,6 +72,16 @@ def test_the_peers_file_carries_a_members_own_sessions() -> None:
     assert by[IDS[0].peer_id].sessions == 2 and by[IDS[1].peer_id].sessions is None  # an advert without it
 
 
+def test_the_peers_file_carries_a_members_width() -> None:
+    m = _m(0, dtype_bytes=4)
+    assert m.local.dtype_bytes == 4
+    verify_advert(m.local, SWARM)
+    other = _m(1)
+    assert other.offer(m.local)
+    by = {p.id: p for p in parse_peers_file(other.peers_file()).peers}
+    assert by[IDS[0].peer_id].dtype_bytes == 4 and by[IDS[1].peer_id].dtype_bytes is None  # an advert without it
+
+
 def test_view_keeps_latest_valid_advert_and_ignores_stale_and_forged() -> None:
     a, b = _m(0), _m(1)
     assert a.offer(b.local)

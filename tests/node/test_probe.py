@@ -24,16 +24,18 @@ from swarm.node.members.probe import (
 from swarm.node.ring.links import LocalLink
 from swarm.proto import control as ctl
 from swarm.proto.frame import Frame
-from swarm.proto.messages import parse_message
+from swarm.proto.limits import DEFAULT_LIMITS
+from swarm.proto.messages import MessageIO, parse_message
 
 PEER = "12D3KooWProbedPeer"
 
 
-class End:
+class End(MessageIO):
     """One end of an in-process duplex link; ``delays`` are how long each send takes in flight."""
 
     def __init__(self, out: LocalLink, inn: LocalLink, delays: list[float] | None = None) -> None:
         self.out, self.inn, self.delays, self.peer = out, inn, list(delays or []), PEER
+        self.limits = DEFAULT_LIMITS
 
     async def send(self, frame: Frame, timeout: float | None = None) -> None:
         if self.delays:

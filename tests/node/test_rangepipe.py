@@ -19,7 +19,7 @@ from swarm.manifest.model_manifest import ModelManifest, manifest_of_path
 from swarm.node.compute.rangepipe import DEPTH, WRITE_AHEAD, NoFastPath, fetch_pieces
 from swarm.proto.frame import Frame, decode_frame, encode_frame
 from swarm.proto.limits import Limits
-from swarm.proto.messages import parse_message
+from swarm.proto.messages import MessageIO, parse_message
 from swarm.proto.tensors import RangeRefused, RangeRequest, data_frames
 from swarm.testing.checkpoints import TinySpec, write_checkpoint
 
@@ -33,7 +33,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, ModelManifest
     return d, manifest_of_path(d)
 
 
-class Member:
+class Member(MessageIO):
     """Answers each request when the asker next waits for an answer (so the asker sends all it
     will before anything comes back): the file's bytes in RANGE_DATA frames. ``cut_after``:
     the stream breaks after that many frames; ``refuse``: request numbers answered "busy";
@@ -43,7 +43,7 @@ class Member:
     def __init__(self, base: Path, *, cut_after: int | None = None, refuse: set[int] = frozenset(),  # type: ignore[assignment]
                  flip: set[int] = frozenset(), closed: bool = False, peer: str = "m") -> None:  # type: ignore[assignment]  # fmt: skip
         self.base, self.cut_after, self.refuse, self.flip, self.closed = base, cut_after, refuse, flip, closed
-        self.peer = peer
+        self.peer, self.limits = peer, LIMITS
         self.asked: collections.deque[RangeRequest] = collections.deque()
         self.out: collections.deque[Any] = collections.deque()
         self.n_requests = self.sent = self.in_flight = self.most_in_flight = 0
@@ -166,6 +166,8 @@ async def test_a_fast_channel_closed_before_any_answer_hands_every_piece_taken_b
 class ViewMember(Member):
     """A fast channel's frame link: each frame is written into the buffer the asker passes
     (as FastChannel.receive opens a direct message into it), and handed back as a view of it."""
+
+    opens_into = True
 
     def __init__(self, base: Path, **kw: Any) -> None:
         super().__init__(base, **kw)

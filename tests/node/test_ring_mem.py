@@ -320,15 +320,14 @@ async def test_a_shared_ring_stands_down_a_default_drafter_before_decoding(ckpt:
     def job_for(i: int, after: float):  # type: ignore[no-untyped-def]
         async def job(c: Coordinator):  # type: ignore[no-untyped-def]
             await trio.sleep(after)
-            run = c.new_run(prompts[i], max_new_tokens=16, eos_token_ids=(), drafter=NgramDrafter(),
-                            policy=KPolicy(fixed_k=2, max_depth=3, depth_threshold=0.0))  # fmt: skip
-
             def before_decode(others: int) -> None:
                 heard[i].append(others)
                 if others:
                     run.decoder.stop_drafting()
 
-            run.before_decode = before_decode
+            run = c.new_run(prompts[i], max_new_tokens=16, eos_token_ids=(), drafter=NgramDrafter(),
+                            policy=KPolicy(fixed_k=2, max_depth=3, depth_threshold=0.0),
+                            before_decode=before_decode)  # fmt: skip
             return await c.drive(run)
 
         return job

@@ -23,8 +23,9 @@ from swarm.node.ring.links import LocalLink
 from swarm.node.settings import NodeSettings
 from swarm.planner import Plan
 from swarm.proto import control as ctl
-from swarm.proto.limits import PROTO_ACT
-from swarm.proto.messages import parse_message
+from swarm.proto.frame import Frame
+from swarm.proto.limits import DEFAULT_LIMITS, PROTO_ACT
+from swarm.proto.messages import MessageIO, parse_message
 from swarm.testing.memnet import MemHost, MemNet
 
 SECRET, SWARM = b"k" * 32, "friends"
@@ -40,16 +41,17 @@ def _wiring(me: str, host: object, nursery: trio.Nursery, plan: Plan | None = No
     return wiring, epochs
 
 
-class _Duplex:
+class _Duplex(MessageIO):
     """Both directions of one stream as a link to ``serve_act`` and a link to the test."""
 
     def __init__(self) -> None:
         self.up, self.down = LocalLink("in"), LocalLink("out")
+        self.peer, self.limits = "upstream", DEFAULT_LIMITS
 
-    async def send(self, frame: object, timeout: float | None = None) -> None:
-        await self.down.send(frame, timeout)  # type: ignore[arg-type]
+    async def send(self, frame: Frame, timeout: float | None = None) -> None:
+        await self.down.send(frame, timeout)
 
-    async def receive(self, timeout: float | None = None) -> object:
+    async def receive(self, timeout: float | None = None) -> Frame:
         return await self.up.receive(timeout)
 
 

@@ -201,6 +201,22 @@ def test_an_advert_may_say_how_many_sessions_its_stage_reserves() -> None:
             Advert.from_frame(frame, DEFAULT_LIMITS)
 
 
+def test_an_advert_may_say_the_width_its_peer_serves_in() -> None:
+    adv = _advert(dtype_bytes=4)
+    got = decode_message(adv.encode())
+    assert isinstance(got, Advert) and got.dtype_bytes == 4
+    verify_advert(got, SWARM)
+    old = decode_message(_advert().encode())  # absent: the planner's 2-byte unit, and an old advert signs the same bytes
+    assert isinstance(old, Advert) and old.dtype_bytes is None and "dtype_bytes" not in _advert().body()
+    with pytest.raises(ProtocolError, match="forged or corrupted signature"):
+        verify_advert(decode_message(dataclasses.replace(adv, dtype_bytes=2).encode()), SWARM)  # type: ignore[arg-type]
+    for bad in (0, 3, 9, "4", True):
+        frame = adv.to_frame()
+        frame.meta["dtype_bytes"] = bad
+        with pytest.raises(ProtocolError, match="dtype_bytes"):
+            Advert.from_frame(frame, DEFAULT_LIMITS)
+
+
 def test_a_newer_peers_advert_fields_are_kept_signed_and_passed_on_as_they_came() -> None:
     """A field this version does not know (a newer peer's) is kept in ``extra``: the advert
     verifies (its signature covers it), encodes to the same bytes when passed on, and a relay that

@@ -62,16 +62,20 @@ class BlockFetcher:
         self.holders: Callable[[], Mapping[str, Holds]] = dict
         self.on_held: Callable[[list[int], bool], None] = lambda layers, head: None
         self.liars: dict[str, str] = {}  # members whose bytes failed their hash: never asked again
-        self.report_liar: Callable[[str, str], None] = lambda peer, why: None  # to the leader (serving.py)
+        self.report_liar: Callable[[str, str], None] = lambda peer, why: None  # to the leader (join_members)
         self._holdings: tuple[tuple[int, int], Holdings] | None = None
         self._widening = threading.Lock()
 
     def join_members(self, host: Host, holders: Callable[[], Mapping[str, Holds]],
-                     on_held: Callable[[list[int], bool], None], *, dial_fast: DialFast | None = None) -> None:  # fmt: skip
+                     on_held: Callable[[list[int], bool], None], *, dial_fast: DialFast | None = None,
+                     report_liar: Callable[[str, str], None] | None = None) -> None:  # fmt: skip
         """Ask the members ``holders()`` names (peer -> what its advert says it holds) before the
         origin; ``on_held(layers, head)`` after each fetch or check (to advertise it);
-        ``dial_fast``: the fast path to a member, where it serves ranges there (members.py)."""
+        ``dial_fast``: the fast path to a member, where it serves ranges there (members.py);
+        ``report_liar(peer, why)``: a member whose bytes failed their hash, to the leader."""
         self.host, self.holders, self.on_held, self.dial_fast = host, holders, on_held, dial_fast
+        if report_liar is not None:
+            self.report_liar = report_liar
 
     def holdings(self) -> Holdings:
         """What this node may serve to members: only bytes it holds verified (rebuilt when that

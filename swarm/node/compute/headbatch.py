@@ -18,9 +18,11 @@ results are due about now (one cycle after their last) and those that shared the
 last head call, while they are still generating.
 
 The head runs in a worker thread behind the process's compute limiter, except a call predicted
-to take under INLINE_MAX_S (as in stage_worker.py: the prediction rises at once and decays
-slowly, and the loop checkpoints after it), so the trio loop answering heartbeats is never held
-long by compute.
+to take under INLINE_MAX_S, or one session's small rows alone in the call whose typical call
+takes under LONE_INLINE_MAX_S (inline.py, as in stage_worker.py; the loop checkpoints after it),
+so the trio loop answering heartbeats is never held long by compute. The lone case is one
+generation's decode step: a dense head of a small model (7 ms for SmolLM2-135M's 49152 x 576)
+is over INLINE_MAX_S, and its hand-off to a thread and back was on every token's path.
 """
 
 from __future__ import annotations
@@ -34,8 +36,8 @@ import torch
 import trio
 
 from swarm.model.stage import Head
+from swarm.node.compute.inline import SMALL_TOKENS, InlinePolicy
 
-INLINE_MAX_S = 0.005  # an LM head call predicted to take less runs on the trio thread
 MAX_HEAD_BATCH = 32  # sessions' rows in one LM head call
 HEAD_GATHER_PASSES = 4  # scheduler passes an idle head waits for more sessions' rows (while they come)
 HEAD_GATHER_MAX_S = 0.05  # the longest an idle head waits for sessions due (module doc)
@@ -68,7 +70,7 @@ class SharedHead:
         self.live = live  # the sessions still generating
         self.compute_delay_s = compute_delay_s  # fault injection for load tests (see stage_worker)
         self.inline = inline  # every head call on the trio thread (in-memory tests on a mock clock)
-        self._predict_s = math.inf  # a small call's time: rises at once, decays slowly
+        self.placing = InlinePolicy()  # where a call runs: the trio thread or a worker (inline.py)
         self._typical_s = math.inf  # ... and its running mean: the gathering window
         self._queue: list[_HeadRequest] = []
         self._busy = False
@@ -117,7 +119,8 @@ class SharedHead:
             while self._queue:
                 batch, self._queue = self._queue[:MAX_HEAD_BATCH], self._queue[MAX_HEAD_BATCH:]
                 try:
-                    out = await self._call(torch.cat([r.rows for r in batch]) if len(batch) > 1 else batch[0].rows)
+                    out = await self._call(torch.cat([r.rows for r in batch]) if len(batch) > 1 else batch[0].rows,
+                                          lone=len(batch) == 1)
                 except Exception as exc:
                     for r in batch:
                         r.error = exc
@@ -163,17 +166,16 @@ class SharedHead:
         out = self.head.logits(rows).cpu()  # on a GPU: wait here (timed, off the loop); CPU: no copy
         return out, time.perf_counter() - t0
 
-    async def _call(self, rows: torch.Tensor) -> torch.Tensor:
-        """LM head on the trio thread when it is predicted quick, else in a worker thread."""
-        small = rows.shape[0] <= 16
-        if self.inline or (small and self._predict_s < INLINE_MAX_S):
+    async def _call(self, rows: torch.Tensor, *, lone: bool) -> torch.Tensor:
+        """LM head on the trio thread when it is predicted quick (or one session's small rows
+        alone, ``lone``, typically quick: inline.py), else in a worker thread."""
+        small = rows.shape[0] <= SMALL_TOKENS
+        if self.inline or (small and self.placing.inline(small=small, lone=lone)):
             out, took = self._compute(rows)
             await trio.lowlevel.checkpoint()
         else:
             out, took = await trio.to_thread.run_sync(self._compute, rows, limiter=self.limiter)
-        if small or took > self._predict_s:
-            p = self._predict_s
-            self._predict_s = took if (p == math.inf or took > p) else 0.9 * p + 0.1 * took
+        self.placing.note(took, small=small)
         if small:
             t = self._typical_s
             self._typical_s = took if t == math.inf else 0.8 * t + 0.2 * took

@@ -64,7 +64,6 @@ from swarm.node.dispatch import role_of
 from swarm.node.hosting import Host, Stream
 from swarm.proto.admission import MEMBER
 from swarm.proto.limits import PROTO_TENSORS, Limits
-from swarm.proto.messages import parse_message
 from swarm.proto.tensors import RangeData, RangeRequest
 from swarm.proto.tensors import RangeRefused as Refused
 from swarm.proto.text import printable
@@ -120,7 +119,7 @@ def serve_tensors(host: Host, holdings: Callable[[], Holdings | None], *, io_s: 
         bufs = _FrameBuffers(limits.max_range_chunk)
         while True:
             if msg is None:
-                msg = parse_message(await fs.receive(timeout=IDLE_S), limits)
+                msg = await fs.receive_message(timeout=IDLE_S)
             if not isinstance(msg, RangeRequest):
                 raise ProtocolError(f"{PROTO_TENSORS}: expected RANGE_REQUEST, got {type(msg).__name__}")
             try:
@@ -131,7 +130,7 @@ def serve_tensors(host: Host, holdings: Callable[[], Holdings | None], *, io_s: 
             except RangeRefused as e:
                 log.info("refused %s range request %s [%d, +%d): %s", peer, printable(msg.file)[:80],
                          msg.offset, msg.length, e.code)  # fmt: skip
-                await fs.send(Refused(msg.req, e.code, str(e)[:256]).to_frame(), timeout=io_s)
+                await fs.send_message(Refused(msg.req, e.code, str(e)[:256]), timeout=io_s)
             msg = None
 
     async def handler(peer: str, fs: Stream) -> None:
@@ -196,7 +195,7 @@ async def _send_range(fs: Any, h: Holdings, msg: RangeRequest, slots: trio.Semap
                 async for off, data, buf in chunks:
                     last = off + len(data) >= end
                     if raw is None:
-                        await fs.send(RangeData.of(msg.req, off, data, last).to_frame(), timeout=io_s)
+                        await fs.send_message(RangeData.of(msg.req, off, data, last), timeout=io_s)
                     else:
                         head = RangeData.head(msg.req, off, len(data), last, limits)
                         start = HEAD_ROOM - len(head)

@@ -38,7 +38,6 @@ from swarm.fetch.cache import ModelCache
 from swarm.fetch.origin import FetchError
 from swarm.fetch.peers import Assignment, Piece, PieceSink, RangeRefused
 from swarm.proto.limits import Limits
-from swarm.proto.messages import parse_message
 from swarm.proto.tensors import RangeReader, RangeRequest
 from swarm.proto.tensors import RangeRefused as Refused
 from swarm.proto.text import printable
@@ -120,24 +119,23 @@ Job = tuple[Callable[[], Any], Callable[[Any], None] | None, bytearray | None]
 
 
 class _Buffers:
-    """The receive buffers of one stream: a fast channel opens each RANGE_DATA message straight
-    into one (no copy of each MiB, and no fresh pages: measured with bench_fetch_members.py, the
-    copy and its page faults cost the fetcher more than the AEAD that opened the bytes). A
-    buffer is taken for one message and given back once its bytes landed or were dropped; at
-    most 2 * WRITE_AHEAD + 1 are taken at once (one receiving, a queue, a batch landing)."""
+    """The receive buffers of one stream: a fast channel's frame link (``opens_into``) opens
+    each RANGE_DATA message straight into one (no copy of each MiB, and no fresh pages: py-spy
+    and perf on bench_fetch_members.py, the copy and its page faults cost the fetcher more than
+    the AEAD that opened the bytes). A buffer is taken for one message and given back once its
+    bytes landed or were dropped; at most 2 * WRITE_AHEAD + 1 are taken at once (one receiving,
+    a queue, a batch landing). A libp2p stream gives each message its own copy (no buffer)."""
 
     def __init__(self, fs: Any, size: int) -> None:
-        self.size = size
+        self.fs, self.size = fs, size
         self.free: list[bytearray] = []
-        self.receive_view = getattr(fs, "receive_view", None)  # a fast channel's frame link
-        self.receive = fs.receive
+        self.opens_into = bool(getattr(fs, "opens_into", False))
 
     async def next(self, timeout: float) -> tuple[Any, bytearray | None]:
-        """The next frame, and the buffer it lies in (None: a copy of its own)."""
-        if self.receive_view is None:
-            return await self.receive(timeout=timeout), None
-        buf = self.free.pop() if self.free else bytearray(self.size)
-        return await self.receive_view(timeout=timeout, into=buf), buf
+        """The next message (a payload a view, where the link gives one), and the buffer it lies
+        in (None: a copy of its own)."""
+        buf = (self.free.pop() if self.free else bytearray(self.size)) if self.opens_into else None
+        return await self.fs.receive_message(timeout=timeout, view=True, into=buf), buf
 
     def give_back(self, buf: bytearray | None) -> None:
         if buf is not None:
@@ -153,13 +151,12 @@ async def _pump(p: _Pipe, bufs: _Buffers, send: trio.MemorySendChannel[Job],
         while True:
             while len(p.inflight) < DEPTH and (nr := p.next_request()) is not None:
                 req, t = nr
-                await fs.send(req.to_frame(), timeout=io_s)
+                await fs.send_message(req, timeout=io_s)
                 p.inflight.append((RangeReader(req), t))
             if not p.inflight:
                 return None
             reader, t = p.inflight[0]
-            frame, buf = await bufs.next(io_s)
-            msg = parse_message(frame, p.limits)
+            msg, buf = await bufs.next(io_s)
             p.unproven = False
             if isinstance(msg, Refused) and msg.req == reader.req.req:
                 p.inflight.popleft()

@@ -103,8 +103,6 @@ class Models:
         self._head: Head | None = None
         self.drafts = DraftHolder(settings.draft, threads=compute.threads)  # its draft model (drafting.py)
         self.fetch = BlockFetcher(settings, compute, notices) if settings.fetch_dir is not None else None
-        # a block that did not fit: lower our offer (serving.py wires it to our advert); the new offer
-        self.on_cannot_load: Callable[[int, int, bool], int] = lambda a, b, coordinator: 0
 
     @property
     def context_tokens(self) -> int:
@@ -118,10 +116,9 @@ class Models:
         )
         return self.ms_per_layer
 
-    async def stage(self, a: int, b: int, *, coordinator: bool = False) -> Stage:
-        """Layers [a, b): the block already held, or loaded (the old one freed first).
-        ``coordinator``: this peer also coordinates the plan (a block that does not fit then lowers
-        the offer by a layer keeping the coordinator's part: serving.py's ``cannot_load``)."""
+    async def stage(self, a: int, b: int) -> Stage:
+        """Layers [a, b): the block already held, or loaded (the old one freed first). One that
+        does not fit raises :class:`CannotLoad` (the caller lowers this peer's offer: Epochs._load)."""
         cached = self._stages.get((a, b))
         if cached is not None:
             return cached
@@ -149,11 +146,8 @@ class Models:
             stage = await self.compute.run(load)
         except memory.OOM_ERRORS as exc:
             memory.release(s.device)
-            offer = self.on_cannot_load(a, b, coordinator)
-            self.notices.event(f"cannot load layers [{a}, {b}): {memory.describe(exc)}; now offering {memory.size(offer)}")
             self.notices.life("loading", layers=[a, b], done=False, error=memory.describe(exc))
-            raise memory.CannotLoad(f"cannot load layers [{a}, {b}): {memory.describe(exc)}; "
-                                    f"this peer now offers {memory.size(offer)}") from None  # fmt: skip
+            raise memory.CannotLoad(f"cannot load layers [{a}, {b}): {memory.describe(exc)}") from None
         self.notices.life("loading", layers=[a, b], done=True, seconds=round(trio.current_time() - t0, 3))
         self._stages[(a, b)] = stage
         return stage

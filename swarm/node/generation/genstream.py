@@ -44,7 +44,6 @@ from swarm.errors import Busy, CannotServe, PeerError, PeerTimeout, ProtocolErro
 from swarm.model.driver import output_sha256
 from swarm.node.generation.genwire import receive_message
 from swarm.proto import control as ctl
-from swarm.proto.limits import DEFAULT_LIMITS, Limits
 
 log = logging.getLogger("swarm.node.generation.genstream")
 
@@ -71,12 +70,11 @@ class GenStream:
     ``idle_s``), and ``deadline`` (trio time) over all of them where given."""
 
     def __init__(self, fs: Any, peer: str, *, idle_s: float, first_s: float | None = None,
-                 deadline: float | None = None, limits: Limits = DEFAULT_LIMITS) -> None:  # fmt: skip
+                 deadline: float | None = None) -> None:  # fmt: skip
         self.fs, self.peer = fs, peer
         self.idle_s = idle_s
         self.first_s = idle_s if first_s is None else first_s
         self.deadline = math.inf if deadline is None else deadline
-        self.limits = limits
         self.frames = 0  # replies read so far
         self.done = False
 
@@ -88,7 +86,7 @@ class GenStream:
         wait = self.first_s if self.frames == 0 else self.idle_s
         with trio.move_on_at(self.deadline):
             try:
-                msg = await receive_message(self.fs, timeout=wait, limits=self.limits)
+                msg = await receive_message(self.fs, timeout=wait)
             except PeerTimeout:
                 what = "no reply to the request" if self.frames == 0 else "nothing (no token, progress or notice)"
                 raise PeerTimeout(f"peer {self.peer}: {what} for {wait:g} s on the generation stream") from None

@@ -163,7 +163,8 @@ class Reporter:
         predicted = at_load = None  # a standby predicts nothing for a block it does not hold
         if block or coord:
             predicted, at_load = (peak_bytes(m.args, m.dtype, s.device, m.spec, block or (0, 0), coordinator=coord,
-                                             draft_bytes=draft, at_load=load) for load in (False, True))  # fmt: skip
+                                             draft_bytes=draft, at_load=load, quant=s.quant)
+                                  for load in (False, True))  # fmt: skip
         hwm, rss = measured_memory()
         return {"offered_bytes": s.memory_bytes or None, "predicted_peak_bytes": predicted,
                 "predicted_load_peak_bytes": at_load, "measured_peak_bytes": hwm, "measured_rss_bytes": rss}  # fmt: skip
@@ -192,7 +193,8 @@ class Reporter:
             block = plan.blocks.get(peer) if plan is not None else None
             coord = plan is not None and plan.coordinator == peer
             # the planned part of its peak, against its advert (planner/budget.py)
-            used = predicted_peak(spec, block or (0, 0), coordinator=coord, draft_bytes=adv.draft_bytes or 0,
+            own = spec.at_width(adv.dtype_bytes) if adv.dtype_bytes else spec  # as the planner counts it (Peer.own)
+            used = predicted_peak(own, block or (0, 0), coordinator=coord, draft_bytes=adv.draft_bytes or 0,
                                   sessions=adv.sessions) \
                 if block or coord else 0
             out[peer] = {

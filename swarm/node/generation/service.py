@@ -28,6 +28,7 @@ import trio
 
 from swarm.errors import (
     ContextTooLong,
+    FrameError,
     PeerError,
     PeerLost,
     PlanningError,
@@ -44,7 +45,7 @@ from swarm.node.generation.genstream import GenSink, GenStream, stitch_receipt
 from swarm.node.generation.genwire import send_message
 from swarm.node.generation.report import Reporter
 from swarm.node.generation.resume import CoordinatorMoved, Resumer
-from swarm.node.hosting import Host
+from swarm.node.hosting import Host, Stream
 from swarm.node.members.view import MemberView
 from swarm.node.plan.epochs import Epoch, Epochs
 from swarm.node.ring.capacity import SlotQueue
@@ -53,7 +54,6 @@ from swarm.planner import Plan
 from swarm.proto import control as ctl
 from swarm.proto.control import MAX_DEPTH, Gen
 from swarm.proto.limits import PROTO_GEN
-from swarm.proto.messages import parse_message
 from swarm.proto.parts import Assembler
 
 log = logging.getLogger("swarm.node.generation.service")
@@ -64,19 +64,19 @@ PROGRESS_EVERY_S = 2.0  # how often a long prefill tells its client how far it g
 
 
 class _StreamSink:
-    """A client on a gen stream: tokens and notices as frames."""
+    """A client on a gen stream: tokens, notices and progress as their messages."""
 
-    def __init__(self, fs: Any) -> None:
+    def __init__(self, fs: Stream) -> None:
         self.fs = fs
 
     async def tokens(self, ids: list[int], text: str) -> None:
-        await self.fs.send(ctl.Tokens(tuple(ids), text).to_frame())
+        await self.fs.send_message(ctl.Tokens(tuple(ids), text))
 
     async def notice(self, text: str) -> None:
-        await self.fs.send(ctl.Notice(text[:1000]).to_frame())
+        await self.fs.send_message(ctl.Notice(text[:1000]))
 
     async def progress(self, done: int, total: int) -> None:
-        await self.fs.send(ctl.Progress(done, total).to_frame())
+        await self.fs.send_message(ctl.Progress(done, total))
 
 
 def sampling_of(req: Gen) -> SamplingParams:
@@ -103,31 +103,32 @@ class GenService:
 
     # -- the network service ---------------------------------------------------------------
 
-    async def serve(self, peer: str, fs: Any) -> None:
+    async def serve(self, peer: str, fs: Stream) -> None:
         """``/shard-swarm/gen/1``: one ``gen`` or ``status`` request from ``peer`` (a long prompt
         after its parts). A frame that breaks the wire protocol is not answered: it ends the
         stream (and the host drops its sender); a bad message is answered with a Fail."""
         joined, msg = Assembler(), None
         while msg is None:
-            frame = await fs.receive(timeout=REQUEST_TIMEOUT_S)  # outside the try: see above
             try:
-                msg = joined.feed(parse_message(frame))
+                msg = joined.feed(await fs.receive_message(timeout=REQUEST_TIMEOUT_S))
+            except (FrameError, PeerError):
+                raise  # a broken or silent stream: see above
             except SwarmError as exc:
                 log.info("request from %s failed: %s", peer, exc)
-                await fs.send(ctl.fail_of(exc).to_frame())
+                await fs.send_message(ctl.fail_of(exc))
                 return
         try:
             if not isinstance(msg, Gen | ctl.Status):
                 raise ProtocolError(f"expected a gen or status request, got {msg!r}")
             self.roles.check(peer, msg)
             if isinstance(msg, ctl.Status):
-                await fs.send(ctl.StatusReply(await self.status(msg)).to_frame())
+                await fs.send_message(ctl.StatusReply(await self.status(msg)))
                 return
             receipt = await _until_hung_up(fs, lambda: self.generate(msg, _StreamSink(fs)))
             await send_message(fs, ctl.Done(receipt))
         except SwarmError as exc:
             log.info("request from %s failed: %s", peer, exc)
-            await fs.send(ctl.fail_of(exc).to_frame())
+            await fs.send_message(ctl.fail_of(exc))
 
     async def status(self, req: ctl.Status) -> dict[str, Any]:
         """This node's status, or (``req.coordinator``) the serving coordinator's, relayed."""
@@ -135,8 +136,8 @@ class GenService:
         if req.coordinator and ep is not None and ep.plan.coordinator != self.peer_id:
             coordinator = ep.plan.coordinator
             async with self.host.open_stream(coordinator, PROTO_GEN, timeout=REQUEST_TIMEOUT_S) as up:
-                await up.send(ctl.Status(coordinator=True, loop_window_s=req.loop_window_s).to_frame())
-                reply = parse_message(await up.receive(timeout=REQUEST_TIMEOUT_S))
+                status = ctl.Status(coordinator=True, loop_window_s=req.loop_window_s)
+                reply = await up.request_message(status, timeout=REQUEST_TIMEOUT_S)
             return dict(ctl.expect(reply, ctl.StatusReply, coordinator, "status").status)
         return self.reporter.status(loop_window_s=req.loop_window_s)
 
@@ -279,15 +280,6 @@ class GenService:
                 next_progress[0] = time.time() + PROGRESS_EVERY_S
                 send.send_nowait((done, total))
 
-        try:
-            run = coord.new_run(prompt, params=params, max_new_tokens=req.max_new_tokens, drafter=choice.drafter,
-                                policy=choice.policy, on_tokens=on_tokens)  # fmt: skip
-        except BaseException:
-            choice.close()
-            raise
-        run.draft_limiter = drafts.limiter
-        run.on_progress = on_progress
-
         def before_decode(others: int) -> None:  # a shared ring: a default prompt lookup stands down
             nonlocal choice
             shared = choice.shared(others)
@@ -295,7 +287,13 @@ class GenService:
                 choice = shared
                 run.decoder.stop_drafting()
 
-        run.before_decode = before_decode
+        try:
+            run = coord.new_run(prompt, params=params, max_new_tokens=req.max_new_tokens, drafter=choice.drafter,
+                                policy=choice.policy, on_tokens=on_tokens, on_progress=on_progress,
+                                draft_limiter=drafts.limiter, before_decode=before_decode)  # fmt: skip
+        except BaseException:
+            choice.close()
+            raise
         moved: CoordinatorMoved | None = None
         handed_over: dict[str, Any] = {}
         try:
@@ -386,7 +384,7 @@ def _handed_over_receipt(
     }
 
 
-async def _until_hung_up(fs: Any, work: Callable[[], Awaitable[Any]]) -> Any:
+async def _until_hung_up(fs: Stream, work: Callable[[], Awaitable[Any]]) -> Any:
     """Run ``work`` until it returns, or until the client ends its stream (it sends nothing
     more: any end of it means it hung up), which stops the generation (PeerLost)."""
     result: list[Any] = []
@@ -395,7 +393,7 @@ async def _until_hung_up(fs: Any, work: Callable[[], Awaitable[Any]]) -> Any:
 
             async def watch() -> None:
                 with contextlib.suppress(SwarmError):
-                    await fs.receive(timeout=math.inf)
+                    await fs.receive_message(timeout=math.inf)
                 log.info("the client went away: stopping its generation")
                 nursery.cancel_scope.cancel()
 

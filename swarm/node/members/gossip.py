@@ -48,7 +48,6 @@ from swarm.node.hosting import Host
 from swarm.node.members.failure import PeerState, Transition
 from swarm.node.members.heartbeat import DEFAULT_INTERVAL, Liveness, run_ctl_link, serve_ctl_inbound
 from swarm.node.members.membership import Membership
-from swarm.proto.frame import Frame
 from swarm.proto.limits import PROTO_CTL
 from swarm.proto.messages import Advert
 
@@ -97,7 +96,7 @@ class MembershipService:
         host: Host,
         membership: Membership,
         *,
-        liveness: Liveness | None = None,
+        clock: Callable[[], float] = trio.current_time,
         interval: float = DEFAULT_INTERVAL,
         on_event: Callable[[MemberEvent], None] | None = None,
         on_stall: Callable[[float], None] | None = None,
@@ -112,13 +111,11 @@ class MembershipService:
         self.publish = publish
         self._announced: set[str] = set()  # peers whose "joined" was emitted (they advertised)
         self.interval = interval
-        self.liveness = liveness or Liveness()
-        self.liveness._on_transition = self._on_transition
-        self.liveness.on_stall = on_stall
+        self.liveness = Liveness(on_transition=self._on_transition, clock=clock, on_stall=on_stall)
         # a full advert book makes room for a connected newcomer by the peer heard from least recently
         membership.guard_book(last_heard=self.liveness.detector.last_heard)
         self._on_event = on_event
-        self._outboxes: dict[str, trio.MemorySendChannel[Frame]] = {}
+        self._outboxes: dict[str, trio.MemorySendChannel[Advert]] = {}
         self._links: dict[str, trio.CancelScope] = {}
         self._candidates: dict[str, _Candidate] = {}
         self._nursery: trio.Nursery | None = None
@@ -186,10 +183,10 @@ class MembershipService:
     def _start_link(self, peer: str) -> None:
         """Open our outbound ctl link to ``peer``: our advert and every advert we know go first."""
         assert self._nursery is not None
-        send, recv = trio.open_memory_channel[Frame](256)
+        send, recv = trio.open_memory_channel[Advert](256)
         self._outboxes[peer] = send
         if self.publish:
-            send.send_nowait(self.membership.local.to_frame())
+            send.send_nowait(self.membership.local)
         # adverts of peers that connected to us first; the outbox is bounded, and a member that
         # made up a book full of adverts once crashed every node here (WouldBlock) on the next link
         unconfirmed = set(self.membership.unconfirmed())
@@ -197,12 +194,12 @@ class MembershipService:
         for other in sorted(view, key=lambda p: p in unconfirmed):
             if other not in (peer, self.host.peer_id):
                 with contextlib.suppress(trio.WouldBlock):
-                    send.send_nowait(view[other].to_frame())
+                    send.send_nowait(view[other])
         scope = trio.CancelScope()
         self._links[peer] = scope
         self._nursery.start_soon(self._link, peer, scope, recv)
 
-    async def _link(self, peer: str, scope: trio.CancelScope, outbox: trio.MemoryReceiveChannel[Frame]) -> None:
+    async def _link(self, peer: str, scope: trio.CancelScope, outbox: trio.MemoryReceiveChannel[Advert]) -> None:
         link: FramedStream | None = None
         try:
             with scope:
@@ -272,11 +269,10 @@ class MembershipService:
             if "/p2p/" in addr and not is_wildcard(addr):
                 with contextlib.suppress(UsageError):
                     self.add_candidate(addr, source=f"advert via {from_peer[-8:]}")
-        frame = advert.to_frame()
         for peer, box in list(self._outboxes.items()):
             if peer not in (from_peer, advert.peer_id):
                 with contextlib.suppress(trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
-                    box.send_nowait(frame)
+                    box.send_nowait(advert)
 
     def _announce(self, peer: str) -> None:
         self._announced.add(peer)
@@ -383,19 +379,19 @@ class MembershipService:
             due = set(rtts) != set(last) or (now - last_at >= READVERT_PERIOD and _rtts_changed(last, rtts))
             if due and self.publish and self.membership.update_local(rtt_ms=rtts):
                 last, last_at = rtts, now
-                frame = self.membership.local.to_frame()
+                local = self.membership.local
                 for box in list(self._outboxes.values()):
                     with contextlib.suppress(trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
-                        box.send_nowait(frame)
+                        box.send_nowait(local)
 
     def readvertise(self) -> None:
         """Send our current advert to every peer now (after update_local)."""
         if not self.publish:
             return
-        frame = self.membership.local.to_frame()
+        local = self.membership.local
         for box in list(self._outboxes.values()):
             with contextlib.suppress(trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
-                box.send_nowait(frame)
+                box.send_nowait(local)
 
 
 def _rtts_changed(old: dict[str, float], new: dict[str, float]) -> bool:

@@ -31,8 +31,7 @@ import trio
 from swarm.errors import PeerError, ProtocolError, SwarmError
 from swarm.net.streams import FramedStream
 from swarm.node.members.failure import FailureDetector, PeerState, Transition
-from swarm.proto.frame import Frame, MsgType
-from swarm.proto.messages import Advert, Heartbeat, parse_message
+from swarm.proto.messages import Advert, Heartbeat, message_name
 
 log = logging.getLogger("swarm.node.members.heartbeat")
 
@@ -58,12 +57,12 @@ class Liveness:
 
     def __init__(
         self, detector: FailureDetector | None = None, on_transition: OnTransition | None = None,
-        clock: Callable[[], float] = trio.current_time,
+        clock: Callable[[], float] = trio.current_time, on_stall: Callable[[float], None] | None = None,
     ) -> None:  # fmt: skip
         self.detector = detector or FailureDetector()
         self.clock = clock  # this node's clock (an in-memory test stops a "frozen" node's)
         self._on_transition = on_transition
-        self.on_stall: Callable[[float], None] | None = None  # called with the gap after we were stopped
+        self.on_stall = on_stall  # called with the gap after we were stopped
         self._rtts: dict[str, deque[float]] = {}
         self._path_rtts: dict[str, float] = {}  # probed on the path hops take (swarm.node.members.probe)
         self._ran_at: float | None = None  # our clock when this node last ran its liveness code
@@ -143,7 +142,7 @@ class Liveness:
 async def run_ctl_link(
     fs: FramedStream,
     liveness: Liveness,
-    outbox: trio.MemoryReceiveChannel[Frame],
+    outbox: trio.MemoryReceiveChannel[Advert],
     *,
     interval: float = DEFAULT_INTERVAL,
 ) -> None:
@@ -157,31 +156,27 @@ async def run_ctl_link(
         beat = 0
         next_beat = trio.current_time()
         while True:
-            frame: Frame | None = None
+            advert: Advert | None = None
             with trio.move_on_at(next_beat):  # never cancel a send half-way: only the wait
-                frame = await outbox.receive()
-            if frame is not None:
-                await fs.send(frame, timeout=interval * 4)
+                advert = await outbox.receive()
+            if advert is not None:
+                await fs.send_message(advert, timeout=interval * 4)
                 continue
             beat += 1
             sent[beat] = trio.current_time()
             sent.pop(beat - OUTSTANDING_BEATS, None)
-            await fs.send(Heartbeat(beat, _now_us()).to_frame(), timeout=interval * 4)
+            await fs.send_message(Heartbeat(beat, _now_us()), timeout=interval * 4)
             next_beat = trio.current_time() + interval
 
     async def receiver() -> None:
         while True:
             # Silence is the failure detector's business; this deadline only reaps dead streams.
-            frame = await fs.receive(timeout=max(60.0, interval * 20))
+            # echoes only: anything else is a ProtocolError naming the peer and what came
+            echo = await fs.receive_message(timeout=max(60.0, interval * 20), expect=Heartbeat)
             liveness.heard(peer)
-            if frame.msg_type is MsgType.HEARTBEAT:
-                echo = parse_message(frame, fs.limits)
-                assert isinstance(echo, Heartbeat)
-                at = sent.pop(echo.seq, None)  # our own record: the echoed clock is not trusted
-                if at is not None:
-                    liveness.rtt_sample(peer, trio.current_time() - at)
-            else:
-                raise ProtocolError(f"peer {peer} sent {frame.msg_type.name} on our ctl stream (echoes only)")
+            at = sent.pop(echo.seq, None)  # our own record: the echoed clock is not trusted
+            if at is not None:
+                liveness.rtt_sample(peer, trio.current_time() - at)
 
     failures: list[SwarmError] = []
 
@@ -211,14 +206,13 @@ async def serve_ctl_inbound(
         try:
             # silence is the failure detector's business; this deadline only reaps a stream left
             # half-way through a frame by a peer that went quiet
-            frame = await fs.receive(timeout=max(10.0, DEFAULT_INTERVAL * 20))
-        except PeerError:
+            msg = await fs.receive_message(timeout=max(10.0, DEFAULT_INTERVAL * 20))
+        except PeerError:  # a ProtocolError (not a PeerError) ends the stream: see the caller
             return
         liveness.heard(peer)
-        msg = parse_message(frame, fs.limits)
         if isinstance(msg, Heartbeat):
-            await fs.send(frame)
+            await fs.send_message(msg)
         elif isinstance(msg, Advert):
             await on_advert(peer, msg)
         else:
-            raise ProtocolError(f"peer {peer} sent {frame.msg_type.name} on ctl (adverts and heartbeats only)")
+            raise ProtocolError(f"peer {peer} sent {message_name(msg)} on ctl (adverts and heartbeats only)")

@@ -91,6 +91,7 @@ class Membership:
         first_seq: int | None = None,
         draft: tuple[str, int, float] | None = None,  # (name, bytes, ms per token) it runs as coordinator
         sessions: int | None = None,  # the sessions' KV its stage reserves (None: absent from the advert)
+        dtype_bytes: int | None = None,  # the width of the values it serves in (None: absent from the advert)
     ) -> None:
         if memory_bytes < 0:
             raise UsageError(f"memory offered must be >= 0 bytes, got {memory_bytes}")
@@ -105,7 +106,7 @@ class Membership:
                 peer_id=self.peer_id, public_key=signer.public_key, swarm_id=swarm_id, seq=seq,
                 addrs=tuple(addrs)[: DEFAULT_LIMITS.max_addresses], device_kind=kind, device_name=name,
                 memory_bytes=int(memory_bytes), layer_us=_us(ms_per_layer / 1000.0), **_draft_fields(draft),
-                sessions=sessions,
+                sessions=sessions, dtype_bytes=dtype_bytes,
             ),
             signer,
         )  # fmt: skip
@@ -207,7 +208,7 @@ class Membership:
         peers = [
             Peer(p, a.memory_bytes, a.layer_us / 1000.0, True, tuple(a.addrs),
                  None if a.draft_us is None else a.draft_us / 1000.0, a.draft_bytes or 0,
-                 frozenset(a.held_layers()), bool(a.held_head), a.disk, a.sessions)  # fmt: skip
+                 frozenset(a.held_layers()), bool(a.held_head), a.disk, a.sessions, a.dtype_bytes)  # fmt: skip
             for p, a in view.items()
         ]
         rtt = {

@@ -27,7 +27,6 @@ from swarm.errors import ProtocolError, SwarmError
 from swarm.node.members.gossip import MembershipService
 from swarm.node.ring.fastlink import FrameLink
 from swarm.proto import control as ctl
-from swarm.proto.messages import parse_message
 
 log = logging.getLogger("swarm.node.members.probe")
 
@@ -43,8 +42,8 @@ async def probe_once(link: Any, pings: int = PINGS, timeout: float = TIMEOUT_S) 
     for _ in range(pings + 1):
         nonce = secrets.randbits(32)  # unguessable: a peer cannot echo a ping it has not received
         sent = trio.current_time()
-        await link.send(ctl.Probe(nonce).to_frame(), timeout=timeout)
-        got = parse_message(await link.receive(timeout=timeout))
+        await link.send_message(ctl.Probe(nonce), timeout=timeout)
+        got = await link.receive_message(timeout=timeout)
         if not isinstance(got, ctl.Probe) or got.nonce != nonce:
             raise SwarmError(f"peer {link.peer}: a probe echo was {got!r}, not the ping just sent")
         best = min(best, trio.current_time() - sent)
@@ -55,12 +54,12 @@ async def echo_probe(
     link: Any, peer: str, hello: ctl.Probe, pings: int = PINGS, timeout: float = TIMEOUT_S
 ) -> None:
     """The other end: echo the hello and at most ``pings`` more Probe frames, then return."""
-    await link.send(hello.to_frame(), timeout=timeout)
+    await link.send_message(hello, timeout=timeout)
     for _ in range(pings):
-        got = parse_message(await link.receive(timeout=timeout))
+        got = await link.receive_message(timeout=timeout)
         if not isinstance(got, ctl.Probe):
             raise ProtocolError(f"peer {peer}: a probe channel carried {type(got).__name__}")
-        await link.send(got.to_frame(), timeout=timeout)
+        await link.send_message(got, timeout=timeout)
 
 
 class Prober:

@@ -60,6 +60,10 @@ class MemberView:
         """Draft model bytes each member advertises (the planner counts them where it coordinates)."""
         return {p: a.draft_bytes or 0 for p, a in self.service.membership.view().items()}
 
+    def widths(self) -> dict[str, int]:
+        """The width of the values each member serves in, where its advert says (Peer.dtype_bytes)."""
+        return {p: a.dtype_bytes for p, a in self.service.membership.view().items() if a.dtype_bytes}
+
     def exclude(self, peer: str, seconds: float) -> None:
         now = trio.current_time()
         self.excluded = {p: t for p, t in self.excluded.items() if t > now}  # bounded: expired go

@@ -26,6 +26,7 @@ import trio
 
 from swarm.errors import PeerError, ProtocolError
 from swarm.model.stage import Stage
+from swarm.node.compute import memory
 from swarm.node.compute.runtime import Models
 from swarm.node.errors_util import unwrap
 from swarm.node.notices import Notices
@@ -140,7 +141,9 @@ class Epochs:
 
     ``leader``: who leads this node's view (a plan is taken only when that peer signed it);
     ``memory``: each member's offered memory (the ring's capacity); ``on_end(ep)`` runs when an
-    epoch ends, ``on_plan()`` when a plan was taken (the composition root wires both)."""
+    epoch ends, ``on_plan()`` when a plan was taken; ``cannot_load(a, b, coordinator)`` lowers
+    this peer's offer after a block did not fit and returns the new offer (the composition root,
+    serving.py, wires all three)."""
 
     def __init__(
         self,
@@ -153,6 +156,10 @@ class Epochs:
         leader: Callable[[], str],
         memory: Callable[[], dict[str, int]],
         drafts: Callable[[], dict[str, int]] = dict,
+        widths: Callable[[], dict[str, int]] = dict,
+        on_end: Callable[[Epoch], None] = lambda ep: None,
+        on_plan: Callable[[], None] = lambda: None,
+        cannot_load: Callable[[int, int, bool], int] | None = None,
     ) -> None:
         self.settings = settings
         self.peer_id = peer_id
@@ -162,8 +169,10 @@ class Epochs:
         self.leader = leader
         self.memory = memory
         self.drafts = drafts  # each member's advertised draft model bytes (the planner's coordinator part)
-        self.on_end: Callable[[Epoch], None] = lambda ep: None
-        self.on_plan: Callable[[], None] = lambda: None
+        self.widths = widths  # each member's advertised value width (the planner's Peer.dtype_bytes)
+        self.on_end = on_end
+        self.on_plan = on_plan
+        self.cannot_load = cannot_load  # a block that did not fit: lower our offer, return the new one
         self.current: Epoch | None = None
         self.previous: Epoch | None = None  # the epoch the current one replaced (fault reports may name it)
         self.newest: tuple[int, bytes | None] = (0, None)  # (epoch, signature) of the newest plan taken
@@ -271,7 +280,7 @@ class Epochs:
             # last forward keeps the old one until that returns)
             cur.stage = cur.worker = None
         if me in plan.blocks:
-            ep.stage = await self.models.stage(*plan.blocks[me], coordinator=plan.coordinator == me)
+            ep.stage = await self._load(*plan.blocks[me], coordinator=plan.coordinator == me)
         if plan.coordinator == me:
             s = self.settings
             head = await self.models.head()
@@ -281,12 +290,25 @@ class Epochs:
                 inline=not self.models.compute.threads, max_len=self.models.context_tokens,
             )  # fmt: skip
             # how many generations the ring's KV memory holds (capacity.py)
-            self.admission.set_capacity(ring_capacity(self.models.spec, plan, self.memory(), self.drafts()))
+            self.admission.set_capacity(ring_capacity(self.models.spec, plan, self.memory(), self.drafts(),
+                                                        self.widths()))
             await self.models.load_tokenizer()
             await self.models.drafts.use(plan.draft, head=head, ckpt=self.models.ckpt, dtype=self.models.dtype,
                                          device=s.device, tokenizer=self.models.tokenizer,
                                          notice=self.notices.event)  # its draft model (drafting.py)  # fmt: skip
         return ep
+
+    async def _load(self, a: int, b: int, *, coordinator: bool) -> Stage:
+        """Our planned block (Models.stage). One that does not fit lowers our offer first, so the
+        leader's next plan gives us less, and says so (nobody is blamed: compute/memory.py)."""
+        try:
+            return await self.models.stage(a, b)
+        except memory.CannotLoad as exc:
+            if self.cannot_load is None:
+                raise
+            offer = self.cannot_load(a, b, coordinator)
+            self.notices.event(f"{exc}; now offering {memory.size(offer)}")
+            raise memory.CannotLoad(f"{exc}; this peer now offers {memory.size(offer)}") from None
 
     def end(self, reason: str, *, only: Epoch | None = None) -> None:
         """End the current epoch. ``only``: a task of that epoch is reporting its own failure;

@@ -34,7 +34,6 @@ from swarm.node.ring.links import Link, LocalLink
 from swarm.node.ring.stage_worker import StageWorker
 from swarm.proto import control as ctl
 from swarm.proto.limits import PROTO_ACT
-from swarm.proto.messages import parse_message
 from swarm.proto.tensors import RangeRequest
 
 log = logging.getLogger("swarm.node")
@@ -61,6 +60,7 @@ class Wiring:
         report_fault: Callable[[str, str, int], Any],
         offered: Callable[[], int],
         own_draft: Callable[[], int] = lambda: 0,
+        tensors: Callable[[str, Any, RangeRequest], Awaitable[None]] | None = None,
     ) -> None:
         self.peer_id = peer_id
         self.host = host
@@ -75,7 +75,7 @@ class Wiring:
         self.hop_paths: dict[int, str] = {}  # hop index -> "direct" | "libp2p" | "local", for status
         self.corrupt = False  # fault injection (chaos tests, SIGUSR1 in python -m swarm.node)
         # a fast channel that opens with a RANGE_REQUEST: serve_tensors' handler (serving.py)
-        self.tensors: Callable[[str, Any, RangeRequest], Awaitable[None]] | None = None
+        self.tensors = tensors
 
     # -- connect: the hops that leave us, and our stage worker --------------------------------
 
@@ -166,7 +166,8 @@ class Wiring:
         """Sessions our block's KV caches fit in the memory we advertised (capacity.py)."""
         block = ep.plan.blocks[self.peer_id]
         coord = ep.plan.coordinator == self.peer_id
-        return stage_capacity(self.models.spec, self.offered(), block, coordinator=coord,
+        spec = self.models.spec.at_width(self.models.dtype.itemsize)  # as the leader planned it (Peer.own)
+        return stage_capacity(spec, self.offered(), block, coordinator=coord,
                               draft_bytes=self.own_draft() if coord else 0)  # fmt: skip
 
     def _set_outbound(self, ep: Epoch, hop: int, link: Link) -> None:
@@ -182,12 +183,12 @@ class Wiring:
         ep.wait_inbound(hop).set()
 
     async def _hold_outbound(self, ep: Epoch, hop: int, dst: str, ready: trio.Event, failed: list[SwarmError]) -> None:
-        hello = ctl.Hop(ep.plan.epoch, hop).to_frame()
+        hello = ctl.Hop(ep.plan.epoch, hop)
         try:
             if self.fastpath is not None:
                 link = FrameLink(await self.fastpath.dial(dst, timeout=LINK_TIMEOUT_S))
                 try:
-                    await link.send(hello, timeout=LINK_TIMEOUT_S)
+                    await link.send_message(hello, timeout=LINK_TIMEOUT_S)
                     self.hop_paths[hop] = link.path
                     self._set_outbound(ep, hop, link)
                     ready.set()
@@ -197,7 +198,7 @@ class Wiring:
                         await link.close()
             else:
                 async with self.host.open_stream(dst, PROTO_ACT, timeout=LINK_TIMEOUT_S) as fs:
-                    await fs.send(hello)
+                    await fs.send_message(hello)
                     self.hop_paths[hop] = "libp2p"
                     self._set_outbound(ep, hop, fs)
                     ready.set()
@@ -219,7 +220,7 @@ class Wiring:
 
     async def _serve_fast_act(self, link: FrameLink) -> None:
         try:
-            first = parse_message(await link.receive(timeout=HELLO_TIMEOUT_S))
+            first = await link.receive_message(timeout=HELLO_TIMEOUT_S)
             if isinstance(first, RangeRequest) and self.tensors is not None:
                 await self.tensors(link.peer, link, first)  # model bytes for a member (compute/members.py)
             else:
@@ -235,7 +236,7 @@ class Wiring:
         hop into this node, opened by its upstream peer with a ``hop`` hello and held until the
         epoch ends; or a probe of the path (a ``probe`` hello), echoed and closed."""
         if hello is None:
-            hello = parse_message(await fs.receive(timeout=HELLO_TIMEOUT_S))
+            hello = await fs.receive_message(timeout=HELLO_TIMEOUT_S)
         if isinstance(hello, ctl.Probe):
             await echo_probe(fs, peer, hello)  # a short channel that measures the path (probe.py)
             return

@@ -44,12 +44,16 @@ def stage_capacity(spec: ModelSpec, memory_bytes: int, block: tuple[int, int], *
     return MAX_SESSIONS if fits is None else max(1, min(MAX_SESSIONS, fits))
 
 
-def ring_capacity(spec: ModelSpec, plan: Plan, memory: Mapping[str, int], drafts: Mapping[str, int] | None = None) -> int:
+def ring_capacity(spec: ModelSpec, plan: Plan, memory: Mapping[str, int], drafts: Mapping[str, int] | None = None,
+                  widths: Mapping[str, int] | None = None) -> int:
     """Sessions the whole ring holds at once: the least of its stages (unknown memory: one);
-    ``drafts``: the draft model bytes each peer advertises (the planner counts the coordinator's)."""
-    drafts = drafts or {}
+    ``drafts``: the draft model bytes each peer advertises (the planner counts the coordinator's);
+    ``widths``: the width each serves in, where its advert gives one (ModelSpec.at_width, as the
+    planner states its layers)."""
+    drafts, widths = drafts or {}, widths or {}
     caps = [
-        stage_capacity(spec, memory[p], block, coordinator=p == plan.coordinator, draft_bytes=drafts.get(p, 0))
+        stage_capacity(spec.at_width(widths[p]) if p in widths else spec, memory[p], block,
+                       coordinator=p == plan.coordinator, draft_bytes=drafts.get(p, 0))
         if memory.get(p) else 1
         for p, block in plan.blocks.items()
     ]  # fmt: skip

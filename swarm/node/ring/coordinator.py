@@ -59,9 +59,10 @@ from swarm.errors import (
     SwarmError,
     UsageError,
 )
-from swarm.model.driver import Await, Decode, DecodeSettings, GenerationResult, Send
+from swarm.model.driver import Await, Decode, DecodeSettings, GenerationResult, Send, decoder_for
 from swarm.model.speculative import SpeculativeDecoder, VerifyChunk
 from swarm.model.stage import Head
+from swarm.net.channel import FastLock
 from swarm.node.compute import drafting, memory
 from swarm.node.compute.headbatch import SharedHead
 from swarm.node.ring.codec import REPLAY_ID_BASE, hidden_chunk, read_hidden
@@ -83,12 +84,20 @@ class RingRun(Decode):
     """One generation's decoding (driver.py) with what a ring adds: where its drafter runs, a
     hook before decoding begins, and the ring's own figures. It outlives the ring it started on."""
 
-    def __init__(self, decoder: SpeculativeDecoder, *, on_tokens: Callable[[Sequence[int]], None] | None = None) -> None:
-        super().__init__(decoder, on_tokens=on_tokens)
-        self.draft_limiter: trio.CapacityLimiter | None = None  # a model drafter's forwards (drafting.py)
+    def __init__(
+        self,
+        decoder: SpeculativeDecoder,
+        *,
+        on_tokens: Callable[[Sequence[int]], None] | None = None,
+        on_progress: Callable[[int, int], None] | None = None,
+        draft_limiter: trio.CapacityLimiter | None = None,
+        before_decode: Callable[[int], None] | None = None,
+    ) -> None:
+        super().__init__(decoder, on_tokens=on_tokens, on_progress=on_progress)
+        self.draft_limiter = draft_limiter  # a model drafter's forwards (drafting.py)
         # called once, with the number of other generations on the ring, when the prompt's prefill is
         # out and before any decode chunk is polled (it may change the drafter: drafting.py, sharing)
-        self.before_decode: Callable[[int], None] | None = None
+        self.before_decode = before_decode
         self.shared_head_calls = 0  # LM head calls computed together with other sessions' rows
         self.traversal_ms: list[float] = []  # send -> result, per live chunk
 
@@ -126,7 +135,10 @@ class Coordinator:
         self.limits = limits
         self.dtype = next(head.parameters()).dtype
         self._sessions: dict[int, trio.MemorySendChannel[Frame | SwarmError]] = {}
-        self._send_lock = trio.Lock()
+        # taken without a scheduler pass when free: a chunk the driver issues goes on the wire
+        # before any other task runs (the token just streamed to the client, heartbeats), not
+        # after a libp2p write half the time (trio runs a ready batch in random order)
+        self._send_lock = FastLock()
         self._first: Link | None = None
         self._tail_peer = "?"
         self._broken: SwarmError | None = None
@@ -169,9 +181,18 @@ class Coordinator:
 
     # -- one generation -------------------------------------------------------------------
 
-    def new_run(self, prompt_ids: Sequence[int], **settings: Unpack[DecodeSettings]) -> RingRun:
+    def new_run(
+        self,
+        prompt_ids: Sequence[int],
+        *,
+        draft_limiter: trio.CapacityLimiter | None = None,
+        before_decode: Callable[[int], None] | None = None,
+        **settings: Unpack[DecodeSettings],
+    ) -> RingRun:
         """The state of one generation; it outlives the epoch it started in (see drive)."""
-        return RingRun.for_model(self.args, prompt_ids, max_len=self.max_len, **settings)
+        return RingRun(decoder_for(self.args, prompt_ids, self.max_len, settings), on_tokens=settings.get("on_tokens"),
+                       on_progress=settings.get("on_progress"), draft_limiter=draft_limiter,
+                       before_decode=before_decode)  # fmt: skip
 
     async def generate(self, prompt_ids: Sequence[int], **settings: Unpack[DecodeSettings]) -> GenerationResult:
         """One generation on this ring from start to end (no recovery: see drive)."""

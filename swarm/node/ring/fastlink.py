@@ -12,9 +12,12 @@ from typing import Any
 
 from swarm.proto.frame import Frame, decode_frame, encode_frame
 from swarm.proto.limits import DEFAULT_LIMITS, Limits
+from swarm.proto.messages import MessageIO
 
 
-class FrameLink:
+class FrameLink(MessageIO):
+    opens_into = True  # a direct message opens straight into receive_view's ``into``
+
     def __init__(self, channel: Any, *, limits: Limits = DEFAULT_LIMITS) -> None:
         self.channel = channel
         self.limits = limits

@@ -10,27 +10,40 @@ passes, PeerLost when the other end is gone.
 from __future__ import annotations
 
 import math
-from typing import Protocol
+from typing import Protocol, overload
 
 import trio
 
 from swarm.errors import PeerLost, PeerTimeout
 from swarm.proto.frame import Frame
+from swarm.proto.limits import DEFAULT_LIMITS, Limits
+from swarm.proto.messages import Message, MessageIO, Msg
 
 
 class Link(Protocol):
+    peer: str
+
     async def send(self, frame: Frame, timeout: float | None = None) -> None: ...
 
     async def receive(self, timeout: float | None = None) -> Frame: ...
 
+    async def send_message(self, msg: Message, timeout: float | None = None) -> None: ...
+
+    @overload
+    async def receive_message(self, timeout: float | None = None, *, view: bool = False) -> Message: ...
+
+    @overload
+    async def receive_message(self, timeout: float | None = None, *, expect: type[Msg], view: bool = False) -> Msg: ...
+
     async def close(self) -> None: ...
 
 
-class LocalLink:
+class LocalLink(MessageIO):
     """Both ends of an in-process hop (frames are passed as objects, never copied)."""
 
-    def __init__(self, name: str = "local", max_buffer: int = 1024) -> None:
-        self.name = name
+    def __init__(self, name: str = "local", max_buffer: int = 1024, *, limits: Limits = DEFAULT_LIMITS) -> None:
+        self.name = self.peer = name
+        self.limits = limits
         self._send, self._recv = trio.open_memory_channel[Frame](max_buffer)
 
     def __repr__(self) -> str:

@@ -45,17 +45,16 @@ D hidden values per token are far smaller than V logits.
 
 Liveness never waits on compute. A forward runs in a worker thread behind one limiter per
 process (``swarm.model.batched.forward_many``), except a batch predicted to take under
-INLINE_MAX_S, which runs on the trio thread (a thread hand-off costs 0.2 ms idle and several ms
-on a loaded box, more than such a forward); the prediction rises at once with any slower forward
-and decays slowly, and the loop checkpoints after every inline forward, so the trio loop is never
-held longer than about INLINE_MAX_S by compute (``swarm.node.loopwatch`` measures the longest
-hold; the fast-path sockets' hot path does not pass through the scheduler by itself). One
-session's small chunk alone in its batch runs inline up to LONE_INLINE_MAX_S: the same forward
-ran ~13% slower in a worker thread than in the thread that received it (bundled model, two
-stages: 26.8 and 21.4 ms in the nodes against 23.6 and 18.4 ms in plain processes on pipes,
-benchmarks/pipeline_floor.py), and one session alone is the ring's latency-bound case (LAN
-ring ÷ one process 0.81 -> 0.86, one API session 15.8 -> 17.8 tok/s, concurrent sessions' total
-unchanged). A loop held 50 ms is 2% of the failure detector's patience.
+INLINE_MAX_S, or one session's small chunk alone in its batch whose typical forward takes under
+LONE_INLINE_MAX_S, which run on the trio thread (``swarm.node.compute.inline``: a thread
+hand-off costs 0.2 ms idle and several ms on a loaded box). The lone case is the ring's
+latency-bound one: the same forward ran ~13% slower in a worker thread than in the thread that
+received it (bundled model, two stages: 26.8 and 21.4 ms in the nodes against 23.6 and 18.4 ms
+in plain processes on pipes, benchmarks/pipeline_floor.py; LAN ring ÷ one process 0.81 -> 0.86,
+one API session 15.8 -> 17.8 tok/s, concurrent sessions' total unchanged). The loop checkpoints
+after every inline forward, so it is never held longer than about LONE_INLINE_MAX_S by compute
+(``swarm.node.loopwatch`` measures the longest hold; the fast-path sockets' hot path does not pass
+through the scheduler by itself). A loop held 50 ms is 2% of the failure detector's patience.
 
 Bad input from the upstream peer (a malformed frame, a NaN activation, a wrong shape or epoch)
 never reaches the model: the chunk is answered with an ERROR naming the peer and the field, and
@@ -78,6 +77,7 @@ from swarm.errors import PeerLost, PeerTimeout, ProtocolError, SwarmError
 from swarm.model.batched import forward_many
 from swarm.model.stage import Stage
 from swarm.node.compute import memory
+from swarm.node.compute.inline import SMALL_TOKENS, InlinePolicy
 from swarm.node.errors_util import unwrap
 from swarm.node.ring.codec import (
     Encoded,
@@ -95,8 +95,6 @@ from swarm.proto.messages import Chunk, Error, Result, Rollback, SessionEnd, par
 
 log = logging.getLogger("swarm.node.stage")
 
-INLINE_MAX_S = 0.005  # a batch predicted to compute in less runs on the trio thread (see above)
-LONE_INLINE_MAX_S = 0.05  # ... and one session's small chunk predicted to compute in less (see above)
 MAX_BATCH = 16  # sessions in one forward
 MAX_BATCH_TOKENS = 512  # tokens in one forward (a prefill piece is 64 by default)
 REPLAY_GROUP = 16  # the most replay chunks of a session computed in one call (module doc: replay)
@@ -150,7 +148,7 @@ class StageWorker:
         self.dtype = next(stage.parameters()).dtype
         self.stats = StageStats()
         self.max_batch = max(1, max_batch)
-        self._predict_s = math.inf  # a small batch's forward time: rises at once, decays slowly
+        self.placing = InlinePolicy()  # where a forward runs: the trio thread or a worker (inline.py)
         self.corrupt_after: int | None = None  # fault injection for chaos tests: NaN after N chunks
         self.swallow = False  # fault injection: drop every frame read (a hop that silently stopped)
         # fault injection for load tests: every forward blocks this much longer (a blocking sleep
@@ -386,16 +384,12 @@ class StageWorker:
         if self.trace is not None:
             self.trace.append([(m.session, m.pos, m.tokens) for m, _ in batch])
         calls = max(len(g) for g in groups)  # a replay group costs a forward per chunk
-        small = calls == 1 and sum(m.tokens for m, _ in batch) <= 16
-        lone = small and len(batch) == 1 and self._predict_s < LONE_INLINE_MAX_S
-        if self.inline or self._predict_s * calls < INLINE_MAX_S or lone:
+        small = calls == 1 and sum(m.tokens for m, _ in batch) <= SMALL_TOKENS
+        if self.inline or self.placing.inline(calls=calls, small=small, lone=len(batch) == 1):
             outs, took = self._forward(groups)
         else:
             outs, took = await trio.to_thread.run_sync(self._forward, groups, limiter=self.limiter)
-        # the prediction is per forward of a small batch; a big one says nothing about small ones
-        if small or (calls == 1 and took > self._predict_s):
-            p = self._predict_s
-            self._predict_s = took if (p == math.inf or took > p) else 0.9 * p + 0.1 * took
+        self.placing.note(took, calls=calls, small=small)
         if calls > 1:
             self.stats.replay_groups += sum(len(g) > 1 for g in groups)
         self.stats.replayed += sum(is_replay(m.chunk_id) for m, _ in batch)
