@@ -240,4 +240,7 @@ async def fetch_pieces(fs: Any, cache: ModelCache, a: Assignment, peer: str, ids
     finally:
         for sink in p.sinks:
             sink.close()
-        cache.save()  # what landed since the last save (PieceSink saves at most every SAVE_EVERY_S)
+        # what landed since the last save (PieceSink saves at most every SAVE_EVERY_S), written off
+        # the event loop, cancelled or not
+        with trio.CancelScope(shield=True):
+            await trio.to_thread.run_sync(cache.save)
