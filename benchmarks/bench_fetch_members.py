@@ -204,7 +204,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             with contextlib.suppress(OSError):
                 proc.stdin.close()  # type: ignore[union-attr]
             proc.wait(timeout=30)
-        med = {k: statistics.median(x[0] for x in v) for k, v in got.items()}
+        med = {k: statistics.median(x[0] for x in v) if v else float("nan") for k, v in got.items()}
         result = {
             "machine_note": a.note,
             "load_average_before_after": [round(load0, 2), round(os.getloadavg()[0], 2)],
@@ -218,16 +218,16 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             "members_libp2p_mb_s": [round(x[0], 1) for x in got["libp2p"]],
             "tcp_mb_s": [round(x[0], 1) for x in got["tcp"]],
             "members_mb_s_median": round(med["fast"], 1),
-            "members_libp2p_mb_s_median": round(med["libp2p"], 1),
+            "members_libp2p_mb_s_median": round(med["libp2p"], 1) if got["libp2p"] else None,
             "tcp_mb_s_median": round(med["tcp"], 1),
             "ratio_members_over_tcp": round(med["fast"] / med["tcp"], 3),
-            "ratio_libp2p_over_tcp": round(med["libp2p"] / med["tcp"], 3),
+            "ratio_libp2p_over_tcp": round(med["libp2p"] / med["tcp"], 3) if got["libp2p"] else None,
             "ratio_per_round": [round(x[0] / y[0], 3) for x, y in zip(got["fast"], got["tcp"], strict=True)],
             "ratio_per_round_median": round(statistics.median(x[0] / y[0] for x, y in zip(got["fast"], got["tcp"], strict=True)), 3),
             "target_ratio": 0.5,
             "cpu_ms_per_mb_median": {k: {"fetcher": round(statistics.median(x[1] for x in v), 2),
                                          "member": round(statistics.median(x[2] for x in v), 2)}
-                                     for k, v in got.items()},  # fmt: skip
+                                     for k, v in got.items() if v},  # fmt: skip
             "what": "fetcher and member in separate processes on loopback. members: fetch_from_members of the "
                     "block from the member over the fast path (a direct AEAD-sealed TCP socket negotiated over "
                     "libp2p), each tensor's sha256 checked, written in place into the cache; members_libp2p: the "
@@ -250,7 +250,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--note", default="2 shared CPU cores, other engineers running tests at the same time: noisy")
-    ap.add_argument("--paths", default="fast,libp2p,tcp", help=argparse.SUPPRESS)  # for profiling one path
+    ap.add_argument("--paths", default="fast,libp2p,tcp",
+                    help="which paths each round moves, in order (fast and tcp for the ratio; libp2p is slow)")
     ap.add_argument("--serve", type=Path, default=None, help=argparse.SUPPRESS)  # the member process
     a = ap.parse_args(argv)
     if a.serve is not None:

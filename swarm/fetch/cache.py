@@ -40,6 +40,7 @@ FIXED_MTIME_NS = 1_000_000_000 * 10**9  # a cached file's content is fixed by th
 # its tensors landed: a constant mtime keeps caches keyed by (size, mtime) valid across fetches
 # (the tokenizer a GGUF's header converts to, swarm.model.tokenizer)
 MERGE_GAP = 4096  # tensors this close share one request (GGUF pads to 32 bytes; safetensors: none)
+SAVE_EVERY_S = 0.5  # pieces landing from members: the state file rewritten at most this often
 Progress = Callable[[int, int], None]
 
 
@@ -87,6 +88,8 @@ class ModelCache:
         # held by who changes the bookkeeping from a worker thread (pieces of several members land
         # at once): two saves racing on one temporary file lost the state file's rename
         self.lock = threading.RLock()
+        self.clock: Callable[[], float] = time.monotonic  # for save_due (a test's own clock)
+        self._saved_at = -SAVE_EVERY_S  # clock() at the last save
 
     @classmethod
     def open(cls, model_dir: Path, *, disk_budget: int | None = None) -> ModelCache:
@@ -109,6 +112,16 @@ class ModelCache:
             st = {"verified": sorted(self.verified), "files": sorted(self.files), "partial": self.partial,
                   "fetched_total": self.fetched_total}  # fmt: skip
             _atomic_write(self._state_path, json.dumps(st).encode())
+            self._saved_at = self.clock()
+
+    def save_due(self) -> None:
+        """:meth:`save`, unless the last one was under SAVE_EVERY_S ago. For pieces landing from
+        members one after another: a save after each rewrote (and renamed) the whole state file
+        every 16 MiB, which py-spy showed stalling the landing thread. Whoever lands them saves
+        at the end or cut (rangepipe.py), so a kill loses at most SAVE_EVERY_S of landed pieces,
+        never listed as held and so fetched again after a restart."""
+        if self.clock() - self._saved_at >= SAVE_EVERY_S:
+            self.save()
 
     def held_bytes(self) -> int:
         t = self.manifest.tensors

@@ -4,7 +4,8 @@ Theory of operation
 -------------------
 A member serves byte ranges of the model's files that it holds *verified* (tensors whose sha256
 matched the manifest, headers and small files likewise): :class:`Holdings` answers whether a
-request lies wholly inside such bytes (a typed :class:`RangeRefused` otherwise) and reads them.
+request lies wholly inside such bytes (a typed :class:`RangeRefused` otherwise) and reads them
+(``read_into``: straight into the caller's buffers).
 Nothing else of the file is ever read: a sparse cache's holes, a tensor still landing, a path
 outside the manifest are all refused before a byte is touched.
 
@@ -88,19 +89,20 @@ class Holdings:
         if length < 1 or not self.covers(path, offset, offset + length):
             raise RangeRefused("not-held", f"{path}: bytes [{offset}, {offset + length}) are not all held verified here")
 
-    def read(self, path: str, offset: int, length: int) -> bytes:
-        """The bytes of a range :meth:`check` allowed (FetchError if the file is gone or short)."""
+    def read_into(self, path: str, offset: int, views: Sequence[memoryview]) -> None:
+        """The bytes of a range :meth:`check` allowed, from ``offset`` on, into ``views`` one
+        after another (one preadv: no fresh pages, no copy out of a bytes object)."""
+        length = sum(len(v) for v in views)
         try:
             fd = os.open(self.base / path, os.O_RDONLY)
             try:
-                data = os.pread(fd, length, offset)
+                got = os.preadv(fd, views, offset)
             finally:
                 os.close(fd)
         except OSError as e:
             raise FetchError(f"{self.base / path}: cannot read bytes [{offset}, {offset + length}): {e}") from None
-        if len(data) != length:
-            raise FetchError(f"{self.base / path}: {len(data)} bytes at {offset}, {length} held (the file shrank?)")
-        return data
+        if got != length:
+            raise FetchError(f"{self.base / path}: {got} bytes at {offset}, {length} held (the file shrank?)")
 
 
 def _merge(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -259,7 +261,9 @@ class PieceSink:
 
     Tensor pieces are written in place; :meth:`finish` marks each tensor whose hash matched as
     verified and returns the names of those that did not. A header or small file is kept in
-    memory (a few MB) and written only if its whole hash matches."""
+    memory (a few MB) and written only if its whole hash matches.
+    The cache's state file is saved at most every SAVE_EVERY_S from here
+    (ModelCache.save_due): whoever lands pieces saves it once they stop."""
 
     def __init__(self, cache: ModelCache, piece: Piece) -> None:
         self.cache, self.piece = cache, piece
@@ -280,13 +284,13 @@ class PieceSink:
                     cache.partial.pop(t.name, None)
                 cache.save()
 
-    def take(self, data: bytes) -> None:
+    def take(self, data: bytes | memoryview) -> None:
         """The next bytes: written and hashed (or :meth:`write_at` and :meth:`hash_next`, which
         two threads may run at once, each in order, and :meth:`finish` after both)."""
         self.write_at(data, self.pos)
         self.hash_next(data)
 
-    def write_at(self, data: bytes, pos: int) -> None:
+    def write_at(self, data: bytes | memoryview, pos: int) -> None:
         """Bytes [pos, pos + len(data)) of a tensor piece written in place (a header or small
         file is written by :meth:`finish` once its hash matched)."""
         p = self.piece
@@ -295,7 +299,7 @@ class PieceSink:
         if p.tensors:
             os.pwrite(self.fh.fileno(), data, pos)
 
-    def hash_next(self, data: bytes) -> None:
+    def hash_next(self, data: bytes | memoryview) -> None:
         """The next bytes (in order) into each tensor's sha256, or the whole file's buffer."""
         p = self.piece
         if self.pos + len(data) > p.end:
@@ -328,7 +332,7 @@ class PieceSink:
             with c.lock:  # pieces of several members land in several threads at once
                 c.land_file_bytes(c.manifest.files[p.file], data)
                 c.fetched_total += p.nbytes
-                c.save()
+                c.save_due()
             return []
         self.close()
         os.utime(c.dir / p.file, ns=(FIXED_MTIME_NS, FIXED_MTIME_NS))
@@ -337,7 +341,7 @@ class PieceSink:
                 c.verified.add(name)
                 c.partial.pop(name, None)
             c.fetched_total += p.nbytes
-            c.save()
+            c.save_due()
         return self.bad
 
     def close(self) -> None:

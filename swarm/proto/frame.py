@@ -184,6 +184,15 @@ def payload_bytes(payload: Any) -> bytes | memoryview:
 
 def encode_frame(frame: Frame, limits: Limits = DEFAULT_LIMITS) -> bytes:
     """Serialise a frame, applying the same caps a receiver will (we never send what is refused)."""
+    payload = payload_bytes(frame.payload)
+    return b"".join((encode_head(frame, len(payload), limits), payload))
+
+
+def encode_head(frame: Frame, payload_len: int, limits: Limits = DEFAULT_LIMITS) -> bytes:
+    """The encoded frame up to its payload (header, dims, metadata), for a payload of
+    ``payload_len`` bytes that the caller places right after it (``frame.payload`` is not read):
+    a sender that reads the payload straight into its place copies it no more. The same caps
+    as :func:`encode_frame`."""
     try:
         msg_type = MsgType(frame.msg_type)
         dtype = DType(frame.dtype)
@@ -194,19 +203,18 @@ def encode_frame(frame: Frame, limits: Limits = DEFAULT_LIMITS) -> bytes:
     for name, v in (("session", frame.session), ("seq", frame.seq)):
         if not 0 <= v <= _U64_MAX:
             raise FrameError(f"frame field '{name}': {v} outside the unsigned 64-bit range")
-    payload = payload_bytes(frame.payload)
     shape = tuple(int(d) for d in frame.shape)
-    _check_shape(dtype, shape, len(payload), limits)
+    _check_shape(dtype, shape, payload_len, limits)
     meta = encode_meta(frame.meta, limits)
-    total = HEADER_SIZE + 4 * len(shape) + len(meta) + len(payload)
+    total = HEADER_SIZE + 4 * len(shape) + len(meta) + payload_len
     if total > limits.max_frame_bytes:
         raise FrameError(f"frame of {total} bytes over max_frame_bytes={limits.max_frame_bytes}")
     header = HEADER.pack(
         MAGIC, WIRE_VERSION, int(msg_type), frame.flags, int(dtype), len(shape), 0,
-        frame.session, frame.seq, len(meta), len(payload),
+        frame.session, frame.seq, len(meta), payload_len,
     )  # fmt: skip
     dims = b"".join(_DIM.pack(d) for d in shape)
-    return b"".join((header, dims, meta, payload))
+    return b"".join((header, dims, meta))
 
 
 # ---------------------------------------------------------------- decoding
@@ -337,10 +345,11 @@ class FrameDecoder:
             raise self._error
 
 
-def decode_frame(data: bytes, limits: Limits = DEFAULT_LIMITS, *, view: bool = False) -> Frame:
+def decode_frame(data: bytes | memoryview, limits: Limits = DEFAULT_LIMITS, *, view: bool = False) -> Frame:
     """Decode exactly one whole frame (no bytes missing, none left over). ``view``: the payload
-    is a memoryview of ``data`` (bytes, immutable: nothing can change under it), not a copy:
-    for a receiver that only hashes and writes it (model bytes, a MiB a frame)."""
+    is a memoryview of ``data``, not a copy: for a receiver that only hashes and writes it
+    (model bytes, a MiB a frame), and that leaves ``data`` unchanged until then (bytes, or a
+    view of a buffer it owns)."""
     n = len(data)
     h = _parse_header(data[:HEADER_SIZE], limits) if n >= HEADER_SIZE else None
     if h is None or n != HEADER_SIZE + h.body_len:

@@ -187,9 +187,13 @@ class MessageIO:
     async def receive(self, timeout: float | None = None) -> Frame:
         raise NotImplementedError
 
-    async def receive_view(self, timeout: float | None = None) -> Frame:
+    opens_into = False  # receive_view opens a message into the caller's buffer (a fast-path link does)
+
+    async def receive_view(self, timeout: float | None = None, *, into: bytearray | None = None) -> Frame:
         """``receive``, its payload a view of the bytes that came where the class can give one
-        (a fast-path link does); here a copy."""
+        (a fast-path link does); here a copy. ``into``: a buffer the caller owns and leaves alone
+        until done with the frame, where a class that ``opens_into`` opens the message; here
+        unused."""
         return await self.receive(timeout)
 
     async def send_message(self, msg: Message, timeout: float | None = None) -> None:
@@ -197,19 +201,22 @@ class MessageIO:
         await self.send(msg.to_frame(), timeout)
 
     @overload
-    async def receive_message(self, timeout: float | None = None, *, view: bool = False) -> Message: ...
+    async def receive_message(self, timeout: float | None = None, *, view: bool = False,
+                              into: bytearray | None = None) -> Message: ...  # fmt: skip
 
     @overload
-    async def receive_message(self, timeout: float | None = None, *, expect: type[Msg], view: bool = False) -> Msg: ...
+    async def receive_message(self, timeout: float | None = None, *, expect: type[Msg], view: bool = False,
+                              into: bytearray | None = None) -> Msg: ...  # fmt: skip
 
     async def receive_message(
-        self, timeout: float | None = None, *, expect: type[Message] = Message, view: bool = False
+        self, timeout: float | None = None, *, expect: type[Message] = Message, view: bool = False,
+        into: bytearray | None = None,
     ) -> Message:
         """The next message, checked to be an ``expect`` (default: any message); ProtocolError
         naming the peer and what came instead, PeerTimeout/PeerLost as ``receive``. ``view``:
         its payload a view, not a copy, where the link can (``receive_view``: model bytes that
         are only hashed and written, swarm/node/compute/rangepipe.py)."""
-        frame = await (self.receive_view(timeout) if view else self.receive(timeout))
+        frame = await (self.receive_view(timeout, into=into) if view else self.receive(timeout))
         return expect_message(frame, self.limits, expect, peer=self.peer, where=self.protocol)
 
     @overload

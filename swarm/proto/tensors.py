@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 
 from swarm.errors import ProtocolError
 from swarm.proto.fields import Int, Str, header, meta
-from swarm.proto.frame import DType, Flag, Frame, MsgType
+from swarm.proto.frame import DType, Flag, Frame, MsgType, encode_head
 from swarm.proto.limits import Limits
 from swarm.proto.messages import MAX_REASON, Message, register
 
@@ -66,7 +66,7 @@ class RangeData(_Bytes):
     offset: int = meta("offset", Int(0, MAX_OFFSET))
     dtype: DType = header("dtype")
     shape: tuple[int, ...] = header("shape")
-    data: bytes = header("payload")
+    data: bytes | memoryview = header("payload")  # a view: of the opened message, or the sender's buffer
     flags: int = header("flags", default=0)
 
     def __repr__(self) -> str:
@@ -77,8 +77,16 @@ class RangeData(_Bytes):
         return bool(self.flags & Flag.LAST)
 
     @classmethod
-    def of(cls, req: int, offset: int, data: bytes, last: bool) -> RangeData:
+    def of(cls, req: int, offset: int, data: bytes | memoryview, last: bool) -> RangeData:
         return cls(req, offset, DType.U8, (len(data),), data, int(Flag.LAST) if last else 0)
+
+    @classmethod
+    def head(cls, req: int, offset: int, n: int, last: bool, limits: Limits) -> bytes:
+        """The encoded RANGE_DATA of ``n`` bytes at ``offset`` up to its payload: followed by
+        those bytes, it is ``encode_frame(RangeData.of(...).to_frame())`` (a member reads the
+        bytes from disk straight into their place after it)."""
+        frame = cls(req, offset, DType.U8, (n,), b"", int(Flag.LAST) if last else 0).to_frame()
+        return encode_head(frame, n, limits)
 
 
 @register
@@ -107,7 +115,7 @@ class RangeReader:
         self.pos = req.offset
         self.done = False
 
-    def take(self, msg: Any) -> bytes:
+    def take(self, msg: Any) -> bytes | memoryview:
         """The bytes of one RANGE_DATA; ProtocolError for anything that is not the next piece
         (RANGE_REFUSED is the caller's to raise as a refusal before calling this)."""
         r = self.req

@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from swarm.fetch.cache import ModelCache
+from swarm.fetch.cache import SAVE_EVERY_S, ModelCache
+from swarm.fetch.origin import FetchError
 from swarm.fetch.peers import (
     Assignment,
     Holdings,
@@ -35,7 +36,11 @@ def test_a_member_serves_only_what_it_holds_verified(model: tuple[Path, ModelMan
     t0, t1 = (t for t in sorted(m.block(1, 2), key=lambda t: (t.file, t.start))[:2])
     held = Holdings(m, d, [t0.name], [m.weight_files()[0].path])
     held.check(t0.file, t0.start, t0.nbytes, 1 << 20)
-    assert held.read(t0.file, t0.start, 4) == (d / t0.file).read_bytes()[t0.start : t0.start + 4]
+    bufs = [bytearray(3), bytearray(5)]  # one read, into each buffer in turn
+    held.read_into(t0.file, t0.start, [memoryview(b) for b in bufs])
+    assert bufs[0] + bufs[1] == (d / t0.file).read_bytes()[t0.start : t0.start + 8]
+    with pytest.raises(FetchError, match="shrank"):  # past the file's end: short, never padded
+        held.read_into(t0.file, m.files[t0.file].size - 2, [memoryview(bytearray(4))])
     cases = [
         ((t0.file, t0.start, t0.nbytes + 1), "not-held"),  # one byte past what is held
         ((t0.file, t0.start - 1, 2), "not-held") if t0.start > m.files[t0.file].header_end else None,
@@ -123,13 +128,38 @@ def test_a_piece_lands_only_the_tensors_whose_hash_matches(model: tuple[Path, Mo
         s.take(bytes(raw[i : i + 100]))
     assert s.finish() == [piece.tensors[1].name]
     assert piece.tensors[0].name in cache.verified and piece.tensors[1].name not in cache.verified
-    assert ModelCache(tmp_path / "c", m).verified == cache.verified  # saved
+    assert piece.tensors[1].name not in ModelCache(tmp_path / "c", m).verified  # never listed held
+    cache.save()  # as the fetch does once its pieces stop (rangepipe.py)
+    assert ModelCache(tmp_path / "c", m).verified == cache.verified
     bad_header = file_pieces(m, [m.weight_files()[0].path])[0]
     s = PieceSink(ModelCache(tmp_path / "c2", m), bad_header)
     s.take(bytes(bad_header.nbytes))
     assert s.finish() == [bad_header.file]
     with pytest.raises(Exception, match="header is not in the cache"):
         PieceSink(ModelCache(tmp_path / "c3", m), piece)
+
+
+def test_landed_pieces_are_saved_at_most_every_half_second(model: tuple[Path, ModelManifest], tmp_path: Path) -> None:
+    """PieceSink.finish saves the state only when SAVE_EVERY_S passed since the last save (the
+    clock is the test's): a kill loses at most that much, never lists a tensor not verified."""
+    d, m = model
+    cache = ModelCache(tmp_path / "c", m)
+    now = [100.0]
+    cache.clock = lambda: now[0]
+    for p in file_pieces(m, [f.path for f in m.weight_files()]):
+        s = PieceSink(cache, p)
+        s.take((d / p.file).read_bytes()[p.start : p.end])
+        assert s.finish() == []
+    on_disk = lambda: ModelCache(tmp_path / "c", m).verified  # noqa: E731
+    pieces = tensor_pieces(m.block(0, m.n_layers), 1 << 20)
+    assert len(pieces) >= 3 and SAVE_EVERY_S == 0.5
+    for i, piece in enumerate(pieces[:3]):  # 0.2, 0.4, 0.6 s after the headers' save
+        now[0] += 0.2
+        s = PieceSink(cache, piece)
+        s.take((d / piece.file).read_bytes()[piece.start : piece.end])
+        assert s.finish() == []
+        assert {t.name for t in piece.tensors} <= cache.verified
+        assert on_disk() == (cache.verified if i == 2 else set())  # due only at 0.6 s
 
 
 @settings(max_examples=300, deadline=None)

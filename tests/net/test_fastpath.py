@@ -143,6 +143,26 @@ async def test_direct_round_trip_over_loopback(cipher: str) -> None:
             await b.receive(timeout=2)
 
 
+async def test_a_message_that_fits_opens_into_the_callers_buffer() -> None:
+    """``receive(into=buf)``: a direct message that fits is opened in ``buf`` and comes back as
+    a view of it (no copy); a larger one comes back as bytes, ``buf`` untouched."""
+    async with open_direct_listener() as listener:
+        a, b = await establish(listener)
+        buf = bytearray(1 << 20)
+        for size in (1, 8192, 1 << 20):
+            msg = os.urandom(size)
+            async with trio.open_nursery() as n:
+                n.start_soon(a.send, msg)
+                got = await b.receive(into=buf)
+            assert isinstance(got, memoryview) and got.obj is buf and got == msg
+        big = os.urandom((1 << 20) + 1)
+        before = bytes(buf)
+        async with trio.open_nursery() as n:
+            n.start_soon(a.send, big)
+            got = await b.receive(into=buf)
+        assert isinstance(got, bytes) and got == big and buf == before
+
+
 async def test_both_directions_at_once_do_not_deadlock() -> None:
     async with open_direct_listener() as listener:
         a, b = await establish(listener)

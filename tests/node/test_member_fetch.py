@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -70,18 +70,17 @@ class Slow(Holdings):
         super().__init__(m, base, holds.tensors, holds.files)
         self.delay, self.flip, self.reads = delay, flip, 0
 
-    def read(self, path: str, offset: int, length: int) -> bytes:
+    def read_into(self, path: str, offset: int, views: Sequence[memoryview]) -> None:
         Slow.now += 1
         Slow.most = max(Slow.most, Slow.now)
         try:
             time.sleep(self.delay)
-            data = super().read(path, offset, length)
+            super().read_into(path, offset, views)
         finally:
             Slow.now -= 1
         self.reads += 1
         if self.flip and path.endswith(".safetensors") and offset >= self.manifest.files[path].header_end:
-            data = bytes([data[0] ^ 0x40]) + data[1:]
-        return data
+            views[0][0] ^= 0x40
 
 
 def _same(model: Path, cache: ModelCache, n_layers: int) -> None:
@@ -384,3 +383,14 @@ async def test_only_members_get_model_bytes_over_the_fast_path(model: tuple[Path
             assert msg.req == 2 and msg.data == (d / t.file).read_bytes()[t.start : t.start + 8]  # type: ignore[attr-defined]
             await link.close()
         nursery.cancel_scope.cancel()
+
+
+def test_a_data_head_fits_the_room_a_member_keeps_for_it() -> None:
+    """The largest RANGE_DATA head (the largest offset, a whole chunk) fits HEAD_ROOM, so the
+    member's frame buffers never write before their start."""
+    from swarm.node.compute.members import HEAD_ROOM
+    from swarm.proto.limits import DEFAULT_LIMITS
+    from swarm.proto.tensors import MAX_OFFSET, RangeData
+
+    n = DEFAULT_LIMITS.max_range_chunk
+    assert len(RangeData.head((1 << 64) - 1, MAX_OFFSET - n, n, True, DEFAULT_LIMITS)) <= HEAD_ROOM

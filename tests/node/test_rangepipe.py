@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import time
 from pathlib import Path
 from typing import Any
 
@@ -13,10 +14,10 @@ import trio
 
 from swarm.errors import PeerLost
 from swarm.fetch.cache import ModelCache
-from swarm.fetch.peers import Assignment, Holds, Piece, file_pieces, tensor_pieces
+from swarm.fetch.peers import Assignment, Holds, Piece, PieceSink, file_pieces, tensor_pieces
 from swarm.manifest.model_manifest import ModelManifest, manifest_of_path
-from swarm.node.compute.rangepipe import DEPTH, NoFastPath, fetch_pieces
-from swarm.proto.frame import Frame
+from swarm.node.compute.rangepipe import DEPTH, WRITE_AHEAD, NoFastPath, fetch_pieces
+from swarm.proto.frame import Frame, decode_frame, encode_frame
 from swarm.proto.limits import Limits
 from swarm.proto.messages import MessageIO, parse_message
 from swarm.proto.tensors import RangeRefused, RangeRequest, data_frames
@@ -160,3 +161,48 @@ async def test_a_fast_channel_closed_before_any_answer_hands_every_piece_taken_b
     assert len(e.value.pieces) >= 1 and not ta.tried and not ta.failed  # none given back: they go over libp2p
     await _fetch(Member(d), cache, ta, first=e.value.pieces)
     assert not ta.pending and cache.holds(m.block(0, m.n_layers))
+
+
+class ViewMember(Member):
+    """A fast channel's frame link: each frame is written into the buffer the asker passes
+    (as FastChannel.receive opens a direct message into it), and handed back as a view of it."""
+
+    opens_into = True
+
+    def __init__(self, base: Path, **kw: Any) -> None:
+        super().__init__(base, **kw)
+        self.buffers: list[bytearray] = []
+        self.into = 0
+
+    async def receive_view(self, timeout: float | None = None, *, into: bytearray | None = None) -> Frame:
+        raw = encode_frame(await self.receive(timeout), LIMITS)
+        assert into is not None and len(into) >= len(raw)
+        if not any(b is into for b in self.buffers):
+            self.buffers.append(into)
+        self.into += 1
+        into[: len(raw)] = raw
+        return decode_frame(memoryview(into)[: len(raw)], LIMITS, view=True)
+
+
+async def test_a_receive_buffer_is_reused_only_after_its_bytes_landed(model: tuple[Path, ModelManifest],
+                                                                      tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """Landing is slowed, so the queue of frames not landed yet is full while more arrive: a
+    buffer given back before its bytes were written and hashed would be overwritten by a later
+    frame, and that tensor would fail its sha256 (the member named a liar)."""
+    d, m = model
+    slow_take = PieceSink.take
+
+    def take(self: PieceSink, data: bytes) -> None:
+        time.sleep(0.002)
+        slow_take(self, data)
+
+    monkeypatch.setattr(PieceSink, "take", take)
+    cache = ModelCache(tmp_path / "c", m)
+    fa, ta = _assignment(m)
+    await _fetch(ViewMember(d), cache, fa)
+    member = ViewMember(d)
+    await _fetch(member, cache, ta)
+    assert not ta.liars and not ta.failed and not ta.pending
+    assert cache.holds(m.block(0, m.n_layers))
+    assert len(member.buffers) <= 2 * WRITE_AHEAD + 1 < member.into  # each frame in one, reused

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from swarm.errors import ProtocolError
+from swarm.errors import FrameError, ProtocolError
 from swarm.proto import DEFAULT_LIMITS, Limits, decode_message
-from swarm.proto.frame import DType, Flag, Frame, MsgType
+from swarm.proto.frame import DType, Flag, Frame, MsgType, encode_frame
 from swarm.proto.messages import parse_message
 from swarm.proto.tensors import RangeData, RangeReader, RangeRefused, RangeRequest, data_frames
 
@@ -47,6 +47,18 @@ def test_data_frames_are_bounded_u8_pieces() -> None:
     wide = Frame(MsgType.RANGE_DATA, session=5, dtype=DType.FP32, shape=(2,), meta={"offset": 0}, payload=bytes(8))
     with pytest.raises(ProtocolError, match="U8"):
         parse_message(wide, SMALL)
+
+
+@pytest.mark.parametrize("offset, n, last", [(0, 1, True), (100, 8, False), ((1 << 56) - 1, 1 << 20, True)])
+def test_a_data_head_followed_by_its_bytes_is_the_encoded_frame(offset: int, n: int, last: bool) -> None:
+    """What a member sends from its own buffer (head, then the bytes read after it) is exactly
+    the frame it would have encoded, under the same frame caps."""
+    data = bytes(range(256)) * (n // 256) + bytes(n % 256)
+    head = RangeData.head(7, offset, n, last, DEFAULT_LIMITS)
+    assert head + data == encode_frame(RangeData.of(7, offset, data, last).to_frame())
+    assert decode_message(head + data) == RangeData.of(7, offset, data, last)
+    with pytest.raises(FrameError, match="max_frame_bytes"):
+        RangeData.head(7, offset, n, last, Limits(max_frame_bytes=n + 8))
 
 
 def test_a_u8_frame_is_never_an_activation() -> None:

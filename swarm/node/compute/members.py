@@ -63,7 +63,7 @@ from swarm.node.compute.rangepipe import NoFastPath, fetch_pieces
 from swarm.node.dispatch import role_of
 from swarm.node.hosting import Host, Stream
 from swarm.proto.admission import MEMBER
-from swarm.proto.limits import PROTO_TENSORS
+from swarm.proto.limits import PROTO_TENSORS, Limits
 from swarm.proto.tensors import RangeData, RangeRequest
 from swarm.proto.tensors import RangeRefused as Refused
 from swarm.proto.text import printable
@@ -116,6 +116,7 @@ def serve_tensors(host: Host, holdings: Callable[[], Holdings | None], *, io_s: 
 
     async def serve(peer: str, fs: Any, first: RangeRequest | None = None) -> None:
         msg: Any = first
+        bufs = _FrameBuffers(limits.max_range_chunk)
         while True:
             if msg is None:
                 msg = await fs.receive_message(timeout=IDLE_S)
@@ -125,7 +126,7 @@ def serve_tensors(host: Host, holdings: Callable[[], Holdings | None], *, io_s: 
                 h = await check(holdings(), msg)
                 if slots.value == 0:
                     raise RangeRefused("busy", f"{SERVE_SLOTS} ranges are being read for other members: ask another")
-                await _send_range(fs, h, msg, slots, limits.max_range_chunk, io_s)
+                await _send_range(fs, h, msg, slots, bufs, limits, io_s)
             except RangeRefused as e:
                 log.info("refused %s range request %s [%d, +%d): %s", peer, printable(msg.file)[:80],
                          msg.offset, msg.length, e.code)  # fmt: skip
@@ -147,28 +148,60 @@ def serve_tensors(host: Host, holdings: Callable[[], Holdings | None], *, io_s: 
     return served
 
 
-async def _send_range(fs: Any, h: Holdings, msg: RangeRequest, slots: trio.Semaphore, step: int, io_s: float) -> None:
-    """The range as RANGE_DATA frames of ``step`` bytes, each read in a worker thread while the
-    one before it is sent (read then sent a frame at a time, the link idled for every read; the
-    whole range at once, up to 16 MiB, stalled the asker's stream before its first byte)."""
-    end = msg.offset + msg.length
-    put, chunks = trio.open_memory_channel[tuple[int, Any]](READ_FRAMES)
+HEAD_ROOM = 256  # room before a RANGE_DATA's payload for its head (under 80 bytes: header, dims, {"offset": n})
+
+
+class _FrameBuffers:
+    """One served stream's send buffers, each one RANGE_DATA frame: ``HEAD_ROOM`` bytes, then
+    the payload, read from disk straight into its place. Over a fast channel the frame is sealed
+    from there as it lies: no encoding copy of each MiB and no fresh pages for it (py-spy: the
+    encoding copy cost the member about as much as sealing). A buffer is taken for one frame and
+    given back once sent: at most 2 * READ_FRAMES + 1 at once (a read, a queue, one sending)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.free: list[bytearray] = []
+
+    def take(self) -> bytearray:
+        return self.free.pop() if self.free else bytearray(HEAD_ROOM + self.step)
+
+
+async def _send_range(fs: Any, h: Holdings, msg: RangeRequest, slots: trio.Semaphore, bufs: _FrameBuffers,
+                      limits: Limits, io_s: float) -> None:  # fmt: skip
+    """The range as RANGE_DATA frames of ``bufs.step`` bytes, READ_FRAMES read in one worker
+    thread trip while the ones before are sent (read then sent a frame at a time, the link idled
+    for every read; the whole range at once, up to 16 MiB, stalled the asker's stream before its
+    first byte). A fast channel's frame link (``send_encoded``) is handed each frame as it lies
+    in its buffer; a libp2p stream encodes it (one copy)."""
+    end, step = msg.offset + msg.length, bufs.step
+    raw = getattr(fs, "send_encoded", None)
+    put, chunks = trio.open_memory_channel[tuple[int, memoryview, bytearray]](READ_FRAMES)
 
     async def reads() -> None:
         async with put:
             for at in range(msg.offset, end, step * READ_FRAMES):
+                n = min(step * READ_FRAMES, end - at)
+                frames = [(at + i, bufs.take(), min(step, n - i)) for i in range(0, n, step)]
+                views = [memoryview(buf)[HEAD_ROOM : HEAD_ROOM + k] for _, buf, k in frames]
                 async with slots:
-                    data = await trio.to_thread.run_sync(h.read, msg.file, at, min(step * READ_FRAMES, end - at))
-                view = memoryview(data)  # frames of it, each copied once (into its encoded frame)
-                for i in range(0, len(view), step):
-                    await put.send((at + i, view[i : i + step]))
+                    await trio.to_thread.run_sync(h.read_into, msg.file, at, views)
+                for (off, buf, _), view in zip(frames, views, strict=True):
+                    await put.send((off, view, buf))
 
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(reads)
             async with chunks:
-                async for off, data in chunks:
-                    await fs.send_message(RangeData.of(msg.req, off, data, off + len(data) >= end), timeout=io_s)
+                async for off, data, buf in chunks:
+                    last = off + len(data) >= end
+                    if raw is None:
+                        await fs.send_message(RangeData.of(msg.req, off, data, last), timeout=io_s)
+                    else:
+                        head = RangeData.head(msg.req, off, len(data), last, limits)
+                        start = HEAD_ROOM - len(head)
+                        buf[start:HEAD_ROOM] = head
+                        await raw(memoryview(buf)[start : HEAD_ROOM + len(data)], timeout=io_s)
+                    bufs.free.append(buf)  # sent: sealed or encoded, the buffer is free again
     except BaseExceptionGroup as group:  # the caller's own exception, not a group
         if len(group.exceptions) == 1:
             raise group.exceptions[0] from None

@@ -46,6 +46,7 @@ log = logging.getLogger("swarm.node.fetch")
 
 DEPTH = 3  # range requests in flight per stream
 WRITE_AHEAD = 4  # RANGE_DATA frames received and not landed yet, per stream (1 MiB each)
+FRAME_SLACK = 4096  # a RANGE_DATA frame's header and metadata, over its payload
 
 
 class NoFastPath(Exception):
@@ -113,10 +114,36 @@ class _Pipe:
         self.a.give_back(t.piece, self.peer, str(e), drop=False)
 
 
-Job = tuple[Callable[[], Any], Callable[[Any], None] | None]  # run in a thread, then (result) on the loop
+# run in a thread, then (result) on the loop; the receive buffer its bytes are in, free once it ran
+Job = tuple[Callable[[], Any], Callable[[Any], None] | None, bytearray | None]
 
 
-async def _pump(p: _Pipe, send: trio.MemorySendChannel[Job], io_s: float) -> PeerError | ProtocolError | FetchError | None:
+class _Buffers:
+    """The receive buffers of one stream: a fast channel's frame link (``opens_into``) opens
+    each RANGE_DATA message straight into one (no copy of each MiB, and no fresh pages: py-spy
+    and perf on bench_fetch_members.py, the copy and its page faults cost the fetcher more than
+    the AEAD that opened the bytes). A buffer is taken for one message and given back once its
+    bytes landed or were dropped; at most 2 * WRITE_AHEAD + 1 are taken at once (one receiving,
+    a queue, a batch landing). A libp2p stream gives each message its own copy (no buffer)."""
+
+    def __init__(self, fs: Any, size: int) -> None:
+        self.fs, self.size = fs, size
+        self.free: list[bytearray] = []
+        self.opens_into = bool(getattr(fs, "opens_into", False))
+
+    async def next(self, timeout: float) -> tuple[Any, bytearray | None]:
+        """The next message (a payload a view, where the link gives one), and the buffer it lies
+        in (None: a copy of its own)."""
+        buf = (self.free.pop() if self.free else bytearray(self.size)) if self.opens_into else None
+        return await self.fs.receive_message(timeout=timeout, view=True, into=buf), buf
+
+    def give_back(self, buf: bytearray | None) -> None:
+        if buf is not None:
+            self.free.append(buf)
+
+
+async def _pump(p: _Pipe, bufs: _Buffers, send: trio.MemorySendChannel[Job],
+                io_s: float) -> PeerError | ProtocolError | FetchError | None:  # fmt: skip
     """Ask and receive until nothing is left (None), or the stream broke or the member refused
     for good: that error, returned, so that what is queued still lands before it is raised."""
     fs = p.fs
@@ -129,8 +156,7 @@ async def _pump(p: _Pipe, send: trio.MemorySendChannel[Job], io_s: float) -> Pee
             if not p.inflight:
                 return None
             reader, t = p.inflight[0]
-            # a fast channel's payloads as views of the opened message: one copy of each MiB fewer
-            msg = await fs.receive_message(timeout=io_s, view=True)
+            msg, buf = await bufs.next(io_s)
             p.unproven = False
             if isinstance(msg, Refused) and msg.req == reader.req.req:
                 p.inflight.popleft()
@@ -138,20 +164,23 @@ async def _pump(p: _Pipe, send: trio.MemorySendChannel[Job], io_s: float) -> Pee
                 r = reader.req
                 e = RangeRefused(msg.code, f"peer {fs.peer} refused {r.file} [{r.offset}, {r.offset + r.length}): "
                                            f"{msg.code}: {printable(msg.reason)[:200]}")  # fmt: skip
+                bufs.give_back(buf)
                 if msg.code not in ("not-held", "busy"):
                     return e
                 if not t.dropped:
                     p.refused(t, e)
-                    await send.send((t.sink.close, None))
+                    await send.send((t.sink.close, None, None))
                 continue
             data = reader.take(msg)
-            if not t.dropped:
-                await send.send((functools.partial(t.sink.take, data), None))
+            if t.dropped:
+                bufs.give_back(buf)
+            else:
+                await send.send((functools.partial(t.sink.take, data), None, buf))
             if reader.done:
                 p.inflight.popleft()
                 t.asked -= 1
                 if not t.dropped and not t.todo and not t.asked:
-                    await send.send((t.sink.finish, functools.partial(p.settle, t)))
+                    await send.send((t.sink.finish, functools.partial(p.settle, t), None))
     except (PeerError, ProtocolError, FetchError) as e:
         return e
 
@@ -168,6 +197,7 @@ async def fetch_pieces(fs: Any, cache: ModelCache, a: Assignment, peer: str, ids
     broke the stream (PeerError, ProtocolError, a refusal other than not-held/busy) after the
     pieces that arrived whole have landed; every piece taken and not landed goes back to ``a``."""
     p = _Pipe(fs, cache, a, peer, ids, limits, collections.deque(first), unproven)
+    bufs = _Buffers(fs, limits.max_range_chunk + FRAME_SLACK)
     send, recv = trio.open_memory_channel[Job](WRITE_AHEAD)
 
     async def writer() -> None:  # what is queued lands in one trip to the thread
@@ -179,8 +209,9 @@ async def fetch_pieces(fs: Any, cache: ModelCache, a: Assignment, peer: str, ids
                         jobs.append(recv.receive_nowait())
                     except (trio.WouldBlock, trio.EndOfChannel):
                         break
-                got = await trio.to_thread.run_sync(_run_all, [fn for fn, _ in jobs])
-                for (_, then), r in zip(jobs, got, strict=True):
+                got = await trio.to_thread.run_sync(_run_all, [fn for fn, _, _ in jobs])
+                for (_, then, buf), r in zip(jobs, got, strict=True):
+                    bufs.give_back(buf)
                     if then is not None:
                         then(r)
 
@@ -189,7 +220,7 @@ async def fetch_pieces(fs: Any, cache: ModelCache, a: Assignment, peer: str, ids
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(writer)
                 async with send:  # closed on the way out: the writer lands what is queued, then ends
-                    broke = await _pump(p, send, io_s)
+                    broke = await _pump(p, bufs, send, io_s)
             if broke is not None:  # raised only now: what fully arrived before it has landed
                 raise broke
         except BaseExceptionGroup as group:  # the caller's own exception, not a group
@@ -209,3 +240,7 @@ async def fetch_pieces(fs: Any, cache: ModelCache, a: Assignment, peer: str, ids
     finally:
         for sink in p.sinks:
             sink.close()
+        # what landed since the last save (PieceSink saves at most every SAVE_EVERY_S), written off
+        # the event loop, cancelled or not
+        with trio.CancelScope(shield=True):
+            await trio.to_thread.run_sync(cache.save)
