@@ -23,13 +23,6 @@ takes under LONE_INLINE_MAX_S (inline.py, as in stage_worker.py; the loop checkp
 so the trio loop answering heartbeats is never held long by compute. The lone case is one
 generation's decode step: a dense head of a small model (7 ms for SmolLM2-135M's 49152 x 576)
 is over INLINE_MAX_S, and its hand-off to a thread and back was on every token's path.
-
-One session alone on the ring: no scheduler pass before its head call (nobody else's rows can
-come) and none right after an inline one. The work that queued on the loop during the call (the
-client's stream of the previous token, heartbeats, libp2p reads) then runs after the coordinator
-has sampled and sent the next chunk, when it awaits that chunk's result (its next checkpoint),
-while the stages compute, instead of between the head and the send, on the token's path. The
-loop is held for the head call plus a sample and a send.
 """
 
 from __future__ import annotations
@@ -117,8 +110,8 @@ class SharedHead:
     async def _run_queue(self) -> None:
         self._busy = True
         try:
-            for _ in range(HEAD_GATHER_PASSES if len(self.live()) > 1 else 0):  # sessions woken by the same
-                n = len(self._queue)  # burst of results queue too (one session alone: no one else can)
+            for _ in range(HEAD_GATHER_PASSES):  # sessions woken by the same burst of results queue too
+                n = len(self._queue)
                 await trio.lowlevel.checkpoint()
                 if len(self._queue) == n:
                     break
@@ -179,10 +172,7 @@ class SharedHead:
         small = rows.shape[0] <= SMALL_TOKENS
         if self.inline or (small and self.placing.inline(small=small, lone=lone)):
             out, took = self._compute(rows)
-            if self.inline or not lone:
-                await trio.lowlevel.checkpoint()
-            # else no checkpoint here (module doc: one session alone): the coordinator samples,
-            # sends the next chunk and then awaits its result, which checkpoints
+            await trio.lowlevel.checkpoint()
         else:
             out, took = await trio.to_thread.run_sync(self._compute, rows, limiter=self.limiter)
         self.placing.note(took, small=small)
