@@ -1,7 +1,7 @@
 """The ring end to end on the bundled model, side by side: LAN ring vs one process, WAN drafting.
 
     .venv/bin/python benchmarks/bench_ring.py [--quick] [--runs N] [--wan-runs N]
-        [--only lan|lan-auto|wan] [--drafts int4,int8,self] [--keep]
+        [--only lan|lan-auto|wan] [--drafts int4,int8,self] [--keep] [--ab TREE]
 
 Real node processes (swarm/launch.py) on loopback, a real client (swarm/client.py),
 greedy decoding, bf16, ``--threads`` (default 1) torch threads in EVERY process.
@@ -95,6 +95,11 @@ NOTES = [
     "cores were busy) while fewer chunks were in flight",
     "every WAN and LAN process shares this machine's 2 cores (and other engineers' jobs): a draft "
     "model's forwards compete with the stages' for them, which a ring of separate machines would not",
+    "lan.ab (--ab TREE): a second 3-node swarm whose nodes run TREE's code, one generation of each ring "
+    "and one local run per round in rotating order; ring_vs_base is the median of per-round ratios "
+    "(> 1: this tree faster). On a loaded box a stage's 'out (forward -> sent)' includes time its "
+    "process was preempted inside the socket write that woke the next stage, so a hop's transport can "
+    "be negative: read out + the next hop together",
 ]
 
 CHAT_PROMPT = "What are three good habits for a beginner learning to cook at home?"

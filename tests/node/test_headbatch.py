@@ -5,6 +5,8 @@ test, not a GEMM's rounding); the real head's batched tokens are checked in test
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import trio
 
@@ -95,3 +97,30 @@ async def test_forget_drops_a_sessions_timing_state() -> None:
     assert 1 in shared._result_at and 1 in shared._cycle and 1 in shared._mates
     shared.forget(1)
     assert 1 not in shared._result_at and 1 not in shared._cycle and 1 not in shared._mates
+
+
+class _ThreadHead:
+    def __init__(self) -> None:
+        self.threads: list[bool] = []  # per call: did it run on the trio thread
+
+    def logits(self, rows: torch.Tensor) -> torch.Tensor:
+        self.threads.append(threading.current_thread() is threading.main_thread())
+        return rows * 2
+
+
+async def test_the_head_runs_a_lone_sessions_call_inline_and_a_shared_call_in_a_worker() -> None:
+    head = _ThreadHead()
+    live = {1, 2}
+    shared = SharedHead(head, limiter=trio.CapacityLimiter(1), live=lambda: live)  # type: ignore[arg-type]
+    # each call "takes" 20 ms: over INLINE_MAX_S, under LONE_INLINE_MAX_S (given, not measured)
+    shared._compute = lambda rows: (head.logits(rows), 0.02)  # type: ignore[method-assign]
+    rows = torch.ones(1, 3)
+    await shared.logits(rows, 1)
+    assert head.threads == [False], "the first call's time is unknown: a worker thread"
+    await shared.logits(rows, 1)
+    await shared.logits(rows, 2)
+    assert head.threads[1:] == [True, True], "one session's rows alone in the call: inline"
+    async with trio.open_nursery() as nursery:
+        for session in (1, 2):
+            nursery.start_soon(shared.logits, rows, session)
+    assert head.threads[3:] == [False], "two sessions' rows in one 20 ms call: a worker thread"

@@ -200,7 +200,7 @@ async def test_a_forward_out_of_memory_fails_only_the_session_that_needs_it(ckpt
 
 
 async def test_a_lone_decode_chunk_runs_on_the_trio_thread_after_a_preempted_forward(ckpt: Path) -> None:
-    """Where each forward ran (node/compute/inline.py): the first in a worker thread (its time
+    """Where each forward ran (model/batched.py: InlinePolicy): the first in a worker thread (its time
     unknown), then, one session alone, on the trio thread, even right after a forward that took
     300 ms (preempted on a busy box: the median says 20 ms). Times are given, not measured."""
     stage = _stages(ckpt)[0]

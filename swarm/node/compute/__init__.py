@@ -5,8 +5,6 @@
     drafting.py    the coordinator's draft model (load, advert, auto's choice by measured cost) and
                    drafting off the trio loop, ahead of the chunks in flight
     headbatch.py   the coordinator's LM head, shared by the sessions whose results arrive together
-    inline.py      where a forward runs: on the trio thread (predicted quick, or one session's small
-                   call) or in a worker thread
     memory.py      running out of memory: what it fails (a request, never the peer), its test hooks
     fetching.py    a block's tensors fetched from the model's origin (or checked in place) before it loads
     members.py     /shard-swarm/tensors/1: serving the byte ranges this node holds verified to other

@@ -19,17 +19,10 @@ last head call, while they are still generating.
 
 The head runs in a worker thread behind the process's compute limiter, except a call predicted
 to take under INLINE_MAX_S, or one session's small rows alone in the call whose typical call
-takes under LONE_INLINE_MAX_S (inline.py, as in stage_worker.py; the loop checkpoints after it),
+takes under LONE_INLINE_MAX_S (swarm/model/batched.py, as in stage_worker.py; the loop checkpoints after it),
 so the trio loop answering heartbeats is never held long by compute. The lone case is one
 generation's decode step: a dense head of a small model (7 ms for SmolLM2-135M's 49152 x 576)
 is over INLINE_MAX_S, and its hand-off to a thread and back was on every token's path.
-
-One session alone on the ring: no scheduler pass before its head call (nobody else's rows can
-come) and none right after an inline one. The work that queued on the loop during the call (the
-client's stream of the previous token, heartbeats, libp2p reads) then runs after the coordinator
-has sampled and sent the next chunk, when it awaits that chunk's result (its next checkpoint),
-while the stages compute, instead of between the head and the send, on the token's path. The
-loop is held for the head call plus a sample and a send.
 """
 
 from __future__ import annotations
@@ -42,8 +35,8 @@ from dataclasses import dataclass, field
 import torch
 import trio
 
+from swarm.model.batched import SMALL_TOKENS, InlinePolicy
 from swarm.model.stage import Head
-from swarm.node.compute.inline import SMALL_TOKENS, InlinePolicy
 
 MAX_HEAD_BATCH = 32  # sessions' rows in one LM head call
 HEAD_GATHER_PASSES = 4  # scheduler passes an idle head waits for more sessions' rows (while they come)
@@ -77,7 +70,7 @@ class SharedHead:
         self.live = live  # the sessions still generating
         self.compute_delay_s = compute_delay_s  # fault injection for load tests (see stage_worker)
         self.inline = inline  # every head call on the trio thread (in-memory tests on a mock clock)
-        self.placing = InlinePolicy()  # where a call runs: the trio thread or a worker (inline.py)
+        self.placing = InlinePolicy()  # where a call runs: the trio thread or a worker (model/batched.py)
         self._typical_s = math.inf  # ... and its running mean: the gathering window
         self._queue: list[_HeadRequest] = []
         self._busy = False
@@ -117,8 +110,8 @@ class SharedHead:
     async def _run_queue(self) -> None:
         self._busy = True
         try:
-            for _ in range(HEAD_GATHER_PASSES if len(self.live()) > 1 else 0):  # sessions woken by the same
-                n = len(self._queue)  # burst of results queue too (one session alone: no one else can)
+            for _ in range(HEAD_GATHER_PASSES):  # sessions woken by the same burst of results queue too
+                n = len(self._queue)
                 await trio.lowlevel.checkpoint()
                 if len(self._queue) == n:
                     break
@@ -175,14 +168,11 @@ class SharedHead:
 
     async def _call(self, rows: torch.Tensor, *, lone: bool) -> torch.Tensor:
         """LM head on the trio thread when it is predicted quick (or one session's small rows
-        alone, ``lone``, typically quick: inline.py), else in a worker thread."""
+        alone, ``lone``, typically quick: model/batched.py), else in a worker thread."""
         small = rows.shape[0] <= SMALL_TOKENS
         if self.inline or (small and self.placing.inline(small=small, lone=lone)):
             out, took = self._compute(rows)
-            if self.inline or not lone:
-                await trio.lowlevel.checkpoint()
-            # else no checkpoint here (module doc: one session alone): the coordinator samples,
-            # sends the next chunk and then awaits its result, which checkpoints
+            await trio.lowlevel.checkpoint()
         else:
             out, took = await trio.to_thread.run_sync(self._compute, rows, limiter=self.limiter)
         self.placing.note(took, small=small)

@@ -46,7 +46,7 @@ D hidden values per token are far smaller than V logits.
 Liveness never waits on compute. A forward runs in a worker thread behind one limiter per
 process (``swarm.model.batched.forward_many``), except a batch predicted to take under
 INLINE_MAX_S, or one session's small chunk alone in its batch whose typical forward takes under
-LONE_INLINE_MAX_S, which run on the trio thread (``swarm.node.compute.inline``: a thread
+LONE_INLINE_MAX_S, which run on the trio thread (``swarm.model.batched.InlinePolicy``: a thread
 hand-off costs 0.2 ms idle and several ms on a loaded box). The lone case is the ring's
 latency-bound one: the same forward ran ~13% slower in a worker thread than in the thread that
 received it (bundled model, two stages: 26.8 and 21.4 ms in the nodes against 23.6 and 18.4 ms
@@ -74,10 +74,9 @@ import torch
 import trio
 
 from swarm.errors import BadMessage, PeerLost, PeerTimeout, ProtocolError, SwarmError
-from swarm.model.batched import forward_many
+from swarm.model.batched import SMALL_TOKENS, InlinePolicy, forward_many
 from swarm.model.stage import Stage
 from swarm.node.compute import memory
-from swarm.node.compute.inline import SMALL_TOKENS, InlinePolicy
 from swarm.node.errors_util import unwrap
 from swarm.node.ring.codec import (
     Encoded,
@@ -144,7 +143,7 @@ class StageWorker:
         self.dtype = next(stage.parameters()).dtype
         self.stats = StageStats()
         self.max_batch = max(1, max_batch)
-        self.placing = InlinePolicy()  # where a forward runs: the trio thread or a worker (inline.py)
+        self.placing = InlinePolicy()  # where a forward runs: the trio thread or a worker (model/batched.py)
         self.corrupt_after: int | None = None  # fault injection for chaos tests: NaN after N chunks
         self.swallow = False  # fault injection: drop every frame read (a hop that silently stopped)
         # fault injection for load tests: every forward blocks this much longer (a blocking sleep

@@ -1,18 +1,12 @@
-"""Where a forward runs (node/compute/inline.py): a quick call inline; one session's small call
+"""Where a forward runs (model/batched.py, InlinePolicy): a quick call inline; one session's small call
 inline while its typical (median) time is under LONE_INLINE_MAX_S, whatever one preempted call
-took; a batch of several sessions by the rise-at-once prediction; and, in the LM head that holds
-such a policy, a lone session's call really on the trio thread and a shared one in a worker.
-Times are given, never measured: nothing here depends on this machine's speed."""
+took; a batch of several sessions by the rise-at-once prediction (the LM head and the stage worker
+that hold one: tests/node/test_headbatch.py, test_stage_worker.py). Times are given, never
+measured: nothing here depends on this machine's speed."""
 
 from __future__ import annotations
 
-import threading
-
-import torch
-import trio
-
-from swarm.node.compute.headbatch import SharedHead
-from swarm.node.compute.inline import INLINE_MAX_S, LONE_INLINE_MAX_S, LONE_SAMPLES, InlinePolicy
+from swarm.model.batched import INLINE_MAX_S, LONE_INLINE_MAX_S, LONE_SAMPLES, InlinePolicy
 
 
 def _after(times: list[float], *, small: bool = True) -> InlinePolicy:
@@ -65,30 +59,3 @@ def test_a_big_call_is_no_sample_of_the_small_ones() -> None:
     p.note(1.0, small=False)  # a prefill piece
     p.note(1.0, calls=3, small=False)  # a replay group
     assert p.typical_s == 0.02 and p.inline(small=True, lone=True)
-
-
-class _Head:
-    def __init__(self) -> None:
-        self.threads: list[bool] = []  # per call: did it run on the trio thread
-
-    def logits(self, rows: torch.Tensor) -> torch.Tensor:
-        self.threads.append(threading.current_thread() is threading.main_thread())
-        return rows * 2
-
-
-async def test_the_head_runs_a_lone_sessions_call_inline_and_a_shared_call_in_a_worker() -> None:
-    head = _Head()
-    live = {1, 2}
-    shared = SharedHead(head, limiter=trio.CapacityLimiter(1), live=lambda: live)  # type: ignore[arg-type]
-    # each call "takes" 20 ms: over INLINE_MAX_S, under LONE_INLINE_MAX_S (given, not measured)
-    shared._compute = lambda rows: (head.logits(rows), 0.02)  # type: ignore[method-assign]
-    rows = torch.ones(1, 3)
-    await shared.logits(rows, 1)
-    assert head.threads == [False], "the first call's time is unknown: a worker thread"
-    await shared.logits(rows, 1)
-    await shared.logits(rows, 2)
-    assert head.threads[1:] == [True, True], "one session's rows alone in the call: inline"
-    async with trio.open_nursery() as nursery:
-        for session in (1, 2):
-            nursery.start_soon(shared.logits, rows, session)
-    assert head.threads[3:] == [False], "two sessions' rows in one 20 ms call: a worker thread"
