@@ -212,8 +212,10 @@ class MessageIO:
         self, timeout: float | None = None, *, expect: type[Message] = Message, view: bool = False,
         into: bytearray | None = None,
     ) -> Message:
-        """The next message, checked to be an ``expect`` (default: any message); ProtocolError
-        naming the peer and what came instead, PeerTimeout/PeerLost as ``receive``. ``view``:
+        """The next message, checked to be an ``expect`` (default: any message). A whole frame
+        that is no valid message, or not an ``expect``, is a BadMessage naming the peer and what
+        came (the stream is still sound); a broken stream raises what ``receive`` raises
+        (FrameError, PeerLost), silence PeerTimeout. ``view``:
         its payload a view, not a copy, where the link can (``receive_view``: model bytes that
         are only hashed and written, swarm/node/compute/rangepipe.py)."""
         frame = await (self.receive_view(timeout, into=into) if view else self.receive(timeout))
