@@ -55,10 +55,12 @@ test: $(STAMP) testdeps
 	$(BIN)/python -m pytest -q --durations=25
 
 # The fast lane while developing: every test not marked slow (node processes, long-running) or
-# netns (namespace labs), with CI's settings otherwise; `make test` stays the whole suite.
+# netns (namespace labs), with CI's settings otherwise, in one worker process per core (pytest-xdist;
+# CHECK_JOBS=0 runs them in this process); `make test` stays the whole suite, in one process.
 CHECK_MARKS ?= not slow and not netns
+CHECK_JOBS ?= auto
 check: $(STAMP)
-	$(BIN)/python -m pytest -q -m "$(CHECK_MARKS)" --durations=10
+	$(BIN)/python -m pytest -q -m "$(CHECK_MARKS)" -n $(CHECK_JOBS) --durations=10
 
 lint: $(STAMP)
 	$(BIN)/ruff check swarm tests benchmarks
