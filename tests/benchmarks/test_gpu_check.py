@@ -10,9 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # every step of the script in a subprocess, a 3-process ring among them (~20 s)
 def test_gpu_check_passes_on_the_cpu(tmp_path: Path) -> None:
     out = tmp_path / "gpu_check_cpu.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
