@@ -4,7 +4,6 @@ reserves, and the leader plans its block with that count instead of its own."""
 from __future__ import annotations
 
 import dataclasses
-import itertools
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -14,6 +13,8 @@ from swarm.errors import PlanningError, UsageError
 from swarm.node.ring.capacity import ring_capacity, stage_capacity
 from swarm.planner import ModelSpec, Peer, Plan, dump_peers_file, parse_peers_file, plan
 from swarm.planner.budget import predicted_peak
+
+from .swarms import plan_or_error, swarms
 
 # a layer: 1000 bytes of weights; one session's KV in it: 10 * 10 = 100 bytes; the leader reserves 8
 SPEC = ModelSpec(n_layers=12, layer_bytes=1000, kv_bytes_per_token_per_layer=10, coordinator_bytes=500,
@@ -80,40 +81,15 @@ def test_the_peers_file_carries_a_peers_sessions() -> None:
         Peer("a", 1, 1.0, sessions=0)
 
 
-@st.composite
-def swarms(draw: st.DrawFn) -> tuple[ModelSpec, list[Peer], dict[str, dict[str, float]]]:
-    n_layers = draw(st.integers(1, 6))
-    each = tuple(draw(st.lists(st.sampled_from([400, 700, 1000]), min_size=n_layers, max_size=n_layers)))
-    spec = ModelSpec(n_layers=n_layers, layer_bytes=max(each), layer_bytes_each=each if draw(st.booleans()) else (),
-                     kv_bytes_per_token_per_layer=draw(st.sampled_from([0, 5, 30])), context_tokens=10,
-                     coordinator_bytes=draw(st.sampled_from([0, 300])), sessions=draw(st.integers(1, 8)),
-                     activation_bytes=draw(st.sampled_from([0, 50])))  # fmt: skip
-    if not spec.layer_bytes_each:
-        spec = dataclasses.replace(spec, layer_bytes=1000)
-    peers = [Peer(f"p{i}", draw(st.integers(0, 3 * 1000 * n_layers)), draw(st.sampled_from([0.5, 1.0, 2.0])),
-                  draw(st.booleans()) if i else True) for i in range(draw(st.integers(1, 5)))]  # fmt: skip
-    rtt: dict[str, dict[str, float]] = {}
-    for a, b in itertools.permutations([q.id for q in peers], 2):
-        rtt.setdefault(a, {})[b] = float(draw(st.integers(1, 40)))
-    return spec, peers, rtt
-
-
-def _plan_or_error(spec: ModelSpec, peers: list[Peer], rtt: dict[str, dict[str, float]]) -> Plan | str:
-    try:
-        return plan(spec, peers, rtt)
-    except PlanningError as exc:
-        return str(exc)
-
-
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(swarms(), st.data())
+@given(swarms(per_layer_optional=True), st.data())
 def test_old_adverts_plan_as_before_and_every_block_fits_its_own_sessions(swarm, data) -> None:  # type: ignore[no-untyped-def]
     spec, peers, rtt = swarm
-    old = _plan_or_error(spec, peers, rtt)
+    old = plan_or_error(spec, peers, rtt)
     # an advert without the field plans exactly as one that says the planning peer's own count
-    assert _plan_or_error(spec, [dataclasses.replace(q, sessions=spec.sessions) for q in peers], rtt) == old
+    assert plan_or_error(spec, [dataclasses.replace(q, sessions=spec.sessions) for q in peers], rtt) == old
     mixed = [dataclasses.replace(q, sessions=data.draw(st.none() | st.integers(1, 12))) for q in peers]
-    p = _plan_or_error(spec, mixed, rtt)
+    p = plan_or_error(spec, mixed, rtt)
     if isinstance(p, Plan):
         for q in mixed:
             if q.id in p.blocks or q.id == p.coordinator:

@@ -5,16 +5,17 @@ really holds (ModelSpec.at_width), not at twice its bf16 bytes."""
 from __future__ import annotations
 
 import dataclasses
-import itertools
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from swarm.errors import PlanningError, UsageError
+from swarm.errors import UsageError
 from swarm.node.ring.capacity import ring_capacity, stage_capacity
 from swarm.planner import ModelSpec, Peer, Plan, dump_peers_file, parse_peers_file, plan
 from swarm.planner.budget import predicted_peak
+
+from .swarms import plan_or_error, swarms
 
 # an int4-like layer in the planner's unit: 1000 bytes, of which 800 are packed integers (the same
 # at any width) and 200 scales and norms (2 bytes a value); one session's KV: 10 * 10 bytes
@@ -99,38 +100,14 @@ def test_the_peers_file_carries_a_peers_width() -> None:
             parse_peers_file({"peers": [{"id": "a", "memory_gb": 1, "ms_per_layer": 1, "dtype_bytes": bad}]})
 
 
-@st.composite
-def swarms(draw: st.DrawFn) -> tuple[ModelSpec, list[Peer], dict[str, dict[str, float]]]:
-    n_layers = draw(st.integers(1, 6))
-    each = tuple(draw(st.lists(st.sampled_from([400, 700, 1000]), min_size=n_layers, max_size=n_layers)))
-    compact = tuple(draw(st.integers(0, w)) for w in each) if draw(st.booleans()) else ()
-    spec = ModelSpec(n_layers=n_layers, layer_bytes=max(each), layer_bytes_each=each, compact_bytes_each=compact,
-                     kv_bytes_per_token_per_layer=draw(st.sampled_from([0, 5, 30])), context_tokens=10,
-                     coordinator_bytes=draw(st.sampled_from([0, 300])), sessions=draw(st.integers(1, 8)),
-                     activation_bytes=draw(st.sampled_from([0, 50])))  # fmt: skip
-    peers = [Peer(f"p{i}", draw(st.integers(0, 3 * 1000 * n_layers)), draw(st.sampled_from([0.5, 1.0, 2.0])),
-                  draw(st.booleans()) if i else True) for i in range(draw(st.integers(1, 5)))]  # fmt: skip
-    rtt: dict[str, dict[str, float]] = {}
-    for a, b in itertools.permutations([q.id for q in peers], 2):
-        rtt.setdefault(a, {})[b] = float(draw(st.integers(1, 40)))
-    return spec, peers, rtt
-
-
-def _plan_or_error(spec: ModelSpec, peers: list[Peer], rtt: dict[str, dict[str, float]]) -> Plan | str:
-    try:
-        return plan(spec, peers, rtt)
-    except PlanningError as exc:
-        return str(exc)
-
-
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(swarms(), st.data())
+@given(swarms(compact=True), st.data())
 def test_a_2_byte_width_plans_as_before_and_every_block_fits_its_real_bytes(swarm, data) -> None:  # type: ignore[no-untyped-def]
     spec, peers, rtt = swarm
-    old = _plan_or_error(spec, peers, rtt)
-    assert _plan_or_error(spec, [dataclasses.replace(q, dtype_bytes=2) for q in peers], rtt) == old
+    old = plan_or_error(spec, peers, rtt)
+    assert plan_or_error(spec, [dataclasses.replace(q, dtype_bytes=2) for q in peers], rtt) == old
     mixed = [dataclasses.replace(q, dtype_bytes=data.draw(st.sampled_from([None, 2, 4]))) for q in peers]
-    p = _plan_or_error(spec, mixed, rtt)
+    p = plan_or_error(spec, mixed, rtt)
     if isinstance(p, Plan):
         for q in mixed:
             if q.id not in p.blocks and q.id != p.coordinator:
