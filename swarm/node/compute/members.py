@@ -59,7 +59,7 @@ from swarm.fetch.peers import (
     tensor_pieces,
 )
 from swarm.manifest.model_manifest import TensorEntry
-from swarm.node.compute.rangepipe import NoFastPath, fetch_pieces
+from swarm.node.compute.rangepipe import BufferPool, NoFastPath, fetch_pieces
 from swarm.node.dispatch import role_of
 from swarm.node.hosting import Host, Stream
 from swarm.proto.admission import MEMBER
@@ -116,7 +116,7 @@ def serve_tensors(host: Host, holdings: Callable[[], Holdings | None], *, io_s: 
 
     async def serve(peer: str, fs: Any, first: RangeRequest | None = None) -> None:
         msg: Any = first
-        bufs = _FrameBuffers(limits.max_range_chunk)
+        bufs = BufferPool(HEAD_ROOM + limits.max_range_chunk)  # a frame's head, then its payload
         while True:
             if msg is None:
                 msg = await fs.receive_message(timeout=IDLE_S)
@@ -151,29 +151,15 @@ def serve_tensors(host: Host, holdings: Callable[[], Holdings | None], *, io_s: 
 HEAD_ROOM = 256  # room before a RANGE_DATA's payload for its head (under 80 bytes: header, dims, {"offset": n})
 
 
-class _FrameBuffers:
-    """One served stream's send buffers, each one RANGE_DATA frame: ``HEAD_ROOM`` bytes, then
-    the payload, read from disk straight into its place. Over a fast channel the frame is sealed
-    from there as it lies: no encoding copy of each MiB and no fresh pages for it (py-spy: the
-    encoding copy cost the member about as much as sealing). A buffer is taken for one frame and
-    given back once sent: at most 2 * READ_FRAMES + 1 at once (a read, a queue, one sending)."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-        self.free: list[bytearray] = []
-
-    def take(self) -> bytearray:
-        return self.free.pop() if self.free else bytearray(HEAD_ROOM + self.step)
-
-
-async def _send_range(fs: Any, h: Holdings, msg: RangeRequest, slots: trio.Semaphore, bufs: _FrameBuffers,
+async def _send_range(fs: Any, h: Holdings, msg: RangeRequest, slots: trio.Semaphore, bufs: BufferPool,
                       limits: Limits, io_s: float) -> None:  # fmt: skip
-    """The range as RANGE_DATA frames of ``bufs.step`` bytes, READ_FRAMES read in one worker
+    """The range as RANGE_DATA frames of ``limits.max_range_chunk`` bytes, each read from disk
+    straight into a pooled buffer after HEAD_ROOM bytes for its head, READ_FRAMES read in one worker
     thread trip while the ones before are sent (read then sent a frame at a time, the link idled
     for every read; the whole range at once, up to 16 MiB, stalled the asker's stream before its
     first byte). A fast channel's frame link (``send_encoded``) is handed each frame as it lies
     in its buffer; a libp2p stream encodes it (one copy)."""
-    end, step = msg.offset + msg.length, bufs.step
+    end, step = msg.offset + msg.length, limits.max_range_chunk
     raw = getattr(fs, "send_encoded", None)
     put, chunks = trio.open_memory_channel[tuple[int, memoryview, bytearray]](READ_FRAMES)
 
@@ -201,7 +187,7 @@ async def _send_range(fs: Any, h: Holdings, msg: RangeRequest, slots: trio.Semap
                         start = HEAD_ROOM - len(head)
                         buf[start:HEAD_ROOM] = head
                         await raw(memoryview(buf)[start : HEAD_ROOM + len(data)], timeout=io_s)
-                    bufs.free.append(buf)  # sent: sealed or encoded, the buffer is free again
+                    bufs.give_back(buf)  # sent, sealed or encoded: free again (2 * READ_FRAMES + 1 at most taken)
     except BaseExceptionGroup as group:  # the caller's own exception, not a group
         if len(group.exceptions) == 1:
             raise group.exceptions[0] from None

@@ -118,28 +118,40 @@ class _Pipe:
 Job = tuple[Callable[[], Any], Callable[[Any], None] | None, bytearray | None]
 
 
-class _Buffers:
-    """The receive buffers of one stream: a fast channel's frame link (``opens_into``) opens
-    each RANGE_DATA message straight into one (no copy of each MiB, and no fresh pages: py-spy
-    and perf on bench_fetch_members.py, the copy and its page faults cost the fetcher more than
-    the AEAD that opened the bytes). A buffer is taken for one message and given back once its
-    bytes landed or were dropped; at most 2 * WRITE_AHEAD + 1 are taken at once (one receiving,
-    a queue, a batch landing). A libp2p stream gives each message its own copy (no buffer)."""
+class BufferPool:
+    """One stream's reused frame buffers, all ``size`` bytes: a buffer is taken for one message
+    and given back once that message is done with (landed, dropped or sent), so a stream of MiB
+    frames touches no fresh pages (py-spy and perf on bench_fetch_members.py: a fresh MiB and its
+    copy cost more than the AEAD). Never shared between streams."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.free: list[bytearray] = []
+
+    def take(self) -> bytearray:
+        return self.free.pop() if self.free else bytearray(self.size)
+
+    def give_back(self, buf: bytearray | None) -> None:
+        if buf is not None:
+            self.free.append(buf)
+
+
+class _Buffers(BufferPool):
+    """The receive side: a fast channel's frame link (``opens_into``) opens each RANGE_DATA
+    message straight into a pooled buffer (no copy of each MiB); at most 2 * WRITE_AHEAD + 1 are
+    taken at once (one receiving, a queue, a batch landing). A libp2p stream gives each message
+    its own copy (no buffer)."""
 
     def __init__(self, fs: Any, size: int) -> None:
-        self.fs, self.size = fs, size
-        self.free: list[bytearray] = []
+        super().__init__(size)
+        self.fs = fs
         self.opens_into = bool(getattr(fs, "opens_into", False))
 
     async def next(self, timeout: float) -> tuple[Any, bytearray | None]:
         """The next message (a payload a view, where the link gives one), and the buffer it lies
         in (None: a copy of its own)."""
-        buf = (self.free.pop() if self.free else bytearray(self.size)) if self.opens_into else None
+        buf = self.take() if self.opens_into else None
         return await self.fs.receive_message(timeout=timeout, view=True, into=buf), buf
-
-    def give_back(self, buf: bytearray | None) -> None:
-        if buf is not None:
-            self.free.append(buf)
 
 
 async def _pump(p: _Pipe, bufs: _Buffers, send: trio.MemorySendChannel[Job],
