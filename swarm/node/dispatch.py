@@ -23,7 +23,7 @@ from the handler to the requester (``Fail.error``), never matched by their text.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -61,6 +61,42 @@ R = TypeVar("R", bound=ctl.Control)
 RPC_TIMEOUT_S = 20.0
 
 
+class Handlers(Mapping[type[Message], Handler]):
+    """One protocol's handlers by request type, for a :class:`Dispatcher` built before the
+    components that answer: the leader and recovery answer ring requests and send their own
+    through a :class:`RingClient` on that dispatcher (the control plane's one cycle). The
+    composition root (serving.py) fills it with :meth:`add` and closes it with :meth:`seal`
+    before the protocol is served; a type without a role in :data:`ROLES`, a second handler for
+    a type, or one added after the seal is a TypeError."""
+
+    def __init__(self, table: Mapping[type[Message], Handler] | None = None) -> None:
+        self._table: dict[type[Message], Handler] = {}
+        self.sealed = False
+        self.add(table or {})
+
+    def add(self, table: Mapping[type[Message], Handler]) -> None:
+        if self.sealed:
+            raise TypeError(f"handlers for {sorted(t.__name__ for t in table)} added after the seal")
+        unknown = set(table) - set(ROLES)
+        twice = set(table) & set(self._table)
+        if unknown or twice:
+            raise TypeError(f"no role declared for {sorted(t.__name__ for t in unknown)}" if unknown
+                            else f"a second handler for {sorted(t.__name__ for t in twice)}")  # fmt: skip
+        self._table.update(table)
+
+    def seal(self) -> None:
+        self.sealed = True
+
+    def __getitem__(self, kind: type[Message]) -> Handler:
+        return self._table[kind]
+
+    def __iter__(self) -> Iterator[type[Message]]:
+        return iter(self._table)
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+
 class RoleView(Protocol):
     """What the dispatcher needs to know to tell a sender's role (view.MemberView)."""
 
@@ -86,9 +122,8 @@ class Dispatcher:
     what: str  # the protocol, for messages
 
     def __post_init__(self) -> None:
-        unknown = set(self.handlers) - set(ROLES)
-        if unknown:
-            raise TypeError(f"no role declared for {sorted(t.__name__ for t in unknown)}")
+        if not isinstance(self.handlers, Handlers):
+            self.handlers = Handlers(self.handlers)  # every handled type has a role
 
     async def __call__(self, peer: str, msg: Message) -> Message:
         """The reply to ``msg`` from ``peer``: the handler's, or a Fail (never an exception)."""

@@ -2,14 +2,18 @@
 serve generations and recover, wired together with explicit dependencies.
 
 Construction order follows the dependencies, so nothing reaches through another object to find
-what it needs: the model store and the epoch state first; then the hops' wiring, the leader
-(planning, catch-up), recovery (losses, faults, leaving), and the generation service; last the
-dispatch tables that say which role may send each request and which component answers it
-(dispatch.py). The peer (peer.py) owns the host and membership and starts :meth:`Serving.run`.
+what it needs, and each gets its collaborators when it is built: the model store and the epoch
+state first; then the leader (planning, catch-up), recovery (losses, faults, leaving), the hops'
+wiring and the generation service. The one cycle, the ring protocol's table (its handlers are
+the leader's, recovery's and the wiring's, which send their own requests through it), is filled
+once they exist and sealed before the protocol is served (dispatch.Handlers). The peer (peer.py)
+owns the host and membership and starts :meth:`Serving.run`.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -20,7 +24,7 @@ from swarm.manifest.identity import Identity
 from swarm.node.compute.fetching import BlockFetcher
 from swarm.node.compute.members import TensorServer, serve_tensors
 from swarm.node.compute.runtime import Models
-from swarm.node.dispatch import CLIENT, MEMBER, Dispatcher, RingClient
+from swarm.node.dispatch import CLIENT, MEMBER, Dispatcher, Handlers, RingClient
 from swarm.node.generation.report import Reporter
 from swarm.node.generation.resume import Resumer
 from swarm.node.generation.service import GenService
@@ -30,10 +34,10 @@ from swarm.node.members.gossip import MembershipService
 from swarm.node.members.probe import Prober
 from swarm.node.members.view import MemberView
 from swarm.node.notices import Notices
-from swarm.node.plan.epochs import Epochs
+from swarm.node.plan.epochs import Epoch, Epochs
 from swarm.node.plan.leader import Leader
 from swarm.node.plan.recovery import Recovery
-from swarm.node.plan.wiring import Wiring
+from swarm.node.plan.wiring import Wiring, door_open
 from swarm.node.ring.capacity import SlotQueue
 from swarm.node.ring.fastlink import FrameLink
 from swarm.node.settings import NodeSettings
@@ -79,49 +83,48 @@ class Serving:
                 service.readvertise()
             return new
 
-        # an epoch's end and a taken plan reach recovery and the leader, built below on the epochs
+        # The control plane's one cycle: the leader and recovery answer ring requests and send
+        # theirs through the ring client, whose own requests are answered by the same table. The
+        # table is built empty, filled once they exist, and sealed before ring/1 is served
+        # (dispatch.Handlers); an ended epoch reaches recovery through a channel opened here.
+        ends, ended = trio.open_memory_channel[Epoch](math.inf)
         self.epochs = Epochs(settings, peer_id, models, self.admission, notices, leader=view.leader, memory=view.memory,
-                             drafts=view.drafts, widths=view.widths, on_end=lambda ep: self.recovery.epoch_ended(ep),
-                             on_plan=lambda: self.leader.took_plan(), cannot_load=cannot_load)  # fmt: skip
-        ring_table = Dispatcher(view, self.epochs.roles, {}, PROTO_RING)
-        self.ring = RingClient(host, peer_id, ring_table)
-
-        async def report_fault(peer: str, why: str, epoch: int) -> None:
-            await self.recovery.report_fault(peer, why, epoch)
-
+                             drafts=view.drafts, widths=view.widths, on_end=ends.send_nowait, cannot_load=cannot_load)  # fmt: skip
+        ring_handlers = Handlers()
+        self.ring = RingClient(host, peer_id, Dispatcher(view, self.epochs.roles, ring_handlers, PROTO_RING))
+        self.leader = Leader(settings, identity, view, self.epochs, self.ring, models.spec, notices,
+                             peers_file=service.membership.peers_file,
+                             catch_stall=service.liveness.catch_stall,
+                             door_open=functools.partial(door_open, host, fastpath))  # fmt: skip
+        self.recovery = recovery = Recovery(view, self.epochs, self.leader, self.ring, notices, nursery, ended=ended)
         tensors = None  # members fetch from each other (issue 25): a liar is reported like a fault
         if models.fetch is not None:
             tensors = self._share_model_bytes(
                 models.fetch, host, service, view, fastpath,
-                report_liar=lambda peer, why: nursery.start_soon(self.recovery.report_bad_bytes, peer, why),
+                report_liar=lambda peer, why: nursery.start_soon(recovery.report_bad_bytes, peer, why),
             )  # fmt: skip
         self.wiring = Wiring(
             peer_id, host, fastpath, self.epochs, models, notices, nursery,
-            report_fault=report_fault, offered=lambda: service.membership.local.memory_bytes,
+            report_fault=recovery.report_fault, offered=lambda: service.membership.local.memory_bytes,
             own_draft=lambda: service.membership.local.draft_bytes or 0, tensors=tensors,
         )  # fmt: skip
-        self.leader = Leader(settings, identity, view, self.epochs, self.ring, models.spec, notices,
-                             peers_file=service.membership.peers_file,
-                             catch_stall=service.liveness.catch_stall,
-                             door_open=self.wiring.door_open)  # fmt: skip
-        self.recovery = Recovery(view, self.epochs, self.leader, self.ring, notices, nursery)
-        self.reporter = Reporter(peer_id, host, service, view, self.epochs, self.wiring, models, self.admission, loopwatch)
-        resumer = Resumer(peer_id, self.epochs, notices, self.leader.planning_problem, report_fault)
-        gen_table = Dispatcher(view, self.epochs.roles, {}, PROTO_GEN)
-        self.gen = GenService(settings, peer_id, host, view, self.epochs, models, self.admission, self.reporter,
-                              resumer, gen_table, planning_problem=self.leader.planning_problem)  # fmt: skip
-        ring_table.handlers = {
+        ring_handlers.add({
             PlanMsg: self.leader.on_plan,
             ctl.Current: self.leader.on_current,
             ctl.Ended: self.leader.on_ended,
-            ctl.Connect: self._on_connect,
-            ctl.Serve: self._on_serve,
-            ctl.Leaving: self.recovery.on_leaving,
-            ctl.Leave: self.recovery.on_leave,
-            ctl.Fault: self.recovery.on_fault,
-            ctl.BadBytes: self.recovery.on_bad_bytes,
-        }
-        ring_table.__post_init__()  # every handled type has a role
+            ctl.Connect: self.wiring.on_connect,
+            ctl.Serve: self.wiring.on_serve,
+            ctl.Leaving: recovery.on_leaving,
+            ctl.Leave: recovery.on_leave,
+            ctl.Fault: recovery.on_fault,
+            ctl.BadBytes: recovery.on_bad_bytes,
+        })  # fmt: skip
+        ring_handlers.seal()
+        self.reporter = Reporter(peer_id, host, service, view, self.epochs, self.wiring, models, self.admission, loopwatch)
+        resumer = Resumer(peer_id, self.epochs, notices, self.leader.planning_problem, recovery.report_fault)
+        gen_table = Dispatcher(view, self.epochs.roles, {}, PROTO_GEN)  # roles only: GenService answers
+        self.gen = GenService(settings, peer_id, host, view, self.epochs, models, self.admission, self.reporter,
+                              resumer, gen_table, planning_problem=self.leader.planning_problem)  # fmt: skip
         host.handle(PROTO_RING, self.ring.serve)
         host.handle(PROTO_ACT, self.wiring.serve_act)
         host.handle(PROTO_GEN, self.gen.serve, roles=(MEMBER, CLIENT))  # ring, act: members only (the door)
@@ -157,16 +160,9 @@ class Serving:
         on_held(*fetcher.held())  # a restarted node says at once what its cache holds
         return served  # the fast channels that open with a range request (wiring.py)
 
-    async def _on_connect(self, peer: str, msg: ctl.Connect) -> ctl.Linked:
-        labels = await self.wiring.connect(msg.epoch)
-        return ctl.Linked({str(k): v for k, v in labels.items()})
-
-    async def _on_serve(self, peer: str, msg: ctl.Serve) -> ctl.Ack:
-        await self.wiring.serve(msg.epoch, {int(k): v for k, v in msg.hops.items() if k.isdigit()})
-        return ctl.Ack()
-
     async def run(self, nursery: trio.Nursery) -> None:
-        """Start the serving tasks: the fast path's inbound channels and the leader loop."""
+        """Start the serving tasks: the fast path's inbound channels, recovery's and the leader loop."""
+        nursery.start_soon(self.recovery.run)
         if self._fastpath is not None:
             nursery.start_soon(self.wiring.accept_fast)
             nursery.start_soon(Prober(self._service, self._fastpath).run)  # RTTs on the hops' path

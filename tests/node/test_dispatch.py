@@ -15,7 +15,7 @@ import trio
 import trio.testing
 
 from swarm.errors import CannotServe, PeerError, PlanningError, ProtocolError
-from swarm.node.dispatch import Dispatcher, RingClient
+from swarm.node.dispatch import Dispatcher, Handlers, RingClient
 from swarm.proto import control as ctl
 from swarm.proto.frame import Frame, MsgType
 from swarm.proto.limits import PROTO_RING
@@ -133,3 +133,19 @@ async def test_a_phase_answer_of_the_wrong_kind_is_a_protocol_error(autojump_clo
     async with _swarm("ack", "ack") as (a, b):
         with pytest.raises(ProtocolError, match="answered ended with .*expected linked"):
             await a.ring.phase([b.host.peer_id], ctl.Ended(2), ctl.Linked, timeout=5)
+
+
+def test_a_handlers_table_takes_declared_types_once_and_nothing_after_its_seal() -> None:
+    async def answer(peer: str, msg: Any) -> Message:
+        return ctl.Ack()
+
+    table = Handlers({ctl.Leaving: answer})
+    with pytest.raises(TypeError, match=r"a second handler for \['Leaving'\]"):
+        table.add({ctl.Leaving: answer})
+    with pytest.raises(TypeError, match=r"no role declared for \['Done'\]"):
+        table.add({ctl.Done: answer})
+    table.add({ctl.Leave: answer})
+    table.seal()
+    with pytest.raises(TypeError, match=r"handlers for \['Fault'\] added after the seal"):
+        table.add({ctl.Fault: answer})
+    assert dict(table) == {ctl.Leaving: answer, ctl.Leave: answer}

@@ -92,12 +92,12 @@ async def test_a_replan_records_what_replaced_the_ended_epoch_and_after_how_long
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     planned: list[int] = []
-    epochs, life = _epochs(on_plan=lambda: planned.append(1))
-    await epochs.accept("L", _signed(3))
+    epochs, life = _epochs()
+    await epochs.accept("L", _signed(3), taken=lambda: planned.append(1))
     await trio.sleep(1)
     epochs.end("peer B is lost")
     await trio.sleep(2.5)
-    ep = await epochs.accept("L", _signed(4, cause="peer B is lost", ring=("A",)))
+    ep = await epochs.accept("L", _signed(4, cause="peer B is lost", ring=("A",)), taken=lambda: planned.append(1))
     assert ep.cause == "peer B is lost" and len(planned) == 2
     (rec,) = epochs.replans
     assert (rec["epoch"], rec["reason"], rec["next_epoch"], rec["pause_s"]) == (3, "peer B is lost", 4, 2.5)

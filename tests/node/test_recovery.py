@@ -8,6 +8,7 @@ requests and answers as a test says. Whole swarms losing peers: test_swarm_mem.p
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -115,12 +116,13 @@ async def _node(me: str, live: tuple[str, ...] = ("A", "B", "C", "D")) -> AsyncI
     shown: list[str] = []
     notices = Notices(Hooks(on_event=shown.append, on_life=life.append))
     settings = NodeSettings(seed=b"s" * 32, swarm_id="friends", secret=b"x" * 32, model_dir=None)
-    epochs = Epochs(settings, me, None, SlotQueue(), notices, leader=view.leader, memory=dict)  # type: ignore[arg-type]
+    ends, ended = trio.open_memory_channel[Epoch](math.inf)  # as serving.py wires them
+    epochs = Epochs(settings, me, None, SlotQueue(), notices, leader=view.leader, memory=dict, on_end=ends.send_nowait)  # type: ignore[arg-type]
     leader = _Leader(view, epochs)
     ring = _Ring()
     async with trio.open_nursery() as nursery:
-        rec = Recovery(view, epochs, leader, ring, notices, nursery)  # type: ignore[arg-type]
-        epochs.on_end = rec.epoch_ended
+        rec = Recovery(view, epochs, leader, ring, notices, nursery, ended=ended)  # type: ignore[arg-type]
+        nursery.start_soon(rec.run)
         yield _Node(rec, view, epochs, leader, ring, service.live, life, shown)
         nursery.cancel_scope.cancel()
 

@@ -17,7 +17,7 @@ from swarm.errors import ProtocolError
 from swarm.node.members.probe import PINGS, probe_once
 from swarm.node.notices import Hooks, Notices
 from swarm.node.plan.epochs import Epoch, Epochs
-from swarm.node.plan.wiring import Wiring
+from swarm.node.plan.wiring import Wiring, door_open
 from swarm.node.ring.capacity import SlotQueue
 from swarm.node.ring.links import LocalLink
 from swarm.node.settings import NodeSettings
@@ -135,12 +135,12 @@ async def _pair(nursery: trio.Nursery) -> AsyncIterator[tuple[MemNet, MemHost, M
 async def test_the_leaders_probe_of_a_members_door(autojump_clock: trio.testing.MockClock) -> None:
     async with trio.open_nursery() as nursery:
         async with _pair(nursery) as (net, a, b, leader):
-            assert not await leader.door_open(b.peer_id, timeout=3)  # nothing serves act/1 there
+            assert not await door_open(a, None, b.peer_id, timeout=3)  # nothing serves act/1 there
             member, _ = _wiring(b.peer_id, b, nursery)
             b.handle(PROTO_ACT, member.serve_act)
-            assert await leader.door_open(b.peer_id, timeout=3)
+            assert await door_open(a, None, b.peer_id, timeout=3)
             net.freeze(b.peer_id)
             t0 = trio.current_time()
-            assert not await leader.door_open(b.peer_id, timeout=3)  # silent: false at the timeout
+            assert not await door_open(a, None, b.peer_id, timeout=3)  # silent: false at the timeout
             assert trio.current_time() - t0 == pytest.approx(3, abs=0.1)
         nursery.cancel_scope.cancel()

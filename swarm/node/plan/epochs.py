@@ -141,9 +141,9 @@ class Epochs:
 
     ``leader``: who leads this node's view (a plan is taken only when that peer signed it);
     ``memory``: each member's offered memory (the ring's capacity); ``on_end(ep)`` runs when an
-    epoch ends, ``on_plan()`` when a plan was taken; ``cannot_load(a, b, coordinator)`` lowers
-    this peer's offer after a block did not fit and returns the new offer (the composition root,
-    serving.py, wires all three)."""
+    epoch ends (the composition root, serving.py, hands recovery each ended epoch through a
+    channel); ``cannot_load(a, b, coordinator)`` lowers this peer's offer after a block did not
+    fit and returns the new offer."""
 
     def __init__(
         self,
@@ -158,7 +158,6 @@ class Epochs:
         drafts: Callable[[], dict[str, int]] = dict,
         widths: Callable[[], dict[str, int]] = dict,
         on_end: Callable[[Epoch], None] = lambda ep: None,
-        on_plan: Callable[[], None] = lambda: None,
         cannot_load: Callable[[int, int, bool], int] | None = None,
     ) -> None:
         self.settings = settings
@@ -171,7 +170,6 @@ class Epochs:
         self.drafts = drafts  # each member's advertised draft model bytes (the planner's coordinator part)
         self.widths = widths  # each member's advertised value width (the planner's Peer.dtype_bytes)
         self.on_end = on_end
-        self.on_plan = on_plan
         self.cannot_load = cannot_load  # a block that did not fit: lower our offer, return the new one
         self.current: Epoch | None = None
         self.previous: Epoch | None = None  # the epoch the current one replaced (fault reports may name it)
@@ -234,11 +232,14 @@ class Epochs:
         signer = peer_id_of(ep.signer) if ep is self.current and ep.live else None
         return signer, ep.members
 
-    async def accept(self, sender: str, msg: PlanMsg, *, catching_up: bool = False) -> Epoch:
+    async def accept(
+        self, sender: str, msg: PlanMsg, *, catching_up: bool = False, taken: Callable[[], None] = lambda: None
+    ) -> Epoch:
         """Take the leader's plan: signed by it, or passed on by it as it was signed (the ring it
         leads was planned by a leader that has left since: a newcomer learns it as a standby).
         ``catching_up``: a plan the swarm already serves, which this node, back from being cut
-        off, was shown by a member; its signer need not lead here."""
+        off, was shown by a member; its signer need not lead here. ``taken()`` runs once the plan
+        is taken, before its block loads (leader.Leader.took_plan)."""
         if msg.signer is None:
             raise ProtocolError(f"plan epoch {msg.epoch} from {sender} is unsigned")
         verify_plan(msg, msg.signer, self.settings.swarm_id)
@@ -264,7 +265,7 @@ class Epochs:
         ep = Epoch(plan, msg.signer, cause=cause[:MAX_CAUSE] if isinstance(cause, str) else "", msg=msg)
         self.previous, self.current = cur, ep
         self.notify()
-        self.on_plan()
+        taken()
         me = self.peer_id
         role = "+".join(r for r, on in (("coordinator", plan.coordinator == me),
                                          ("stage", me in plan.blocks)) if on) or "standby"  # fmt: skip

@@ -476,7 +476,7 @@ class Leader:
     # -- the ring protocol's requests about epochs -----------------------------------------------
 
     async def on_plan(self, peer: str, msg: PlanMsg) -> Message:
-        await self.epochs.accept(peer, msg)
+        await self.epochs.accept(peer, msg, taken=self.took_plan)
         return ctl.Loaded(msg.epoch)
 
     async def on_current(self, peer: str, msg: ctl.Current) -> Message:

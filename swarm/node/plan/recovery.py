@@ -42,11 +42,15 @@ NUDGE_AFTER_S = 4.0  # a member whose ring ended tells the leader after this lon
 
 
 class Recovery:
+    """``ended``: each epoch that ended here, as the epochs' ``on_end`` sent it (serving.py
+    opens the channel; :meth:`run` reads it)."""
+
     def __init__(
         self, view: MemberView, epochs: Epochs, leader: Leader, ring: RingClient, notices: Notices,
-        nursery: trio.Nursery,
+        nursery: trio.Nursery, *, ended: trio.MemoryReceiveChannel[Epoch] | None = None,
     ) -> None:  # fmt: skip
         self.peer_id = view.peer_id
+        self.ended = ended
         self.view = view
         self.epochs = epochs
         self.leader = leader
@@ -65,7 +69,7 @@ class Recovery:
             return
         self.view.leaving.discard(ev.peer)  # gone: if it comes back (same key, restarted), it is a member again
         if self.view.members() == [self.peer_id] and self.leader.cut_off_since is None:
-            self.leader.cut_off_since = trio.current_time()  # everyone else went: they may go on without us
+            self.leader.cut_off()  # everyone else went: they may go on without us
         ep = self.epochs.current
         if ep is not None and ev.peer in ep.members:
             self.epochs.end(f"ring member {ev.peer} {ev.kind}" + (f" ({ev.reason})" if ev.reason else ""))
@@ -74,6 +78,12 @@ class Recovery:
         """This node was stopped for ``gap`` seconds (its own silence is excused: heartbeat.py)."""
         self.notices.notice(f"this node was stopped for {gap:.1f} s: it catches up with the swarm before it plans")
         self.leader.cut_off()
+
+    async def run(self) -> None:
+        """Each epoch that ended (``ended``): :meth:`epoch_ended`."""
+        assert self.ended is not None
+        async for ep in self.ended:
+            self.epoch_ended(ep)
 
     def epoch_ended(self, ep: Epoch) -> None:
         self.view.kick()

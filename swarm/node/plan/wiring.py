@@ -79,6 +79,16 @@ class Wiring:
 
     # -- connect: the hops that leave us, and our stage worker --------------------------------
 
+    async def on_connect(self, peer: str, msg: ctl.Connect) -> ctl.Linked:
+        """The signer's ``connect`` (dispatch.py checked the role): our hops' path labels."""
+        labels = await self.connect(msg.epoch)
+        return ctl.Linked({str(k): v for k, v in labels.items()})
+
+    async def on_serve(self, peer: str, msg: ctl.Serve) -> ctl.Ack:
+        """The signer's ``serve``: every hop's path label (by hop index) for status; we serve."""
+        await self.serve(msg.epoch, {int(k): v for k, v in msg.hops.items() if k.isdigit()})
+        return ctl.Ack()
+
     async def connect(self, epoch: int) -> dict[int, str]:
         """Open every hop that leaves this node; start our stage worker; their path labels."""
         ep = self.epochs.get(epoch)
@@ -121,27 +131,6 @@ class Wiring:
                     raise failed[0]
                 if not ready.is_set():
                     raise PeerTimeout(f"hop {i} to {dst} (epoch {epoch}) not open within {LINK_TIMEOUT_S:.0f} s")
-
-    async def door_open(self, peer: str, timeout: float) -> bool:
-        """Whether ``peer`` takes an activation channel from us: a ``probe`` hello on a fast channel
-        (the libp2p act stream without a fast path), echoed within ``timeout``. The leader's own
-        evidence about a hop into ``peer`` that failed at set-up (authority.setup_blame)."""
-        try:
-            with trio.fail_after(timeout):
-                if self.fastpath is not None:
-                    link = FrameLink(await self.fastpath.dial(peer, timeout=timeout))
-                    try:
-                        await probe_once(link, timeout=timeout)
-                    finally:
-                        with trio.CancelScope(shield=True), trio.move_on_after(1.0):
-                            await link.close()
-                else:
-                    async with self.host.open_stream(peer, PROTO_ACT, timeout=timeout) as fs:
-                        await probe_once(fs, timeout=timeout)
-        except (SwarmError, trio.TooSlowError) as exc:
-            log.warning("the activation door of %s did not answer the leader's probe: %s", peer, exc)
-            return False
-        return True
 
     def _start_worker(self, ep: Epoch) -> None:
         assert ep.stage is not None
@@ -321,3 +310,25 @@ class Wiring:
         ep = self.epochs.current
         if ep is not None and ep.worker is not None:
             ep.worker.corrupt_after = 0
+
+
+async def door_open(host: Host, fastpath: Any, peer: str, timeout: float) -> bool:
+    """Whether ``peer`` takes an activation channel from us: a ``probe`` hello on a fast channel
+    (the libp2p act stream without a fast path), echoed within ``timeout``. The leader's own
+    evidence about a hop into ``peer`` that failed at set-up (authority.setup_blame)."""
+    try:
+        with trio.fail_after(timeout):
+            if fastpath is not None:
+                link = FrameLink(await fastpath.dial(peer, timeout=timeout))
+                try:
+                    await probe_once(link, timeout=timeout)
+                finally:
+                    with trio.CancelScope(shield=True), trio.move_on_after(1.0):
+                        await link.close()
+            else:
+                async with host.open_stream(peer, PROTO_ACT, timeout=timeout) as fs:
+                    await probe_once(fs, timeout=timeout)
+    except (SwarmError, trio.TooSlowError) as exc:
+        log.warning("the activation door of %s did not answer the leader's probe: %s", peer, exc)
+        return False
+    return True
