@@ -17,10 +17,12 @@ in it too, each bounded by its epoch (epochs.py). Leaving the ``async with`` can
 from __future__ import annotations
 
 import contextlib
+import functools
+import math
 import sys
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -33,6 +35,9 @@ from swarm.node.members.membership import Membership
 from swarm.node.members.view import MemberView
 from swarm.node.notices import Hooks, Notices
 from swarm.node.settings import NodeSettings, advert_memory, advertised_resources, plan_memory
+
+if TYPE_CHECKING:  # a peer without a model never imports torch: serving.py is imported where one is built
+    from swarm.node.serving import Serving
 
 SWITCH_INTERVAL_S = 0.001  # the GIL's hand-over interval in a node process (see open_peer)
 HostOpener = Callable[[NodeSettings], contextlib.AbstractAsyncContextManager[Any]]
@@ -49,7 +54,7 @@ class Peer:
     view: MemberView
     notices: Notices
     loopwatch: LoopWatch
-    serving: Any = None  # serving.Serving
+    serving: Serving | None = None
 
     def __repr__(self) -> str:
         return f"Peer({self.peer_id[:12]}…)"
@@ -148,23 +153,25 @@ async def open_peer(
             draft=draft, sessions=models.spec.sessions if models is not None else None,
             dtype_bytes=models.dtype.itemsize if models is not None else None,
         )  # fmt: skip
-        peer: Peer | None = None
-        service = MembershipService(
-            host, membership, clock=clock,
-            on_event=lambda ev: _member_event(peer, ev),
-            on_stall=lambda gap: peer.serving.recovery.stalled(gap) if peer and peer.serving else None,
-        )  # fmt: skip
+        # membership's news and a stop it noticed reach the serving components (built after it,
+        # on it) through channels opened here, read by :func:`_hear` once the peer exists
+        events, news = trio.open_memory_channel[MemberEvent](math.inf)
+        stops, stopped = trio.open_memory_channel[float](math.inf)
+        service = MembershipService(host, membership, clock=clock, on_event=events.send_nowait,
+                                    on_stall=stops.send_nowait)  # fmt: skip
         view = MemberView(identity.peer_id, service, host)
-        membership.guard_book(pinned=lambda: _pinned(view, peer))
         loopwatch = LoopWatch()
         async with trio.open_nursery() as nursery:
-            peer = Peer(s, identity, host, service, view, notices, loopwatch)
-            nursery.start_soon(loopwatch.serve)
+            serving = None
             if models is not None:
                 from swarm.node.serving import Serving
 
-                peer.serving = Serving(s, identity, host, service, view, models, notices, loopwatch, nursery,
-                                       fastpath=fastpath)  # fmt: skip
+                serving = Serving(s, identity, host, service, view, models, notices, loopwatch, nursery,
+                                  fastpath=fastpath)  # fmt: skip
+            peer = Peer(s, identity, host, service, view, notices, loopwatch, serving)
+            membership.guard_book(pinned=functools.partial(_pinned, view, peer))
+            nursery.start_soon(loopwatch.serve)
+            nursery.start_soon(_hear, peer, news, stopped)
             await nursery.start(service.run)
             for addr in s.bootstrap:
                 try:
@@ -198,20 +205,33 @@ async def run_peer(
         await trio.sleep_forever()
 
 
-def _pinned(view: MemberView, peer: Peer | None) -> set[str]:
+async def _hear(peer: Peer, news: trio.MemoryReceiveChannel[MemberEvent], stopped: trio.MemoryReceiveChannel[float]) -> None:
+    """Membership's news (:func:`_member_event`) and each stop of this node it noticed
+    (recovery.Recovery.stalled), in order, for as long as the peer runs."""
+
+    async def stops() -> None:
+        async for gap in stopped:
+            if peer.serving is not None:
+                peer.serving.recovery.stalled(gap)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(stops)
+        async for ev in news:
+            _member_event(peer, ev)
+
+
+def _pinned(view: MemberView, peer: Peer) -> set[str]:
     """Members whose adverts a connected newcomer never evicts from a full advert book
     (membership.py): our leader, and the coordinator and stages of the plan we serve or last
     served (a plan's members must stay in every member's view, or a re-plan would drop them)."""
     out = {view.leader()}
-    ep = peer.serving.epochs.current if peer is not None and peer.serving is not None else None
+    ep = peer.serving.epochs.current if peer.serving is not None else None
     if ep is not None:
         out |= {ep.plan.coordinator, *ep.plan.ring}
     return out
 
 
-def _member_event(peer: Peer | None, ev: MemberEvent) -> None:
-    if peer is None:
-        return
+def _member_event(peer: Peer, ev: MemberEvent) -> None:
     if peer.serving is not None:
         peer.serving.recovery.member_event(ev)
     else:
