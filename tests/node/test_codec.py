@@ -60,13 +60,37 @@ def test_a_wrong_shape_is_refused(shape: tuple[int, ...]) -> None:
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_non_finite_values_are_refused(bad: float, dtype: torch.dtype) -> None:
     h = torch.zeros(2, D, dtype=dtype)
     h[1, 5] = bad
     chunk = _wire(hidden_chunk(1, 2, 0, "decode", h, epoch=0))
     with pytest.raises(ProtocolError, match="peer dave: hidden states contain NaN or Inf"):
         read_hidden(chunk, dim=D, expect=dtype, peer="dave")
+
+
+@pytest.mark.parametrize(("wire", "dtype", "mantissa"), [(DType.BF16, torch.bfloat16, 7), (DType.FP16, torch.float16, 10)])
+def test_the_finiteness_check_refuses_exactly_what_isfinite_does(wire: DType, dtype: torch.dtype, mantissa: int) -> None:
+    """The check reads exponent bits, not values: every exponent, both signs, the mantissa's
+    lowest, highest and a middle value: refused iff not finite."""
+    m = (1 << mantissa) - 1
+    patterns = [sign | e << mantissa | f for sign in (0, 1 << 15) for e in range(1 << (15 - mantissa)) for f in (0, 1, m >> 1, m)]
+    every = torch.tensor(patterns, dtype=torch.int32).to(torch.int16).view(dtype)
+    finite = torch.isfinite(every)
+    for i in range(every.numel()):
+        h = every[i : i + 1].reshape(1, 1)
+        try:
+            decode_hidden(wire, (1, 1), h.view(torch.int16).numpy().tobytes(), dim=1, expect=dtype, peer="x")
+        except ProtocolError:
+            assert not finite[i], f"refused the finite {h.item()}"
+        else:
+            assert finite[i], f"accepted {h.item()}"
+
+
+def test_the_largest_and_smallest_fp32_values_pass() -> None:
+    info = torch.finfo(torch.float32)
+    h = torch.tensor([[info.max, -info.max, info.tiny, info.tiny / 4, -0.0, 1.0]], dtype=torch.float32)
+    assert torch.equal(decode_hidden(DType.FP32, (1, 6), h.numpy().tobytes(), dim=6, expect=torch.float32, peer="x"), h)
 
 
 def test_only_serving_dtypes_travel() -> None:

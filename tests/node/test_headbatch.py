@@ -124,3 +124,22 @@ async def test_the_head_runs_a_lone_sessions_call_inline_and_a_shared_call_in_a_
         for session in (1, 2):
             nursery.start_soon(shared.logits, rows, session)
     assert head.threads[3:] == [False], "two sessions' rows in one 20 ms call: a worker thread"
+
+
+async def test_a_lone_generations_head_call_starts_without_a_scheduler_pass(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Nobody else is generating, so nobody can join the call: no gathering passes on the token's path."""
+    passes = [0]
+    checkpoint = trio.lowlevel.checkpoint
+
+    async def counted() -> None:
+        passes[0] += 1
+        await checkpoint()
+
+    monkeypatch.setattr(trio.lowlevel, "checkpoint", counted)
+    head = _Head()
+    seen: list[int] = []
+    head.logits = lambda rows: (seen.append(passes[0]), torch.cat([rows * 2, rows + 1], dim=1))[1]  # type: ignore[method-assign]
+    await _shared(head, {1}).logits(_rows(1), 1)
+    passes[0] = 0
+    await _shared(head, {1, 2}).logits(_rows(1), 1)  # session 2 may queue too: the idle head lets it
+    assert seen == [0, 1], "passes before the head computed: none alone, one with another generating"

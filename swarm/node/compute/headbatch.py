@@ -15,7 +15,9 @@ alone sends the rest round the ring a head call later, and the split goes on rou
 (stage_worker.py: gathering). So an idle head first lets the sessions woken by the same burst
 queue (a few scheduler passes), then waits, up to one typical head call, for the sessions whose
 results are due about now (one cycle after their last) and those that shared the queued ones'
-last head call, while they are still generating.
+last head call, while they are still generating. When every session generating has queued
+already (one generation alone), there is no one to wait for: the head starts at once (on a lone
+token's path, those scheduler passes cost ~0.1 ms a token on a shared box).
 
 The head runs in a worker thread behind the process's compute limiter, except a call predicted
 to take under INLINE_MAX_S, or one session's small rows alone in the call whose typical call
@@ -110,12 +112,13 @@ class SharedHead:
     async def _run_queue(self) -> None:
         self._busy = True
         try:
-            for _ in range(HEAD_GATHER_PASSES):  # sessions woken by the same burst of results queue too
-                n = len(self._queue)
-                await trio.lowlevel.checkpoint()
-                if len(self._queue) == n:
-                    break
-            await self._gather()
+            if not set(self.live()) <= {r.session for r in self._queue}:  # (all queued: a lone run's head starts at once)
+                for _ in range(HEAD_GATHER_PASSES):  # sessions woken by the same burst of results queue too
+                    n = len(self._queue)
+                    await trio.lowlevel.checkpoint()
+                    if len(self._queue) == n:
+                        break
+                await self._gather()
             while self._queue:
                 batch, self._queue = self._queue[:MAX_HEAD_BATCH], self._queue[MAX_HEAD_BATCH:]
                 try:
