@@ -143,9 +143,8 @@ class Wiring:
             max_len=self.models.context_tokens, compute=self.models.compute,
             on_bad_input=lambda peer, why: nursery.start_soon(self.report_fault, peer, why, epoch),
             compute_delay_s=s.compute_delay_s, max_sessions=self._stage_capacity(ep),
+            corrupt_after=0 if self.corrupt else None,
         )  # fmt: skip
-        if self.corrupt:
-            ep.worker.corrupt_after = 0
         nursery.start_soon(self._run_worker, ep, idx)
         if ep.coordinator is None:
             self.notices.life("serving", epoch=epoch, role="stage")

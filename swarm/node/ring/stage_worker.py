@@ -128,6 +128,7 @@ class StageWorker:
         on_bad_input: Callable[[str, str], None] | None = None,
         compute_delay_s: float = 0.0,
         max_batch: int = MAX_BATCH,
+        corrupt_after: int | None = None,
     ) -> None:
         self.stage = stage
         self.epoch = epoch
@@ -144,7 +145,7 @@ class StageWorker:
         self.stats = StageStats()
         self.max_batch = max(1, max_batch)
         self.placing = InlinePolicy()  # where a forward runs: the trio thread or a worker (model/batched.py)
-        self.corrupt_after: int | None = None  # fault injection for chaos tests: NaN after N chunks
+        self.corrupt_after = corrupt_after  # fault injection for chaos tests: NaN after N chunks
         self.swallow = False  # fault injection: drop every frame read (a hop that silently stopped)
         # fault injection for load tests: every forward blocks this much longer (a blocking sleep
         # inside the compute, as a busy box's compute does), wherever the forward runs
