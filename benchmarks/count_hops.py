@@ -34,6 +34,7 @@ import trio.testing
 from swarm.model.generate import LocalModel
 from swarm.net.channel import FramedChannel
 from swarm.net.fastpath import accept_fastpath, open_direct_listener, open_fastpath
+from swarm.node.compute.runtime import Compute
 from swarm.node.ring.coordinator import Coordinator
 from swarm.node.ring.fastlink import FrameLink
 from swarm.node.ring.stage_worker import StageWorker
@@ -103,9 +104,10 @@ async def _real_ring(model: LocalModel) -> Any:
     """The ring of ``run_memory_ring``, its hops fast-path channels (set up before tracing)."""
     n = len(model.stages)
     hops = [await _fast_hop(f"hop{i}") for i in range(n + 1)]
-    coord = Coordinator(model.head, epoch=1, first_hop="stage0", chunk_timeout=30.0)
+    coord = Coordinator(model.head, epoch=1, first_hop="stage0", chunk_timeout=30.0, compute=Compute())
     coord.attach(hops[0][0])
-    workers = [StageWorker(st, epoch=1, upstream="up", is_tail=(i == n - 1)) for i, st in enumerate(model.stages)]
+    workers = [StageWorker(st, epoch=1, upstream="up", is_tail=(i == n - 1), compute=Compute())
+               for i, st in enumerate(model.stages)]  # fmt: skip
     async with trio.open_nursery() as nursery:
         for i, w in enumerate(workers):
             nursery.start_soon(w.serve, hops[i][1], hops[i + 1][0])

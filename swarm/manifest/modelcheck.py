@@ -48,12 +48,8 @@ def _model_files(path: Path) -> dict[str, Path]:
     return out
 
 
-def describe_model(
-    path: Path, name: str | None = None, progress: Progress | None = None
-) -> ModelSpec:
-    """Hash every file of the model at ``path`` into a ModelSpec for an invite."""
-    files = _model_files(path)
-    total = sum(p.stat().st_size for p in files.values())
+def _counting(progress: Progress | None, total: int) -> Callable[[int], None]:
+    """A byte counter for sha256_file that tells ``progress`` (done, total) as bytes are hashed."""
     done = 0
 
     def tick(n: int) -> None:
@@ -61,6 +57,17 @@ def describe_model(
         done += n
         if progress is not None:
             progress(done, total)
+
+    return tick
+
+
+def describe_model(
+    path: Path, name: str | None = None, progress: Progress | None = None
+) -> ModelSpec:
+    """Hash every file of the model at ``path`` into a ModelSpec for an invite."""
+    files = _model_files(path)
+    total = sum(p.stat().st_size for p in files.values())
+    tick = _counting(progress, total)
 
     digests = {rel: sha256_file(p, tick) for rel, p in files.items()}
     config = digests.get("config.json") if path.is_dir() else None
@@ -85,13 +92,7 @@ def check_model(spec: ModelSpec, path: Path, progress: Progress | None = None) -
                 f"model file {rel} is missing from {base} (the invite's model {spec.name!r} needs it)"
             )
         total += p.stat().st_size
-    done = 0
-
-    def tick(n: int) -> None:
-        nonlocal done
-        done += n
-        if progress is not None:
-            progress(done, total)
+    tick = _counting(progress, total)
 
     if spec.config_sha256 is not None:
         cfg = base / "config.json"

@@ -132,10 +132,7 @@ async def open_peer(
         # loop held for hundreds of ms (measured: 581 ms under 8 sessions). 1 ms bounds that.
         sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
         models = Models(s, compute or Compute(), notices)
-        if ms_per_layer is None:
-            await models.measure()
-        else:
-            models.ms_per_layer = ms_per_layer
+        await models.measure(known=ms_per_layer)
         memory, device = advertised_resources(s)
         # less this peer's overhead, in the planner's unit (a mixed ring plans alike): planner/budget.py
         memory = advert_memory(memory, models.dtype, s.device, models.args, s.quant)

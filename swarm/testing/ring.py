@@ -14,6 +14,7 @@ import trio
 
 from swarm.model.driver import GenerationResult
 from swarm.model.generate import LocalModel
+from swarm.node.compute.runtime import Compute
 from swarm.node.ring.coordinator import Coordinator
 from swarm.node.ring.stage_worker import StageWorker
 from swarm.testing.memnet import MemLink
@@ -46,11 +47,13 @@ async def run_memory_ring(
     names = ["coord"] + [f"stage{i}" for i in range(n)] + ["coord"]
     links = [MemLink(f"{names[i]}->{names[i + 1]}", delay=delay) for i in range(n + 1)]
     coord = Coordinator(
-        model.head, epoch=epoch, first_hop=names[1], chunk_timeout=chunk_timeout, compute_delay_s=compute_delay_s
-    )
+        model.head, epoch=epoch, first_hop=names[1], chunk_timeout=chunk_timeout, compute=Compute(),
+        compute_delay_s=compute_delay_s,
+    )  # fmt: skip
     coord.attach(links[0])
     workers = [
-        StageWorker(st, epoch=epoch, upstream=names[i], is_tail=(i == n - 1), compute_delay_s=compute_delay_s)
+        StageWorker(st, epoch=epoch, upstream=names[i], is_tail=(i == n - 1), compute=Compute(),  # each a process's
+                    compute_delay_s=compute_delay_s)  # fmt: skip
         for i, st in enumerate(model.stages)
     ]
     for w in workers:

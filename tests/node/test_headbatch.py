@@ -11,6 +11,7 @@ import torch
 import trio
 
 from swarm.node.compute.headbatch import MAX_HEAD_BATCH, SharedHead
+from swarm.node.compute.runtime import Compute
 
 
 class _Head:
@@ -26,7 +27,7 @@ class _Head:
 
 
 def _shared(head: _Head, live: set[int]) -> SharedHead:
-    return SharedHead(head, limiter=trio.CapacityLimiter(1), live=lambda: live, inline=True)  # type: ignore[arg-type]
+    return SharedHead(head, Compute(threads=False), live=lambda: live)  # type: ignore[arg-type]
 
 
 def _rows(session: int, t: int = 2, d: int = 3) -> torch.Tensor:
@@ -111,7 +112,7 @@ class _ThreadHead:
 async def test_the_head_runs_a_lone_sessions_call_inline_and_a_shared_call_in_a_worker() -> None:
     head = _ThreadHead()
     live = {1, 2}
-    shared = SharedHead(head, limiter=trio.CapacityLimiter(1), live=lambda: live)  # type: ignore[arg-type]
+    shared = SharedHead(head, Compute(), live=lambda: live)  # type: ignore[arg-type]
     # each call "takes" 20 ms: over INLINE_MAX_S, under LONE_INLINE_MAX_S (given, not measured)
     shared._compute = lambda rows: (head.logits(rows), 0.02)  # type: ignore[method-assign]
     rows = torch.ones(1, 3)

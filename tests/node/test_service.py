@@ -26,6 +26,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from swarm import client
 from swarm.errors import BadRequest, CannotServe, PeerError, UsageError
 from swarm.model.tokenizer import Tokenizer
+from swarm.node.compute.runtime import Compute
 from swarm.node.dispatch import CLIENT, MEMBER, Dispatcher
 from swarm.node.generation.service import REQUEST_TIMEOUT_S, GenService
 from swarm.node.notices import Hooks, Notices
@@ -77,7 +78,7 @@ def _service(host: MemHost, *, tokenizer: Tokenizer | None = None, problem: Call
     epochs = Epochs(settings, host.peer_id, None, SlotQueue(), Notices(Hooks()), leader=view.leader, memory=dict)  # type: ignore[arg-type]
     roles = Dispatcher(view, epochs.roles, {}, PROTO_GEN)
     membership = SimpleNamespace(view=lambda: adverts or {})
-    models = SimpleNamespace(tokenizer=tokenizer, ms_per_layer=ms_per_layer)
+    models = SimpleNamespace(tokenizer=tokenizer, ms_per_layer=ms_per_layer, compute=Compute())
     reporter = _Reporter()
     svc = GenService(settings, host.peer_id, host, SimpleNamespace(service=SimpleNamespace(membership=membership)),  # type: ignore[arg-type]
                      epochs, models, SlotQueue(), reporter, None, roles, planning_problem=problem)  # type: ignore[arg-type]  # fmt: skip

@@ -19,6 +19,7 @@ import trio
 
 from swarm.model.generate import LocalModel
 from swarm.model.stage import Stage
+from swarm.node.compute.runtime import Compute
 from swarm.node.ring.codec import hidden_chunk, hidden_result, read_hidden
 from swarm.node.ring.links import LocalLink
 from swarm.node.ring.stage_worker import StageWorker
@@ -55,7 +56,7 @@ async def _serving(stage: Stage, *, is_tail: bool = False, max_sessions: int = 6
     inbound, outbound = LocalLink("up->stage"), LocalLink("stage->down")
     h = _Harness(None, inbound, outbound)  # type: ignore[arg-type]
     worker = StageWorker(stage, epoch=EPOCH, upstream="peer-up", is_tail=is_tail, max_sessions=max_sessions,
-                         on_bad_input=lambda peer, why: h.bad.append((peer, why)), inline=True)
+                         on_bad_input=lambda peer, why: h.bad.append((peer, why)), compute=Compute(threads=False))
     h.worker = worker
     async with trio.open_nursery() as nursery:
         nursery.start_soon(worker.serve, inbound, outbound)
@@ -205,7 +206,7 @@ async def test_a_lone_decode_chunk_runs_on_the_trio_thread_after_a_preempted_for
     300 ms (preempted on a busy box: the median says 20 ms). Times are given, not measured."""
     stage = _stages(ckpt)[0]
     inbound, outbound = LocalLink("up->stage"), LocalLink("stage->down")
-    worker = StageWorker(stage, epoch=EPOCH, upstream="peer-up", is_tail=False)
+    worker = StageWorker(stage, epoch=EPOCH, upstream="peer-up", is_tail=False, compute=Compute())
     on_trio_thread: list[bool] = []
     took = iter([0.02, 0.02, 0.3, 0.02, 0.02])
     forward = worker._forward

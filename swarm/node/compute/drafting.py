@@ -63,7 +63,7 @@ import statistics
 import threading
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import trio
@@ -76,6 +76,9 @@ from swarm.model.speculative import DraftSource, KPolicy, SpeculativeDecoder, Ve
 from swarm.model.stage import Head
 from swarm.model.tokenizer import Tokenizer
 from swarm.model.weights import Checkpoint
+
+if TYPE_CHECKING:
+    from swarm.node.compute.runtime import Compute
 
 log = logging.getLogger("swarm.node.compute.drafting")
 
@@ -156,11 +159,13 @@ class Choice:
 class DraftHolder:
     """A node's drafting: its ``--draft``, the draft model once loaded, what it has measured."""
 
-    def __init__(self, spec: DraftSpec | str, *, threads: bool = True) -> None:
+    def __init__(self, spec: DraftSpec | str, compute: Compute | None = None) -> None:
+        from swarm.node.compute.runtime import Compute  # (runtime.py imports this module)
+
         self.spec = parse_draft(spec) if isinstance(spec, str) else spec
         self.model: DraftModel | None = None
         self.limiter = trio.CapacityLimiter(1)  # draft forwards, one at a time, in a worker thread
-        self.threads = threads  # False: inline on the trio thread (in-memory tests on a mock clock)
+        self.compute = compute or Compute()  # where the draft model loads (runtime.py)
         self.draft_ms: float | None = None  # measured when loaded, then an EMA of real proposals
         self.alpha: dict[str, float] = {}  # measured acceptance per drafter (ngram, model)
         self.load_error: str | None = None
@@ -208,7 +213,7 @@ class DraftHolder:
             return model, model.measure_ms()
 
         try:
-            model, self.draft_ms = await trio.to_thread.run_sync(load, limiter=self.limiter) if self.threads else load()
+            model, self.draft_ms = await self.compute.run(load, limiter=self.limiter)
         except (SwarmError, OSError, RuntimeError) as exc:
             self.load_error = str(exc)
             notice(f"draft model {self.spec} not loaded ({exc}); coordinating without it")
@@ -329,7 +334,7 @@ def draft_bytes(draft: str, args: ModelArgs, dtype: torch.dtype, context_tokens:
 T = TypeVar("T")
 
 
-async def drafting_ahead(dec: SpeculativeDecoder, limiter: trio.CapacityLimiter | None,
+async def drafting_ahead(dec: SpeculativeDecoder, compute: Compute, limiter: trio.CapacityLimiter,
                          wait: Callable[[], Awaitable[T]]) -> T:
     """``await wait()`` (the next result), while the draft model drafts the next chunk in a worker
     thread, assuming the chunks in flight are accepted (module doc). When the result comes the
@@ -337,8 +342,8 @@ async def drafting_ahead(dec: SpeculativeDecoder, limiter: trio.CapacityLimiter 
     if the target agreed, and forgotten if not. Either way the drafts are the ones computed after
     the result would have been (drafters.py: history-independent numerics)."""
     d = dec.drafter
-    if limiter is None or not isinstance(d, ModelDrafter) or dec.done or not dec.inflight or not dec.drafter_prepared:
-        return await wait()  # (no limiter: drafting runs inline, so nothing runs while we wait)
+    if not compute.threads or not isinstance(d, ModelDrafter) or dec.done or not dec.inflight or not dec.drafter_prepared:
+        return await wait()  # (inline compute: nothing runs while we wait)
     context, k = list(dec.speculated), dec.policy.choose()[0] + 1  # + 1: the bonus token, if all pass
     stop = threading.Event()
 
@@ -353,7 +358,7 @@ async def drafting_ahead(dec: SpeculativeDecoder, limiter: trio.CapacityLimiter 
     async with trio.open_nursery() as nursery:
         # abandoned when the result comes: the result is handled at once while the thread ends its
         # forward (the drafter's lock keeps the next proposal behind it; it frees the limiter then)
-        run = functools.partial(trio.to_thread.run_sync, ahead, limiter=limiter, abandon_on_cancel=True)  # type: ignore[call-arg]
+        run = functools.partial(compute.run, ahead, limiter=limiter, abandon_on_cancel=True)
         nursery.start_soon(run)
         try:
             out = await wait()
@@ -368,19 +373,19 @@ async def drafting_ahead(dec: SpeculativeDecoder, limiter: trio.CapacityLimiter 
 
 
 async def issue(dec: SpeculativeDecoder, chunks: Iterator[VerifyChunk], send: Callable[[VerifyChunk], Awaitable[None]],
-                limiter: trio.CapacityLimiter | None) -> None:
+                compute: Compute, limiter: trio.CapacityLimiter) -> None:
     """Send ``chunks`` (the decoder's ``poll_iter``, as the decode driver hands it out), each as
     soon as it exists; a drafter's work runs in a worker thread behind ``limiter`` (unless it says
-    it is ``cheap``, as prompt lookup is, or ``limiter`` is None: in-memory tests on a mock clock).
+    it is ``cheap``, as prompt lookup is, or ``compute`` runs inline: in-memory tests on a mock clock).
     After the prompt's prefill chunks, a draft model runs the prompt into its cache (while the ring
     prefills)."""
-    offload = limiter is not None and dec.drafter is not None and not getattr(dec.drafter, "cheap", False)
+    offload = compute.threads and dec.drafter is not None and not getattr(dec.drafter, "cheap", False)
     prefill = False
     while True:
-        chunk = await trio.to_thread.run_sync(next, chunks, None, limiter=limiter) if offload else next(chunks, None)
+        chunk = await compute.run(next, chunks, None, limiter=limiter) if offload else next(chunks, None)
         if chunk is None:
             break
         prefill |= chunk.prefill
         await send(chunk)
     if prefill and offload:
-        await trio.to_thread.run_sync(dec.prepare_drafter, limiter=limiter)
+        await compute.run(dec.prepare_drafter, limiter=limiter)

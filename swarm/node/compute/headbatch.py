@@ -39,6 +39,7 @@ import trio
 
 from swarm.model.batched import SMALL_TOKENS, InlinePolicy
 from swarm.model.stage import Head
+from swarm.node.compute.runtime import Compute
 
 MAX_HEAD_BATCH = 32  # sessions' rows in one LM head call
 HEAD_GATHER_PASSES = 4  # scheduler passes an idle head waits for more sessions' rows (while they come)
@@ -61,17 +62,15 @@ class SharedHead:
     def __init__(
         self,
         head: Head,
+        compute: Compute,
         *,
-        limiter: trio.CapacityLimiter,
         live: Callable[[], Collection[int]],
         compute_delay_s: float = 0.0,
-        inline: bool = False,
     ) -> None:
         self.head = head
-        self.limiter = limiter
+        self.compute = compute  # where a call that is not predicted quick runs (runtime.py)
         self.live = live  # the sessions still generating
         self.compute_delay_s = compute_delay_s  # fault injection for load tests (see stage_worker)
-        self.inline = inline  # every head call on the trio thread (in-memory tests on a mock clock)
         self.placing = InlinePolicy()  # where a call runs: the trio thread or a worker (model/batched.py)
         self._typical_s = math.inf  # ... and its running mean: the gathering window
         self._queue: list[_HeadRequest] = []
@@ -148,7 +147,7 @@ class SharedHead:
     async def _gather(self) -> None:
         """Wait (bounded) for the sessions whose results are due about now (module doc)."""
         window = min(self._typical_s, HEAD_GATHER_MAX_S)
-        if self.inline or window == math.inf:
+        if not self.compute.threads or window == math.inf:  # inline compute: in-memory tests, mock clock
             return
         with trio.move_on_after(window):
             while True:
@@ -173,11 +172,11 @@ class SharedHead:
         """LM head on the trio thread when it is predicted quick (or one session's small rows
         alone, ``lone``, typically quick: model/batched.py), else in a worker thread."""
         small = rows.shape[0] <= SMALL_TOKENS
-        if self.inline or (small and self.placing.inline(small=small, lone=lone)):
+        if not self.compute.threads or (small and self.placing.inline(small=small, lone=lone)):
             out, took = self._compute(rows)
             await trio.lowlevel.checkpoint()
         else:
-            out, took = await trio.to_thread.run_sync(self._compute, rows, limiter=self.limiter)
+            out, took = await self.compute.run(self._compute, rows)
         self.placing.note(took, small=small)
         if small:
             t = self._typical_s

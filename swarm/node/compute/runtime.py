@@ -1,16 +1,21 @@
 """What a node holds of the model: its checkpoint, the blocks and head it loaded, and where
 torch work runs.
 
-:class:`Compute` is the one place torch work is handed off: a worker thread behind one limiter
-per process (so the trio loop that answers heartbeats never waits on a forward), or inline on
-the trio thread for in-memory tests under a mock clock (a thread hand-off there would let the
-clock jump while the work runs). :class:`Models` loads a stage's block (kept across epochs while
+:class:`Compute` is the one place torch work (and a long prompt's tokenizing) is handed off: a
+worker thread behind one limiter per process (so the trio loop that answers heartbeats never
+waits on a forward), or inline on the trio thread for in-memory tests under a mock clock (a
+thread hand-off there would let the clock jump while the work runs). A caller may still run work
+it predicts quick on the trio thread (its placement rule: model/batched.py ``InlinePolicy``);
+what leaves the loop leaves through :meth:`Compute.run` or :attr:`Compute.to_thread`. Only the
+fetch path's disk reads and writes (members.py, rangepipe.py) take worker threads of their own:
+they are file I/O, not torch, and must not queue behind a forward. :class:`Models` loads a stage's block (kept across epochs while
 the block is unchanged), the coordinator's head and the tokenizer, each once, off the loop.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -42,12 +47,23 @@ class Compute:
     def __init__(self, *, threads: bool = True) -> None:
         self.limiter = trio.CapacityLimiter(1)
         self.threads = threads
+        # the hand-off itself, for a caller that has decided on a thread: one call into trio with
+        # no frame of ours between (a stage's forward takes it, on the hidden state's path, whose
+        # files benchmarks/count_hops.py counts)
+        self.to_thread = functools.partial(trio.to_thread.run_sync, limiter=self.limiter)
 
-    async def run(self, fn: Callable[..., T], *args: Any, limited: bool = True) -> T:
-        """``fn(*args)`` off the trio loop (``limited``: behind the process's compute limiter)."""
+    async def run(
+        self, fn: Callable[..., T], *args: Any, limited: bool = True, limiter: trio.CapacityLimiter | None = None,
+        abandon_on_cancel: bool = False,
+    ) -> T:  # fmt: skip
+        """``fn(*args)`` off the trio loop, in a worker thread behind the process's compute limiter
+        (``limiter``: another, such as the draft model's; ``limited=False``: none), or inline when
+        this Compute runs inline. ``abandon_on_cancel``: a cancelled call returns at once while
+        the thread finishes (trio.to_thread.run_sync)."""
         if not self.threads:
             return fn(*args)
-        return await trio.to_thread.run_sync(fn, *args, limiter=self.limiter if limited else None)
+        use = (limiter or self.limiter) if limited else None
+        return await trio.to_thread.run_sync(fn, *args, limiter=use, abandon_on_cancel=abandon_on_cancel)  # type: ignore[call-arg]
 
 
 def measure_ms_per_layer(
@@ -101,7 +117,7 @@ class Models:
         self.ms_per_layer = 0.0
         self._stages: dict[tuple[int, int], Stage] = {}
         self._head: Head | None = None
-        self.drafts = DraftHolder(settings.draft, threads=compute.threads)  # its draft model (drafting.py)
+        self.drafts = DraftHolder(settings.draft, compute)  # its draft model (drafting.py)
         self.fetch = BlockFetcher(settings, compute, notices) if settings.fetch_dir is not None else None
 
     @property
@@ -109,11 +125,12 @@ class Models:
         """The context this node serves: the swarm's (settings), at most the model's own."""
         return min(self.settings.context_tokens, self.args.max_seq_len)
 
-    async def measure(self) -> float:
+    async def measure(self, known: float | None = None) -> float:
+        """This node's time per layer: measured, or ``known`` (a test's figure, no measuring)."""
         s = self.settings
-        self.ms_per_layer = await self.compute.run(
+        self.ms_per_layer = known if known is not None else await self.compute.run(
             lambda: measure_ms_per_layer(self.args, self.dtype, s.device, quant=s.quant)
-        )
+        )  # fmt: skip
         return self.ms_per_layer
 
     async def stage(self, a: int, b: int) -> Stage:

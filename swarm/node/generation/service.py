@@ -220,7 +220,7 @@ class GenService:
             text = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
         special = not chat  # plain text gets the BOS its tokenizer asks for; a chat template writes its own
         if len(text) > 2048:  # ~1 ms per KB: a long prompt is tokenized off the trio loop
-            prompt = await trio.to_thread.run_sync(lambda: tok.encode(text, add_special_tokens=special))
+            prompt = await self.models.compute.run(lambda: tok.encode(text, add_special_tokens=special), limited=False)
         else:
             prompt = tok.encode(text, add_special_tokens=special)
         return prompt + list(req.ids)

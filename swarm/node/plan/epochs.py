@@ -287,8 +287,7 @@ class Epochs:
             head = await self.models.head()
             ep.coordinator = Coordinator(
                 head, epoch=plan.epoch, first_hop=plan.ring[0], chunk_timeout=s.chunk_timeout,
-                limiter=self.models.compute.limiter, compute_delay_s=s.compute_delay_s,
-                inline=not self.models.compute.threads, max_len=self.models.context_tokens,
+                compute=self.models.compute, compute_delay_s=s.compute_delay_s, max_len=self.models.context_tokens,
             )  # fmt: skip
             # how many generations the ring's KV memory holds (capacity.py)
             self.admission.set_capacity(ring_capacity(self.models.spec, plan, self.memory(), self.drafts(),

@@ -140,13 +140,11 @@ class Wiring:
         nursery = self.nursery
         ep.worker = StageWorker(
             ep.stage, epoch=epoch, upstream=upstream, is_tail=idx == len(ep.plan.ring) - 1,
-            max_len=self.models.context_tokens, limiter=self.models.compute.limiter,
+            max_len=self.models.context_tokens, compute=self.models.compute,
             on_bad_input=lambda peer, why: nursery.start_soon(self.report_fault, peer, why, epoch),
             compute_delay_s=s.compute_delay_s, max_sessions=self._stage_capacity(ep),
-            inline=not self.models.compute.threads,
+            corrupt_after=0 if self.corrupt else None,
         )  # fmt: skip
-        if self.corrupt:
-            ep.worker.corrupt_after = 0
         nursery.start_soon(self._run_worker, ep, idx)
         if ep.coordinator is None:
             self.notices.life("serving", epoch=epoch, role="stage")

@@ -66,6 +66,7 @@ from swarm.model.stage import Head
 from swarm.net.channel import FastLock
 from swarm.node.compute import drafting, memory
 from swarm.node.compute.headbatch import SharedHead
+from swarm.node.compute.runtime import Compute
 from swarm.node.ring.codec import REPLAY_ID_BASE, hidden_chunk, read_hidden
 from swarm.node.ring.gathering import session_of
 from swarm.node.ring.links import Link
@@ -119,9 +120,8 @@ class Coordinator:
         epoch: int,
         first_hop: str,
         chunk_timeout: float = DEFAULT_CHUNK_TIMEOUT_S,
-        limiter: trio.CapacityLimiter | None = None,
+        compute: Compute,
         compute_delay_s: float = 0.0,
-        inline: bool = False,
         max_len: int | None = None,
     ) -> None:
         self.head = head
@@ -130,7 +130,6 @@ class Coordinator:
         self.epoch = epoch
         self.first_hop = first_hop
         self.chunk_timeout = chunk_timeout
-        self.limiter = limiter or trio.CapacityLimiter(1)
         self.dtype = next(head.parameters()).dtype
         self._sessions: dict[int, trio.MemorySendChannel[Message | SwarmError]] = {}
         # taken without a scheduler pass when free: a chunk the driver issues goes on the wire
@@ -141,9 +140,9 @@ class Coordinator:
         self._tail_peer = "?"
         self._broken: SwarmError | None = None
         self._last_result = -math.inf  # trio time the tail last delivered anything
-        self.inline = inline  # head calls and drafting on the trio thread (in-memory tests on a mock clock)
+        self.compute = compute  # where head calls and drafting run (runtime.py)
         self.shared_head = SharedHead(
-            head, limiter=self.limiter, live=self._sessions.keys, compute_delay_s=compute_delay_s, inline=inline
+            head, self.compute, live=self._sessions.keys, compute_delay_s=compute_delay_s
         )  # the LM head, batched across sessions (headbatch.py)
 
     # -- the result reader -----------------------------------------------------------------
@@ -257,7 +256,7 @@ class Coordinator:
         sent); a replayed chunk's result only rebuilt the caches and is passed over."""
         while True:
             chunk_id, h = await drafting.drafting_ahead(  # the draft model works while we wait
-                run.decoder, self._draft_limiter(run), lambda: self._next_result(chan, session)
+                run.decoder, self.compute, self._draft_limiter(run), lambda: self._next_result(chan, session)
             )
             entry = sent.pop(chunk_id, None)
             if entry is None:
@@ -277,9 +276,9 @@ class Coordinator:
         run.shared_head_calls += shared
         return logits
 
-    def _draft_limiter(self, run: RingRun) -> trio.CapacityLimiter | None:
-        """Where a drafter's work runs: a worker thread behind this limiter; None: inline."""
-        return None if self.inline else (run.draft_limiter or self.limiter)
+    def _draft_limiter(self, run: RingRun) -> trio.CapacityLimiter:
+        """The limiter a drafter's work waits on in its worker thread: the draft model's, else ours."""
+        return run.draft_limiter or self.compute.limiter
 
     async def _issue(self, run: RingRun, step: Send, session: int, sent: dict[int, tuple[VerifyChunk | None, float]]) -> None:
         """Send the driver's chunks, each as soon as it exists (a model drafter drafts off this
@@ -293,7 +292,7 @@ class Coordinator:
         if run.before_decode is not None and dec.stats.chunks and not dec.stats.decode_chunks:
             hook, run.before_decode = run.before_decode, None  # once: the prefill is out, no decode chunk yet
             hook(len(self._sessions) - 1)
-        await drafting.issue(dec, step.chunks, send, self._draft_limiter(run))
+        await drafting.issue(dec, step.chunks, send, self.compute, self._draft_limiter(run))
 
     async def _replay(self, chunks: list[VerifyChunk], session: int, sent: dict[int, tuple[VerifyChunk | None, float]]) -> None:
         assert self._first is not None

@@ -77,6 +77,7 @@ from swarm.errors import BadMessage, PeerLost, PeerTimeout, ProtocolError, Swarm
 from swarm.model.batched import SMALL_TOKENS, InlinePolicy, forward_many
 from swarm.model.stage import Stage
 from swarm.node.compute import memory
+from swarm.node.compute.runtime import Compute
 from swarm.node.errors_util import unwrap
 from swarm.node.ring.codec import (
     Encoded,
@@ -123,11 +124,11 @@ class StageWorker:
         is_tail: bool,
         max_sessions: int = 64,
         max_len: int | None = None,
-        limiter: trio.CapacityLimiter | None = None,
+        compute: Compute,
         on_bad_input: Callable[[str, str], None] | None = None,
         compute_delay_s: float = 0.0,
         max_batch: int = MAX_BATCH,
-        inline: bool = False,
+        corrupt_after: int | None = None,
     ) -> None:
         self.stage = stage
         self.epoch = epoch
@@ -135,7 +136,7 @@ class StageWorker:
         self.is_tail = is_tail
         self.max_sessions = max_sessions
         self.max_len = max_len or stage.args.max_seq_len
-        self.limiter = limiter or trio.CapacityLimiter(1)
+        self.compute = compute  # where a forward not predicted quick runs (runtime.py)
         # bad activations are reported to the leader by us, the receiving end of the hop: an
         # in-band ERROR naming a peer is only a claim that any stage on the way could forge
         self.on_bad_input = on_bad_input
@@ -144,12 +145,11 @@ class StageWorker:
         self.stats = StageStats()
         self.max_batch = max(1, max_batch)
         self.placing = InlinePolicy()  # where a forward runs: the trio thread or a worker (model/batched.py)
-        self.corrupt_after: int | None = None  # fault injection for chaos tests: NaN after N chunks
+        self.corrupt_after = corrupt_after  # fault injection for chaos tests: NaN after N chunks
         self.swallow = False  # fault injection: drop every frame read (a hop that silently stopped)
         # fault injection for load tests: every forward blocks this much longer (a blocking sleep
         # inside the compute, as a busy box's compute does), wherever the forward runs
         self.compute_delay_s = compute_delay_s
-        self.inline = inline  # every forward on the trio thread (in-memory tests on a mock clock)
         self._pending: deque[Inbound] = deque()  # read, not yet handled (sessions busy in a batch)
         self.gathering = Gatherer(stage, self.stats, self.max_batch)  # waits for sessions due (gathering.py)
         self._replayed: dict[int, int] = {}  # session -> replay chunks computed (module doc: replay)
@@ -386,10 +386,10 @@ class StageWorker:
             self.trace.append([(m.session, m.pos, m.tokens) for m, _ in batch])
         calls = max(len(g) for g in groups)  # a replay group costs a forward per chunk
         small = calls == 1 and sum(m.tokens for m, _ in batch) <= SMALL_TOKENS
-        if self.inline or self.placing.inline(calls=calls, small=small, lone=len(batch) == 1):
+        if not self.compute.threads or self.placing.inline(calls=calls, small=small, lone=len(batch) == 1):
             outs, took = self._forward(groups)
         else:
-            outs, took = await trio.to_thread.run_sync(self._forward, groups, limiter=self.limiter)
+            outs, took = await self.compute.to_thread(self._forward, groups)
         self.placing.note(took, calls=calls, small=small)
         if calls > 1:
             self.stats.replay_groups += sum(len(g) > 1 for g in groups)
