@@ -48,6 +48,7 @@ from swarm.model.kpolicy import KPolicy
 from swarm.model.sampling import SamplingParams
 from swarm.model.speculative import (
     DEFAULT_PREFILL_CHUNK,
+    DEFAULT_PREFILL_WINDOW,
     Committed,
     DraftSource,
     SpeculativeDecoder,
@@ -64,6 +65,7 @@ class DecodeSettings(TypedDict, total=False):
     policy: KPolicy | None
     eos_token_ids: Sequence[int] | None  # the model's unless given
     prefill_chunk: int | None  # DEFAULT_PREFILL_CHUNK unless given
+    prefill_window: int | None  # prompt pieces in flight at most; DEFAULT_PREFILL_WINDOW unless given
     on_tokens: Callable[[Sequence[int]], None] | None  # newly committed tokens, as decided (streaming)
     on_progress: Callable[[int, int], None] | None  # a prompt's prefill: (tokens prefilled, prompt length)
 
@@ -163,12 +165,12 @@ def decoder_for(
     bad = [t for t in prompt if not 0 <= t < args.vocab_size]
     if bad:
         raise UsageError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {args.vocab_size})")
-    eos, chunk = settings.get("eos_token_ids"), settings.get("prefill_chunk")
+    eos, chunk, window = settings.get("eos_token_ids"), settings.get("prefill_chunk"), settings.get("prefill_window")
     return SpeculativeDecoder(
         prompt, params=settings.get("params") or SamplingParams(), max_new_tokens=settings.get("max_new_tokens", 64),
         eos_token_ids=args.eos_token_ids if eos is None else tuple(eos), drafter=settings.get("drafter"),
         policy=settings.get("policy"), prefill_chunk=DEFAULT_PREFILL_CHUNK if chunk is None else chunk,
-        max_len=max_len or args.max_seq_len,
+        prefill_window=DEFAULT_PREFILL_WINDOW if window is None else window, max_len=max_len or args.max_seq_len,
     )  # fmt: skip
 
 

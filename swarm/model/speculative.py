@@ -32,7 +32,10 @@ reproducible anywhere. Stale results (for discarded chunks) are ignored by ``fee
 
 Chunk schedule (deterministic, documented because bf16 numerics depend on chunk shapes):
 prefill runs the prompt in pieces of ``prefill_chunk`` tokens from position 0 (the last piece
-shorter); then each decode chunk is ``[pending?] + K drafts`` with K from ``KPolicy``. A chunk
+shorter), at most ``prefill_window`` of them in flight: the first poll issues that many, and each
+poll after a piece's result issues the next one (a ring pipelines the pieces across its stages, and
+no stage ever holds more than a window of one prompt; no decode chunk is issued before the last
+piece); then each decode chunk is ``[pending?] + K drafts`` with K from ``KPolicy``. A chunk
 whose draft came back empty carries only the pending token (plain decoding); when nothing is
 pending and the drafter proposes nothing, no further chunk is issued until results arrive.
 
@@ -74,6 +77,19 @@ from swarm.model.sampling import (
 )
 
 DEFAULT_PREFILL_CHUNK = 64
+# prompt pieces in flight at once (module doc: chunk schedule). A ring's stages are all busy with one
+# prompt while the window covers them and the pieces on their way back; 8 keeps a ring of up to 6
+# stages fed (benchmarks/bench_long_prompt.py --window). What a stage may hold of one session's
+# hidden states in flight, DEFAULT_PREFILL_WINDOW x DEFAULT_PREFILL_CHUNK tokens, is in its memory
+# budget (planner/budget.py, ModelSpec.inflight_bytes).
+DEFAULT_PREFILL_WINDOW = 8
+
+
+def inflight_bytes(dim: int, dtype_bytes: int, context_tokens: int) -> int:
+    """What one session's hidden states on their way round a ring may hold at one stage (its
+    queue, its forward's input, its send): a window of prompt pieces of ``dim`` values each, or
+    the whole context where that is shorter (a decode step's few chunks are less)."""
+    return min(DEFAULT_PREFILL_WINDOW * DEFAULT_PREFILL_CHUNK, context_tokens) * dim * dtype_bytes
 
 
 def host(t: torch.Tensor) -> torch.Tensor:
@@ -161,6 +177,7 @@ class SpeculativeDecoder:
         drafter: DraftSource | None = None,
         policy: KPolicy | None = None,
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        prefill_window: int = DEFAULT_PREFILL_WINDOW,
         max_len: int | None = None,
     ) -> None:
         if not prompt_ids:
@@ -169,6 +186,8 @@ class SpeculativeDecoder:
             raise UsageError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if prefill_chunk < 1:
             raise UsageError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        if prefill_window < 1:
+            raise UsageError(f"prefill_window must be >= 1, got {prefill_window}")
         self.params = params
         self.drafter = drafter
         self.policy = policy or KPolicy()
@@ -189,6 +208,7 @@ class SpeculativeDecoder:
         self.stats = DecodeStats()
         self._next_id = 0
         self._prefill_chunk = prefill_chunk
+        self.prefill_window = prefill_window  # prompt pieces in flight at most (module doc)
         self._prepared = False  # the drafter's prepare(prompt) was called
 
     # -- state ---------------------------------------------------------------------------
@@ -205,6 +225,11 @@ class SpeculativeDecoder:
     def speculated(self) -> list[int]:
         return self.committed + self.drafts
 
+    @property
+    def window_tokens(self) -> int:
+        """The most prompt tokens in flight at once (a replay after a re-plan keeps to it too)."""
+        return self.prefill_window * self._prefill_chunk
+
     # -- issuing -------------------------------------------------------------------------
 
     def _issue(self, base: int, tokens: list[int], logits_from: int, prefill: bool) -> VerifyChunk:
@@ -216,7 +241,7 @@ class SpeculativeDecoder:
         return chunk
 
     def poll(self) -> list[VerifyChunk]:
-        """Chunks to send now (possibly none). Prefill chunks are all issued at once."""
+        """Chunks to send now (possibly none): prompt pieces up to the window, else decode chunks."""
         return list(self.poll_iter())
 
     def poll_iter(self) -> Iterator[VerifyChunk]:
@@ -225,15 +250,15 @@ class SpeculativeDecoder:
         decoder's state, and a half-used iterator left behind yields nothing more."""
         if self.done:
             return
-        # Prefill: every prompt piece, so a ring can pipeline them; only the last row matters.
+        # Prefill: prompt pieces up to the window, so a ring can pipeline them; only the last row matters.
         prefilled = False
-        while self.run_end < self.prompt_len:
+        while self.run_end < self.prompt_len and sum(c.prefill for c in self.inflight) < self.prefill_window:
             end = min(self.run_end + self._prefill_chunk, self.prompt_len)
             toks = self.committed[self.run_end:end]
             last = end == self.prompt_len
             prefilled = True
             yield self._issue(self.run_end, toks, len(toks) - 1 if last else len(toks), True)
-        if prefilled:
+        if prefilled or self.run_end < self.prompt_len:
             return
         k, depth = self.policy.choose()
         while len(self.inflight) < depth and not self.done:
@@ -352,8 +377,9 @@ class SpeculativeDecoder:
             self.run_end = len(self.committed) - 1
             if rejected:
                 events.append(Rollback(self.run_end))
-        elif not self.inflight:
-            # Everything accepted and nothing in flight: the bonus token is pending.
+        elif not self.inflight and self.run_end >= self.prompt_len:
+            # Everything accepted and nothing in flight: the bonus token is pending (a prompt whose
+            # pieces are not all out yet goes on from its next piece: the prefill window).
             self.run_end = len(self.committed) - 1
         return events
 

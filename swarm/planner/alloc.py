@@ -153,7 +153,6 @@ def allocate_exact(ctx: Ctx, nodes: Sequence[int], coord: int) -> tuple[float, l
     """
     spec = ctx.spec
     L, m = spec.n_layers, len(nodes)
-    act = spec.activation_bytes  # a block of any size runs one chunk at a time (budget.predicted_peak)
     # rest[k][l]: (compute, squares, count of node k) placing layers [l, L) on nodes k..m-1
     rest: list[list[tuple[float, int, int] | None]] = [[None] * (L + 1) for _ in range(m + 1)]
     rest[m][L] = (0.0, 0, 0)
@@ -163,6 +162,7 @@ def allocate_exact(ctx: Ctx, nodes: Sequence[int], coord: int) -> tuple[float, l
         if room < 0:
             return None
         kv = ctx.specs[i].kv_bytes_per_layer  # at its own sessions
+        act = ctx.specs[i].transient_bytes  # a block of any size runs one chunk at a time (budget.predicted_peak)
         pre = [0]  # the weights of layers [0, l), at its own width (Peer.own)
         for w in ctx.specs[i].weights:
             pre.append(pre[-1] + w)

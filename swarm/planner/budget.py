@@ -6,8 +6,11 @@ A peer's peak is two parts. The *planned part* is the same arithmetic for every 
 (the leader plans with it, every stage sizes its capacity with it, ``plan`` and ``status`` print
 it): its block's weights, the KV cache of the sessions it reserves at the swarm's context (in the
 swarm's KV format; its advert's own count, ``Peer.sessions``, else ``ModelSpec.sessions``), the
-activations of one prefill chunk (``ModelSpec.activation_bytes``; a head-only coordinator runs no
-stage and needs none), and where
+activations of one prefill chunk (``ModelSpec.activation_bytes``) and, per session, the hidden
+states on their way that may wait in its queue (``ModelSpec.inflight_bytes``: a prompt, or a
+resume's replay, goes round the ring a window of pieces at a time, node/ring/coordinator.py, so
+a stage holds at most a window's of each session; a head-only coordinator runs no stage and
+needs neither), and where
 it coordinates the embedding, final norm, head and its draft model. The *overhead* is this peer's
 own and so is not in the swarm-wide ModelSpec: on a CPU (or MPS) the runtime itself (Python,
 torch and the node's modules, :data:`RUNTIME_BYTES`), where it coordinates the coordinator's own
@@ -79,7 +82,7 @@ def predicted_peak(
     n = 0 if at_load else spec.sessions if sessions is None else sessions
     peak = sum(spec.weights[start:end]) + (end - start) * spec.session_kv_bytes_per_layer * n
     if end > start and not at_load:
-        peak += spec.activation_bytes
+        peak += spec.activation_bytes + n * spec.inflight_bytes  # ModelSpec.transient_bytes at n sessions
     if coordinator:
         peak += spec.coordinator_bytes + draft_bytes
     return peak
@@ -90,7 +93,7 @@ def sessions_that_fit(
 ) -> int | None:
     """How many sessions' KV fit beside the rest of ``predicted_peak`` in ``memory_bytes`` (may be
     0 or negative when even the weights do not fit); None when a session costs nothing here."""
-    per_session = (block[1] - block[0]) * spec.session_kv_bytes_per_layer
+    per_session = (block[1] - block[0]) * spec.session_kv_bytes_per_layer + (spec.inflight_bytes if block[1] > block[0] else 0)
     if per_session <= 0:
         return None
     base = predicted_peak(spec, block, coordinator=coordinator, draft_bytes=draft_bytes, sessions=0)

@@ -24,7 +24,9 @@ class ModelSpec:
     ``coordinator_bytes`` is what the coordinator holds besides any layers: embedding, final norm,
     LM head and the draft model. ``context_tokens`` is the KV-cache length of a session, and every
     stage reserves ``sessions`` of them per layer. ``activation_bytes`` is what one prefill chunk's
-    forward through a layer holds at once (a stage's transient peak; budget.py).
+    forward through a layer holds at once (a stage's transient peak; budget.py), and
+    ``inflight_bytes`` what one session's hidden states on their way can hold at a stage (a prompt
+    sent round the ring a window of pieces at a time: model/speculative.DEFAULT_PREFILL_WINDOW).
     ``layer_bytes_each`` gives each layer's own weights where layers differ (DeepSeek-V3 and
     GLM-4.5 have dense first layers and MoE layers after them); empty means every layer weighs
     ``layer_bytes``, which is always the largest layer's weights.
@@ -46,6 +48,7 @@ class ModelSpec:
     sessions: int = 1
     activation_bytes: int = 0
     compact_bytes_each: tuple[int, ...] = ()
+    inflight_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.n_layers < 1:
@@ -56,6 +59,7 @@ class ModelSpec:
             "coordinator_bytes",
             "context_tokens",
             "activation_bytes",
+            "inflight_bytes",
         ):
             if getattr(self, name) < 0:
                 raise UsageError(f"model: {name} must not be negative, got {getattr(self, name)}")
@@ -109,6 +113,12 @@ class ModelSpec:
     @property
     def smallest_bytes_per_layer(self) -> int:
         return min(self.weights) + self.kv_bytes_per_layer
+
+    @property
+    def transient_bytes(self) -> int:
+        """What a stage holds besides weights and KV: one forward's activations, and the hidden
+        states its ``sessions`` sessions may have on their way (each a prefill window's)."""
+        return self.activation_bytes + self.sessions * self.inflight_bytes
 
     @property
     def weights(self) -> tuple[int, ...]:
@@ -188,7 +198,7 @@ class Peer:
         return spec.coordinator_bytes + self.draft_bytes
 
     def layer_capacity(self, spec: ModelSpec, *, coordinator: bool = False, smallest: bool = False) -> int:
-        """How many layers fit (with the KV cache of its own sessions and one chunk's activations),
+        """How many layers fit (with the KV cache of its own sessions and a stage's transient bytes),
         each counted at the largest layer's bytes (``smallest``: the smallest layer's); -1 if it
         cannot even hold the coordinator part (with its draft model, if it holds one). The same
         sum as budget.predicted_peak."""
@@ -197,7 +207,7 @@ class Peer:
             return -1
         own = self.own(spec)
         per_layer = own.smallest_bytes_per_layer if smallest else own.bytes_per_layer
-        fit = max(0, min(spec.n_layers, (free - spec.activation_bytes) // per_layer))
+        fit = max(0, min(spec.n_layers, (free - own.transient_bytes) // per_layer))
         return min(fit, self.disk_capacity(spec, coordinator=coordinator))
 
     def moved_bytes(self, spec: ModelSpec, start: int, end: int, *, coordinator: bool = False) -> int:

@@ -193,6 +193,38 @@ def test_pipelined_prefill_verifies_first_draft_with_last_prompt_row() -> None:
     assert dec.output_ids == plain(FakeTarget(5, seed=4), PROMPT, 12, SamplingParams())
 
 
+def test_a_prompt_is_issued_a_window_of_pieces_at_a_time() -> None:
+    """The prefill window: at most ``prefill_window`` pieces in flight, the next one as a result
+    comes in, no decode chunk before the last piece is out; the output is the unwindowed one."""
+    target = FakeTarget(5, seed=4)
+    prompt = PROMPT * 3  # 27 tokens: 7 pieces of 4
+    drafter = TableDrafter(5, seed=0, noise_from=target, mix=1.0)
+    dec = SpeculativeDecoder(prompt, params=SamplingParams(), max_new_tokens=12, drafter=drafter,
+                             policy=KPolicy(fixed_k=2, max_depth=3, depth_threshold=0.0), prefill_chunk=4,
+                             prefill_window=3)  # fmt: skip
+    assert dec.window_tokens == 12
+    out = dec.poll()
+    assert [(c.base, len(c.tokens)) for c in out] == [(0, 4), (4, 4), (8, 4)]
+    assert dec.poll() == []  # the window is full
+    issued = list(out)
+    while issued[-1].base + len(issued[-1].tokens) < len(prompt):
+        head = dec.inflight[0]
+        assert dec.feed(head.chunk_id, target.execute(head)) == []
+        (nxt,) = dec.poll()  # one piece for the one whose result came in
+        assert nxt.prefill and nxt.base == issued[-1].base + len(issued[-1].tokens)
+        assert sum(c.prefill for c in dec.inflight) == 3
+        issued.append(nxt)
+    assert issued[-1].logits_from == len(issued[-1].tokens) - 1  # the last piece's last row
+    queue = collections.deque((c, target.execute(c)) for c in dec.inflight)  # run in issue order, as a ring
+    while not dec.done:
+        c, logits = queue.popleft()
+        dec.feed(c.chunk_id, logits)
+        queue.extend((c, target.execute(c)) for c in dec.poll())
+    assert dec.output_ids == plain(FakeTarget(5, seed=4), prompt, 12, SamplingParams())
+    with pytest.raises(UsageError, match="prefill_window"):
+        SpeculativeDecoder(prompt, params=SamplingParams(), max_new_tokens=3, prefill_window=0)
+
+
 def test_eos_stops_and_budget_is_respected() -> None:
     target = FakeTarget(5, seed=1)
     ref = plain(FakeTarget(5, seed=1), PROMPT, 40, SamplingParams())

@@ -155,8 +155,10 @@ def test_a_nodes_sessions_reserve_is_its_specs_and_what_its_plans_reserve(tmp_pa
     assert (few.sessions, many.sessions) == (2, 8)
     whole = (0, 4)
     assert predicted_peak(many, whole, coordinator=True) - predicted_peak(few, whole, coordinator=True) == \
-        6 * 4 * few.session_kv_bytes_per_layer  # fmt: skip
+        6 * (4 * few.session_kv_bytes_per_layer + few.inflight_bytes)  # fmt: skip
     args = Models(settings[0], Compute(threads=False), Notices(Hooks())).args
+    # a session's hidden states on their way: its whole context (64 tokens, under the prefill window), 2-byte unit
+    assert few.inflight_bytes == 64 * args.dim * 2
     assert peak_bytes(args, torch.float32, "cpu", few, whole, coordinator=True) < \
         peak_bytes(args, torch.float32, "cpu", many, whole, coordinator=True)  # fmt: skip
     memory = predicted_peak(few, whole, coordinator=True)  # one peer, the whole model with two sessions

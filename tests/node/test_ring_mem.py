@@ -15,7 +15,7 @@ from swarm.model.driver import output_sha256
 from swarm.model.generate import LocalModel, generate
 from swarm.model.sampling import SamplingParams
 from swarm.model.speculative import KPolicy
-from swarm.node.ring.coordinator import Coordinator
+from swarm.node.ring.coordinator import Coordinator, RingRun
 from swarm.testing.checkpoints import TinySpec, write_checkpoint
 from swarm.testing.ring import run_memory_ring
 
@@ -131,6 +131,25 @@ async def test_nan_activation_is_refused_and_named(ckpt: Path) -> None:
     assert ring.workers[1].stats.errors >= 1
 
 
+async def _cut_after(model: LocalModel, prompt: list[int], tokens: int, seen: list[int], kw: dict) -> RingRun:  # type: ignore[type-arg]
+    """A run on a ring whose second hop is cut once ``tokens`` tokens streamed (into ``seen``): the
+    run, failed, to resume on another ring."""
+    runs: list[RingRun] = []
+
+    async def first(c: Coordinator):  # type: ignore[no-untyped-def]
+        runs.append(c.new_run(prompt, on_tokens=seen.extend, **kw))
+        return await c.drive(runs[0])
+
+    async def kill_when_halfway(ring):  # type: ignore[no-untyped-def]
+        while len(seen) < tokens:
+            await trio.sleep(0.001)
+        ring.links[2].cut("kill")
+
+    (res,), _ = await run_memory_ring(model, [first], during=kill_when_halfway, chunk_timeout=2.0, delay=0.001)
+    assert isinstance(res, PeerError), res
+    return runs[0]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 async def test_resume_after_lost_stage_is_token_identical(ckpt: Path, dtype: torch.dtype) -> None:
     """A stage dies mid-generation; a new ring (same blocks, fresh caches) resumes the run by
@@ -145,24 +164,11 @@ async def test_resume_after_lost_stage_is_token_identical(ckpt: Path, dtype: tor
 
     model = _model(ckpt, blocks, dtype)
     seen: list[int] = []
-    state: dict = {}  # type: ignore[type-arg]
-
-    async def first(c: Coordinator):  # type: ignore[no-untyped-def]
-        state["run"] = c.new_run(PROMPT, on_tokens=seen.extend, **run_kw())
-        return await c.drive(state["run"])
-
-    async def kill_when_halfway(ring):  # type: ignore[no-untyped-def]
-        while len(seen) < 25:
-            await trio.sleep(0.001)
-        ring.links[2].cut("kill")
-
-    (res,), _ = await run_memory_ring(model, [first], during=kill_when_halfway, chunk_timeout=2.0, delay=0.001)
-    assert isinstance(res, PeerError), res
-    before = list(seen)
-    assert 25 <= len(before) < 60
+    run = await _cut_after(model, PROMPT, 25, seen, run_kw())
+    assert 25 <= len(seen) < 60
     # a new epoch: new links and workers over the same blocks (caches start empty)
-    replayed = len(state["run"].fed_log)
-    (res2,), ring = await run_memory_ring(model, [lambda c: c.drive(state["run"])], epoch=2)
+    replayed = len(run.fed_log)
+    (res2,), ring = await run_memory_ring(model, [lambda c: c.drive(run)], epoch=2)
     assert not isinstance(res2, BaseException), res2
     assert res2.output_token_ids == ref.output_token_ids
     assert seen == ref.output_token_ids  # streamed: nothing lost, nothing repeated
@@ -344,3 +350,63 @@ async def test_a_shared_ring_stands_down_a_default_drafter_before_decoding(ckpt:
     for r in shared:  # plain decoding: one token per decode chunk, nothing proposed
         assert r.proposed == 0 and all(t == 1 for _, t in r.chunks[1:])
     assert alone.proposed > 0  # alone, the drafter ran
+
+
+@pytest.mark.parametrize("window", [1, 3, None])
+async def test_a_long_prompt_is_in_flight_a_window_of_pieces_at_a_time(ckpt: Path, window: int | None) -> None:
+    """The prefill window (coordinator.py): a long prompt's pieces on the ring (sent, result not in)
+    never exceed the window, and the first stage, slower than the coordinator, never queues more;
+    the tokens equal one box's without a window. ``None``: a window as long as the prompt, which
+    the first stage must then queue nearly whole (what the window prevents)."""
+    blocks = [(0, 2), (2, 4), (4, 6)]
+    prompt = [(i * 37 + 11) % 256 for i in range(90)]  # 23 pieces of 4
+    kw = dict(max_new_tokens=8, eos_token_ids=(), prefill_chunk=4)
+    ref = generate(_model(ckpt, blocks), prompt, prefill_window=100, **kw)
+    most = 0
+
+    async def watch(ring):  # type: ignore[no-untyped-def]
+        nonlocal most
+        while True:  # sent to the first stage less the tail's results so far: at least what is in flight
+            most = max(most, ring.links[0].frames_sent - ring.links[-1].frames_sent)
+            await trio.sleep(0.0005)
+
+    async def job(c: Coordinator):  # type: ignore[no-untyped-def]
+        return await c.generate(prompt, prefill_window=window or 100, **kw)
+
+    async def during(ring):  # type: ignore[no-untyped-def]
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch, ring)
+            with trio.move_on_after(60):
+                while any(w.stats.chunks < 23 for w in ring.workers):
+                    await trio.sleep(0.001)
+            nursery.cancel_scope.cancel()
+
+    (res,), ring = await run_memory_ring(_model(ckpt, blocks), [job], delay=0.001, compute_delay_s=0.005,
+                                         during=during)  # fmt: skip
+    assert not isinstance(res, BaseException), res
+    assert res.output_token_ids == ref.output_token_ids and res.chunks[:23] == ref.chunks[:23]
+    queued = ring.workers[0].stats.max_queued
+    if window is None:
+        assert most > 15 and queued > 15, (most, queued)
+    else:
+        assert 1 <= most <= window and queued <= window, (most, queued)
+
+
+async def test_a_resumed_run_replays_a_window_of_tokens_at_a_time(ckpt: Path) -> None:
+    """A run resumed on a new ring replays what it fed (10 prompt pieces of 4, then one-token
+    decode chunks) keeping to the decoder's window of tokens in flight (2 pieces: 8 tokens), so
+    the first stage never queues more than 8 messages; the output equals an uninterrupted run's."""
+    blocks = [(0, 2), (2, 4), (4, 6)]
+    prompt = [(i * 37 + 11) % 256 for i in range(40)]
+    kw = dict(max_new_tokens=40, eos_token_ids=(), prefill_chunk=4, prefill_window=2)
+    ref = generate(_model(ckpt, blocks), prompt, **kw)
+    model = _model(ckpt, blocks)
+    run = await _cut_after(model, prompt, 20, [], kw)
+    replayed = len(run.fed_log)
+    (res2,), ring = await run_memory_ring(model, [lambda c: c.drive(run)], epoch=2, delay=0.001,
+                                          compute_delay_s=0.003)  # fmt: skip
+    assert not isinstance(res2, BaseException), res2
+    assert res2.output_token_ids == ref.output_token_ids
+    first_stage = ring.workers[0].stats
+    assert first_stage.replayed == replayed > 25, first_stage
+    assert 1 <= first_stage.max_queued <= 8, first_stage

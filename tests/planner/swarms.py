@@ -24,7 +24,8 @@ def swarms(draw: st.DrawFn, *, per_layer_optional: bool = False, compact: bool =
     spec = ModelSpec(n_layers=n_layers, layer_bytes=max(each) if listed else 1000, layer_bytes_each=listed,
                      compact_bytes_each=fixed, kv_bytes_per_token_per_layer=draw(st.sampled_from([0, 5, 30])),
                      context_tokens=10, coordinator_bytes=draw(st.sampled_from([0, 300])),
-                     sessions=draw(st.integers(1, 8)), activation_bytes=draw(st.sampled_from([0, 50])))  # fmt: skip
+                     sessions=draw(st.integers(1, 8)), activation_bytes=draw(st.sampled_from([0, 50])),
+                     inflight_bytes=draw(st.sampled_from([0, 9])))  # fmt: skip
     peers = [Peer(f"p{i}", draw(st.integers(0, 3 * 1000 * n_layers)), draw(st.sampled_from([0.5, 1.0, 2.0])),
                   draw(st.booleans()) if i else True) for i in range(draw(st.integers(1, 5)))]  # fmt: skip
     rtt: dict[str, dict[str, float]] = {}

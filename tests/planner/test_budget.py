@@ -15,17 +15,19 @@ from swarm.planner.budget import (
     sessions_that_fit,
 )
 
-# 4 layers of 1000 bytes; one session's KV is 2 * 100 = 200 bytes a layer; 3 sessions reserved
+# 4 layers of 1000 bytes; one session's KV is 2 * 100 = 200 bytes a layer; 3 sessions reserved,
+# each with 11 bytes of hidden states on their way at a stage
 SPEC = ModelSpec(n_layers=4, layer_bytes=1000, kv_bytes_per_token_per_layer=2, coordinator_bytes=500,
-                 context_tokens=100, sessions=3, activation_bytes=70)  # fmt: skip
+                 context_tokens=100, sessions=3, activation_bytes=70, inflight_bytes=11)  # fmt: skip
 
 
 def test_the_planned_part_counts_weights_reserved_kv_activations_and_the_coordinator_part() -> None:
     assert SPEC.session_kv_bytes_per_layer == 200 and SPEC.kv_bytes_per_layer == 600
-    assert predicted_peak(SPEC, (0, 2), coordinator=False) == 2 * 1000 + 2 * 600 + 70
-    assert predicted_peak(SPEC, (0, 2), coordinator=True, draft_bytes=9) == 2 * 1000 + 2 * 600 + 70 + 500 + 9
-    assert predicted_peak(SPEC, (0, 2), coordinator=False, sessions=5) == 2 * 1000 + 2 * 5 * 200 + 70
-    # a head-only coordinator runs no stage: no KV, no activations
+    assert SPEC.transient_bytes == 70 + 3 * 11  # a forward's activations, each session's window on its way
+    assert predicted_peak(SPEC, (0, 2), coordinator=False) == 2 * 1000 + 2 * 600 + 70 + 3 * 11
+    assert predicted_peak(SPEC, (0, 2), coordinator=True, draft_bytes=9) == 2 * 1000 + 2 * 600 + 70 + 33 + 500 + 9
+    assert predicted_peak(SPEC, (0, 2), coordinator=False, sessions=5) == 2 * 1000 + 2 * 5 * 200 + 70 + 5 * 11
+    # a head-only coordinator runs no stage: no KV, no activations, nothing on its way
     assert predicted_peak(SPEC, (0, 0), coordinator=True) == 500
     # at load: no session's KV and no prefill chunk yet, the weights and the coordinator part already
     assert predicted_peak(SPEC, (0, 2), coordinator=False, at_load=True) == 2 * 1000
@@ -66,7 +68,7 @@ def test_the_planner_places_a_block_exactly_when_its_predicted_peak_fits() -> No
 
 def test_layers_of_different_sizes_are_budgeted_the_same_way() -> None:
     spec = ModelSpec(n_layers=3, layer_bytes=3000, layer_bytes_each=(100, 100, 3000), kv_bytes_per_token_per_layer=1,
-                     context_tokens=10, sessions=2, activation_bytes=50)  # fmt: skip
+                     context_tokens=10, sessions=2, activation_bytes=50, inflight_bytes=7)  # fmt: skip
     need = [predicted_peak(spec, (0, 2), coordinator=True), predicted_peak(spec, (2, 3), coordinator=False)]
     lat = Latency({"a": {"b": 1.0}})
     p = plan(spec, [Peer("a", need[0], 1.0), Peer("b", need[1], 1.0, coordinator_ok=False)], lat)

@@ -116,6 +116,6 @@ def test_a_2_byte_width_plans_as_before_and_every_block_fits_its_real_bytes(swar
             s, e = p.blocks.get(q.id, (0, 0))
             coord = q.id == p.coordinator
             real = (sum(real_bytes(spec, w, i) for i in range(s, e))
-                    + ((e - s) * spec.kv_bytes_per_layer + (spec.activation_bytes if e > s else 0)
+                    + ((e - s) * spec.kv_bytes_per_layer + (spec.transient_bytes if e > s else 0)
                        + (spec.coordinator_bytes if coord else 0)) * w // 2)  # fmt: skip
             assert real <= q.memory_bytes * w // 2, (q, p)  # what it holds, inside what it offered at its width

@@ -15,6 +15,14 @@ send order (every hop is FIFO), and the driver polls its decoder after every res
 stale, so the chunks issued depend only on the results, never on timing: the ring and one box
 (``swarm.model.generate``) compute the same chunks, hence the same numbers.
 
+A prompt's pieces go out a window at a time (the decoder's ``prefill_window``, speculative.py):
+the next piece when a piece's result is in, so no stage ever queues more than a window of one
+session's hidden states (what the memory budget counts per session: planner/budget.py), and a
+replay after a re-plan keeps to the same window of tokens. The bound is the ring's own results,
+never back-pressure on a send: a stage's reader takes every frame as it comes, so no send waits
+on a full queue and a loaded first stage is waited for as a busy ring (below), never timed out as
+a dead one.
+
 Several chunks may be in flight (the decoder's depth policy). A rejection discards later chunks:
 stages still compute them, and their results are skipped here (no LM head work). An ERROR from
 any stage or a lost link fails the generation with an error naming the peer, and the session is
@@ -42,6 +50,7 @@ import itertools
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Unpack
 
@@ -219,7 +228,7 @@ class Coordinator:
         steps = run.steps()
         try:
             if run.fed_log:
-                await self._replay(run.fed_log, session, sent)
+                await self._replay(run, session, sent, recv_chan)
             answer: int | torch.Tensor | None = None
             hidden, t_sent = torch.empty(0), 0.0  # the latest result's
             while True:
@@ -294,9 +303,20 @@ class Coordinator:
             hook(len(self._sessions) - 1)
         await drafting.issue(dec, step.chunks, send, self.compute, self._draft_limiter(run))
 
-    async def _replay(self, chunks: list[VerifyChunk], session: int, sent: dict[int, tuple[VerifyChunk | None, float]]) -> None:
+    async def _replay(self, run: RingRun, session: int, sent: dict[int, tuple[VerifyChunk | None, float]],
+                      chan: trio.MemoryReceiveChannel[Message | SwarmError]) -> None:  # fmt: skip
+        """Send the run's fed chunks again, at most the decoder's window of tokens in flight (as its
+        prompt's pieces: module doc, prefill window); the results that come back meanwhile only
+        rebuilt the caches (the last window's are passed over by ``_answer``)."""
         assert self._first is not None
-        for i, chunk in enumerate(chunks):
+        out: deque[int] = deque()  # tokens of each replay chunk sent whose result is not in
+        for i, chunk in enumerate(run.fed_log):
+            while out and sum(out) + len(chunk.tokens) > run.decoder.window_tokens:
+                chunk_id, _ = await self._next_result(chan, session)
+                if sent.pop(chunk_id, None) is None:
+                    raise ProtocolError(f"tail {self._tail_peer}: result for unknown chunk {chunk_id}")
+                out.popleft()
+            out.append(len(chunk.tokens))
             ids = torch.tensor(chunk.tokens, dtype=torch.long)
             h = self.head.embed(ids)
             cid = REPLAY_ID_BASE + i

@@ -8,7 +8,9 @@ coordinator). Two tasks share it:
 
 - the *reader* drains the inbound link into an unbounded queue as fast as frames come, so the
   upstream peer never waits on our compute (its sends do not stall, a libp2p stream is never
-  left unread) and the trio loop stays free for heartbeats and control messages;
+  left unread) and the trio loop stays free for heartbeats and control messages; what it holds
+  is bounded upstream instead: a session has at most its prefill window of pieces (or a decode
+  step's few chunks) in flight on the whole ring (coordinator.py), which the budget counts;
 - the *compute loop* takes a *batch* from the queue and runs it as one forward.
 
 Batches (continuous batching). Frames of one session must be handled in arrival order (every
@@ -112,6 +114,7 @@ class StageStats(GatherStats):
     sizes: list[int] = field(default_factory=list)  # sizes[k]: forwards of k + 1 sessions
     replayed: int = 0  # replay chunks computed (module doc: replay)
     replay_groups: int = 0  # ... in this many calls
+    max_queued: int = 0  # the most messages read and not yet handled at once (module doc: the reader)
 
 
 class StageWorker:
@@ -192,6 +195,8 @@ class StageWorker:
                         if isinstance(item, Chunk):
                             self.gathering.note_arrival(item.session)
                         send.send_nowait(item)  # unbounded: what is in flight is bounded upstream
+                        queued = send.statistics().current_buffer_used + len(self._pending)
+                        self.stats.max_queued = max(self.stats.max_queued, queued)
                     await trio.lowlevel.checkpoint()  # the fast path's hot receive never yields
             except PeerLost:
                 log.info("%r: upstream %s closed", self, self.upstream)
