@@ -41,6 +41,14 @@ def test_a_member_serves_only_what_it_holds_verified(model: tuple[Path, ModelMan
     assert bufs[0] + bufs[1] == (d / t0.file).read_bytes()[t0.start : t0.start + 8]
     with pytest.raises(FetchError, match="shrank"):  # past the file's end: short, never padded
         held.read_into(t0.file, m.files[t0.file].size - 2, [memoryview(bytearray(4))])
+    # from the page cache only (an event loop's read): the same bytes, or False, never a short read
+    cached = [bytearray(8)]
+    if held.read_into(t0.file, t0.start, [memoryview(b) for b in cached], cached_only=True):
+        assert cached[0] == bufs[0] + bufs[1]
+    assert not held.read_into(t0.file, m.files[t0.file].size - 2, [memoryview(bytearray(4))], cached_only=True)
+    ahead = bytearray(8)  # a worker thread's read, the rest of the range read ahead by the kernel
+    held.read_ahead(t0.file, t0.start, [memoryview(ahead)], t0.end)
+    assert ahead == bufs[0] + bufs[1]
     cases = [
         ((t0.file, t0.start, t0.nbytes + 1), "not-held"),  # one byte past what is held
         ((t0.file, t0.start - 1, 2), "not-held") if t0.start > m.files[t0.file].header_end else None,
