@@ -4,13 +4,17 @@ Serving (:func:`serve_tensors`): members only (the host's default roles: a clien
 unadmitted peer has its stream reset before a byte is read). Each request is checked against
 what this node holds verified right now (``swarm.fetch.peers.Holdings``): a range outside it, over
 ``Limits.max_range_bytes``, or of a file the model does not have is answered with a typed
-RANGE_REFUSED; a request past SERVE_SLOTS reads at once is refused "busy". Reads run in a worker
-thread, the next frame's while one is sent; every receive and send has a deadline.
+RANGE_REFUSED; a request past SERVE_SLOTS disk reads at once is refused "busy". A frame's bytes
+are read right before it is sealed and sent: from the page cache on the event loop (RWF_NOWAIT:
+never a wait on the disk), else from the disk in a worker thread (READ_FRAMES at once, the kernel
+reading the rest of the range ahead meanwhile); every receive and send has a deadline.
 
 Fetching (:func:`fetch_from_members`): first the files (weight headers, small files), then the
 tensors, each phase an ``Assignment`` worked by one task per member that holds something
-needed, all at once, each over its own stream, several requests in flight per stream and the
-bytes received landing in a worker thread while the next ones arrive (rangepipe.py). Bytes land
+needed, all at once, each over its own stream (a member's fast link serves both phases: one
+dial a fetch, dialled again if the member closed it between them), several requests in flight
+per stream and the bytes received landing in a worker thread while the next ones arrive
+(rangepipe.py). Bytes land
 through ``PieceSink`` (sha256 per tensor). A member whose bytes fail their hash is a liar: named
 in a warning and to ``on_liar`` (the caller reports it), given no more pieces, and its pieces go
 to the others; a member that times out or breaks the protocol stops being asked; one that
