@@ -98,10 +98,13 @@ class Holdings:
         on the disk, so an event loop may call it); False (the views partly written or not at
         all) if they are not."""
         length = sum(len(v) for v in views)
+        flags = _NOWAIT if cached_only else 0
+        if flags is None:  # not Linux: the caller reads in a worker thread
+            return False
         try:
             fd = os.open(self.base / path, os.O_RDONLY)
             try:
-                got = os.preadv(fd, views, offset, os.RWF_NOWAIT) if cached_only else os.preadv(fd, views, offset)
+                got = os.preadv(fd, views, offset, flags)
             finally:
                 os.close(fd)
         except BlockingIOError:
@@ -119,13 +122,16 @@ class Holdings:
         rest of the range up to ``end`` into the page cache in the background."""
         self.read_into(path, offset, views)
         after = offset + sum(len(v) for v in views)
-        if after < end:
+        if after < end and hasattr(os, "posix_fadvise"):
             with contextlib.suppress(OSError):  # a hint only
                 fd = os.open(self.base / path, os.O_RDONLY)
                 try:
                     os.posix_fadvise(fd, after, end - after, os.POSIX_FADV_WILLNEED)
                 finally:
                     os.close(fd)
+
+
+_NOWAIT: int | None = getattr(os, "RWF_NOWAIT", None)  # preadv's "page cache only" (Linux)
 
 
 def _merge(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:

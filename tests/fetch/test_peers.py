@@ -31,6 +31,22 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, ModelManifest
     return d, manifest_of_path(d)
 
 
+def test_without_rwf_nowait_every_read_goes_to_a_worker_thread(model: tuple[Path, ModelManifest],
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """Where preadv has no "page cache only" flag (not Linux), a cached-only read says no and
+    touches nothing, so the member reads in a worker thread; the plain read is unchanged."""
+    from swarm.fetch import peers
+
+    d, m = model
+    t0 = m.block(1, 2)[0]
+    held = Holdings(m, d, [t0.name], [t0.file])
+    monkeypatch.setattr(peers, "_NOWAIT", None)
+    buf = bytearray(8)
+    assert not held.read_into(t0.file, t0.start, [memoryview(buf)], cached_only=True) and buf == bytearray(8)
+    assert held.read_into(t0.file, t0.start, [memoryview(buf)])
+    assert buf == (d / t0.file).read_bytes()[t0.start : t0.start + 8]
+
+
 def test_a_member_serves_only_what_it_holds_verified(model: tuple[Path, ModelManifest]) -> None:
     d, m = model
     t0, t1 = (t for t in sorted(m.block(1, 2), key=lambda t: (t.file, t.start))[:2])
