@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(os.environ.get("BENCH_TREE") or Path(__file__).resolve().parents[1])  # --ab's worker: the base tree
 sys.path.insert(0, str(ROOT))
 
 import trio  # noqa: E402
@@ -72,7 +72,7 @@ def block_ranges(m: ModelManifest, lo: int, hi: int) -> list[tuple[str, int, int
 # ---------------------------------------------------------------------------- the member process
 
 
-async def _serve(work: Path) -> None:
+async def _serve(work: Path, key: int = 1) -> None:
     model = work / "model"
     m = parse_model_manifest((work / "manifest.json").read_bytes())
     ranges = [tuple(r) for r in json.loads((work / "ranges.json").read_text())]
@@ -87,7 +87,7 @@ async def _serve(work: Path) -> None:
                 os.close(fd)
         await stream.aclose()
 
-    async with open_host(b"\x01" * 32, LOOP, secret=SECRET, swarm_id=SWARM) as host, \
+    async with open_host(bytes([key]) * 32, LOOP, secret=SECRET, swarm_id=SWARM) as host, \
             open_fastpath_service(host) as fp, trio.open_nursery() as nursery:  # fmt: skip
         held = Holdings(m, model, m.tensors, m.files)
         served = serve_tensors(host, lambda: held)
@@ -157,27 +157,90 @@ async def _fetch_tcp(port: int, total: int, dest: Path) -> int:
     return got
 
 
+async def _one(path: str, client: Any, fp: Any, proc: subprocess.Popen[str], hello: dict[str, Any], m: ModelManifest,
+               lo: int, hi: int, total: int, dest: Path) -> tuple[float, float, float]:  # fmt: skip
+    """One round of ``path``: (MB/s, fetcher CPU ms per MB, member CPU ms per MB)."""
+    c0, s0, t0 = _cpu_self(), _cpu_of(proc.pid), time.perf_counter()
+    if path == "tcp":
+        n = await _fetch_tcp(hello["tcp"], total, dest)
+    else:
+        n = await _fetch_member(client, fp, hello["peer"], m, lo, hi, dest, path == "fast")
+    dt, c1, s1 = time.perf_counter() - t0, _cpu_self(), _cpu_of(proc.pid)
+    mb = n / 1e6
+    (shutil.rmtree if dest.is_dir() else Path.unlink)(dest)  # type: ignore[operator]
+    return mb / dt, 1e3 * (c1 - c0) / mb, 1e3 * (s1 - s0) / mb
+
+
 async def _rounds(a: argparse.Namespace, work: Path, m: ModelManifest, lo: int, hi: int, total: int,
-                  proc: subprocess.Popen[str], hello: dict[str, Any]) -> dict[str, list[tuple[float, float, float]]]:  # fmt: skip
-    """Per path: (MB/s, fetcher CPU ms per MB, member CPU ms per MB) of each round."""
-    out: dict[str, list[tuple[float, float, float]]] = {"fast": [], "libp2p": [], "tcp": []}
+                  proc: subprocess.Popen[str], hello: dict[str, Any],
+                  base: subprocess.Popen[str] | None = None) -> dict[str, list[tuple[float, float, float]]]:  # fmt: skip
+    """Per path: (MB/s, fetcher CPU ms per MB, member CPU ms per MB) of each round; ``base``: a
+    worker (--ab) that moves one round of the base tree's fast path at each line it is sent."""
+    paths = a.paths.split(",") + (["base"] if base is not None else [])
+    out: dict[str, list[tuple[float, float, float]]] = {k: [] for k in ("fast", "libp2p", "tcp", "base")}
     async with open_host(b"\x02" * 32, LOOP, secret=SECRET, swarm_id=SWARM) as client, \
             open_fastpath_service(client) as fp:  # fmt: skip
         await client.dial(hello["addr"])
         for r in range(a.rounds):
-            for path in a.paths.split(","):
-                dest = work / f"{path}{r}"
-                c0, s0, t0 = _cpu_self(), _cpu_of(proc.pid), time.perf_counter()
-                if path == "tcp":
-                    n = await _fetch_tcp(hello["tcp"], total, dest)
+            for path in paths if r % 2 == 0 or base is None else paths[::-1]:  # --ab: each side first in turn
+                if path == "base":
+                    assert base.stdin is not None and base.stdout is not None
+                    base.stdin.write("round\n")
+                    base.stdin.flush()
+                    got = tuple(json.loads(await trio.to_thread.run_sync(base.stdout.readline)))
                 else:
-                    n = await _fetch_member(client, fp, hello["peer"], m, lo, hi, dest, path == "fast")
-                dt, c1, s1 = time.perf_counter() - t0, _cpu_self(), _cpu_of(proc.pid)
-                mb = n / 1e6
-                out[path].append((mb / dt, 1e3 * (c1 - c0) / mb, 1e3 * (s1 - s0) / mb))
-                (shutil.rmtree if dest.is_dir() else Path.unlink)(dest)  # type: ignore[operator]
+                    got = await _one(path, client, fp, proc, hello, m, lo, hi, total, work / f"{path}{r}")
+                out[path].append(got)  # type: ignore[arg-type]
             print(f"round {r}: " + ", ".join(f"{k} {v[-1][0]:.0f} MB/s" for k, v in out.items() if v), file=sys.stderr)
     return out
+
+
+async def _worker_rounds(work: Path, m: ModelManifest, lo: int, hi: int, total: int, proc: subprocess.Popen[str],
+                         hello: dict[str, Any]) -> None:  # fmt: skip
+    """--ab's worker (this tree's swarm is BENCH_TREE's): a fast round at each line on stdin."""
+    async with open_host(b"\x04" * 32, LOOP, secret=SECRET, swarm_id=SWARM) as client, \
+            open_fastpath_service(client) as fp:  # fmt: skip
+        await client.dial(hello["addr"])
+        print("ready", flush=True)
+        r = 0
+        while await trio.to_thread.run_sync(sys.stdin.readline):
+            got = await _one("fast", client, fp, proc, hello, m, lo, hi, total, work / f"base{r}")
+            print(json.dumps(got), flush=True)
+            r += 1
+
+
+def _worker(work: Path) -> None:
+    m = parse_model_manifest((work / "manifest.json").read_bytes())
+    lo, hi, total = json.loads((work / "block.json").read_text())
+    proc, hello = _member(work, 3)
+    try:
+        trio.run(_worker_rounds, work, m, lo, hi, total, proc, hello)
+    finally:
+        with contextlib.suppress(OSError):
+            proc.stdin.close()  # type: ignore[union-attr]
+        proc.wait(timeout=30)
+
+
+def _member(work: Path, key: int) -> tuple[subprocess.Popen[str], dict[str, Any]]:
+    proc = subprocess.Popen([sys.executable, __file__, "--serve", str(work), "--key", str(key)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+    assert proc.stdout is not None
+    return proc, json.loads(proc.stdout.readline())
+
+
+def _ab(a: argparse.Namespace, got: dict[str, list[tuple[float, float, float]]]) -> dict[str, Any]:
+    fast, base, tcp = got["fast"], got["base"], got["tcp"]
+    med = statistics.median
+    return {
+        "ab_base_tree": str(a.ab),
+        "base_mb_s": [round(x[0], 1) for x in base],
+        "base_mb_s_median": round(med(x[0] for x in base), 1),
+        "ratio_base_over_tcp": round(med(x[0] for x in base) / med(x[0] for x in tcp), 3),
+        "ratio_base_per_round_median": round(med(x[0] / y[0] for x, y in zip(base, tcp, strict=True)), 3),
+        "ratio_ours_over_base_per_round_median": round(med(x[0] / y[0] for x, y in zip(fast, base, strict=True)), 3),
+        "cpu_ms_per_mb_median_base": {"fetcher": round(med(x[1] for x in base), 2),
+                                      "member": round(med(x[2] for x in base), 2)},  # fmt: skip
+    }
 
 
 def run(a: argparse.Namespace) -> dict[str, Any]:
@@ -193,17 +256,22 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         ranges = block_ranges(m, lo, hi)
         (work / "ranges.json").write_text(json.dumps(ranges))
         total = sum(e - s for _, s, e in ranges)
+        (work / "block.json").write_text(json.dumps([lo, hi, total]))
         load0 = os.getloadavg()[0]
-        proc = subprocess.Popen([sys.executable, __file__, "--serve", str(work)], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+        procs = [_member(work, 1)]
+        base = None
         try:
-            assert proc.stdout is not None and proc.stdin is not None
-            hello = json.loads(proc.stdout.readline())
-            got = trio.run(_rounds, a, work, m, lo, hi, total, proc, hello)
+            if a.ab is not None:  # the base tree's member and fetcher, in their own processes
+                base = subprocess.Popen([sys.executable, __file__, "--worker", str(work)], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, text=True,
+                                        env={**os.environ, "BENCH_TREE": str(a.ab.resolve())})  # fmt: skip
+                assert base.stdout is not None and base.stdout.readline().strip() == "ready"
+            got = trio.run(_rounds, a, work, m, lo, hi, total, *procs[0], base)
         finally:
-            with contextlib.suppress(OSError):
-                proc.stdin.close()  # type: ignore[union-attr]
-            proc.wait(timeout=30)
+            for p in [x for x, _ in procs] + ([base] if base is not None else []):
+                with contextlib.suppress(OSError):
+                    p.stdin.close()  # type: ignore[union-attr]
+                p.wait(timeout=30)
         med = {k: statistics.median(x[0] for x in v) if v else float("nan") for k, v in got.items()}
         result = {
             "machine_note": a.note,
@@ -225,9 +293,10 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             "ratio_per_round": [round(x[0] / y[0], 3) for x, y in zip(got["fast"], got["tcp"], strict=True)],
             "ratio_per_round_median": round(statistics.median(x[0] / y[0] for x, y in zip(got["fast"], got["tcp"], strict=True)), 3),
             "target_ratio": 0.5,
+            **(_ab(a, got) if a.ab is not None else {}),
             "cpu_ms_per_mb_median": {k: {"fetcher": round(statistics.median(x[1] for x in v), 2),
                                          "member": round(statistics.median(x[2] for x in v), 2)}
-                                     for k, v in got.items() if v},  # fmt: skip
+                                     for k, v in got.items() if v and k != "base"},  # fmt: skip
             "what": "fetcher and member in separate processes on loopback. members: fetch_from_members of the "
                     "block from the member over the fast path (a direct AEAD-sealed TCP socket negotiated over "
                     "libp2p), each tensor's sha256 checked, written in place into the cache; members_libp2p: the "
@@ -252,10 +321,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--note", default="2 shared CPU cores, other engineers running tests at the same time: noisy")
     ap.add_argument("--paths", default="fast,libp2p,tcp",
                     help="which paths each round moves, in order (fast and tcp for the ratio; libp2p is slow)")
+    ap.add_argument("--ab", type=Path, default=None, metavar="TREE",
+                    help="also move each round over the fast path with TREE's code (a checkout of the base: its "
+                         "own member and fetcher processes), alternated with ours; ratio_ours_over_base")
     ap.add_argument("--serve", type=Path, default=None, help=argparse.SUPPRESS)  # the member process
+    ap.add_argument("--key", type=int, default=1, help=argparse.SUPPRESS)  # the member's key (one byte)
+    ap.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)  # --ab's base fetcher
     a = ap.parse_args(argv)
     if a.serve is not None:
-        trio.run(_serve, a.serve)
+        trio.run(_serve, a.serve, a.key)
+        return
+    if a.worker is not None:
+        _worker(a.worker)
         return
     a.argv = argv
     run(a)

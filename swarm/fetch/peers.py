@@ -23,6 +23,8 @@ This module is pure and synchronous (no trio, no sockets): node/ pumps the bytes
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import os
 from collections.abc import Collection, Iterable, Mapping, Sequence
@@ -89,20 +91,47 @@ class Holdings:
         if length < 1 or not self.covers(path, offset, offset + length):
             raise RangeRefused("not-held", f"{path}: bytes [{offset}, {offset + length}) are not all held verified here")
 
-    def read_into(self, path: str, offset: int, views: Sequence[memoryview]) -> None:
+    def read_into(self, path: str, offset: int, views: Sequence[memoryview], *, cached_only: bool = False) -> bool:
         """The bytes of a range :meth:`check` allowed, from ``offset`` on, into ``views`` one
-        after another (one preadv: no fresh pages, no copy out of a bytes object)."""
+        after another (one preadv: no fresh pages, no copy out of a bytes object).
+        ``cached_only``: only if they are all in the page cache already (RWF_NOWAIT: never waits
+        on the disk, so an event loop may call it); False (the views partly written or not at
+        all) if they are not."""
         length = sum(len(v) for v in views)
+        flags = _NOWAIT if cached_only else 0
+        if flags is None:  # not Linux: the caller reads in a worker thread
+            return False
         try:
             fd = os.open(self.base / path, os.O_RDONLY)
             try:
-                got = os.preadv(fd, views, offset)
+                got = os.preadv(fd, views, offset, flags)
             finally:
                 os.close(fd)
+        except BlockingIOError:
+            return False
         except OSError as e:
+            if cached_only and e.errno == errno.EOPNOTSUPP:  # a file system without RWF_NOWAIT
+                return False
             raise FetchError(f"{self.base / path}: cannot read bytes [{offset}, {offset + length}): {e}") from None
-        if got != length:
+        if got != length and not cached_only:
             raise FetchError(f"{self.base / path}: {got} bytes at {offset}, {length} held (the file shrank?)")
+        return got == length
+
+    def read_ahead(self, path: str, offset: int, views: Sequence[memoryview], end: int) -> None:
+        """:meth:`read_into` (from the disk: a worker thread), then ask the kernel to read the
+        rest of the range up to ``end`` into the page cache in the background."""
+        self.read_into(path, offset, views)
+        after = offset + sum(len(v) for v in views)
+        if after < end and hasattr(os, "posix_fadvise"):
+            with contextlib.suppress(OSError):  # a hint only
+                fd = os.open(self.base / path, os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, after, end - after, os.POSIX_FADV_WILLNEED)
+                finally:
+                    os.close(fd)
+
+
+_NOWAIT: int | None = getattr(os, "RWF_NOWAIT", None)  # preadv's "page cache only" (Linux)
 
 
 def _merge(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:

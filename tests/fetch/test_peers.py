@@ -31,6 +31,22 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, ModelManifest
     return d, manifest_of_path(d)
 
 
+def test_without_rwf_nowait_every_read_goes_to_a_worker_thread(model: tuple[Path, ModelManifest],
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """Where preadv has no "page cache only" flag (not Linux), a cached-only read says no and
+    touches nothing, so the member reads in a worker thread; the plain read is unchanged."""
+    from swarm.fetch import peers
+
+    d, m = model
+    t0 = m.block(1, 2)[0]
+    held = Holdings(m, d, [t0.name], [t0.file])
+    monkeypatch.setattr(peers, "_NOWAIT", None)
+    buf = bytearray(8)
+    assert not held.read_into(t0.file, t0.start, [memoryview(buf)], cached_only=True) and buf == bytearray(8)
+    assert held.read_into(t0.file, t0.start, [memoryview(buf)])
+    assert buf == (d / t0.file).read_bytes()[t0.start : t0.start + 8]
+
+
 def test_a_member_serves_only_what_it_holds_verified(model: tuple[Path, ModelManifest]) -> None:
     d, m = model
     t0, t1 = (t for t in sorted(m.block(1, 2), key=lambda t: (t.file, t.start))[:2])
@@ -41,6 +57,14 @@ def test_a_member_serves_only_what_it_holds_verified(model: tuple[Path, ModelMan
     assert bufs[0] + bufs[1] == (d / t0.file).read_bytes()[t0.start : t0.start + 8]
     with pytest.raises(FetchError, match="shrank"):  # past the file's end: short, never padded
         held.read_into(t0.file, m.files[t0.file].size - 2, [memoryview(bytearray(4))])
+    # from the page cache only (an event loop's read): the same bytes, or False, never a short read
+    cached = [bytearray(8)]
+    if held.read_into(t0.file, t0.start, [memoryview(b) for b in cached], cached_only=True):
+        assert cached[0] == bufs[0] + bufs[1]
+    assert not held.read_into(t0.file, m.files[t0.file].size - 2, [memoryview(bytearray(4))], cached_only=True)
+    ahead = bytearray(8)  # a worker thread's read, the rest of the range read ahead by the kernel
+    held.read_ahead(t0.file, t0.start, [memoryview(ahead)], t0.end)
+    assert ahead == bufs[0] + bufs[1]
     cases = [
         ((t0.file, t0.start, t0.nbytes + 1), "not-held"),  # one byte past what is held
         ((t0.file, t0.start - 1, 2), "not-held") if t0.start > m.files[t0.file].header_end else None,

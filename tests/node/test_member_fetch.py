@@ -14,7 +14,7 @@ import pytest
 import torch
 import trio
 
-from swarm.errors import PeerError
+from swarm.errors import PeerError, PeerLost
 from swarm.fetch.cache import ModelCache
 from swarm.fetch.origin import FetchError, Origin
 from swarm.fetch.peers import Holdings, Holds
@@ -70,7 +70,9 @@ class Slow(Holdings):
         super().__init__(m, base, holds.tensors, holds.files)
         self.delay, self.flip, self.reads = delay, flip, 0
 
-    def read_into(self, path: str, offset: int, views: Sequence[memoryview]) -> None:
+    def read_into(self, path: str, offset: int, views: Sequence[memoryview], *, cached_only: bool = False) -> bool:
+        if cached_only:  # a slow disk: nothing in the page cache, every read in a worker thread
+            return False
         Slow.now += 1
         Slow.most = max(Slow.most, Slow.now)
         try:
@@ -81,6 +83,7 @@ class Slow(Holdings):
         self.reads += 1
         if self.flip and path.endswith(".safetensors") and offset >= self.manifest.files[path].header_end:
             views[0][0] ^= 0x40
+        return True
 
 
 def _same(model: Path, cache: ModelCache, n_layers: int) -> None:
@@ -344,14 +347,62 @@ async def test_members_fetch_over_the_fast_path_or_fall_back_to_libp2p(model: tu
             assert ff.service.listener.accepted >= 1
         nursery.cancel_scope.cancel()
     assert not rep.failed and not rep.liars and set(rep.by_source) == set(served)
-    # fast took a channel in each phase (the files, the tensors); old took one and, found out,
-    # was asked over libp2p for the rest of the fetch, as off (no fast path) was from the start
-    assert paths == ["direct"] * 3
+    # fast took one channel for both phases (the files, then the tensors: one dial a fetch); old
+    # took one and, found out, was asked over libp2p for the rest of the fetch, as off (no fast
+    # path) was from the start
+    assert paths == ["direct"] * 2
     assert sorted(opened) == sorted([old.peer_id, off.peer_id] * 2)  # fast never fell back
     # the report says which path each member's bytes took
     assert rep.paths == {fast.peer_id: {"direct": rep.by_source[fast.peer_id]},
                          old.peer_id: {"libp2p": rep.by_source[old.peer_id]},
                          off.peer_id: {"libp2p": rep.by_source[off.peer_id]}}  # fmt: skip
+    assert cache.holds(tensors)
+    _same(d, cache, m.n_layers)
+
+
+class _ClosedAfterHeaders:
+    """A fast link its member closed once the headers' phase was done (idle past IDLE_S, say):
+    the first request of the tensors' phase fails as it would on a closed channel."""
+
+    def __init__(self, link: Any, m: ModelManifest) -> None:
+        self.link, self.m = link, m
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.link, name)
+
+    async def send_message(self, msg: Any, **kw: Any) -> None:
+        f = self.m.files[msg.file]
+        if f.is_weights and msg.offset >= f.header_end:
+            await self.link.close()
+            raise PeerLost(f"peer {self.link.peer}: the fast channel is closed")
+        await self.link.send_message(msg, **kw)
+
+
+async def test_a_fast_link_closed_between_the_phases_is_dialled_again(model: tuple[Path, ModelManifest],
+                                                                      tmp_path: Path) -> None:  # fmt: skip
+    """The fetcher keeps a member's fast link from the headers' phase for the tensors'; one the
+    member closed meanwhile is dialled again, not taken for a member without ranges on the fast
+    path (which would send the rest over /shard-swarm/tensors/1)."""
+    d, m = model
+    everything = Holds.of_layers(m, range(m.n_layers), head=True)
+    async with _members(2) as (c, fast), trio.open_nursery() as nursery:
+        served = serve_tensors(fast, lambda: Slow(m, d, everything))
+        async with _fast(c, None, nursery) as fc, _fast(fast, served, nursery):
+            paths: list[str] = []
+            opened = _count_streams(c)
+            dial = _dialer(fc, paths)
+
+            async def closed_once(peer: str, timeout: float) -> Any:
+                link = await dial(peer, timeout)
+                return _ClosedAfterHeaders(link, m) if len(paths) == 1 else link
+
+            cache = ModelCache(tmp_path / "cache", m)
+            tensors, files = _everything(m)
+            rep = await fetch_from_members(c, cache, tensors, files, {fast.peer_id: everything},
+                                           dial_fast=closed_once)  # fmt: skip
+        nursery.cancel_scope.cancel()
+    assert paths == ["direct"] * 2 and opened == []
+    assert not rep.failed and rep.paths == {fast.peer_id: {"direct": rep.by_source[fast.peer_id]}}
     assert cache.holds(tensors)
     _same(d, cache, m.n_layers)
 

@@ -4,13 +4,17 @@ Serving (:func:`serve_tensors`): members only (the host's default roles: a clien
 unadmitted peer has its stream reset before a byte is read). Each request is checked against
 what this node holds verified right now (``swarm.fetch.peers.Holdings``): a range outside it, over
 ``Limits.max_range_bytes``, or of a file the model does not have is answered with a typed
-RANGE_REFUSED; a request past SERVE_SLOTS reads at once is refused "busy". Reads run in a worker
-thread, the next frame's while one is sent; every receive and send has a deadline.
+RANGE_REFUSED; a request past SERVE_SLOTS disk reads at once is refused "busy". A frame's bytes
+are read right before it is sealed and sent: from the page cache on the event loop (RWF_NOWAIT:
+never a wait on the disk), else from the disk in a worker thread (READ_FRAMES at once, the kernel
+reading the rest of the range ahead meanwhile); every receive and send has a deadline.
 
 Fetching (:func:`fetch_from_members`): first the files (weight headers, small files), then the
 tensors, each phase an ``Assignment`` worked by one task per member that holds something
-needed, all at once, each over its own stream, several requests in flight per stream and the
-bytes received landing in a worker thread while the next ones arrive (rangepipe.py). Bytes land
+needed, all at once, each over its own stream (a member's fast link serves both phases: one
+dial a fetch, dialled again if the member closed it between them), several requests in flight
+per stream and the bytes received landing in a worker thread while the next ones arrive
+(rangepipe.py). Bytes land
 through ``PieceSink`` (sha256 per tensor). A member whose bytes fail their hash is a liar: named
 in a warning and to ``on_liar`` (the caller reports it), given no more pieces, and its pieces go
 to the others; a member that times out or breaks the protocol stops being asked; one that
@@ -37,10 +41,10 @@ the slower path.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,7 +77,7 @@ log = logging.getLogger("swarm.node.fetch")
 IDLE_S = 30.0  # a serving stream with no request this long is closed
 IO_S = 30.0  # one frame sent or received, either side
 SERVE_SLOTS = 4  # ranges read from disk at once for other members
-READ_FRAMES = 4  # RANGE_DATA frames read from disk in one trip to a worker thread
+READ_FRAMES = 4  # RANGE_DATA frames read from the disk in one trip to a worker thread
 
 
 # ---------------------------------------------------------------------------- serving
@@ -153,45 +157,45 @@ HEAD_ROOM = 256  # room before a RANGE_DATA's payload for its head (under 80 byt
 
 async def _send_range(fs: Any, h: Holdings, msg: RangeRequest, slots: trio.Semaphore, bufs: BufferPool,
                       limits: Limits, io_s: float) -> None:  # fmt: skip
-    """The range as RANGE_DATA frames of ``limits.max_range_chunk`` bytes, each read from disk
-    straight into a pooled buffer after HEAD_ROOM bytes for its head, READ_FRAMES read in one worker
-    thread trip while the ones before are sent (read then sent a frame at a time, the link idled
-    for every read; the whole range at once, up to 16 MiB, stalled the asker's stream before its
-    first byte). A fast channel's frame link (``send_encoded``) is handed each frame as it lies
-    in its buffer; a libp2p stream encodes it (one copy)."""
+    """The range as RANGE_DATA frames of ``limits.max_range_chunk`` bytes, each read straight into
+    a pooled buffer after HEAD_ROOM bytes for its head. A frame whose bytes are in the page cache
+    is read right here, just before it is sealed and sent (no worker-thread trip, its bytes still
+    in the CPU's cache when sealed and sent: py-spy and perf on bench_fetch_members.py); one that
+    is not is read from the disk with the next READ_FRAMES - 1 in one worker thread trip, which
+    also asks the kernel to read the rest of the range ahead (the sends go on meanwhile). A fast
+    channel's frame link (``send_encoded``) is handed each frame as it lies in its buffer; a
+    libp2p stream encodes it (one copy)."""
     end, step = msg.offset + msg.length, limits.max_range_chunk
     raw = getattr(fs, "send_encoded", None)
-    put, chunks = trio.open_memory_channel[tuple[int, memoryview, bytearray]](READ_FRAMES)
-
-    async def reads() -> None:
-        async with put:
-            for at in range(msg.offset, end, step * READ_FRAMES):
-                n = min(step * READ_FRAMES, end - at)
-                frames = [(at + i, bufs.take(), min(step, n - i)) for i in range(0, n, step)]
-                views = [memoryview(buf)[HEAD_ROOM : HEAD_ROOM + k] for _, buf, k in frames]
-                async with slots:
-                    await trio.to_thread.run_sync(h.read_into, msg.file, at, views)
-                for (off, buf, _), view in zip(frames, views, strict=True):
-                    await put.send((off, view, buf))
-
+    ahead: collections.deque[tuple[int, memoryview, bytearray]] = collections.deque()  # read, not sent
+    at = msg.offset
     try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(reads)
-            async with chunks:
-                async for off, data, buf in chunks:
-                    last = off + len(data) >= end
-                    if raw is None:
-                        await fs.send_message(RangeData.of(msg.req, off, data, last), timeout=io_s)
-                    else:
-                        head = RangeData.head(msg.req, off, len(data), last, limits)
-                        start = HEAD_ROOM - len(head)
-                        buf[start:HEAD_ROOM] = head
-                        await raw(memoryview(buf)[start : HEAD_ROOM + len(data)], timeout=io_s)
-                    bufs.give_back(buf)  # sent, sealed or encoded: free again (2 * READ_FRAMES + 1 at most taken)
-    except BaseExceptionGroup as group:  # the caller's own exception, not a group
-        if len(group.exceptions) == 1:
-            raise group.exceptions[0] from None
-        raise
+        while at < end or ahead:
+            if not ahead:
+                buf = bufs.take()
+                view = memoryview(buf)[HEAD_ROOM : HEAD_ROOM + min(step, end - at)]
+                if h.read_into(msg.file, at, [view], cached_only=True):
+                    ahead.append((at, view, buf))
+                else:
+                    n = min(step * READ_FRAMES, end - at)
+                    frames = [(at + i, buf if i == 0 else bufs.take(), min(step, n - i)) for i in range(0, n, step)]
+                    ahead.extend((off, memoryview(b)[HEAD_ROOM : HEAD_ROOM + k], b) for off, b, k in frames)
+                    async with slots:
+                        await trio.to_thread.run_sync(h.read_ahead, msg.file, at, [v for _, v, _ in ahead], end)
+                at += sum(len(v) for _, v, _ in ahead)
+            off, data, buf = ahead.popleft()
+            last = off + len(data) >= end
+            if raw is None:
+                await fs.send_message(RangeData.of(msg.req, off, data, last), timeout=io_s)
+            else:
+                head = RangeData.head(msg.req, off, len(data), last, limits)
+                start = HEAD_ROOM - len(head)
+                buf[start:HEAD_ROOM] = head
+                await raw(memoryview(buf)[start : HEAD_ROOM + len(data)], timeout=io_s)
+            bufs.give_back(buf)  # sent, sealed or encoded: free again (READ_FRAMES at most taken)
+    finally:
+        for _, _, buf in ahead:
+            bufs.give_back(buf)
 
 
 # ---------------------------------------------------------------------------- fetching
@@ -238,6 +242,20 @@ async def fetch_from_members(
     usable = {p: h for p, h in holders.items() if p != host.peer_id}
     ids = itertools.count(1)
     slow: set[str] = set()  # members found without ranges on the fast path: libp2p for the rest of this fetch
+    links: dict[str, Any] = {}  # fast links that served a phase whole, for the next (one dial per member)
+    try:
+        await _phases(host, cache, m, want_files, want, origins, usable, ids, slow, links, rep, on_liar, io_s, dial_fast)
+    finally:
+        with trio.CancelScope(shield=True):
+            for peer in list(links):
+                await _drop(links, peer)
+    return rep
+
+
+async def _phases(host: Host, cache: ModelCache, m: Any, want_files: list[str], want: list[TensorEntry],
+                  origins: Sequence[Source], usable: dict[str, Holds], ids: itertools.count[int], slow: set[str],
+                  links: dict[str, Any], rep: MembersReport, on_liar: Callable[[str, str], None] | None, io_s: float,
+                  dial_fast: DialFast | None) -> None:  # fmt: skip
     for pieces in (file_pieces(m, want_files), tensor_pieces(want, host.limits.max_range_bytes)):
         if not pieces:
             continue
@@ -249,7 +267,7 @@ async def fetch_from_members(
                 for peer in list(a.holders):
                     if a.usable(peer) and any(peer in a.candidates(p) for p in a.pending):
                         nursery.start_soon(_worker, host, None if peer in slow else dial_fast, cache, a, peer, ids, io_s,
-                                           slow, rep.paths)  # fmt: skip
+                                           slow, rep.paths, links)  # fmt: skip
         for peer, why in a.liars.items():
             if peer not in rep.liars:
                 log.warning("member %s sent model bytes that are not the manifest's: %s; not asking it again", peer, why)
@@ -262,7 +280,6 @@ async def fetch_from_members(
         left = a.left_for_origin()
         if left:
             await _from_origin(cache, left, origins, rep)
-    return rep
 
 
 async def _from_origin(cache: ModelCache, left: list[Piece], origins: Sequence[Source], rep: MembersReport) -> None:
@@ -279,21 +296,34 @@ async def _from_origin(cache: ModelCache, left: list[Piece], origins: Sequence[S
 
 
 async def _worker(host: Host, dial_fast: DialFast | None, cache: ModelCache, a: Assignment, peer: str,
-                  ids: itertools.count[int], io_s: float, slow: set[str], paths: dict[str, dict[str, int]]) -> None:  # fmt: skip
+                  ids: itertools.count[int], io_s: float, slow: set[str], paths: dict[str, dict[str, int]],
+                  links: dict[str, Any]) -> None:  # fmt: skip
     first: list[Piece] = []  # taken for the fast channel, which turned out to serve no ranges
     path, before = "libp2p", a.by_peer.get(peer, 0)  # this worker alone lands ``peer``'s pieces
     try:
-        async with _fast_link(dial_fast, peer, io_s) as link:
-            if link is not None:
-                path = "direct" if getattr(link, "path", "") == "direct" else "fast-libp2p"
-                try:
-                    await fetch_pieces(link, cache, a, peer, ids, host.limits, io_s, unproven=True)
-                    return
-                except NoFastPath as e:
-                    first = e.pieces
+        while dial_fast is not None:
+            link, reused = links.get(peer), True
+            if link is None:
+                link, reused = await _dial(dial_fast, peer, io_s), False
+                if link is None:
                     slow.add(peer)
-            elif dial_fast is not None:
-                slow.add(peer)
+                    break
+                links[peer] = link
+            path = "direct" if getattr(link, "path", "") == "direct" else "fast-libp2p"
+            try:
+                first, taken = [], first
+                await fetch_pieces(link, cache, a, peer, ids, host.limits, io_s, first=taken, unproven=True)
+                return  # the link stays open for the next phase
+            except NoFastPath as e:
+                first = e.pieces
+                await _drop(links, peer)
+                if not reused:
+                    slow.add(peer)
+                    break
+                # else the member closed our link between phases (idle): dial it again
+            except BaseException:
+                await _drop(links, peer)
+                raise
         path = "libp2p"
         async with host.open_stream(peer, PROTO_TENSORS, timeout=io_s) as fs:
             first, taken = [], first
@@ -310,22 +340,21 @@ async def _worker(host: Host, dial_fast: DialFast | None, cache: ModelCache, a: 
             by[path] = by.get(path, 0) + n
 
 
-@asynccontextmanager
-async def _fast_link(dial_fast: DialFast | None, peer: str, io_s: float) -> AsyncIterator[Any]:
+async def _dial(dial_fast: DialFast, peer: str, io_s: float) -> Any:
     """A fast-path channel to ``peer`` as a frame link, or None (no service here, or the member
     answers none: its protocol refused or unsupported). A dial that times out is the member's
     failure, as on libp2p."""
-    link: Any = None
-    if dial_fast is not None:
-        try:
-            link = await dial_fast(peer, io_s)
-        except PeerTimeout:
-            raise
-        except (PeerError, ProtocolError) as e:
-            log.info("no fast path to member %s (%s): fetching over %s", peer, printable(str(e))[:200], PROTO_TENSORS)
     try:
-        yield link
-    finally:
-        if link is not None:
-            with trio.CancelScope(shield=True), trio.move_on_after(2):
-                await link.close()
+        return await dial_fast(peer, io_s)
+    except PeerTimeout:
+        raise
+    except (PeerError, ProtocolError) as e:
+        log.info("no fast path to member %s (%s): fetching over %s", peer, printable(str(e))[:200], PROTO_TENSORS)
+        return None
+
+
+async def _drop(links: dict[str, Any], peer: str) -> None:
+    link = links.pop(peer, None)
+    if link is not None:
+        with trio.CancelScope(shield=True), trio.move_on_after(2):
+            await link.close()
