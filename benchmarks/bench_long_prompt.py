@@ -1,6 +1,6 @@
 """A long prompt's prefill through a ring of node processes, side by side with one process.
 
-    .venv/bin/python benchmarks/bench_long_prompt.py [--prompt-tokens 2048] [--nodes 3] [--repeats 3]
+    .venv/bin/python benchmarks/bench_long_prompt.py [--prompt-tokens 2048] [--nodes 3] [--repeats 3] [--out PATH] [--ab TREE]
 
 One local swarm of node processes (the bundled SmolLM2-135M-Instruct, fp32, context 8192, no
 drafting) and, in this process, the same model as one box. Each round, in alternating order:
@@ -14,17 +14,24 @@ Both give the same first token (checked). While one ring prefill runs, a second 
 the same ring: its longest gap between tokens is reported beside the ring's time per prefill chunk
 (a decoding session should wait about one chunk per stage, never the whole prompt).
 
-Written to benchmarks/results/long_prompt.json: medians of each, ``ratio`` = ring / one box
+``--ab TREE``: a second ring of the same size whose nodes run TREE's code (a base commit's
+checkout), its prefill beside this tree's in every round (``ab``: its tok/s, its ratio, and this
+ring ÷ it per round). ``first_stage``: the most messages the first stage's inbound queue held
+(``max_queued``, from its status; a tree without it reports none).
+
+Written to benchmarks/results/long_prompt.json (or ``--out``): medians of each, ``ratio`` = ring / one box
 (target >= 0.8). The machine is shared with other work (noisy): read ratios, not absolute speeds.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import statistics
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -33,11 +40,12 @@ import torch
 import trio
 
 from swarm import client
-from swarm.launch import start_local_swarm
+from swarm.launch import LocalSwarm, start_local_swarm
 from swarm.model.generate import LocalModel, generate
 from swarm.model.packaged import resolve_model
 
-OUT = Path(__file__).parent / "results" / "long_prompt.json"
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "benchmarks" / "results" / "long_prompt.json"
 SHORT = [1, 504, 3458, 281, 260, 1345, 30, 2]
 
 
@@ -51,34 +59,54 @@ def _one_box(model: LocalModel, ids: list[int]) -> tuple[float, int]:
     return time.perf_counter() - t0, out[0]
 
 
+async def _ring_once(swarm: LocalSwarm, ids: list[int]) -> dict[str, Any]:
+    async with client.open_client(swarm.addrs[0], secret=swarm.secret, swarm_id=swarm.swarm_id) as (h, peer):
+        r = await client.generate(h, peer, prompt_ids=ids, max_new_tokens=1, draft="none", timeout=600)
+    return {"prefill_s": r["prefill_s"], "tok_s": len(ids) / r["prefill_s"], "first": r["output_token_ids"][0],
+            "chunks": r["chunks"]}  # fmt: skip
+
+
+async def _first_stage(swarm: LocalSwarm, plan: dict[str, Any]) -> dict[str, Any]:
+    """The status ``stage`` of the node holding layer 0 (its inbound queue's most: ``max_queued``)."""
+    first = swarm.peer_ids.index(next(p for p, (s, e) in plan["blocks"].items() if s == 0 and e > 0))
+    async with client.open_client(swarm.addrs[first], secret=swarm.secret, swarm_id=swarm.swarm_id) as (h, peer):
+        return dict((await client.status(h, peer)).get("stage") or {})
+
+
 async def run(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     torch.set_num_threads(1)
+    load0 = os.getloadavg()
     box = LocalModel.load(model_dir, stages=1, dtype=torch.float32)
     ids = _prompt(args.prompt_tokens)
-    ring_rows: list[dict[str, Any]] = []
-    box_rows: list[dict[str, Any]] = []
-    with start_local_swarm(args.nodes, model_dir, dtype="fp32", draft="none", context_tokens=8192) as swarm:
+    rows: dict[str, list[dict[str, Any]]] = {"ring": [], "box": [], "base": []}
+    kw: dict[str, Any] = dict(dtype="fp32", draft="none", context_tokens=8192)
+    os.chdir(tempfile.gettempdir())  # nodes run ``python -m swarm.node``, which imports from the working directory first
+    trees = {"ring": ROOT} | ({"base": args.ab} if args.ab else {})
+    with contextlib.ExitStack() as stack:
+        swarms = {k: stack.enter_context(start_local_swarm(args.nodes, model_dir, **kw, node_env={
+            i: {"PYTHONPATH": str(tree)} for i in range(args.nodes)})) for k, tree in trees.items()}  # fmt: skip
+        plans = {}
+        for k, sw in swarms.items():
+            async with client.open_client(sw.addrs[0], secret=sw.secret, swarm_id=sw.swarm_id) as (h, peer):
+                plans[k] = (await client.wait_ready(h, peer, timeout=300))["plan"]
+        kinds = [*swarms, "box"]
+        for i in range(args.repeats):
+            for kind in kinds[i % len(kinds):] + kinds[: i % len(kinds)]:  # each first in turn
+                if kind == "box":
+                    took, first = await trio.to_thread.run_sync(_one_box, box, ids)
+                    rows["box"].append({"prefill_s": took, "tok_s": len(ids) / took, "first": first})
+                else:
+                    rows[kind].append(await _ring_once(swarms[kind], ids))
+        assert len({r["first"] for rs in rows.values() for r in rs}) == 1, rows
+        stages = {k: await _first_stage(sw, plans[k]) for k, sw in swarms.items()}
+        if args.ab and "max_queued" in stages["base"]:
+            raise SystemExit(f"--ab: the base swarm's nodes report max_queued: they did not run {args.ab}")
+
+        # a second session decoding while the long prompt prefills (this tree's ring)
+        gaps: list[float] = []
+        long_done = trio.Event()
+        swarm = swarms["ring"]
         async with client.open_client(swarm.addrs[0], secret=swarm.secret, swarm_id=swarm.swarm_id) as (h, peer):
-            st = await client.wait_ready(h, peer, timeout=300)
-
-            async def ring_once() -> dict[str, Any]:
-                r = await client.generate(h, peer, prompt_ids=ids, max_new_tokens=1, draft="none", timeout=600)
-                return {"prefill_s": r["prefill_s"], "tok_s": len(ids) / r["prefill_s"], "first": r["output_token_ids"][0],
-                        "chunks": r["chunks"]}  # fmt: skip
-
-            for i in range(args.repeats):
-                order = ("ring", "box") if i % 2 == 0 else ("box", "ring")
-                for kind in order:
-                    if kind == "ring":
-                        ring_rows.append(await ring_once())
-                    else:
-                        took, first = await trio.to_thread.run_sync(_one_box, box, ids)
-                        box_rows.append({"prefill_s": took, "tok_s": len(ids) / took, "first": first})
-            assert {r["first"] for r in ring_rows} == {r["first"] for r in box_rows}, (ring_rows, box_rows)
-
-            # a second session decoding while the long prompt prefills
-            gaps: list[float] = []
-            long_done = trio.Event()
 
             async def decoder() -> None:
                 last = [time.perf_counter()]
@@ -97,8 +125,9 @@ async def run(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(decoder)
                 await trio.sleep(1.0)
-                shared = await ring_once()
+                shared = await _ring_once(swarm, ids)
                 long_done.set()
+    ring_rows, box_rows, st = rows["ring"], rows["box"], {"plan": plans["ring"]}
     med = lambda rows, k: float(statistics.median(r[k] for r in rows))  # noqa: E731
     per_chunk_ms = 1000 * med(ring_rows, "prefill_s") / max(1, ring_rows[0]["chunks"])
     return {
@@ -111,8 +140,15 @@ async def run(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
         "shared": {"prefill_s_with_a_decoder": shared["prefill_s"], "decoder_tokens_during_prefill": len(gaps),
                    "decoder_gap_ms_max": 1000 * max(gaps) if gaps else None,
                    "decoder_gap_ms_median": 1000 * statistics.median(gaps) if gaps else None},  # fmt: skip
+        "first_stage": {k: {"max_queued": v.get("max_queued"), "chunks": v.get("chunks")} for k, v in stages.items()},
+        **({"ab": {"base_tree": str(args.ab), "base_tok_s_median": med(rows["base"], "tok_s"),
+                   "base_ratio": med(rows["base"], "tok_s") / med(box_rows, "tok_s"),
+                   "ring_over_base_per_round_median": statistics.median(
+                       a["tok_s"] / b["tok_s"] for a, b in zip(ring_rows, rows["base"], strict=True)),
+                   "base": rows["base"]}} if args.ab else {}),
         "ring": ring_rows, "one_box": box_rows,
-        "machine": {"python": platform.python_version(), "cpus": os.cpu_count(),
+        "machine": {"python": platform.python_version(), "cpus": os.cpu_count(), "load_average_start": load0,
+                    "load_average_end": os.getloadavg(),
                     "note": "2 CPU cores shared with several other engineers' test runs: noisy; the ring's "
                             f"{args.nodes} processes and the one box share the same cores"},  # fmt: skip
     }  # fmt: skip
@@ -123,12 +159,15 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=2048)
     ap.add_argument("--nodes", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--ab", type=Path, default=None, help="a second ring whose nodes run this tree's code (a base)")
     args = ap.parse_args()
     result = trio.run(run, args, resolve_model(None))
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps(result, indent=2) + "\n")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
     keys = ("ring_tok_s_median", "one_box_tok_s_median", "ratio", "ring_ms_per_prefill_chunk")
-    print(json.dumps({k: round(result[k], 3) for k in keys} | {"shared": result["shared"]}))
+    print(json.dumps({k: round(result[k], 3) for k in keys} | {"shared": result["shared"], "first_stage": result["first_stage"]}
+                     | {k: v for k, v in result.get("ab", {}).items() if k != "base"}))
 
 
 if __name__ == "__main__":

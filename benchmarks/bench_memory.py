@@ -22,7 +22,7 @@ largest dense layer) beside the kernel's VmHWM. Phases:
 Target 0.9–1.05: below, the budget wastes memory a peer offered; above, a peer goes over what it
 offered. A head-only coordinator or a standby predicts nothing for a block it does not hold.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/bench_memory.py [--nodes 3] [--dtype fp32] [--context 512] [--new-tokens 16] [--no-int4] [--int8] [--out PATH]
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_memory.py [--nodes 3] [--dtype fp32] [--context 512] [--new-tokens 16] [--no-int4] [--int8] [--no-replan] [--out PATH]
 
 Prints and writes benchmarks/results/memory.json (or ``--out``), with the load average at its start and end.
 """
@@ -76,6 +76,7 @@ async def _memory_of_each(swarm: LocalSwarm, nodes: list[int]) -> list[dict[str,
         m["hwm_over_offered"] = round(hwm / m["offered_bytes"], 3) if hwm and m.get("offered_bytes") else None
         m["block"] = (st.get("plan") or {}).get("blocks", {}).get(peer)
         m["coordinator"] = (st.get("plan") or {}).get("coordinator") == peer
+        m["max_queued"] = (st.get("stage") or {}).get("max_queued")  # its stage's inbound queue at most (messages)
         out.append(m)
     return out
 
@@ -138,18 +139,19 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     start_load = os.getloadavg()
     prompts = _prompts(args.context, args.new_tokens)
     fp = await _steady(args, prompts, "none")
-    rp = await _replan(args, prompts)
+    rp = await _replan(args, prompts) if args.replan else None
     q4 = await _steady(args, prompts, "int4") if args.int4 else None
     q8 = await _steady(args, prompts, "int8") if args.int8 else None
     at_load = "hwm_over_predicted_load"  # once serving, before any session: the peak predicted at load
     ratios = {"load": _ratios(fp["load"], at_load), "sessions_8": _ratios(fp["sessions_8"]),
-              "replan_after_load": _ratios(rp["after_load"], at_load), "replan_sessions_8": _ratios(rp["sessions_8"])}  # fmt: skip
+              **({"replan_after_load": _ratios(rp["after_load"], at_load), "replan_sessions_8": _ratios(rp["sessions_8"])}
+                 if rp else {})}  # fmt: skip
     if q4 is not None:
         ratios |= {"int4_load": _ratios(q4["load"], at_load), "int4_sessions_8": _ratios(q4["sessions_8"])}
     if q8 is not None:
         ratios |= {"int8_load": _ratios(q8["load"], at_load), "int8_sessions_8": _ratios(q8["sessions_8"])}
     # the same VmHWM at load over the whole predicted peak (its sessions' KV not yet written)
-    at_load_of_whole = {"load": _ratios(fp["load"]), "replan_after_load": _ratios(rp["after_load"])}
+    at_load_of_whole = {"load": _ratios(fp["load"]), **({"replan_after_load": _ratios(rp["after_load"])} if rp else {})}
     if q4 is not None:
         at_load_of_whole["int4_load"] = _ratios(q4["load"])
     if q8 is not None:
@@ -158,7 +160,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "command": f"PYTHONPATH=. .venv/bin/python benchmarks/bench_memory.py --nodes {args.nodes} --dtype {args.dtype} "
                    f"--context {args.context} --new-tokens {args.new_tokens}" + ("" if args.int4 else " --no-int4")
-                   + (" --int8" if args.int8 else "") + ("" if args.out == RESULTS else f" --out {args.out}"),
+                   + (" --int8" if args.int8 else "") + ("" if args.replan else " --no-replan") + ("" if args.out == RESULTS else f" --out {args.out}"),
         "machine": {"cpu": platform.processor() or platform.machine(), "load_average_start": start_load,
                     "load_average": os.getloadavg()},
         "nodes": args.nodes, "dtype": args.dtype, "context_tokens": args.context,
@@ -177,6 +179,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--no-int4", dest="int4", action="store_false")
     ap.add_argument("--int8", action="store_true", help="also an int8 swarm, as the int4 one")
+    ap.add_argument("--no-replan", dest="replan", action="store_false", help="skip the re-plan phase")
     ap.add_argument("--out", type=Path, default=RESULTS, help="results file (default: benchmarks/results/memory.json)")
     args = ap.parse_args()
     out = trio.run(run, args)

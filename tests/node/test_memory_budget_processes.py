@@ -28,6 +28,7 @@ from swarm import client
 from swarm.launch import LocalSwarm, sized_offers, start_local_swarm
 from swarm.model.bundled import bundled_gguf_path, default_model_dir
 from swarm.model.generate import LocalModel, generate
+from swarm.model.speculative import DEFAULT_PREFILL_WINDOW
 from swarm.model.tokenizer import Tokenizer
 from swarm.testing.memlimit import MemoryCgroup, memlimit_unavailable_reason, memory_cgroup
 
@@ -53,11 +54,12 @@ def _one_box(source: Path, prompts: list[list[int]], quant: str = "none") -> lis
 
 
 @contextlib.contextmanager
-def _swarm_inside_offers(n: int, model: Path, **kwargs: Any) -> Iterator[tuple[LocalSwarm, list[int], list[MemoryCgroup]]]:
+def _swarm_inside_offers(n: int, model: Path, context: int = CONTEXT,
+                         **kwargs: Any) -> Iterator[tuple[LocalSwarm, list[int], list[MemoryCgroup]]]:  # fmt: skip
     """A local fp32 swarm of ``n`` nodes (launch.start_local_swarm's ``kwargs``), each node process
     in a cgroup limited to the memory it offers; (swarm, offers, cgroups). The swarm stops before
     the cgroups go (a cgroup is removed only once its processes have)."""
-    with start_local_swarm(n, model, dtype="fp32", draft="none", context_tokens=CONTEXT, **kwargs) as swarm:
+    with start_local_swarm(n, model, dtype="fp32", draft="none", context_tokens=context, **kwargs) as swarm:
         offers = [json.loads((swarm.workdir / f"node{i}.json").read_text())["memory_bytes"] for i in range(n)]
         with contextlib.ExitStack() as stack:
             cgroups = [stack.enter_context(memory_cgroup(offer)) for offer in offers]
@@ -69,14 +71,14 @@ def _swarm_inside_offers(n: int, model: Path, **kwargs: Any) -> Iterator[tuple[L
                 swarm.stop()
 
 
-async def _generate(swarm: LocalSwarm, node: int, prompts: list[list[int]]) -> list[dict[str, Any]]:
-    """Every prompt at once (NEW[i] tokens each) through ``node``, once the ring serves."""
+async def _generate(swarm: LocalSwarm, node: int, prompts: list[list[int]], new: list[int] = NEW) -> list[dict[str, Any]]:
+    """Every prompt at once (new[i] tokens each) through ``node``, once the ring serves."""
     got: list[dict[str, Any]] = [{} for _ in prompts]
     async with client.open_client(swarm.addrs[node], secret=swarm.secret, swarm_id=swarm.swarm_id) as (h, peer):
         await client.wait_ready(h, peer, timeout=300)
 
         async def one(i: int) -> None:
-            got[i] = await client.generate(h, peer, prompt_ids=prompts[i], max_new_tokens=NEW[i], draft="none",
+            got[i] = await client.generate(h, peer, prompt_ids=prompts[i], max_new_tokens=new[i], draft="none",
                                            timeout=600)  # fmt: skip
 
         async with trio.open_nursery() as nursery:
@@ -120,6 +122,27 @@ async def test_nodes_inside_a_memory_limit_of_their_offer_serve_eight_sessions_a
         print("eight sessions:", _assert_inside(swarm, cgroups, offers, hwm))
     assert st["capacity"]["sessions"] >= 8, st["capacity"]  # the ring holds them all at once
     assert [r["output_token_ids"] for r in got] == want
+
+
+async def test_long_prompts_at_once_keep_the_first_stage_queue_to_their_windows() -> None:
+    """Three 1,200-token prompts (19 pieces each) at once: the coordinator sends each a window of
+    pieces at a time (coordinator.py), so the first stage, which takes one piece per session per
+    forward, never queues more than the three windows (and their SESSION_ENDs), where it used to
+    queue nearly every piece; every node stays inside its offer (which counts those windows:
+    ModelSpec.inflight_bytes) and the answers equal one box's."""
+    prompt = [1] + [(i * 7919) % 40000 + 100 for i in range(1199)]
+    want = _one_box(default_model_dir(), [prompt])[0][:2]
+    with _swarm_inside_offers(3, default_model_dir(), context=1280) as (swarm, offers, cgroups):
+        got = await _generate(swarm, 0, [prompt] * 3, new=[2] * 3)
+        async with client.open_client(swarm.addrs[0], secret=swarm.secret, swarm_id=swarm.swarm_id) as (h, peer):
+            blocks = (await client.status(h, peer, coordinator=True))["plan"]["blocks"]
+        first = swarm.peer_ids.index(next(p for p, (s, e) in blocks.items() if s == 0 and e > 0))
+        async with client.open_client(swarm.addrs[first], secret=swarm.secret, swarm_id=swarm.swarm_id) as (h, peer):
+            stage = (await client.status(h, peer))["stage"]
+        hwm = await _own_memory(swarm, [0, 1, 2])
+        print("three long prompts:", stage["max_queued"], "queued at most;", _assert_inside(swarm, cgroups, offers, hwm))
+    assert [r["output_token_ids"] for r in got] == [want] * 3
+    assert stage["chunks"] >= 3 * 19 and 1 <= stage["max_queued"] <= 3 * (DEFAULT_PREFILL_WINDOW + 1), stage
 
 
 @pytest.mark.parametrize("source", ["bf16 safetensors", "Q4_1 GGUF"])
