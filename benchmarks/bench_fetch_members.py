@@ -157,9 +157,21 @@ async def _fetch_tcp(port: int, total: int, dest: Path) -> int:
     return got
 
 
+def _evict(model: Path) -> None:
+    """--cold: the member's files out of the page cache (its reads go to the disk)."""
+    for p in model.iterdir():
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 async def _one(path: str, client: Any, fp: Any, proc: subprocess.Popen[str], hello: dict[str, Any], m: ModelManifest,
-               lo: int, hi: int, total: int, dest: Path) -> tuple[float, float, float]:  # fmt: skip
+               lo: int, hi: int, total: int, dest: Path, cold: bool = False) -> tuple[float, float, float]:  # fmt: skip
     """One round of ``path``: (MB/s, fetcher CPU ms per MB, member CPU ms per MB)."""
+    if cold:
+        _evict(dest.parent / "model")
     c0, s0, t0 = _cpu_self(), _cpu_of(proc.pid), time.perf_counter()
     if path == "tcp":
         n = await _fetch_tcp(hello["tcp"], total, dest)
@@ -185,11 +197,11 @@ async def _rounds(a: argparse.Namespace, work: Path, m: ModelManifest, lo: int, 
             for path in paths if r % 2 == 0 or base is None else paths[::-1]:  # --ab: each side first in turn
                 if path == "base":
                     assert base.stdin is not None and base.stdout is not None
-                    base.stdin.write("round\n")
+                    base.stdin.write("cold\n" if a.cold else "warm\n")
                     base.stdin.flush()
                     got = tuple(json.loads(await trio.to_thread.run_sync(base.stdout.readline)))
                 else:
-                    got = await _one(path, client, fp, proc, hello, m, lo, hi, total, work / f"{path}{r}")
+                    got = await _one(path, client, fp, proc, hello, m, lo, hi, total, work / f"{path}{r}", a.cold)
                 out[path].append(got)  # type: ignore[arg-type]
             print(f"round {r}: " + ", ".join(f"{k} {v[-1][0]:.0f} MB/s" for k, v in out.items() if v), file=sys.stderr)
     return out
@@ -203,8 +215,8 @@ async def _worker_rounds(work: Path, m: ModelManifest, lo: int, hi: int, total: 
         await client.dial(hello["addr"])
         print("ready", flush=True)
         r = 0
-        while await trio.to_thread.run_sync(sys.stdin.readline):
-            got = await _one("fast", client, fp, proc, hello, m, lo, hi, total, work / f"base{r}")
+        while line := await trio.to_thread.run_sync(sys.stdin.readline):
+            got = await _one("fast", client, fp, proc, hello, m, lo, hi, total, work / f"base{r}", line.strip() == "cold")
             print(json.dumps(got), flush=True)
             r += 1
 
@@ -282,6 +294,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             "block_bytes": m.block_bytes(lo, hi),
             "bytes_moved_per_round": total,
             "rounds": a.rounds,
+            "cold": a.cold,  # the member's files dropped from the page cache before each round
             "members_mb_s": [round(x[0], 1) for x in got["fast"]],
             "members_libp2p_mb_s": [round(x[0], 1) for x in got["libp2p"]],
             "tcp_mb_s": [round(x[0], 1) for x in got["tcp"]],
@@ -324,6 +337,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ab", type=Path, default=None, metavar="TREE",
                     help="also move each round over the fast path with TREE's code (a checkout of the base: its "
                          "own member and fetcher processes), alternated with ours; ratio_ours_over_base")
+    ap.add_argument("--cold", action="store_true",
+                    help="before each round, drop the member's files from the page cache (its reads from the disk)")
     ap.add_argument("--serve", type=Path, default=None, help=argparse.SUPPRESS)  # the member process
     ap.add_argument("--key", type=int, default=1, help=argparse.SUPPRESS)  # the member's key (one byte)
     ap.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)  # --ab's base fetcher
