@@ -86,7 +86,7 @@ from swarm.node.ring.codec import (
     is_replay,
     read_hidden,
 )
-from swarm.node.ring.gathering import Gatherer, GatherStats, Inbound, drain, session_of
+from swarm.node.ring.gathering import Gatherer, GatherStats, Inbound, drain, hand_off, session_of
 from swarm.node.ring.links import Link
 from swarm.proto.messages import Chunk, Error, Message, Result, Rollback, SessionEnd, message_name
 
@@ -188,11 +188,10 @@ class StageWorker:
                         continue
                     except BadMessage as exc:  # answered in its turn with an ERROR (_take_batch)
                         item = exc
-                    if not self.swallow:
-                        if isinstance(item, Chunk):
-                            self.gathering.note_arrival(item.session)
-                        send.send_nowait(item)  # unbounded: what is in flight is bounded upstream
-                    await trio.lowlevel.checkpoint()  # the fast path's hot receive never yields
+                    if isinstance(item, Chunk) and not self.swallow:
+                        self.gathering.note_arrival(item.session)
+                    # unbounded: what is in flight is bounded upstream; the compute loop first (gathering.py)
+                    await hand_off(None if self.swallow else send, item)
             except PeerLost:
                 log.info("%r: upstream %s closed", self, self.upstream)
 
