@@ -127,8 +127,9 @@ async def test_the_head_runs_a_lone_sessions_call_inline_and_a_shared_call_in_a_
     assert head.threads[3:] == [False], "two sessions' rows in one 20 ms call: a worker thread"
 
 
-async def test_a_lone_generations_head_call_starts_without_a_scheduler_pass(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """Nobody else is generating, so nobody can join the call: no gathering passes on the token's path."""
+async def test_a_lone_generations_head_call_takes_no_scheduler_pass(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Nobody else is generating, so nobody can join the call: no gathering passes on the token's
+    path, and none after it."""
     passes = [0]
     checkpoint = trio.lowlevel.checkpoint
 
@@ -141,6 +142,9 @@ async def test_a_lone_generations_head_call_starts_without_a_scheduler_pass(monk
     seen: list[int] = []
     head.logits = lambda rows: (seen.append(passes[0]), torch.cat([rows * 2, rows + 1], dim=1))[1]  # type: ignore[method-assign]
     await _shared(head, {1}).logits(_rows(1), 1)
+    after = [passes[0]]
     passes[0] = 0
     await _shared(head, {1, 2}).logits(_rows(1), 1)  # session 2 may queue too: the idle head lets it
+    after.append(passes[0])
     assert seen == [0, 1], "passes before the head computed: none alone, one with another generating"
+    assert after == [0, 1], "after a call of one session's rows its task's next await yields (it sends first)"

@@ -21,8 +21,10 @@ token's path, those scheduler passes cost ~0.1 ms a token on a shared box).
 
 The head runs in a worker thread behind the process's compute limiter, except a call predicted
 to take under INLINE_MAX_S, or one session's small rows alone in the call whose typical call
-takes under LONE_INLINE_MAX_S (swarm/model/batched.py, as in stage_worker.py; the loop checkpoints after it),
-so the trio loop answering heartbeats is never held long by compute. The lone case is one
+takes under LONE_INLINE_MAX_S (swarm/model/batched.py, as in stage_worker.py; the loop checkpoints after it,
+or, after one session's call, its task does at its next await: it samples, sends the next chunk
+and awaits its result, so that chunk leaves before anything else runs), so the trio loop
+answering heartbeats is never held long by compute. The lone case is one
 generation's decode step: a dense head of a small model (7 ms for SmolLM2-135M's 49152 x 576)
 is over INLINE_MAX_S, and its hand-off to a thread and back was on every token's path.
 """
@@ -174,7 +176,8 @@ class SharedHead:
         small = rows.shape[0] <= SMALL_TOKENS
         if not self.compute.threads or (small and self.placing.inline(small=small, lone=lone)):
             out, took = self._compute(rows)
-            await trio.lowlevel.checkpoint()
+            if not lone:  # one session's: its task's next await yields (it samples, sends, awaits a result)
+                await trio.lowlevel.checkpoint()
         else:
             out, took = await self.compute.run(self._compute, rows)
         self.placing.note(took, small=small)

@@ -77,7 +77,7 @@ from swarm.node.compute import drafting, memory
 from swarm.node.compute.headbatch import SharedHead
 from swarm.node.compute.runtime import Compute
 from swarm.node.ring.codec import REPLAY_ID_BASE, hidden_chunk, read_hidden
-from swarm.node.ring.gathering import session_of
+from swarm.node.ring.gathering import hand_off, session_of
 from swarm.node.ring.links import Link
 from swarm.proto.messages import Error, Message, Result, SessionEnd
 
@@ -171,11 +171,8 @@ class Coordinator:
                 session = session_of(item)
                 self._last_result = trio.current_time()
                 self.shared_head.note_result(session)
-                chan = self._sessions.get(session)
-                if chan is not None:  # else a session that already ended (its discarded chunks drain here)
-                    with contextlib.suppress(trio.WouldBlock):  # unbounded buffer: never blocks
-                        chan.send_nowait(item)
-                await trio.lowlevel.checkpoint()  # the fast path's hot receive never yields
+                # None: a session that already ended (its discarded chunks drain here); its task first (gathering.py)
+                await hand_off(self._sessions.get(session), item)
         except PeerLost as exc:
             self._fail_all(PeerLost(f"tail {tail_peer}: result link closed ({exc})"))
             raise

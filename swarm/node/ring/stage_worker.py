@@ -89,7 +89,7 @@ from swarm.node.ring.codec import (
     is_replay,
     read_hidden,
 )
-from swarm.node.ring.gathering import Gatherer, GatherStats, Inbound, drain, session_of
+from swarm.node.ring.gathering import Gatherer, GatherStats, Inbound, drain, hand_off, session_of
 from swarm.node.ring.links import Link
 from swarm.proto.messages import Chunk, Error, Message, Result, Rollback, SessionEnd, message_name
 
@@ -194,10 +194,10 @@ class StageWorker:
                     if not self.swallow:
                         if isinstance(item, Chunk):
                             self.gathering.note_arrival(item.session)
-                        send.send_nowait(item)  # unbounded: what is in flight is bounded upstream
-                        queued = send.statistics().current_buffer_used + len(self._pending)
+                        queued = send.statistics().current_buffer_used + 1 + len(self._pending)
                         self.stats.max_queued = max(self.stats.max_queued, queued)
-                    await trio.lowlevel.checkpoint()  # the fast path's hot receive never yields
+                    # unbounded: what is in flight is bounded upstream; the compute loop first (gathering.py)
+                    await hand_off(None if self.swallow else send, item)
             except PeerLost:
                 log.info("%r: upstream %s closed", self, self.upstream)
 
