@@ -58,6 +58,22 @@ class OriginServer:
     def bytes_sent(self) -> int:
         return sum(s for _, _, s in self.requests())
 
+    def wait_idle(self, timeout: float = 10.0) -> None:
+        """Until nginx holds no client connection open, so that ``requests()`` is complete: nginx
+        writes a request's log line before it closes the connection, and a transfer its client cut
+        ends only when nginx next writes to it (later on a busy machine). Close the clients first:
+        an idle keep-alive connection counts as open."""
+        port = f":{int(self.url.rsplit(':', 1)[1]):04X}"
+        deadline = time.monotonic() + timeout
+        while True:
+            rows = [r.split() for r in Path("/proc/net/tcp").read_text().splitlines()[1:]]
+            # the local address ends in nginx's port; 01 ESTABLISHED, 08 CLOSE_WAIT: nginx still holds it
+            if not any(r[1].endswith(port) and r[3] in ("01", "08") for r in rows):
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"nginx at {self.url} still holds connections after {timeout} s")
+            time.sleep(0.02)
+
 
 def _free_port() -> int:
     with socket.socket() as s:
