@@ -78,10 +78,12 @@ from swarm.model.sampling import (
 
 DEFAULT_PREFILL_CHUNK = 64
 # prompt pieces in flight at once (module doc: chunk schedule). A ring's stages are all busy with one
-# prompt while the window covers them and the pieces on their way back; 8 keeps a ring of up to 6
-# stages fed (benchmarks/bench_long_prompt.py --window). What a stage may hold of one session's
-# hidden states in flight, DEFAULT_PREFILL_WINDOW x DEFAULT_PREFILL_CHUNK tokens, is in its memory
-# budget (planner/budget.py, ModelSpec.inflight_bytes).
+# prompt while the window covers one piece at each stage plus those on the hops and at the
+# coordinator (about stages + 2); 8 leaves that room up to ~6 stages (measured on 3: a 2,048-token
+# prefill as fast as with every piece sent at once, benchmarks/bench_long_prompt.py --ab,
+# long_prompt_window.json; larger rings not measured). What a stage may hold of one session's
+# hidden states on their way, DEFAULT_PREFILL_WINDOW x DEFAULT_PREFILL_CHUNK tokens, is in its
+# memory budget (planner/budget.py, ModelSpec.inflight_bytes).
 DEFAULT_PREFILL_WINDOW = 8
 
 
