@@ -288,6 +288,7 @@ def analyse_trace(trace_dir: Path, plan: dict[str, Any]) -> dict[str, Any]:
             # of which: read -> forward starts (queue, gather, parse, checks, thread hand-off)
             # and forward ends -> sent (encode, hand-off back, send)
             put(f"{name}   in (read -> forward)", r["f0"] - r["t_in"])
+            put(f"{name}     read -> batch (hand-off, parse, checks)", r["t_run"] - r["t_in"])
             put(f"{name}   out (forward -> sent)", r["t_out"] - r["f1"])
             t_prev = r["t_out"]
         t_res = results[(sess, cid)]
@@ -298,6 +299,10 @@ def analyse_trace(trace_dir: Path, plan: dict[str, Any]) -> dict[str, Any]:
         put("coordinator LM head", lm)
         put("coordinator embed", emb)
         put("coordinator other (decoder, hand-offs, encode, send)", nxt["t_out"] - t_res - lm - emb)
+        logits = [h for h in turn if h["k"] == "logits"]
+        if len(logits) == 1:  # of which: result in -> head starts, head ends -> next chunk's _send entered
+            put("coordinator   result -> LM head", logits[0]["t0"] - t_res)
+            put("coordinator   LM head -> send (decoder, sample)", nxt["t_in"] - logits[0]["t1"])
         put("token cycle (send -> next send)", nxt["t_out"] - sends[(sess, cid)]["t_out"])
     med_rows = {k: round(med(v), 2) for k, v in rows.items()}
     return {
