@@ -70,6 +70,7 @@ from swarm.manifest.schema import (
     Reason,
     SwarmSecret,
 )
+from swarm.strictjson import unique_keys
 
 
 def new_manifest(
@@ -190,13 +191,7 @@ def _reject_float(text: str) -> Any:
     raise ValueError(f"number {text[:20]} is not an integer (floats are not allowed)")
 
 
-def _no_dups(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise ValueError(f"duplicate key {k[:64]!r}")
-        out[k] = v
-    return out
+_no_dups = unique_keys(ValueError)
 
 
 def parse_manifest(data: bytes, where: str = "manifest") -> Manifest:

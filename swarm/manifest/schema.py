@@ -18,6 +18,7 @@ from typing import Any
 
 from swarm.errors import ManifestError
 from swarm.manifest.identity import peer_id_from_public_key
+from swarm.strictjson import canonical
 
 FORMAT_VERSION = 1
 MAX_MANIFEST_BYTES = 64 * 1024
@@ -242,9 +243,7 @@ def canonical_bytes(obj: Any) -> bytes:
             stack.extend(v.values())
         elif isinstance(v, list):
             stack.extend(v)
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode(
-        "utf-8"
-    )
+    return canonical(obj)
 
 
 def _b64e(data: bytes) -> str:

@@ -36,6 +36,7 @@ from typing import Any
 
 from swarm.errors import FrameError
 from swarm.proto.limits import DEFAULT_LIMITS, WIRE_VERSION, Limits
+from swarm.strictjson import canonical, unique_keys
 
 MAGIC = b"SW"
 HEADER = struct.Struct("<2sBBBBBBQQII")
@@ -431,20 +432,12 @@ def _check_json_value(value: Any, limits: Limits) -> None:
 
 
 def canonical_bytes(obj: Any) -> bytes:
-    """The project's one canonical JSON encoding (sorted keys, compact, UTF-8, no NaN): frame
-    metadata, and what adverts and plans are signed over (signing.canonical_json).
-    Raises UnicodeEncodeError for a lone surrogate, TypeError/ValueError for what JSON cannot hold;
-    callers name the object."""
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode("utf-8")
+    """The project's one canonical JSON encoding (``swarm.strictjson.canonical``): frame
+    metadata, and what adverts and plans are signed over (signing.canonical_json)."""
+    return canonical(obj)
 
 
-def _pairs_no_dups(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise FrameError(f"frame meta: duplicate key {k[:64]!r}")
-        out[k] = v
-    return out
+_pairs_no_dups = unique_keys(lambda msg: FrameError(f"frame meta: {msg}"))
 
 
 def _reject_constant(name: str) -> Any:
