@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -213,16 +214,9 @@ async def test_a_readers_hand_off_lets_the_task_it_woke_run_before_its_next_step
     assert order == ["woken", "reader"] * 20
 
 
-async def test_a_hand_off_to_a_busy_receiver_or_to_nobody_yields_once(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_hand_off_to_a_busy_receiver_or_to_nobody_yields_once(checkpoints: Callable[[], list[int]]) -> None:
     """A burst queues while the receiver computes: the reader drains it one checkpoint a frame."""
-    passes = [0]
-    checkpoint = trio.lowlevel.checkpoint
-
-    async def counted() -> None:
-        passes[0] += 1
-        await checkpoint()
-
-    monkeypatch.setattr(trio.lowlevel, "checkpoint", counted)
+    passes = checkpoints()
     send, recv = trio.open_memory_channel[int](math.inf)
     await hand_off(send, 1)
     await hand_off(None, 2)  # a session that ended: the message is dropped

@@ -6,6 +6,7 @@ test, not a GEMM's rounding); the real head's batched tokens are checked in test
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import torch
 import trio
@@ -127,17 +128,10 @@ async def test_the_head_runs_a_lone_sessions_call_inline_and_a_shared_call_in_a_
     assert head.threads[3:] == [False], "two sessions' rows in one 20 ms call: a worker thread"
 
 
-async def test_a_lone_generations_head_call_takes_no_scheduler_pass(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+async def test_a_lone_generations_head_call_takes_no_scheduler_pass(checkpoints: Callable[[], list[int]]) -> None:
     """Nobody else is generating, so nobody can join the call: no gathering passes on the token's
     path, and none after it."""
-    passes = [0]
-    checkpoint = trio.lowlevel.checkpoint
-
-    async def counted() -> None:
-        passes[0] += 1
-        await checkpoint()
-
-    monkeypatch.setattr(trio.lowlevel, "checkpoint", counted)
+    passes = checkpoints()
     head = _Head()
     seen: list[int] = []
     head.logits = lambda rows: (seen.append(passes[0]), torch.cat([rows * 2, rows + 1], dim=1))[1]  # type: ignore[method-assign]
