@@ -52,14 +52,15 @@ class _Harness:
 
 
 @asynccontextmanager
-async def _serving(stage: Stage, *, is_tail: bool = False, max_sessions: int = 64) -> AsyncIterator[_Harness]:
+async def _serving(stage: Stage, *, is_tail: bool = False, max_sessions: int = 64, threads: bool = False,
+                   **worker: Any) -> AsyncIterator[_Harness]:  # fmt: skip
     inbound, outbound = LocalLink("up->stage"), LocalLink("stage->down")
     h = _Harness(None, inbound, outbound)  # type: ignore[arg-type]
-    worker = StageWorker(stage, epoch=EPOCH, upstream="peer-up", is_tail=is_tail, max_sessions=max_sessions,
-                         on_bad_input=lambda peer, why: h.bad.append((peer, why)), compute=Compute(threads=False))
-    h.worker = worker
+    h.worker = StageWorker(stage, epoch=EPOCH, upstream="peer-up", is_tail=is_tail, max_sessions=max_sessions,
+                           on_bad_input=lambda peer, why: h.bad.append((peer, why)), compute=Compute(threads=threads),
+                           **worker)  # fmt: skip
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(worker.serve, inbound, outbound)
+        nursery.start_soon(h.worker.serve, inbound, outbound)
         yield h
         await inbound.close()  # the upstream goes: serve returns
 
@@ -122,6 +123,28 @@ async def test_a_chunk_it_cannot_place_is_refused_without_blaming_the_upstream(c
     assert "1 sessions open (limit max_sessions)" in errors[1].message
     assert "starts at position 4 but only 2 are cached" in errors[2].message
     assert s.bad == [], "the upstream sent sound activations: nobody is named"
+
+
+async def test_a_session_queueing_over_its_window_is_refused_and_the_others_go_on(ckpt: Path) -> None:
+    """An upstream that ignores the prefill window (module doc: the reader): while a forward runs,
+    the chunks that would queue more of one session's tokens than the bound are refused with an
+    ERROR naming the session; its chunks within the bound and another session's are computed, the
+    upstream is not named to the leader, and what was refused is no longer counted."""
+    stage = _stages(ckpt)[0]
+    async with _serving(stage, threads=True, max_queued_tokens=8, compute_delay_s=0.3) as s:
+        for i in range(5):  # 5 chunks of 4 tokens of session 1 while its first one computes
+            await s.send(hidden_chunk(1, i, 4 * i, "prefill", _hidden(stage, 4, i), EPOCH))
+        await s.send(hidden_chunk(2, 0, 0, "prefill", _hidden(stage, 4, 9), EPOCH))
+        out = [await s.next() for _ in range(6)]
+        await s.send(hidden_chunk(1, 5, 12, "prefill", _hidden(stage, 4, 5), EPOCH))  # from what it holds
+        after = await s.next()
+    chunks = sorted((m.session, m.chunk_id) for m in out if isinstance(m, Chunk))
+    errors = [m for m in out if isinstance(m, Error)]
+    assert chunks == [(1, 0), (1, 1), (1, 2), (2, 0)]
+    assert [(e.session, e.chunk_id, e.code) for e in errors] == [(1, 3, "bad_frame"), (1, 4, "bad_frame")]
+    assert "session 1's chunk 3 would queue 12 of its tokens at stage [0, 2), over the 8" in errors[0].message
+    assert s.bad == [], "a refused flood names nobody to the leader"
+    assert isinstance(after, Chunk) and (after.session, after.chunk_id) == (1, 5)
 
 
 async def test_rollback_and_session_end_act_here_and_travel_on_except_from_the_tail(ckpt: Path) -> None:

@@ -10,7 +10,11 @@ coordinator). Two tasks share it:
   upstream peer never waits on our compute (its sends do not stall, a libp2p stream is never
   left unread) and the trio loop stays free for heartbeats and control messages; what it holds
   is bounded upstream instead: a session has at most its prefill window of pieces (or a decode
-  step's few chunks) in flight on the whole ring (coordinator.py), which the budget counts;
+  step's few chunks) in flight on the whole ring (coordinator.py), which the budget counts. The
+  reader holds a session to twice that (MAX_QUEUED_TOKENS): a chunk that would queue more of one
+  session's tokens is refused (answered with an ERROR in its turn, as a bad frame), so an upstream
+  that ignores the window (a faulty or hostile coordinator) fails its own sessions, never this
+  node's memory or the other sessions;
 - the *compute loop* takes a *batch* from the queue and runs it as one forward.
 
 Batches (continuous batching). Frames of one session must be handled in arrival order (every
@@ -77,6 +81,7 @@ import trio
 
 from swarm.errors import BadMessage, PeerLost, PeerTimeout, ProtocolError, SwarmError
 from swarm.model.batched import SMALL_TOKENS, InlinePolicy, forward_many
+from swarm.model.speculative import DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_WINDOW
 from swarm.model.stage import Stage
 from swarm.node.compute import memory
 from swarm.node.compute.runtime import Compute
@@ -98,6 +103,8 @@ log = logging.getLogger("swarm.node.stage")
 MAX_BATCH = 16  # sessions in one forward
 MAX_BATCH_TOKENS = 512  # tokens in one forward (a prefill piece is 64 by default)
 REPLAY_GROUP = 16  # the most replay chunks of a session computed in one call (module doc: replay)
+# one session's tokens read and not yet handled, at most (module doc: the reader): twice its window
+MAX_QUEUED_TOKENS = 2 * DEFAULT_PREFILL_WINDOW * DEFAULT_PREFILL_CHUNK
 IDLE_POLL_S = 5.0  # an idle inbound link is fine; we only wake to notice cancellation
 SEND_TIMEOUT_S = 10.0
 
@@ -131,6 +138,7 @@ class StageWorker:
         on_bad_input: Callable[[str, str], None] | None = None,
         compute_delay_s: float = 0.0,
         max_batch: int = MAX_BATCH,
+        max_queued_tokens: int = MAX_QUEUED_TOKENS,
         corrupt_after: int | None = None,
     ) -> None:
         self.stage = stage
@@ -154,6 +162,8 @@ class StageWorker:
         # inside the compute, as a busy box's compute does), wherever the forward runs
         self.compute_delay_s = compute_delay_s
         self._pending: deque[Inbound] = deque()  # read, not yet handled (sessions busy in a batch)
+        self.max_queued_tokens = max_queued_tokens
+        self._queued: dict[int, int] = {}  # session -> its chunks' tokens read, not yet handled
         self.gathering = Gatherer(stage, self.stats, self.max_batch)  # waits for sessions due (gathering.py)
         self._replayed: dict[int, int] = {}  # session -> replay chunks computed (module doc: replay)
         self.trace: list[list[tuple[int, int, int]]] | None = None  # tests: (session, pos, tokens) per batch
@@ -193,6 +203,8 @@ class StageWorker:
                         item = exc
                     if not self.swallow:
                         if isinstance(item, Chunk):
+                            item = self._enqueue(item)
+                        if isinstance(item, Chunk):
                             self.gathering.note_arrival(item.session)
                         queued = send.statistics().current_buffer_used + 1 + len(self._pending)
                         self.stats.max_queued = max(self.stats.max_queued, queued)
@@ -200,6 +212,22 @@ class StageWorker:
                     await hand_off(None if self.swallow else send, item)
             except PeerLost:
                 log.info("%r: upstream %s closed", self, self.upstream)
+
+    def _enqueue(self, chunk: Chunk) -> Chunk | BadMessage:
+        """Count a chunk read against its session's bound, or refuse it (module doc: the reader)."""
+        held = self._queued.get(chunk.session, 0) + chunk.tokens
+        if held > self.max_queued_tokens:
+            return BadMessage(
+                f"peer {self.upstream}: session {chunk.session}'s chunk {chunk.chunk_id} would queue {held} of its "
+                f"tokens at stage [{self.stage.start}, {self.stage.end}), over the {self.max_queued_tokens} its "
+                "prefill window allows", session=chunk.session, seq=chunk.chunk_id)  # fmt: skip
+        self._queued[chunk.session] = held
+        return chunk
+
+    def _dequeue(self, chunk: Chunk) -> None:
+        left = self._queued.pop(chunk.session, 0) - chunk.tokens
+        if left > 0:
+            self._queued[chunk.session] = left
 
     async def _compute_loop(self, recv: trio.MemoryReceiveChannel[Inbound], outbound: Link) -> None:
         while True:
@@ -242,6 +270,7 @@ class StageWorker:
                 keep.append(msg)
                 busy.add(session)
                 continue
+            self._dequeue(msg)
             h = await self._admit(msg, outbound)
             if h is not None:
                 group = self._replay_group(msg, h, MAX_BATCH_TOKENS - tokens) if is_replay(msg.chunk_id) else [(msg, h)]
@@ -274,6 +303,7 @@ class StageWorker:
             except SwarmError:
                 break
             del self._pending[i]
+            self._dequeue(msg)
             end, tokens = msg.pos + msg.tokens, tokens + msg.tokens
             self._replayed[first.session] += 1
         return group
