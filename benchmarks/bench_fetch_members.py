@@ -285,6 +285,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                     p.stdin.close()  # type: ignore[union-attr]
                 p.wait(timeout=30)
         med = {k: statistics.median(x[0] for x in v) if v else float("nan") for k, v in got.items()}
+        # fast ÷ tcp only where both paths ran (``--paths fast`` alone has no ratio)
+        per_round = [x[0] / y[0] for x, y in zip(got["fast"], got["tcp"], strict=True)] if got["fast"] and got["tcp"] else []
         result = {
             "machine_note": a.note,
             "load_average_before_after": [round(load0, 2), round(os.getloadavg()[0], 2)],
@@ -298,13 +300,13 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             "members_mb_s": [round(x[0], 1) for x in got["fast"]],
             "members_libp2p_mb_s": [round(x[0], 1) for x in got["libp2p"]],
             "tcp_mb_s": [round(x[0], 1) for x in got["tcp"]],
-            "members_mb_s_median": round(med["fast"], 1),
+            "members_mb_s_median": round(med["fast"], 1) if got["fast"] else None,
             "members_libp2p_mb_s_median": round(med["libp2p"], 1) if got["libp2p"] else None,
-            "tcp_mb_s_median": round(med["tcp"], 1),
-            "ratio_members_over_tcp": round(med["fast"] / med["tcp"], 3),
-            "ratio_libp2p_over_tcp": round(med["libp2p"] / med["tcp"], 3) if got["libp2p"] else None,
-            "ratio_per_round": [round(x[0] / y[0], 3) for x, y in zip(got["fast"], got["tcp"], strict=True)],
-            "ratio_per_round_median": round(statistics.median(x[0] / y[0] for x, y in zip(got["fast"], got["tcp"], strict=True)), 3),
+            "tcp_mb_s_median": round(med["tcp"], 1) if got["tcp"] else None,
+            "ratio_members_over_tcp": round(med["fast"] / med["tcp"], 3) if per_round else None,
+            "ratio_libp2p_over_tcp": round(med["libp2p"] / med["tcp"], 3) if got["libp2p"] and got["tcp"] else None,
+            "ratio_per_round": [round(r, 3) for r in per_round],
+            "ratio_per_round_median": round(statistics.median(per_round), 3) if per_round else None,
             "target_ratio": 0.5,
             **(_ab(a, got) if a.ab is not None else {}),
             "cpu_ms_per_mb_median": {k: {"fetcher": round(statistics.median(x[1] for x in v), 2),
