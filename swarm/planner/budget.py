@@ -82,7 +82,7 @@ def predicted_peak(
     n = 0 if at_load else spec.sessions if sessions is None else sessions
     peak = sum(spec.weights[start:end]) + (end - start) * spec.session_kv_bytes_per_layer * n
     if end > start and not at_load:
-        peak += spec.activation_bytes + n * spec.inflight_bytes  # ModelSpec.transient_bytes at n sessions
+        peak += spec.transient_at(n)
     if coordinator:
         peak += spec.coordinator_bytes + draft_bytes
     return peak

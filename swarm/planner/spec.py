@@ -114,11 +114,15 @@ class ModelSpec:
     def smallest_bytes_per_layer(self) -> int:
         return min(self.weights) + self.kv_bytes_per_layer
 
+    def transient_at(self, sessions: int) -> int:
+        """What a stage holds besides weights and KV: one forward's activations, and the hidden
+        states ``sessions`` sessions may have on their way (each a prefill window's)."""
+        return self.activation_bytes + sessions * self.inflight_bytes
+
     @property
     def transient_bytes(self) -> int:
-        """What a stage holds besides weights and KV: one forward's activations, and the hidden
-        states its ``sessions`` sessions may have on their way (each a prefill window's)."""
-        return self.activation_bytes + self.sessions * self.inflight_bytes
+        """:meth:`transient_at` its own ``sessions``."""
+        return self.transient_at(self.sessions)
 
     @property
     def weights(self) -> tuple[int, ...]:
