@@ -45,6 +45,18 @@ sessions (batched.py) and row groups (rows.py) keep the eager path.
 
 Inductor's CPU kernels take the thread count at compile time: set ``torch.set_num_threads``
 before :func:`warm_compiled` (the CLI does).
+
+In a node (``join --compile``; node/compute/runtime.py ``Models._compile``): the capacity is the
+swarm's context, the length every StageWorker session's cache already has (so a compiled stage
+holds no more KV than an eager one, and the budget counts it as is), and only the spans up to
+the node's ``compile_span`` (default :data:`LONGEST_SPAN`) are compiled before the block is
+reported loaded; steps at later positions run eagerly, so no graph is ever compiled while
+serving. The ring's contract with compiled stages: in fp32 its greedy tokens equal one eager
+box's, also after a re-plan whose replay rebuilds caches through the eager row path and
+continues compiled (tests/node/test_compiled_processes.py); the compiled step's hidden states
+differ from eager's in the last bits (~1e-5), as batched rows do, so the promise is the tokens,
+not the bits. In bf16 a ring with compiled stages may flip a near-tie against an eager box, and
+against itself across a re-plan (the replayed positions are recomputed eagerly).
 """
 
 from __future__ import annotations
