@@ -23,7 +23,7 @@ from swarm.testing.memnet import MemNet
 from swarm.testing.memswarm import MemSwarm
 
 PROMPT = [5, 17, 99, 3, 42, 7, 5, 17, 99, 3, 42]
-pytestmark = [pytest.mark.timeout(400), pytest.mark.slow]  # a cold inductor cache compiles for ~20 s a graph
+pytestmark = pytest.mark.timeout(400)
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +57,7 @@ def _counting(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
     return seen
 
 
+@pytest.mark.slow  # a cold inductor cache compiles for ~10 s a graph of this model
 async def test_a_compiled_node_steps_lone_sessions_compiled_and_batches_eagerly(
     ckpt: Path, monkeypatch: pytest.MonkeyPatch, autojump_clock: Any
 ) -> None:
@@ -97,6 +98,7 @@ async def test_a_compiled_node_steps_lone_sessions_compiled_and_batches_eagerly(
         nursery.cancel_scope.cancel()
 
 
+@pytest.mark.slow
 async def test_a_compiled_nodes_graphs_stay_within_their_bound(ckpt: Path, autojump_clock: Any) -> None:
     """Sessions of several lengths (across spans and past the longest compiled span), drafted
     verify chunks and rollbacks, batches of 1 to 3 sessions: the graphs compiled while serving
@@ -126,4 +128,31 @@ async def test_a_compiled_nodes_graphs_stay_within_their_bound(ckpt: Path, autoj
         # every graph was compiled before the ring served: none while serving
         assert int(counters["stats"]["unique_graphs"]) == before
         assert all(s is not None and s.compiled_spans == {64, 128} for s in steps)  # and none longer
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_stage_that_cannot_compile_serves_eagerly_and_says_why_once(
+    ckpt: Path, monkeypatch: pytest.MonkeyPatch, autojump_clock: Any
+) -> None:
+    """--compile on a swarm whose invite holds the KV cache as int8 (compiled.unsupported): the
+    node does not fail, its stage serves eagerly with the same tokens as one box of that format,
+    and it says why once, in a notice and in its status."""
+    torch.set_num_threads(1)
+    model = LocalModel.load(ckpt, stages=1, dtype=torch.float32, kv_cache="int8")
+    want = generate(model, PROMPT, eos_token_ids=(), max_new_tokens=20).output_token_ids
+    seen = _counting(monkeypatch)
+    async with trio.open_nursery() as nursery:
+        swarm = MemSwarm(MemNet(), ckpt, nursery, layers=[2, 2],
+                         overrides={i: {"compile": True, "kv_cache": "int8"} for i in (0, 1)})  # fmt: skip
+        await swarm.start_all()
+        await swarm.ready()
+        got = await swarm.generate(1, PROMPT, 20, draft="none")
+        assert got["output_token_ids"] == want and seen["compiled"] == 0 and seen["eager one-token"] > 0
+        for i, p in swarm.peers.items():
+            if p.epoch.stage is None:
+                continue
+            assert p.epoch.stage.compiled is None
+            status = p.serving.reporter.status()["compiled"]
+            assert status["spans"] == [] and "int8 KV cache" in status["eager"], status
+            assert swarm.logs(i).count("--compile:") == 1 and "serving eagerly" in swarm.logs(i)
         nursery.cancel_scope.cancel()
