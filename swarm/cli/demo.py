@@ -26,8 +26,11 @@ from swarm.manifest.manifest import read_manifest
 from swarm.manifest.schema import DEFAULT_CONTEXT, KV_CACHES, MAX_CONTEXT, MIN_CONTEXT, QUANTS
 
 DEFAULT_PROMPT = "Explain in two sentences why the sky is blue."
+# a demo's one generation fits in 256 positions: 3 graphs per node (64, 128, 256) instead of join's 5,
+# so three nodes compiling at once on a small machine are serving well within --timeout
+DEMO_COMPILE_SPAN = 256
 COMPILE_HELP = ("Every node runs its stage's one-token decode steps as compiled graphs (as join --compile): "
-                "compiled before the ring serves; a stage that cannot compile serves eagerly.")
+                "compiled before the ring serves (spans up to 256 positions, later steps eager); a stage that cannot compile serves eagerly.")
 
 
 def register(app: typer.Typer) -> None:
@@ -85,7 +88,8 @@ def demo(
 
     context = min(context, open_checkpoint(model_dir).args.max_seq_len)  # the model's own maximum caps it
     with start_local_swarm(nodes, model_dir, dtype=dtype, device=dev, draft=draft, delay_ms=delay_ms,
-                           quant=quant, context_tokens=context, kv_cache=kv_cache, compile=compile_) as swarm:
+                           quant=quant, context_tokens=context, kv_cache=kv_cache, compile=compile_,
+                           compile_span=DEMO_COMPILE_SPAN) as swarm:  # fmt: skip
         try:
             result = trio.run(
                 _run_one, swarm.addrs[-1], swarm.secret, swarm.swarm_id, timeout,
