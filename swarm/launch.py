@@ -166,9 +166,13 @@ def start_local_swarm(
     device_names: list[str] | None = None,
     node_env: dict[int, dict[str, str]] | None = None,
     sessions: int = MIN_SESSIONS,
+    compile: bool = False,
+    compile_span: int | None = None,
 ) -> LocalSwarm:
     """``n`` node processes (module doc); ``device_names``: what each node's advert calls its
-    machine (NodeSettings.device_name), e.g. a hostile name for the console's escaping test."""
+    machine (NodeSettings.device_name), e.g. a hostile name for the console's escaping test.
+    ``compile``: every node runs its stage's decode steps compiled (join --compile), spans up to
+    ``compile_span`` (None: NodeSettings' default)."""
     if n < 1:
         raise ValueError("a swarm needs at least one node")
     tmp = None
@@ -226,7 +230,10 @@ def start_local_swarm(
                 "chunk_timeout": chunk_timeout,
                 "compute_delay_s": compute_delay_s,
                 "sessions": sessions,
+                "compile": compile,
             }
+            if compile_span is not None:
+                cfg["compile_span"] = compile_span
             if device_names is not None and device_names[i]:
                 cfg["device_name"] = device_names[i]
             swarm._spawn(i, cfg)

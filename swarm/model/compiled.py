@@ -45,6 +45,18 @@ sessions (batched.py) and row groups (rows.py) keep the eager path.
 
 Inductor's CPU kernels take the thread count at compile time: set ``torch.set_num_threads``
 before :func:`warm_compiled` (the CLI does).
+
+In a node (``join --compile``; node/compute/runtime.py ``Models._compile``): the capacity is the
+swarm's context, the length every StageWorker session's cache already has (so a compiled stage
+holds no more KV than an eager one, and the budget counts it as is), and only the spans up to
+the node's ``compile_span`` (default :data:`LONGEST_SPAN`) are compiled before the block is
+reported loaded; steps at later positions run eagerly, so no graph is ever compiled while
+serving. The ring's contract with compiled stages: in fp32 its greedy tokens equal one eager
+box's, also after a re-plan whose replay rebuilds caches through the eager row path and
+continues compiled (tests/node/test_compiled_processes.py); the compiled step's hidden states
+differ from eager's in the last bits (~1e-5), as batched rows do, so the promise is the tokens,
+not the bits. In bf16 a ring with compiled stages may flip a near-tie against an eager box, and
+against itself across a re-plan (the replayed positions are recomputed eagerly).
 """
 
 from __future__ import annotations
@@ -63,6 +75,10 @@ if TYPE_CHECKING:
     from swarm.model.stage import Stage
 
 MIN_SPAN = 64  # the smallest attention span compiled: positions 0..63 share one graph
+# the longest span a node compiles (NodeSettings.compile_span): at most 1 + log2(1024 / 64) = 5
+# graphs (~20 s each on a 2-core box, the bundled model), steps at later positions run eagerly;
+# a span marked dynamic (one graph) measured slower than eager (benchmarks/README.md)
+LONGEST_SPAN = 1024
 _graph_budget = 0  # graphs the CompiledSteps of this process may compile (recompile_limit)
 
 
@@ -83,6 +99,17 @@ def n_spans(capacity: int) -> int:
         if length >= capacity:
             return len(spans)
         length = min(2 * length, capacity)
+
+
+def longest_span(capacity: int, limit: int | None) -> int:
+    """The longest span compiled for a cache of ``capacity`` under ``limit`` (None: all of them):
+    ``limit`` rounded down to a power of two, at least MIN_SPAN, at most ``capacity``."""
+    if limit is None or limit >= capacity:
+        return capacity
+    span = MIN_SPAN
+    while 2 * span <= limit:
+        span *= 2
+    return min(span, capacity)
 
 
 def unsupported(stage: Stage) -> str | None:
@@ -109,7 +136,7 @@ class CompiledStep:
     one-token chunk of a session whose cache has this capacity.
     """
 
-    def __init__(self, stage: Stage, capacity: int) -> None:
+    def __init__(self, stage: Stage, capacity: int, max_span: int | None = None) -> None:
         if (why := unsupported(stage)) is not None:
             raise ModelError(why)
         if not 1 <= capacity <= stage.args.max_seq_len:
@@ -117,6 +144,8 @@ class CompiledStep:
                 f"compiled capacity {capacity} outside 1..{stage.args.max_seq_len} (the model's positions)"
             )
         self.capacity = capacity
+        # steps that would read a longer span run eagerly (Stage.forward): positions < longest
+        self.longest = longest_span(capacity, max_span)
         self.layers = cast(list[llama_layers.DecoderLayer], list(stage.layers))
         largs = llama_layers.ModelArgs.from_config(stage.args.config)
         self.kv_heads, self.head_dim = largs.n_kv_heads, largs.head_dim
@@ -126,7 +155,7 @@ class CompiledStep:
         # every CompiledStep traces the same function, so dynamo keeps one cache for all of them:
         # stages of other layer counts, dtypes or capacities add their spans' graphs to it
         global _graph_budget
-        _graph_budget += n_spans(capacity)
+        _graph_budget += n_spans(self.longest)
         dyn = cast(Any, torch._dynamo.config)
         if dyn.recompile_limit < _graph_budget + 2:  # and a margin for a guard we did not foresee
             dyn.recompile_limit = _graph_budget + 2
@@ -194,8 +223,10 @@ def _decode(
 
 
 def warm_compiled(stage: Stage, spans: int | None = None) -> list[int]:
-    """Compile the graphs of the first ``spans`` spans (all by default) on a scratch session,
-    so no user token pays compile time; returns the spans compiled. Inductor's kernels take the
+    """Compile the graphs of the first ``spans`` spans (all the step runs by default: up to its
+    ``longest``) on a scratch session, so no user token pays compile time; returns the spans
+    compiled. The scratch session's cache is one session's at capacity, freed before this
+    returns (a node warms before it serves: no session is open). Inductor's kernels take the
     current ``torch.get_num_threads()``: set it first."""
     step = stage.compiled
     if step is None:
@@ -206,9 +237,9 @@ def warm_compiled(stage: Stage, spans: int | None = None) -> list[int]:
         span = span_for(length, step.capacity)
         if not wanted or wanted[-1][0] != span:
             wanted.append((span, length))
-        if length >= step.capacity:
+        if length >= step.longest:
             break
-        length = min(span + 1, step.capacity)
+        length = min(span + 1, step.longest)
     scratch = ("warm-compiled", id(stage))
     stage.open_session(scratch, step.capacity)
     try:

@@ -179,17 +179,19 @@ class Stage(nn.Module):
             stage.enable_compiled(compile_capacity)
         return stage
 
-    def enable_compiled(self, capacity: int | None = None) -> None:
+    def enable_compiled(self, capacity: int | None = None, max_span: int | None = None) -> None:
         """Run one-token decode steps through a compiled static-shape graph (compiled.py).
 
         Every session opened from now on holds a KV cache of ``capacity`` positions (default:
         the model's, capped at 4096), so all share the graphs; a session asking for more runs
-        eagerly. ModelError naming why where this stage is not supported (then run eagerly).
+        eagerly, and so do steps at positions past ``max_span`` (compiled.longest_span; None:
+        every span up to ``capacity`` is compiled). ModelError naming why where this stage is
+        not supported (then run eagerly).
         """
         from swarm.model.compiled import CompiledStep
 
         cap = capacity if capacity is not None else min(self.args.max_seq_len, 4096)
-        self.compiled = CompiledStep(self, cap)
+        self.compiled = CompiledStep(self, cap, max_span)
 
     def _load_layers(self, source: TensorSource, progress: Progress | None, compact: Any,
                      kernel_dtype: torch.dtype | None) -> None:
@@ -309,8 +311,9 @@ class Stage(nn.Module):
         cache = self._cache(session)
         self._check_rows(h)
         T = h.shape[0]
-        if T == 1 and self.compiled is not None and cache.max_len == self.compiled.capacity:
-            return self.compiled.step(cache, h)  # (1, D)
+        step = self.compiled
+        if T == 1 and step is not None and cache.max_len == step.capacity and cache.length < step.longest:
+            return step.step(cache, h)  # (1, D)
         (out,) = self._walk([[(cache, cache.begin(T), h)]])
         cache.advance(T)
         return out  # (T, D)

@@ -57,6 +57,10 @@ class NodeSettings:
     # --sessions, node.sessions): in its advert, so a leader plans its block with this count (Peer.sessions),
     # and its spec's, the count a leader plans peers whose advert lacks one with
     sessions: int = 8
+    # a stage's one-token decode steps through a compiled graph (join --compile; model/compiled.py):
+    # this node's choice, compiled before it serves; a stage that cannot compile serves eagerly
+    compile: bool = False
+    compile_span: int = 1024  # the longest attention span compiled (compiled.LONGEST_SPAN); later steps eager
     compute_delay_s: float = 0.0  # fault injection (load tests): every forward and head call blocks this much longer
     relay: bool = False  # use the bootstrap nodes as relays and hole punch (swarm.node.members.discovery)
     mdns: bool = False  # announce and discover peers on the LAN

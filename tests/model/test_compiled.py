@@ -10,7 +10,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from swarm.errors import ModelError
-from swarm.model.compiled import MIN_SPAN, n_spans, span_for, warm_compiled
+from swarm.model.compiled import MIN_SPAN, longest_span, n_spans, span_for, warm_compiled
 from swarm.model.drafters import NgramDrafter
 from swarm.model.generate import LocalModel, generate
 from swarm.model.stage import Stage
@@ -43,6 +43,10 @@ def test_spans_are_powers_of_two_up_to_capacity() -> None:
     assert [span_for(n, 256) for n in (1, 64, 65, 128, 129, 256)] == [64, 64, 128, 128, 256, 256]
     assert span_for(200, 200) == 200 and span_for(1, 40) == 40
     assert n_spans(256) == 3 and n_spans(200) == 3 and n_spans(MIN_SPAN) == 1
+    # a node's bound (NodeSettings.compile_span): rounded down to a power of two, within capacity
+    assert [longest_span(8192, 1024), longest_span(8192, 1000), longest_span(200, None), longest_span(100, 1024)] \
+        == [1024, 512, 200, 100]
+    assert longest_span(8192, 10) == MIN_SPAN and n_spans(longest_span(8192, 1024)) == 5
 
 
 def test_fp32_tokens_equal_eager_across_spans_drafts_and_stages(tiny_dir: Path) -> None:

@@ -117,6 +117,8 @@ class Models:
         self.ms_per_layer = 0.0
         self._stages: dict[tuple[int, int], Stage] = {}
         self._head: Head | None = None
+        # join --compile: what this node's stage compiled (status "compiled"; None: not asked)
+        self.compiled: dict[str, Any] | None = None
         self.drafts = DraftHolder(settings.draft, compute)  # its draft model (drafting.py)
         self.fetch = BlockFetcher(settings, compute, notices) if settings.fetch_dir is not None else None
 
@@ -166,8 +168,40 @@ class Models:
             self.notices.life("loading", layers=[a, b], done=False, error=memory.describe(exc))
             raise memory.CannotLoad(f"cannot load layers [{a}, {b}): {memory.describe(exc)}") from None
         self.notices.life("loading", layers=[a, b], done=True, seconds=round(trio.current_time() - t0, 3))
+        if s.compile:
+            await self._compile(stage)
         self._stages[(a, b)] = stage
         return stage
+
+    async def _compile(self, stage: Stage) -> None:
+        """join --compile: the stage's one-token decode step compiled for the swarm's context (the
+        capacity every session's cache already has: StageWorker opens each at ``context_tokens``,
+        which the budget counts) and its spans up to ``compile_span`` warmed, before the block is
+        reported loaded, so no user token pays for it. A stage that cannot compile serves eagerly
+        and says why, once."""
+        from swarm.model.compiled import unsupported, warm_compiled
+
+        s = self.settings
+        why = unsupported(stage)
+        if why is not None:
+            if self.compiled is None or self.compiled.get("eager") != why:
+                self.notices.event(f"--compile: {why}; serving eagerly")
+            self.compiled = {"layers": [stage.start, stage.end], "eager": why, "spans": [], "capacity": None,
+                             "eager_from": 0, "warm_s": None}  # fmt: skip
+            return
+        self.notices.event(f"compiling the decode step of layers [{stage.start}, {stage.end}) (cached after the first start)")
+        t0 = time.perf_counter()
+
+        def build() -> list[int]:
+            stage.enable_compiled(self.context_tokens, s.compile_span)
+            return warm_compiled(stage)
+
+        spans = await self.compute.run(build)
+        assert stage.compiled is not None
+        self.compiled = {"layers": [stage.start, stage.end], "eager": None, "spans": spans, "capacity": stage.compiled.capacity,
+                         "eager_from": stage.compiled.longest if stage.compiled.longest < stage.compiled.capacity else None,
+                         "warm_s": round(time.perf_counter() - t0, 2)}  # fmt: skip
+        self.notices.event(f"compiled spans {spans} in {self.compiled['warm_s']} s")
 
     async def head(self) -> Head:
         if self._head is None:

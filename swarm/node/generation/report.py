@@ -139,6 +139,8 @@ class Reporter:
             # members with RTTs, plus a few other adverts: made-up ones must not make the reply too big
             "peers_file": self.service.membership.peers_file(members=set(self.view.members()), others=STATUS_OTHER_ADVERTS),
             "ms_per_layer": self.models.ms_per_layer,
+            # join --compile: the spans compiled, or why this stage serves eagerly (None: not asked)
+            "compiled": self.models.compiled,
             "context_tokens": self.models.context_tokens,  # the swarm's context as this node serves it
             "hop_paths": {str(k): v for k, v in self.wiring.hop_paths.items()},
             "hops": hop_report(ep) if ep is not None else [],
