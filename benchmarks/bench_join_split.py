@@ -58,6 +58,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -74,7 +75,12 @@ from swarm.manifest.manifest import read_manifest  # noqa: E402
 from swarm.manifest.model_manifest import ModelManifest, manifest_of_path  # noqa: E402
 from swarm.model.generate import LocalModel, generate  # noqa: E402
 from swarm.testing.checkpoints import TinySpec, write_checkpoint  # noqa: E402
-from swarm.testing.memlimit import MemoryCgroup, memlimit_unavailable_reason, memory_cgroup  # noqa: E402
+from swarm.testing.memlimit import (  # noqa: E402
+    MemoryCgroup,
+    memlimit_unavailable_reason,
+    memory_cgroup,
+    process_memory,
+)
 from swarm.testing.origin_server import have_nginx, origin_server  # noqa: E402
 from tests.cli import test_fetch_join as fetchlab  # noqa: E402
 from tests.cli.joinkit import JoinProc  # noqa: E402
@@ -123,6 +129,53 @@ def in_cgroups(cgroups: list[MemoryCgroup]) -> type[StampedProc]:
     return Limited
 
 
+class Sampler:
+    """Every ``every`` s, each peer's process (/proc/PID/status: VmRSS, RssAnon, RssFile, VmHWM)
+    and cgroup (charge, anon, file, failcnt or oom events, OOM kills), tagged with the phase the
+    run is in (issue 26: a node killed inside its offer is explained by its own series); a thread,
+    so it samples while the run's own calls block."""
+
+    def __init__(self, procs: list[StampedProc], every: float = 1.0) -> None:
+        self.procs, self.every, self.phase = procs, every, "start"
+        self.t0 = time.monotonic()
+        self.series: list[dict[str, Any]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="memory-sampler", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.every):
+            peers = []
+            for p in self.procs:
+                row = {f"proc_{k}": v for k, v in process_memory(p.proc.pid).items()} if p.proc.poll() is None else {}
+                with contextlib.suppress(OSError, ValueError):
+                    row |= {f"cgroup_{k}": v for k, v in p.cgroup.sample().items()}  # type: ignore[attr-defined]
+                peers.append(row)
+            self.series.append({"t": round(time.monotonic() - self.t0, 1), "phase": self.phase, "peers": peers})
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def maxima(self) -> dict[str, list[dict[str, int]]]:
+        """Per phase, per peer: each field's most over the phase's samples."""
+        out: dict[str, list[dict[str, int]]] = {}
+        for s in self.series:
+            rows = out.setdefault(s["phase"], [{} for _ in self.procs])
+            for row, got in zip(rows, s["peers"], strict=True):
+                for k, v in got.items():
+                    row[k] = max(row.get(k, v), v)
+        return out
+
+    def columns(self) -> dict[str, Any]:
+        """The series as columns (MB, one decimal; counts as they are), for a file of its own."""
+        fields = sorted({k for s in self.series for row in s["peers"] for k in row})
+        mb = lambda k, v: v if k.endswith(("oom", "oom_kill")) else round(v / 1e6, 1)  # noqa: E731
+        return {"every_s": self.every, "t": [s["t"] for s in self.series], "phase": [s["phase"] for s in self.series],
+                "peers": [{k: [mb(k, s["peers"][i][k]) if k in s["peers"][i] else None for s in self.series] for k in fields}
+                          for i in range(len(self.procs))]}  # fmt: skip
+
+
 class Memory:
     """The memory half of a ``--memlimit`` run: each peer's figures at a phase, the sessions."""
 
@@ -133,6 +186,8 @@ class Memory:
         self.phases: dict[str, list[dict[str, Any]]] = {}
         self.outputs: dict[str, list[list[int]]] = {}
         self.seconds: dict[str, float] = {}
+        self.sampler = Sampler(lab.procs)  # type: ignore[arg-type]
+        self.held: dict[str, list[dict[str, Any]]] = {}  # per phase, each node's status "held"
 
     async def _status(self, i: int) -> dict[str, Any]:
         async with client.open_client(self.lab.addrs[i], secret=self.secret, swarm_id=self.swarm_id) as (h, peer):
@@ -140,15 +195,17 @@ class Memory:
 
     def measure(self, phase: str, nodes: list[int]) -> None:
         rows = []
+        self.held[phase] = []
         for i in nodes:
             st = trio.run(self._status, i)
+            self.held[phase].append({"peer": i, **(st.get("held") or {})})
             m = dict(st.get("memory") or {})
             cg: MemoryCgroup = self.lab.procs[i].cgroup  # type: ignore[attr-defined]
             pred, hwm, peak = m.get("predicted_peak_bytes"), m.get("measured_peak_bytes"), cg.peak_bytes()
             load = m.get("predicted_load_peak_bytes")
             stat = dict(line.split() for line in (cg.path / "memory.stat").read_text().splitlines())
             plan = st.get("plan") or {}
-            m |= {"peer": i, "block": plan.get("blocks", {}).get(st.get("peer_id")) if plan else None,
+            m |= {"peer": i, "epoch": st.get("epoch"), "block": plan.get("blocks", {}).get(st.get("peer_id")) if plan else None,
                   "coordinator": bool(plan) and plan.get("coordinator") == st.get("peer_id"),
                   "cgroup_limit_bytes": cg.limit_bytes, "cgroup_peak_bytes": peak, "oom_kills": cg.oom_kills(),
                   # now, of the cgroup's charge: anonymous memory and page cache (the fetch's writes)
@@ -179,10 +236,44 @@ class Memory:
                     nursery.start_soon(one, k)
         return got
 
+    async def _churn(self, rounds: int, rng: random.Random) -> dict[str, int]:
+        """``rounds`` times, every session started and its client gone after 0.5-8 s (a hang-up
+        or a client's timeout, mostly mid-prefill), and one request over the context (refused)."""
+        counts = {"hung_up": 0, "finished": 0, "refused": 0}
+        async with client.open_client(self.lab.addrs[0], secret=self.secret, swarm_id=self.swarm_id) as (h, peer):
+
+            async def one(k: int, after: float) -> None:
+                with trio.move_on_after(after):
+                    await client.generate(h, peer, prompt_ids=self.prompts[k], max_new_tokens=self.new, draft="none",
+                                          timeout=900)  # fmt: skip
+                    counts["finished"] += 1
+                    return
+                counts["hung_up"] += 1
+
+            for _ in range(rounds):
+                async with trio.open_nursery() as nursery:
+                    for k in range(len(self.prompts)):
+                        nursery.start_soon(one, k, rng.uniform(0.5, 8.0))
+                try:
+                    await client.generate(h, peer, prompt_ids=self.prompts[0] * 2, max_new_tokens=self.new, timeout=60)
+                except Exception:  # the context's refusal
+                    counts["refused"] += 1
+        return counts
+
+    def churn(self, rounds: int) -> None:
+        self.sampler.phase = "churn"
+        t0 = time.monotonic()
+        self.churned = trio.run(self._churn, rounds, random.Random(11))
+        self.seconds["churn"] = round(time.monotonic() - t0, 1)
+        print(f"churn: {rounds} rounds of {len(self.prompts)} sessions hung up: {self.churned} in {self.seconds['churn']} s")
+        time.sleep(3)  # the last SESSION_ENDs on their way
+
     def sessions(self, phase: str) -> None:
+        self.sampler.phase = phase
         t0 = time.monotonic()
         self.outputs[phase] = trio.run(self._sessions)
         self.seconds[phase] = round(time.monotonic() - t0, 1)
+        self.sampler.phase = f"after_{phase}"
         print(f"{phase}: {len(self.prompts)} sessions of {len(self.prompts[0])} prompt tokens in {self.seconds[phase]} s")
 
     def report(self, served: Path) -> dict[str, Any]:
@@ -210,7 +301,11 @@ class Memory:
                 "oom_kills": sum(r["oom_kills"] for r in self.phases[list(self.phases)[-1]]),
                 "none_over_offer": all((r["measured_peak_bytes"] or 0) <= r["cgroup_limit_bytes"] for r in rows),
                 "greedy_equal_one_process": {ph: out == want for ph, out in self.outputs.items()},
-                "sessions_seconds": self.seconds, "target": [0.9, 1.05], "phases": self.phases}  # fmt: skip
+                "sessions_seconds": self.seconds, "target": [0.9, 1.05], "phases": self.phases,
+                # what each node still holds once a phase is over (status "held": sessions, KV, queues)
+                "held": self.held, "churn": getattr(self, "churned", None),
+                # sampled every second (Sampler): each phase's most, per peer (the series: --out's _series file)
+                "sampled_max": self.sampler.maxima()}  # fmt: skip
 
 
 def split(p: StampedProc, since: float, epoch: int | None) -> dict[str, Any]:
@@ -251,6 +346,8 @@ def main() -> None:
     ap.add_argument("--memlimit", action="store_true", help="each peer in a cgroup at its offer; sessions; memory")
     ap.add_argument("--sessions", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=4)
+    ap.add_argument("--churn", type=int, default=0,
+                    help="with --memlimit: rounds of sessions whose clients hang up mid-way, then sessions again")
     a = ap.parse_args()
     if not have_nginx():
         sys.exit("needs nginx (apt-get install nginx-light)")
@@ -320,6 +417,11 @@ def run(a: argparse.Namespace, work: Path) -> None:
                 mem.measure("load", [0, 1, 2])
                 mem.sessions("sessions_8")
                 mem.measure("sessions_8", [0, 1, 2])
+                if a.churn:  # failing sessions, over and over: memory stays flat and every table empties
+                    mem.churn(a.churn)
+                    mem.measure("churn", [0, 1, 2])
+                    mem.sessions("after_churn")
+                    mem.measure("after_churn", [0, 1, 2])
             victims = [q for q in plan["ring"] if q not in (plan["coordinator"], ids[0])]
             if not victims:
                 out["replan"] = {"skipped": f"the plan used no stage but the bootstrap and coordinator: {plan['ring']}"}
@@ -329,6 +431,8 @@ def run(a: argparse.Namespace, work: Path) -> None:
                         if p.of("plan") and p.of("plan")[-1]["block"]}  # fmt: skip
                 before = {i: lab.state(i)["fetched_total"] for i in range(len(procs)) if i != v}
                 kill_at = time.monotonic()
+                if mem is not None:
+                    mem.sampler.phase = "replan"
                 procs[v].proc.send_signal(signal.SIGKILL)
                 epoch = plan["epoch"]
                 lab.wait(lambda: (c := lab.coordinator()) is not None and c["epoch"] > epoch and ids[v] not in c["ring"],
@@ -363,6 +467,7 @@ def run(a: argparse.Namespace, work: Path) -> None:
                     mem.measure("replan_sessions_8", alive)
             if mem is not None:
                 out["alive"] = [p.proc.poll() is None for p in procs]
+                mem.sampler.phase = "end"
         except BaseException as exc:  # what went wrong, and where each peer was, goes into --out
             out["failed"] = {"error": f"{type(exc).__name__}: {str(exc)[:2000]}", "phases_measured": list(mem.phases) if mem else None,
                              "alive": [p.proc.poll() is None for p in procs], "returncodes": [p.proc.poll() for p in procs],
@@ -375,6 +480,15 @@ def run(a: argparse.Namespace, work: Path) -> None:
                   f"{out['failed']['oom_kills']}; wrote {a.out}")  # fmt: skip
             raise
         finally:
+            if mem is not None:
+                mem.sampler.stop()
+                series = a.out.with_name(a.out.stem + "_series.json")
+                series.parent.mkdir(parents=True, exist_ok=True)
+                series.write_text(json.dumps(mem.sampler.columns(), separators=(",", ":")) + "\n")
+                out["series_file"] = series.name
+                if "failed" in out:
+                    out["failed"]["sampled_max"] = mem.sampler.maxima()
+                    a.out.write_text(json.dumps(out, indent=1, default=str) + "\n")
             lab.close()
     if mem is not None:
         out["memory"] = mem.report(served)

@@ -258,6 +258,10 @@ class Stage(nn.Module):
     def sessions(self) -> list[Hashable]:
         return list(self._sessions)
 
+    def kv_bytes(self) -> int:
+        """What every open session's KV cache holds now, in bytes (allocated as a chunk first needs it)."""
+        return sum(c.nbytes() for c in self._sessions.values())
+
     def _cache(self, session: Hashable) -> KVCache:
         c = self._sessions.get(session)
         if c is None:

@@ -8,6 +8,8 @@ versions: v2's ``memory.max`` / ``memory.peak`` / ``memory.events``, v1's
 process made before it joined move with it (v1 ``move_charge_at_immigrate``; v2 does not move
 them, so join a process early). :func:`memlimit_unavailable_reason` says why none can be made
 here (no writable memory cgroup, not root), so a test can skip naming it.
+:meth:`MemoryCgroup.sample` and :func:`process_memory` read what a benchmark samples every second
+(issue 26: a node killed inside its offer is explained by its own series).
 """
 
 from __future__ import annotations
@@ -80,6 +82,20 @@ class MemoryCgroup:
                 return int(value)
         return 0
 
+    def sample(self) -> dict[str, int]:
+        """Now, in bytes and counts: the cgroup's charge (``usage``), of it anonymous memory
+        (``anon``) and page cache (``file``), and the kernel's ``oom`` (v2: times at the limit and
+        out of room; v1: ``failcnt``, charges refused at the limit, each a reclaim) and
+        ``oom_kill`` events, in either cgroup version."""
+        v1 = self.version == 1
+        stat = dict(line.split() for line in self._read("memory.stat").splitlines())
+        events = dict(line.split() for line in self._read("memory.oom_control" if v1 else "memory.events").splitlines())
+        return {"usage": int(self._read("memory.usage_in_bytes" if v1 else "memory.current").split()[0]),
+                "anon": int(stat.get("total_rss" if v1 else "anon", 0)),
+                "file": int(stat.get("total_cache" if v1 else "file", 0)),
+                "oom": int(self._read("memory.failcnt")) if v1 else int(events.get("oom", 0)),
+                "oom_kill": int(events.get("oom_kill", 0))}  # fmt: skip
+
     def _remove(self) -> None:
         for _ in range(50):  # the processes must have left (exited) before the directory goes
             try:
@@ -87,6 +103,24 @@ class MemoryCgroup:
                 return
             except OSError:
                 time.sleep(0.1)
+
+
+PROC_FIELDS = {"VmRSS": "rss", "RssAnon": "anon", "RssFile": "file", "VmHWM": "hwm"}
+
+
+def process_memory(pid: int) -> dict[str, int]:
+    """A live process's resident memory now (``rss``, of it ``anon`` and ``file``) and its peak
+    (``hwm``), in bytes from /proc/PID/status; {} once it is gone."""
+    found: dict[str, int] = {}
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key in PROC_FIELDS:
+                    found[PROC_FIELDS[key]] = int(rest.split()[0]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        return {}
+    return found
 
 
 def memlimit_unavailable_reason() -> str | None:

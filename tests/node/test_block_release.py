@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import threading
 import weakref
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import trio
 
 from swarm.errors import ModelError
 from swarm.model.stage import Stage
@@ -44,3 +46,41 @@ async def test_the_old_block_is_gone_before_the_new_one_loads(tmp_path: Path, mo
         held.open_session("t", 8)
     with pytest.raises(ModelError, match="no session"):
         held.forward("s", torch.zeros(1, held.args.dim))
+
+
+async def test_a_block_asked_for_again_while_it_loads_is_loaded_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 26: a re-plan while a peer loads its block (the new epoch gives it the same one) set
+    a second load going beside the first; the peer held two copies and was OOM-killed inside its
+    offer. The second ask now gets the first load's block, whatever became of the first asker
+    (here cancelled: the ended epoch's set-up)."""
+    ckpt = write_checkpoint(tmp_path / "m", TinySpec(n_layers=4), seed=0)
+    settings = NodeSettings(seed=b"s" * 32, swarm_id="s", secret=b"x" * 32, model_dir=ckpt, dtype=torch.float32)
+    models = Models(settings, Compute(threads=True), Notices(Hooks()))
+    gate, loads = threading.Event(), []
+    real = Stage.load
+
+    def load(*args: Any, **kw: Any) -> Stage:
+        loads.append(args[2:4])
+        gate.wait(30)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(Stage, "load", load)
+    got: list[Stage] = []
+    first = trio.CancelScope()
+
+    async def ended_epoch() -> None:  # its set-up is cancelled mid-load
+        with first:
+            await models.stage(0, 2)
+
+    async def next_epoch() -> None:
+        got.append(await models.stage(0, 2))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ended_epoch)
+        while not loads:
+            await trio.sleep(0.01)
+        nursery.start_soon(next_epoch)
+        await trio.sleep(0.1)
+        first.cancel()
+        gate.set()
+    assert loads == [(0, 2)] and got and got[0] is await models.stage(0, 2)

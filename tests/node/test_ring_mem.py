@@ -410,3 +410,70 @@ async def test_a_resumed_run_replays_a_window_of_tokens_at_a_time(ckpt: Path) ->
     first_stage = ring.workers[0].stats
     assert first_stage.replayed == replayed > 25, first_stage
     assert 1 <= first_stage.max_queued <= 8, first_stage
+
+
+async def test_generations_that_end_any_way_leave_nothing_held_on_the_ring(ckpt: Path) -> None:
+    """Issue 26: whatever way a generation ends (finished, its client gone mid-prefill or
+    mid-decode, refused by a stage for its context), nothing of it stays at any stage (sessions,
+    KV bytes, queues, gathering figures) or at the coordinator (sessions, queued results, the
+    head's batching figures). Hung-up runs leave chunks in flight whose results drain after the
+    session ended: they once left the head's figures of every such session behind."""
+    rng = torch.Generator().manual_seed(0)
+    prompt = lambda n: torch.randint(1, 200, (n,), generator=rng).tolist()  # noqa: E731
+    done = trio.Event()
+    ended = [0]
+    held: list[dict[str, int]] = []
+
+    def counted(job):  # type: ignore[no-untyped-def]
+        async def run(c: Coordinator):  # type: ignore[no-untyped-def]
+            try:
+                return await job(c)
+            finally:
+                ended[0] += 1
+                if ended[0] == len(jobs):
+                    done.set()
+        return run
+
+    def hung_up(after: float, n: int):  # type: ignore[no-untyped-def]
+        async def job(c: Coordinator):  # type: ignore[no-untyped-def]
+            with trio.move_on_after(after):
+                return await c.generate(prompt(n), max_new_tokens=30, eos_token_ids=())
+            raise PeerTimeout("the client hung up")
+        return job
+
+    def plain(n: int):  # type: ignore[no-untyped-def]
+        async def job(c: Coordinator):  # type: ignore[no-untyped-def]
+            return await c.generate(prompt(n), max_new_tokens=8, eos_token_ids=())
+        return job
+
+    jobs = [counted(j) for j in [*(hung_up(0.02 * (k + 1), 120) for k in range(8)), plain(140), plain(170), plain(40)]]
+
+    async def watch(ring):  # type: ignore[no-untyped-def]
+        ring.workers[1].max_len = 150  # the middle stage refuses positions past 150: context_exceeded
+        await done.wait()
+        await trio.sleep(0.5)  # the last SESSION_ENDs on their way round
+        held.extend([*(w.held() for w in ring.workers), ring.coordinator.held()])
+
+    results, ring = await run_memory_ring(_model(ckpt, [(0, 2), (2, 4), (4, 6)]), jobs, during=watch, delay=0.002)
+    kinds = [type(r).__name__ for r in results]
+    assert kinds[-3:] == ["GenerationResult", "ContextTooLong", "GenerationResult"], kinds
+    assert "PeerTimeout" in kinds, "some clients hung up before their generation finished"
+    zero_stage = {"sessions": 0, "kv_bytes": 0, "queued": 0, "queued_tokens": 0, "tracked": 0}
+    assert held[:3] == [zero_stage] * 3, held
+    assert held[3] == {"sessions": 0, "results_queued": 0, "head_queued": 0, "head_tracked": 0}, held[3]
+
+
+async def test_a_stage_whose_session_table_is_full_refuses_the_request_alone(ckpt: Path) -> None:
+    """A full table at a stage (sessions ending or given up still held) fails the one request with
+    RequestRefused: the ring is sound, so no re-plan (as a PeerError would make), and the other
+    sessions finish. Issue 26's loaded run re-planned 56 times on such refusals."""
+    async def job(c: Coordinator):  # type: ignore[no-untyped-def]
+        return await c.generate(PROMPT, max_new_tokens=12, eos_token_ids=())
+
+    async def one_seat(ring):  # type: ignore[no-untyped-def]
+        ring.workers[1].max_sessions = 1
+
+    results, _ = await run_memory_ring(_model(ckpt, [(0, 2), (2, 4), (4, 6)]), [job, job], during=one_seat, delay=0.002)
+    kinds = sorted(type(r).__name__ for r in results)
+    assert kinds == ["GenerationResult", "RequestRefused"], results
+    assert "sessions open (limit max_sessions)" in str(next(r for r in results if isinstance(r, Exception)))

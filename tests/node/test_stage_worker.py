@@ -118,7 +118,7 @@ async def test_a_chunk_it_cannot_place_is_refused_without_blaming_the_upstream(c
     assert [type(r).__name__ for r in replies] == ["Error", "Chunk", "Error", "Error"]
     assert replies[1].session == 2  # type: ignore[attr-defined]
     errors = [r for r in replies if isinstance(r, Error)]
-    assert [(e.session, e.code) for e in errors] == [(1, "bad_chunk"), (3, "bad_chunk"), (2, "bad_chunk")]
+    assert [(e.session, e.code) for e in errors] == [(1, "bad_chunk"), (3, "sessions_full"), (2, "bad_chunk")]
     assert "unknown and chunk starts at 5" in errors[0].message
     assert "1 sessions open (limit max_sessions)" in errors[1].message
     assert "starts at position 4 but only 2 are cached" in errors[2].message
@@ -247,3 +247,87 @@ async def test_a_lone_decode_chunk_runs_on_the_trio_thread_after_a_preempted_for
             assert isinstance(out, Chunk) and out.pos == pos
         await inbound.close()
     assert on_trio_thread == [False, True, True, True, True]
+
+
+async def test_a_session_whose_end_never_comes_is_freed_once_idle_and_counted(ckpt: Path, autojump_clock) -> None:  # type: ignore[no-untyped-def]
+    """Issue 26: a SESSION_END lost on the way (a send that timed out) left the session's KV cache
+    at this stage for the rest of the epoch. A session silent for ``idle_s`` is freed; one that
+    still sends is kept, and one with a chunk waiting here is never idle."""
+    stage = _stages(ckpt)[0]
+    async with _serving(stage, idle_s=60.0) as s:
+        for session in (1, 2, 3):
+            await s.send(hidden_chunk(session, 1, 0, "prefill", _hidden(stage, 3), EPOCH))
+            await s.next()
+        held = s.worker.held()
+        assert held["sessions"] == 3 and held["kv_bytes"] > 0 and held["tracked"] == 3
+        await trio.sleep(40)
+        await s.send(hidden_chunk(2, 2, 3, "decode", _hidden(stage, 1), EPOCH))  # session 2 goes on
+        await s.next()
+        await trio.sleep(30)  # 1 and 3 silent for 70 s, 2 for 30
+        assert sorted(stage.sessions()) == [2]  # type: ignore[type-var]
+        assert s.worker.stats.evicted == 2
+        await trio.sleep(70)
+        assert s.worker.held() == {"sessions": 0, "kv_bytes": 0, "queued": 0, "queued_tokens": 0, "tracked": 0}
+        assert s.worker.stats.evicted == 3
+        await s.send(hidden_chunk(4, 1, 0, "prefill", _hidden(stage, 3), EPOCH))  # the stage serves on
+        assert isinstance(await s.next(), Chunk)
+
+
+async def test_an_ended_workers_teardown_frees_its_own_sessions_not_a_newer_epochs(ckpt: Path) -> None:
+    """A re-plan that keeps a block hands the same Stage to the next epoch's worker, which may
+    open sessions (a replay) before the old worker has unwound: the old one frees only its own."""
+    stage = _stages(ckpt)[0]
+    async with _serving(stage) as old:
+        await old.send(hidden_chunk(1, 1, 0, "prefill", _hidden(stage, 3), EPOCH))
+        await old.next()
+        inbound, outbound = LocalLink("up->new"), LocalLink("new->down")
+        new = StageWorker(stage, epoch=EPOCH + 1, upstream="peer-up", is_tail=False, compute=Compute(threads=False),
+                          max_sessions=1)  # its table is its own: the old epoch's session 1 takes no room
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(new.serve, inbound, outbound)
+            await inbound.send(hidden_chunk(7, 1, 0, "prefill", _hidden(stage, 3), EPOCH + 1).to_frame(), timeout=5)
+            await outbound.receive(timeout=30)
+            assert sorted(stage.sessions()) == [1, 7]  # type: ignore[type-var]
+            await old.inbound.close()  # the old epoch's worker ends
+            with trio.move_on_after(5):
+                while 1 in stage.sessions():
+                    await trio.sleep(0.01)
+            assert stage.sessions() == [7], "the old worker freed its session and left the new one's"
+            await inbound.close()
+    assert stage.sessions() == []
+
+
+async def test_a_session_end_behind_its_waiting_chunks_frees_the_session_before_the_next_opens(ckpt: Path) -> None:
+    """Issue 26: a session that ends with a chunk still queued here (a client gone mid-prefill, a
+    run finished with chunks in flight) held its place until that chunk was computed, so the next
+    session's first chunk, queued behind the SESSION_END, found the table full: refused, and the
+    coordinator re-planned the ring (over and over on a loaded box). Now the SESSION_END drops
+    the chunks it follows (computed for nobody) and frees the session at once."""
+    stage = _stages(ckpt)[0]
+    gate, running = threading.Event(), threading.Event()
+    async with _serving(stage, max_sessions=2, threads=True) as s:
+        forward = s.worker._forward
+
+        def held_forward(batch):  # type: ignore[no-untyped-def]
+            running.set()
+            gate.wait(30)
+            return forward(batch)
+
+        s.worker.placing.inline = lambda **kw: False  # type: ignore[method-assign]
+        for session in (1, 2):
+            await s.send(hidden_chunk(session, 1, 0, "prefill", _hidden(stage, 3), EPOCH))
+            await s.next()
+        computed = s.worker.stats.chunks
+        s.worker._forward = held_forward  # type: ignore[method-assign]
+        await s.send(hidden_chunk(2, 2, 3, "decode", _hidden(stage, 1), EPOCH))  # a forward runs...
+        await trio.to_thread.run_sync(running.wait, 30)
+        await s.send(hidden_chunk(1, 2, 3, "decode", _hidden(stage, 1), EPOCH))  # ...while these queue
+        await s.send(SessionEnd(1))
+        await s.send(hidden_chunk(3, 1, 0, "prefill", _hidden(stage, 2), EPOCH))
+        while s.worker.stats.max_queued < 3:
+            await trio.sleep(0.01)
+        gate.set()
+        replies = [await s.next() for _ in range(3)]
+    kinds = [(type(r).__name__, getattr(r, "session", None)) for r in replies]
+    assert kinds == [("Chunk", 2), ("SessionEnd", 1), ("Chunk", 3)], kinds
+    assert s.worker.stats.chunks == computed + 2, "session 1's last chunk was computed for nobody"

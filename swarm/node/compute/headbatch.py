@@ -94,6 +94,10 @@ class SharedHead:
         for state in (self._mates, self._result_at, self._cycle):
             state.pop(session, None)
 
+    def held(self) -> dict[str, int]:
+        """Requests queued, and the sessions whose figures are kept (status ``held``)."""
+        return {"head_queued": len(self._queue), "head_tracked": len(self._mates.keys() | self._result_at.keys())}
+
     async def logits(self, rows: torch.Tensor, session: int = 0) -> tuple[torch.Tensor, bool]:
         """Logits of ``rows`` (T, D), computed with whatever other sessions queued meanwhile;
         also whether the call was shared."""

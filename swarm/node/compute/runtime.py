@@ -157,9 +157,17 @@ class Models:
         t0 = trio.current_time()
 
         def load() -> Stage:
+            # two epochs' set-ups may ask for the same block at once (a re-plan while the first
+            # loads): loads queue on the compute limiter, so the second finds the first's block
+            # here and never holds two copies (a loaded run's stages were OOM-killed so, issue 26)
+            done = self._stages.get((a, b))
+            if done is not None:
+                return done
             memory.check_load(b - a)
-            return Stage.load(self.args, self.ckpt.source, a, b, dtype=self.dtype, device=s.device, quant=s.quant,
-                              kv_cache=s.kv_cache)
+            stage = Stage.load(self.args, self.ckpt.source, a, b, dtype=self.dtype, device=s.device, quant=s.quant,
+                               kv_cache=s.kv_cache)
+            self._stages[(a, b)] = stage  # here, not after the await: its caller may have been cancelled
+            return stage
 
         try:
             stage = await self.compute.run(load)

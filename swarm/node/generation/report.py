@@ -153,6 +153,9 @@ class Reporter:
             "memory": self._memory(plan),  # this node's predicted peak beside its measured one
             "capacity": {"sessions": self.admission.capacity, "active": self.admission.active, "queued": self.admission.queued,
                          "stage_sessions": worker.max_sessions if worker is not None else None},  # fmt: skip
+            # what this epoch's stage and coordinator hold now: back to zero when no generation runs
+            "held": {"stage": worker.held() if worker is not None else None,
+                     "coordinator": ep.coordinator.held() if ep is not None and ep.coordinator is not None else None},
         }
 
     def _memory(self, plan: Plan | None) -> dict[str, Any]:

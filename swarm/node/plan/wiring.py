@@ -31,7 +31,7 @@ from swarm.node.plan.epochs import Epoch, Epochs, hops
 from swarm.node.ring.capacity import stage_capacity
 from swarm.node.ring.fastlink import FrameLink
 from swarm.node.ring.links import Link, LocalLink
-from swarm.node.ring.stage_worker import StageWorker
+from swarm.node.ring.stage_worker import StageWorker, session_idle_limit
 from swarm.proto import control as ctl
 from swarm.proto.limits import PROTO_ACT
 from swarm.proto.tensors import RangeRequest
@@ -143,7 +143,7 @@ class Wiring:
             max_len=self.models.context_tokens, compute=self.models.compute,
             on_bad_input=lambda peer, why: nursery.start_soon(self.report_fault, peer, why, epoch),
             compute_delay_s=s.compute_delay_s, max_sessions=self._stage_capacity(ep),
-            corrupt_after=0 if self.corrupt else None,
+            corrupt_after=0 if self.corrupt else None, idle_s=session_idle_limit(s.chunk_timeout),
         )  # fmt: skip
         nursery.start_soon(self._run_worker, ep, idx)
         if ep.coordinator is None:

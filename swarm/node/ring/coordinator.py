@@ -86,7 +86,8 @@ log = logging.getLogger("swarm.node.ring.coordinator")
 DEFAULT_CHUNK_TIMEOUT_S = 30.0
 SEND_TIMEOUT_S = 10.0
 # a stage's ERROR codes that fail only the request they name (no re-plan, no blame)
-REQUEST_ERRORS: dict[str, type[SwarmError]] = {"context_exceeded": ContextTooLong, "out_of_memory": RequestRefused}
+REQUEST_ERRORS: dict[str, type[SwarmError]] = {"context_exceeded": ContextTooLong, "out_of_memory": RequestRefused,
+                                               "sessions_full": RequestRefused}
 SLOW_WAIT_FACTOR = 10  # a busy ring (results flowing to other sessions) is waited for this many deadlines
 
 
@@ -170,9 +171,11 @@ class Coordinator:
                     item = exc
                 session = session_of(item)
                 self._last_result = trio.current_time()
-                self.shared_head.note_result(session)
+                chan = self._sessions.get(session)
+                if chan is not None:  # (an ended session's figures would outlive it: forgotten at its end)
+                    self.shared_head.note_result(session)
                 # None: a session that already ended (its discarded chunks drain here); its task first (gathering.py)
-                await hand_off(self._sessions.get(session), item)
+                await hand_off(chan, item)
         except PeerLost as exc:
             self._fail_all(PeerLost(f"tail {tail_peer}: result link closed ({exc})"))
             raise
@@ -182,6 +185,14 @@ class Coordinator:
         for chan in self._sessions.values():
             with contextlib.suppress(trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
                 chan.send_nowait(exc)
+
+    def held(self) -> dict[str, int]:
+        """What this coordinator holds now (status ``held``): its generations on this ring, results
+        read and not yet taken by them, LM head requests queued, sessions the head batching keeps
+        figures for; all back to zero once every generation ended."""
+        return {"sessions": len(self._sessions),
+                "results_queued": sum(c.statistics().current_buffer_used for c in self._sessions.values()),
+                **self.shared_head.held()}  # fmt: skip
 
     def attach(self, first: Link) -> None:
         self._first = first

@@ -23,7 +23,11 @@ independent (each has its own KV cache and positions). So a batch takes, scannin
 order, at most one CHUNK per session: the first frame of each session not yet in the batch. A
 later frame of a session already in the batch waits for the next round, as does everything after
 it of that session. Control frames met on the way (SESSION_END, ROLLBACK, ERROR) are handled at
-once, being their session's next frame. Sessions therefore join and leave the batch between
+once, being their session's next frame; but a SESSION_END behind its session's waiting chunks
+(its client hung up mid-prefill, or it finished with chunks in flight) drops them, computed for
+nobody, and frees the session at once, before a later session's first chunk finds the table still
+full (a refusal that once failed runs and re-planned a loaded ring over and over; a full table
+is now refused as ``sessions_full``, the request alone). Sessions therefore join and leave the batch between
 forwards, and a long prompt (prefilled in ``prefill_chunk`` pieces by the coordinator) takes one
 piece per round, so it never stalls the others' decoding by more than one piece's compute.
 Results go downstream in batch order; per session that is arrival order.
@@ -45,6 +49,15 @@ that holds fewer than ``pos`` positions cannot run the chunk (its context is mis
 an ERROR downstream instead. The first chunk of a session (``pos == 0``) opens its cache.
 SESSION_END frees the session's cache and travels on; ERROR and ROLLBACK travel on too, so
 whatever a stage reports reaches the coordinator through the tail.
+
+A session's state here (its KV cache, its gathering and replay figures) is freed on every path
+its session ends by: SESSION_END, a forward out of memory (the session fails), the worker's end
+(its epoch over: the sessions *it* opened, not a newer epoch's on the same kept ``Stage``), and a
+session none of whose chunks came for ``idle_s`` (its coordinator gave up on it long before,
+coordinator.py waits at most SLOW_WAIT_FACTOR chunk timeouts, and its SESSION_END never came: a
+send that timed out on a loaded box). Such an eviction is logged and counted (status
+``stage.evicted``); ``held()`` is what the worker holds now (status ``held``), so a leak shows
+as a count that does not come back to zero.
 
 The tail sends RESULT(kind="hidden") frames: the coordinator holds the final norm and LM head, and
 D hidden values per token are far smaller than V logits.
@@ -79,7 +92,14 @@ from dataclasses import dataclass, field
 import torch
 import trio
 
-from swarm.errors import BadMessage, PeerLost, PeerTimeout, ProtocolError, SwarmError
+from swarm.errors import (
+    BadMessage,
+    PeerLost,
+    PeerTimeout,
+    ProtocolError,
+    RequestRefused,
+    SwarmError,
+)
 from swarm.model.batched import SMALL_TOKENS, InlinePolicy, forward_many
 from swarm.model.speculative import DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_WINDOW
 from swarm.model.stage import Stage
@@ -94,6 +114,7 @@ from swarm.node.ring.codec import (
     is_replay,
     read_hidden,
 )
+from swarm.node.ring.coordinator import DEFAULT_CHUNK_TIMEOUT_S, SLOW_WAIT_FACTOR
 from swarm.node.ring.gathering import Gatherer, GatherStats, Inbound, drain, hand_off, session_of
 from swarm.node.ring.links import Link
 from swarm.proto.messages import Chunk, Error, Message, Result, Rollback, SessionEnd, message_name
@@ -109,6 +130,16 @@ IDLE_POLL_S = 5.0  # an idle inbound link is fine; we only wake to notice cancel
 SEND_TIMEOUT_S = 10.0
 
 
+def session_idle_limit(chunk_timeout: float) -> float:
+    """How long a stage keeps a session none of whose chunks came: twice the longest its
+    coordinator waits for one result (``chunk_timeout`` times SLOW_WAIT_FACTOR, coordinator.py),
+    so a session it still waits for is never freed."""
+    return 2 * SLOW_WAIT_FACTOR * chunk_timeout
+
+
+SESSION_IDLE_S = session_idle_limit(DEFAULT_CHUNK_TIMEOUT_S)
+
+
 @dataclass
 class StageStats(GatherStats):
     chunks: int = 0
@@ -122,6 +153,7 @@ class StageStats(GatherStats):
     replayed: int = 0  # replay chunks computed (module doc: replay)
     replay_groups: int = 0  # ... in this many calls
     max_queued: int = 0  # the most messages read and not yet handled at once (module doc: the reader)
+    evicted: int = 0  # sessions freed after ``idle_s`` with no chunk and no SESSION_END (module doc)
 
 
 class StageWorker:
@@ -140,6 +172,7 @@ class StageWorker:
         max_batch: int = MAX_BATCH,
         max_queued_tokens: int = MAX_QUEUED_TOKENS,
         corrupt_after: int | None = None,
+        idle_s: float = SESSION_IDLE_S,
     ) -> None:
         self.stage = stage
         self.epoch = epoch
@@ -166,6 +199,9 @@ class StageWorker:
         self._queued: dict[int, int] = {}  # session -> its chunks' tokens read, not yet handled
         self.gathering = Gatherer(stage, self.stats, self.max_batch)  # waits for sessions due (gathering.py)
         self._replayed: dict[int, int] = {}  # session -> replay chunks computed (module doc: replay)
+        self._opened: set[int] = set()  # the sessions this worker opened and has not freed (module doc)
+        self.idle_s = idle_s  # a session with no chunk this long is freed (module doc)
+        self._next_sweep = -math.inf
         self.trace: list[list[tuple[int, int, int]]] | None = None  # tests: (session, pos, tokens) per batch
 
     def __repr__(self) -> str:
@@ -186,9 +222,38 @@ class StageWorker:
             log.info("%r: downstream link closed: %s", self, exc)
         except PeerLost as exc:
             log.info("%r: downstream link closed: %s", self, exc)
-        finally:
-            for session in list(self.stage.sessions()):
-                self.stage.close_session(session)
+        finally:  # ours only: a newer epoch's worker may already serve on this same Stage (kept block)
+            for session in list(self._opened):
+                self._free(session)
+
+    def held(self) -> dict[str, int]:
+        """What this worker holds now (status ``held``): the sessions it opened, the stage's KV
+        cache bytes, messages read and not yet handled and their chunks' tokens, and the sessions
+        the gathering keeps figures for; all back to zero once every session ended."""
+        return {"sessions": len(self._opened), "kv_bytes": self.stage.kv_bytes(), "queued": len(self._pending),
+                "queued_tokens": sum(self._queued.values()), "tracked": len(self.gathering.arrived)}  # fmt: skip
+
+    def _free(self, session: int) -> None:
+        """Everything this worker holds for ``session`` (module doc: freed on every path)."""
+        self.stage.close_session(session)
+        self._opened.discard(session)
+        self.gathering.forget(session)
+        self._replayed.pop(session, None)
+
+    def _evict_idle(self) -> None:
+        """Free the sessions none of whose chunks came for ``idle_s`` (and none waits here);
+        looked at every IDLE_POLL_S at most, between forwards (module doc)."""
+        now = trio.current_time()
+        if now < self._next_sweep:
+            return
+        self._next_sweep = now + IDLE_POLL_S
+        waiting = {session_of(m) for m in self._pending}
+        for session in [s for s in self._opened if s not in waiting]:
+            if now - self.gathering.arrived.get(session, -math.inf) >= self.idle_s:
+                log.warning("%r: session %d sent nothing for %.0f s and never ended: its cache is freed",
+                            self, session, self.idle_s)  # fmt: skip
+                self._free(session)
+                self.stats.evicted += 1
 
     async def _read(self, inbound: Link, send: trio.MemorySendChannel[Inbound]) -> None:
         async with send:
@@ -231,11 +296,15 @@ class StageWorker:
 
     async def _compute_loop(self, recv: trio.MemoryReceiveChannel[Inbound], outbound: Link) -> None:
         while True:
+            self._evict_idle()
             if not self._pending:
                 try:
-                    self._pending.append(await recv.receive())
+                    with trio.move_on_after(IDLE_POLL_S):  # idle: wake now and then to evict (module doc)
+                        self._pending.append(await recv.receive())
                 except trio.EndOfChannel:
                     return
+                if not self._pending:
+                    continue
             drain(recv, self._pending)
             await self.gathering.wait(recv, self._pending)
             batch = await self._take_batch(outbound)
@@ -254,6 +323,10 @@ class StageWorker:
         while self._pending:
             msg = self._pending.popleft()
             session = session_of(msg)
+            if isinstance(msg, SessionEnd) and session in busy:  # over: what it queued is for nobody
+                batch, keep = self._drop_session(session, batch, keep)
+                busy.discard(session)
+                tokens = sum(m.tokens for g in batch for m, _ in g)
             if session in busy or len(batch) >= self.max_batch:
                 keep.append(msg)
                 busy.add(session)
@@ -281,6 +354,18 @@ class StageWorker:
                 await trio.lowlevel.checkpoint()  # the batch's sends checkpoint, after its forward)
         self._pending = keep
         return batch
+
+    def _drop_session(self, session: int, batch: list[list[tuple[Chunk, torch.Tensor]]], keep: deque[Inbound],
+                      ) -> tuple[list[list[tuple[Chunk, torch.Tensor]]], deque[Inbound]]:  # fmt: skip
+        """A session whose SESSION_END is read while its chunks wait (in this batch, not yet run, or
+        kept for the next): its coordinator ended it, so they are computed for nobody; they go, and
+        the SESSION_END is handled now, freeing its cache before any later session's first chunk
+        (which would otherwise find the table still full: module doc)."""
+        for msg in keep:
+            if isinstance(msg, Chunk) and msg.session == session:
+                self._dequeue(msg)
+        return ([g for g in batch if g[0][0].session != session],
+                deque(m for m in keep if session_of(m) != session))  # fmt: skip
 
     def _replay_group(self, first: Chunk, h: torch.Tensor, room: int) -> list[tuple[Chunk, torch.Tensor]]:
         """``first``, an admitted replay chunk, and its session's next queued replay chunks while
@@ -312,10 +397,7 @@ class StageWorker:
         """A session's next message that is no chunk: acted on here and passed on (SESSION_END,
         ROLLBACK: the stages after us hold the session too; ERROR: for the coordinator)."""
         if isinstance(msg, SessionEnd):
-            if msg.session in self.stage.sessions():
-                self.stage.close_session(msg.session)
-            self.gathering.forget(msg.session)
-            self._replayed.pop(msg.session, None)
+            self._free(msg.session)
             if not self.is_tail:
                 await outbound.send_message(msg, timeout=SEND_TIMEOUT_S)
         elif isinstance(msg, Rollback):
@@ -353,6 +435,10 @@ class StageWorker:
             return None
         try:
             self._prepare_cache(msg, where)
+        except RequestRefused as exc:  # this request alone fails (coordinator.py REQUEST_ERRORS): no re-plan
+            log.warning("%r: refused chunk %d of session %d: %s", self, msg.chunk_id, msg.session, exc)
+            await self._report(outbound, msg.session, msg.chunk_id, "sessions_full", str(exc))
+            return None
         except SwarmError as exc:
             self.stats.errors += 1
             log.warning("%r: refused chunk %d of session %d: %s", self, msg.chunk_id, msg.session, exc)
@@ -407,10 +493,7 @@ class StageWorker:
         session = groups[0][0][0].session
         self.stats.errors += 1
         log.warning("%r: session %d: %s", self, session, memory.describe(exc))
-        if session in self.stage.sessions():
-            self.stage.close_session(session)
-        self.gathering.forget(session)
-        self._replayed.pop(session, None)
+        self._free(session)
         where = f"stage [{self.stage.start}, {self.stage.end})"
         for msg, _ in groups[0]:
             await self._report(outbound, session, msg.chunk_id, "out_of_memory", f"{where}: {memory.describe(exc)}")
@@ -454,9 +537,10 @@ class StageWorker:
         if session not in self.stage.sessions():
             if msg.pos != 0:
                 raise ProtocolError(f"{where}: session {session} unknown and chunk starts at {msg.pos}")
-            if len(self.stage.sessions()) >= self.max_sessions:
-                raise ProtocolError(f"{where}: {self.max_sessions} sessions open (limit max_sessions)")
+            if len(self._opened) >= self.max_sessions:  # ours: an ended epoch's still unwinding are not
+                raise RequestRefused(f"{where}: {self.max_sessions} sessions open (limit max_sessions)")
             self.stage.open_session(session, self.max_len)
+            self._opened.add(session)
         held = self.stage.session_len(session)
         if held < msg.pos:
             raise ProtocolError(
