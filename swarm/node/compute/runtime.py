@@ -201,7 +201,8 @@ class Models:
         t0 = time.perf_counter()
 
         def build() -> list[int]:
-            stage.enable_compiled(self.context_tokens, s.compile_span)
+            if stage.compiled is None:  # a second ask for a block while it loads shares its step (stage())
+                stage.enable_compiled(self.context_tokens, s.compile_span)
             return warm_compiled(stage)
 
         spans = await self.compute.run(build)
