@@ -79,6 +79,8 @@ from swarm.node.settings import model_spec  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "ring.json"
 READY_TIMEOUT_S = 600.0
+LAN_CONTEXT = 1024  # the LAN swarms' context (launch.py's default): the compiled caches' capacity
+COMPILE_SPAN = 128  # --compiled: spans 64 and 128 compiled (the chat prompt and its 32 tokens fit)
 
 NOTES = [
     "ring_vs_local is the median of per-pair ratios (ring and local runs interleaved); "
@@ -401,12 +403,25 @@ def bench_lan(model_dir: Path, tok: Tokenizer, a: argparse.Namespace) -> dict[st
     ring_runs: list[dict[str, Any]] = []
     local_runs: list[dict[str, Any]] = []
     outputs: dict[str, list[int]] = {}
+    local_c: LocalModel | None = None
+    compiled_runs: list[dict[str, Any]] = []
+    local_c_runs: list[dict[str, Any]] = []
+    warm_local_s = 0.0
+    if a.compiled:  # one process compiled as the ring's nodes are: the same capacity and spans
+        from swarm.model.compiled import warm_compiled
 
-    def run_local() -> dict[str, Any]:
+        local_c = LocalModel.load(model_dir, stages=1, dtype=DTYPES[a.dtype], quant=a.quant)
+        t0 = time.perf_counter()
+        for st in local_c.stages:
+            st.enable_compiled(LAN_CONTEXT, COMPILE_SPAN)
+            warm_compiled(st)
+        warm_local_s = time.perf_counter() - t0
+
+    def run_local(model: LocalModel = local, side: str = "local") -> dict[str, Any]:
         c0 = time.thread_time()  # torch with 1 thread computes in the calling thread
-        res = generate(local, ids, max_new_tokens=a.lan_new_tokens)
+        res = generate(model, ids, max_new_tokens=a.lan_new_tokens)
         cpu = time.thread_time() - c0
-        outputs["local"] = res.output_token_ids
+        outputs[side] = res.output_token_ids
         return {
             "decode_tokens_per_s": res.decode_tokens_per_s,
             "tokens_per_s": res.tokens_per_s,
@@ -437,6 +452,14 @@ def bench_lan(model_dir: Path, tok: Tokenizer, a: argparse.Namespace) -> dict[st
                 base_plan.update(st_b["plan"])
                 sides = ("ring", "base", "local")
                 await _ring_gen(host_b, peer_b, ids, a.lan_new_tokens, "none")  # warm-up
+            if swarm_c is not None:  # --compiled: a ring of compiled nodes and one compiled process
+                host_c, peer_c = await stack.enter_async_context(client.open_client(
+                    swarm_c.addrs[-1], secret=swarm_c.secret, swarm_id=swarm_c.swarm_id, timeout=READY_TIMEOUT_S))
+                st_c = await client.wait_ready(host_c, peer_c, timeout=READY_TIMEOUT_S)
+                compiled_info.update(plan=st_c["plan"], status=st_c.get("compiled"))  # one node's warm-up
+                sides += ("compiled", "local_compiled")
+                await _ring_gen(host_c, peer_c, ids, a.lan_new_tokens, "none")  # warm-up
+                await trio.to_thread.run_sync(run_local, local_c, "local_compiled")
             await _ring_gen(host, peer, ids, a.lan_new_tokens, "none")  # warm-up
             await trio.to_thread.run_sync(run_local)
             for r in range(a.runs):
@@ -446,6 +469,10 @@ def bench_lan(model_dir: Path, tok: Tokenizer, a: argparse.Namespace) -> dict[st
                         await ring_run(swarm, host, peer, side, ring_runs)
                     elif side == "base":
                         await ring_run(swarm_b, host_b, peer_b, side, base_runs)  # type: ignore[arg-type]
+                    elif side == "compiled":
+                        await ring_run(swarm_c, host_c, peer_c, side, compiled_runs)  # type: ignore[arg-type]
+                    elif side == "local_compiled":
+                        local_c_runs.append(await trio.to_thread.run_sync(run_local, local_c, side))
                     else:
                         local_runs.append(await trio.to_thread.run_sync(run_local))
         return {"plan": plan, "hop_paths": st.get("hop_paths")}
@@ -468,7 +495,11 @@ def bench_lan(model_dir: Path, tok: Tokenizer, a: argparse.Namespace) -> dict[st
                                         node_env={i: env for i in range(3)})  # fmt: skip
         finally:
             uninstall_tracer()
-    with swarm, (swarm_b or contextlib.nullcontext()):
+    swarm_c, compiled_info = None, {}
+    if a.compiled:  # the same tree, every node compiled (join --compile), the same context and spans
+        swarm_c = start_local_swarm(3, model_dir, dtype=a.dtype, threads=a.threads, draft="none", workdir=workdir(a, "lan-compiled"),
+                                    quant=a.quant, context_tokens=LAN_CONTEXT, compile=True, compile_span=COMPILE_SPAN)  # fmt: skip
+    with swarm, (swarm_b or contextlib.nullcontext()), (swarm_c or contextlib.nullcontext()):
         t0 = time.perf_counter()
         info = trio.run(_with_client, swarm, body)
         wall = time.perf_counter() - t0
@@ -526,7 +557,39 @@ def bench_lan(model_dir: Path, tok: Tokenizer, a: argparse.Namespace) -> dict[st
         "where_the_time_goes": analyse_trace(trace_dir, plan),
         "runs": ring_runs and {"ring": ring_runs, "local": local_runs},
         "wall_s": round(wall, 1),
-    } | (_ab_rows(a, base_runs, ring_runs, local_runs, outputs, trace_b, base_plan) if swarm_b is not None else {})
+    } | (_ab_rows(a, base_runs, ring_runs, local_runs, outputs, trace_b, base_plan) if swarm_b is not None else {}) \
+      | (_compiled_rows(compiled_runs, local_c_runs, ring_runs, local_runs, outputs, compiled_info, warm_local_s)
+         if swarm_c is not None else {})
+
+
+def _compiled_rows(comp: list[dict[str, Any]], local_c: list[dict[str, Any]], ring: list[dict[str, Any]],
+                   local: list[dict[str, Any]], outputs: dict[str, list[int]], info: dict[str, Any],
+                   warm_local_s: float) -> dict[str, Any]:  # fmt: skip
+    """--compiled: the compiled ring and the compiled process beside the eager ones, same rounds;
+    every ratio the median of the per-round ratios."""
+    def tok(runs: list[dict[str, Any]]) -> list[float]:
+        return [r["decode_tokens_per_s"] for r in runs]
+
+    def paired(xs: list[float], ys: list[float]) -> float:
+        return round(med([x / y for x, y in zip(xs, ys, strict=True)]), 3)
+
+    return {"compiled": {
+        "ring_decode_tok_s": round(med(tok(comp)), 2),
+        "local_decode_tok_s": round(med(tok(local_c)), 2),
+        "compiled_ring_vs_eager_ring": paired(tok(comp), tok(ring)),
+        "compiled_ring_vs_compiled_local": paired(tok(comp), tok(local_c)),
+        "compiled_ring_vs_eager_local": paired(tok(comp), tok(local)),
+        "compiled_local_vs_eager_local": paired(tok(local_c), tok(local)),
+        "eager_ring_vs_eager_local": paired(tok(ring), tok(local)),
+        "compiled_ring_vs_compiled_local_runs": [round(x / y, 3) for x, y in zip(tok(comp), tok(local_c), strict=True)],
+        "greedy_identical": outputs.get("compiled") == outputs.get("local") == outputs.get("local_compiled"),
+        "plan": info["plan"],
+        "node_status_compiled": info["status"],  # what one node's status says it compiled, and its warm-up
+        "local_warm_s": round(warm_local_s, 1),
+        "ring_cpu_ms_per_token": round(med([r["cpu_ms_per_token"] for r in comp]), 1),
+        "local_cpu_ms_per_token": round(med([r["cpu_ms_per_token"] for r in local_c]), 1),
+        "runs": {"compiled_ring": comp, "compiled_local": local_c},
+    }}
 
 
 def _ab_rows(a: argparse.Namespace, base_runs: list[dict[str, Any]], ring_runs: list[dict[str, Any]],
@@ -792,6 +855,9 @@ def main() -> None:
     p.add_argument("--ab", type=Path, default=None,
                    help="LAN: a second swarm whose nodes run the code of this tree (e.g. a git worktree of the "
                         "base commit), its generations in every round beside this tree's ring and one process")
+    p.add_argument("--compiled", action="store_true",
+                   help="LAN: a third side, a ring of compiled nodes (join --compile), and one compiled process, "
+                        "in every round beside the eager ring and process")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument(
         "--workdir",
