@@ -72,8 +72,13 @@ async def test_a_client_reads_a_stages_status_and_the_coordinators_through_it(ck
         assert st["capacity"]["active"] == 0 and st["capacity"]["queued"] == 0
         assert st["peer_id"] in plan.blocks  # both hold a block: their worker's batching is reported
         assert st["stage"]["chunks"] >= 8 and st["stage"]["tokens"] >= len(PROMPT) + 7 and st["stage"]["errors"] == 0
+        # the generation ended: nothing of it is held (issue 26), nothing was evicted
+        assert st["held"]["stage"] == {"sessions": 0, "kv_bytes": 0, "queued": 0, "queued_tokens": 0, "tracked": 0}
+        assert st["stage"]["evicted"] == 0
     assert relayed["serving"] is True  # the coordinator takes generations (a stage's own is not set)
     # the coordinator ran the generation: its speed and its run are reported; the stage has none
     assert relayed["recent"]["generations"] == 1 and relayed["recent"]["tokens_per_s"] > 0
     assert [r["tokens"] for r in relayed["runs"]] == [8] and own["runs"] == [] and own["recent"] == {}
     assert relayed["capacity"]["sessions"] >= 1
+    assert relayed["held"]["coordinator"] == {"sessions": 0, "results_queued": 0, "head_queued": 0, "head_tracked": 0}
+    assert own["held"]["coordinator"] is None  # not the coordinator
