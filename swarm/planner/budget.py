@@ -61,6 +61,11 @@ from swarm.planner.spec import ModelSpec
 #   it holds the tokenizer (~40 MB here) and its head's load reads the stored tensors beside the
 #   converted copy. COORDINATOR_RUNTIME_BYTES puts a coordinator at 480 MB in all, as the single
 #   constant did before: what every advert leaves out (the module doc) does not change.
+# Not enough for a large head from a GGUF: Gemma 3 270M's (262k x 640, 671 MB in fp32) load peaks
+# ~290 MB over its planned bytes as its Q-blocks are dequantized, and a head-only coordinator at its
+# offer is OOM-killed while loading it (benchmarks/bench_head_memory.py, head_memory_gemma.json): the
+# head's own load-time peak, sized by the head as a layer's is (model/quant.layer_load_bytes), is a
+# follow-up.
 # A standby (imports, host, one dense layer measured, no block) is 371-376 MB.
 RUNTIME_BYTES = 410 * 10**6
 COORDINATOR_RUNTIME_BYTES = 70 * 10**6
