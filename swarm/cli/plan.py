@@ -71,7 +71,7 @@ def model_spec(
             raise UsageError("give either --model or --layers/--layer-gb, not both")
         from swarm.model.config import ModelArgs
         from swarm.model.quant import layer_bytes_each, layer_compact_bytes_each
-        from swarm.model.speculative import inflight_bytes
+        from swarm.model.speculative import head_logit_values, inflight_bytes
 
         if model.is_file() and model.suffix == ".gguf":
             from swarm.model.gguf import config_from_gguf
@@ -98,6 +98,7 @@ def model_spec(
             sessions=sessions,
             activation_bytes=args.activation_bytes(PREFILL_CHUNK_TOKENS, dtype_bytes),
             inflight_bytes=inflight_bytes(args.dim, dtype_bytes, context),
+            head_logit_values=head_logit_values(args.vocab_size),
         )
     if layers is None or layer_gb is None:
         raise UsageError("give --model PATH, or --layers N with --layer-gb G")

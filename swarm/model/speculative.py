@@ -94,6 +94,14 @@ def inflight_bytes(dim: int, dtype_bytes: int, context_tokens: int) -> int:
     return min(DEFAULT_PREFILL_WINDOW * DEFAULT_PREFILL_CHUNK, context_tokens) * dim * dtype_bytes
 
 
+def head_logit_values(vocab_size: int) -> int:
+    """The logits one session's chunk asks the coordinator's head for at most, as values (rows x
+    vocabulary): a decode chunk's pending token and the default policy's largest draft
+    (KPolicy.k_max), the bonus row included; a prompt's last piece asks for one row. A request's own
+    ``draft_k`` above that default makes longer chunks, which the memory budget does not count."""
+    return (KPolicy.k_max + 1) * vocab_size
+
+
 def host(t: torch.Tensor) -> torch.Tensor:
     """``t`` on the CPU (a no-op there): where the decoder compares target and draft distributions."""
     return t if t.device.type == "cpu" else t.to("cpu")

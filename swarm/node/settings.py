@@ -157,7 +157,7 @@ def model_spec(args: ModelArgs, dtype: torch.dtype, context_tokens: int, quant: 
     from swarm.model.quant import layer_bytes as quant_layer_bytes
     from swarm.model.quant import layer_bytes_each as quant_layer_bytes_each
     from swarm.model.quant import layer_compact_bytes_each
-    from swarm.model.speculative import inflight_bytes
+    from swarm.model.speculative import head_logit_values, inflight_bytes
     from swarm.planner.budget import PREFILL_CHUNK_TOKENS
 
     nbytes = torch.empty(0, dtype=dtype).element_size()
@@ -173,6 +173,7 @@ def model_spec(args: ModelArgs, dtype: torch.dtype, context_tokens: int, quant: 
         sessions=max(1, NodeSettings.sessions if sessions is None else sessions),
         activation_bytes=args.activation_bytes(PREFILL_CHUNK_TOKENS, nbytes),
         inflight_bytes=inflight_bytes(args.dim, nbytes, context_tokens),
+        head_logit_values=head_logit_values(args.vocab_size),
     )
 
 

@@ -10,8 +10,10 @@ activations of one prefill chunk (``ModelSpec.activation_bytes``) and, per sessi
 states on their way that may wait in its queue (``ModelSpec.inflight_bytes``: a prompt, or a
 resume's replay, goes round the ring a window of pieces at a time, node/ring/coordinator.py, so
 a stage holds at most a window's of each session; a head-only coordinator runs no stage and
-needs neither), and where
-it coordinates the embedding, final norm, head and its draft model. The *overhead* is this peer's
+needs neither), and where it coordinates the embedding, final norm, head and its draft model,
+and per session what waits for or comes out of the head (``ModelSpec.head_session_bytes``: the
+results of its window, which the tail sends the coordinator whether or not it holds layers, and
+one chunk's float32 logits; a 262k-token vocabulary makes those 1 MB a row). The *overhead* is this peer's
 own and so is not in the swarm-wide ModelSpec: on a CPU (or MPS) the runtime itself (Python,
 torch and the node's modules, :data:`RUNTIME_BYTES`), where it coordinates the coordinator's own
 (:data:`COORDINATOR_RUNTIME_BYTES`: its tokenizer and the head's load), plus the load-time peak
@@ -59,6 +61,11 @@ from swarm.planner.spec import ModelSpec
 #   it holds the tokenizer (~40 MB here) and its head's load reads the stored tensors beside the
 #   converted copy. COORDINATOR_RUNTIME_BYTES puts a coordinator at 480 MB in all, as the single
 #   constant did before: what every advert leaves out (the module doc) does not change.
+# Not enough for a large head from a GGUF: Gemma 3 270M's (262k x 640, 671 MB in fp32) load peaks
+# ~290 MB over its planned bytes as its Q-blocks are dequantized, and a head-only coordinator at its
+# offer is OOM-killed while loading it (benchmarks/bench_head_memory.py, head_memory_gemma.json): the
+# head's own load-time peak, sized by the head as a layer's is (model/quant.layer_load_bytes), is a
+# follow-up.
 # A standby (imports, host, one dense layer measured, no block) is 371-376 MB.
 RUNTIME_BYTES = 410 * 10**6
 COORDINATOR_RUNTIME_BYTES = 70 * 10**6
@@ -84,7 +91,7 @@ def predicted_peak(
     if end > start and not at_load:
         peak += spec.transient_at(n)
     if coordinator:
-        peak += spec.coordinator_bytes + draft_bytes
+        peak += spec.coordinator_at(n) + draft_bytes
     return peak
 
 
@@ -94,6 +101,7 @@ def sessions_that_fit(
     """How many sessions' KV fit beside the rest of ``predicted_peak`` in ``memory_bytes`` (may be
     0 or negative when even the weights do not fit); None when a session costs nothing here."""
     per_session = (block[1] - block[0]) * spec.session_kv_bytes_per_layer + (spec.inflight_bytes if block[1] > block[0] else 0)
+    per_session += spec.head_session_bytes() if coordinator else 0
     if per_session <= 0:
         return None
     base = predicted_peak(spec, block, coordinator=coordinator, draft_bytes=draft_bytes, sessions=0)

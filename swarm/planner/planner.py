@@ -330,10 +330,12 @@ def _check_memory(ctx: Ctx) -> None:
                 "no peer may be coordinator (coordinator_ok is false for every peer)"
             )
         top = max(p.memory_bytes for p in ok)
+        need = spec.coordinator_at(spec.sessions)  # as Peer.coordinator_part counts it
         raise PlanningError(
-            f"no peer can be coordinator: it needs {spec.coordinator_bytes / GB:.2f} GB for the "
-            f"embedding, head and draft model, but the largest coordinator-capable peer offers "
-            f"{top / GB:.2f} GB: {(spec.coordinator_bytes - top) / GB:.2f} GB short"
+            f"no peer can be coordinator: it needs {need / GB:.2f} GB for the embedding, head, "
+            f"draft model and {_sessions_phrase(spec)} in flight (results waiting for the head, "
+            f"logits), but the largest coordinator-capable peer offers "
+            f"{top / GB:.2f} GB: {(need - top) / GB:.2f} GB short"
         )
     plain = sum(max(0, c) for c in ctx.cap)
     best_layers = max(plain - max(0, ctx.cap[i]) + ctx.capc[i] for i in coords)

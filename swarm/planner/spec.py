@@ -27,6 +27,9 @@ class ModelSpec:
     forward through a layer holds at once (a stage's transient peak; budget.py), and
     ``inflight_bytes`` what one session's hidden states on their way can hold at a stage (a prompt
     sent round the ring a window of pieces at a time: model/speculative.DEFAULT_PREFILL_WINDOW).
+    ``head_logit_values`` is what one session's logits at the coordinator count (rows x vocabulary:
+    model/speculative.head_logit_values): with its prefill window's results waiting for the head
+    (``inflight_bytes`` again) they are what a session in flight holds there (:meth:`head_session_bytes`).
     ``layer_bytes_each`` gives each layer's own weights where layers differ (DeepSeek-V3 and
     GLM-4.5 have dense first layers and MoE layers after them); empty means every layer weighs
     ``layer_bytes``, which is always the largest layer's weights.
@@ -36,7 +39,8 @@ class ModelSpec:
     served in fp32 holds its nibbles as they are, and only its scales and norms at 4 bytes.
     ``compact_bytes_each`` gives, per layer, the part of its weights that keeps its size at every
     width (empty: none, a dense model), so :meth:`at_width` can state a layer in the planner's unit
-    for a peer whatever width it serves.
+    for a peer whatever width it serves; ``width`` is the width a spec states its peer's values at
+    (2 unless made by :meth:`at_width`).
     """
 
     n_layers: int
@@ -49,6 +53,8 @@ class ModelSpec:
     activation_bytes: int = 0
     compact_bytes_each: tuple[int, ...] = ()
     inflight_bytes: int = 0
+    head_logit_values: int = 0
+    width: int = 2
 
     def __post_init__(self) -> None:
         if self.n_layers < 1:
@@ -60,6 +66,7 @@ class ModelSpec:
             "context_tokens",
             "activation_bytes",
             "inflight_bytes",
+            "head_logit_values",
         ):
             if getattr(self, name) < 0:
                 raise UsageError(f"model: {name} must not be negative, got {getattr(self, name)}")
@@ -85,15 +92,19 @@ class ModelSpec:
         (real bytes × 2 / ``dtype_bytes``, as that peer advertises its memory): a layer's compact
         part ``c`` is ``c`` real bytes at any width, so ``c × 2 / dtype_bytes`` here (rounded up:
         a prediction never falls below what the peer holds), the rest of its weights as they were.
-        KV, activations and the head widen with the values and stay as they are. The spec itself
-        at 2 bytes, or where no layer has a compact part."""
+        KV, activations and the head widen with the values and stay as they are (the coordinator's
+        float32 logits do not: :meth:`head_session_bytes` reads ``width``). The spec itself at 2
+        bytes."""
         if dtype_bytes < 1:
             raise UsageError(f"model: dtype_bytes must be at least 1, got {dtype_bytes}")
-        if dtype_bytes == 2 or not any(self.compact_bytes_each):
+        if dtype_bytes == 2:
             return self
+        if not any(self.compact_bytes_each):
+            return dataclasses.replace(self, width=dtype_bytes)
         each = tuple(w - c + -(-c * 2 // dtype_bytes) for w, c in zip(self.weights, self.compact_bytes_each, strict=True))
         fixed = tuple(-(-c * 2 // dtype_bytes) for c in self.compact_bytes_each)
-        return dataclasses.replace(self, layer_bytes=max(each), layer_bytes_each=each, compact_bytes_each=fixed)
+        return dataclasses.replace(self, layer_bytes=max(each), layer_bytes_each=each, compact_bytes_each=fixed,
+                                   width=dtype_bytes)  # fmt: skip
 
     @property
     def session_kv_bytes_per_layer(self) -> int:
@@ -118,6 +129,20 @@ class ModelSpec:
         """What a stage holds besides weights and KV: one forward's activations, and the hidden
         states ``sessions`` sessions may have on their way (each a prefill window's)."""
         return self.activation_bytes + sessions * self.inflight_bytes
+
+    def head_session_bytes(self) -> int:
+        """What one session in flight holds at the coordinator, in the planner's unit: its prefill
+        window's results waiting for the head (``inflight_bytes``: a head-only coordinator receives
+        every piece's hidden states) and one chunk's logits, float32 at any width, beside the head's
+        output in the model dtype until it is upcast (Head.logits; in float32 there is no copy)."""
+        w = self.width
+        real = self.head_logit_values * (4 + (w if w < 4 else 0))
+        return self.inflight_bytes + -(-real * 2 // w)
+
+    def coordinator_at(self, sessions: int) -> int:
+        """What the coordinator holds besides layers and a draft model with ``sessions`` sessions
+        in flight: embedding, final norm and head, and each session's :meth:`head_session_bytes`."""
+        return self.coordinator_bytes + sessions * self.head_session_bytes()
 
     @property
     def transient_bytes(self) -> int:
@@ -198,8 +223,10 @@ class Peer:
         return dataclasses.replace(spec, sessions=self.sessions)
 
     def coordinator_part(self, spec: ModelSpec) -> int:
-        """Bytes it holds as coordinator besides layers: embedding, head and its draft model."""
-        return spec.coordinator_bytes + self.draft_bytes
+        """Bytes it holds as coordinator besides layers: embedding, head, what its own sessions
+        hold there in flight (ModelSpec.coordinator_at) and its draft model."""
+        own = self.own(spec)
+        return own.coordinator_at(own.sessions) + self.draft_bytes
 
     def layer_capacity(self, spec: ModelSpec, *, coordinator: bool = False, smallest: bool = False) -> int:
         """How many layers fit (with the KV cache of its own sessions and a stage's transient bytes),

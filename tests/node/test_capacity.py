@@ -26,6 +26,22 @@ def test_stage_and_ring_capacity_follow_kv_memory_at_the_context_length() -> Non
     assert ring_capacity(SPEC, plan, {"a": 2000 + 500 + 400 * 5, "b": 2000 + 400 * 2}) == 2
 
 
+def test_a_head_only_coordinator_bounds_the_ring_by_its_sessions_results_and_logits() -> None:
+    """It holds no layers, but each session's results wait for its head and its logits come out
+    of it (ModelSpec.head_session_bytes): the ring admits no more than its memory holds of those."""
+    spec = ModelSpec(n_layers=4, layer_bytes=1000, kv_bytes_per_token_per_layer=2, coordinator_bytes=500,
+                     context_tokens=100, inflight_bytes=10, head_logit_values=15)  # fmt: skip
+    per = spec.head_session_bytes()
+    assert per == 10 + 15 * 6
+    plan = Plan(epoch=1, n_layers=4, coordinator="h", ring=("a", "b"), blocks={"a": (0, 2), "b": (2, 4)},
+                standbys=(), predicted_latency_ms=1.0, predicted_compute_ms=1.0)
+    stages = {p: 10**9 for p in "ab"}
+    assert stage_capacity(spec, 500 + 3 * per, (0, 0), coordinator=True) == 3
+    assert ring_capacity(spec, plan, stages | {"h": 500 + 3 * per + per - 1}) == 3
+    assert ring_capacity(spec, plan, stages | {"h": 500 + 5 * per}) == 5
+    assert ring_capacity(SPEC, plan, stages | {"h": 500}) == MAX_SESSIONS  # no vocabulary, no window: nothing to hold
+
+
 async def test_admission_queues_in_order_with_a_notice_and_refuses_past_the_queue(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
@@ -155,7 +171,7 @@ def test_a_nodes_sessions_reserve_is_its_specs_and_what_its_plans_reserve(tmp_pa
     assert (few.sessions, many.sessions) == (2, 8)
     whole = (0, 4)
     assert predicted_peak(many, whole, coordinator=True) - predicted_peak(few, whole, coordinator=True) == \
-        6 * (4 * few.session_kv_bytes_per_layer + few.inflight_bytes)  # fmt: skip
+        6 * (4 * few.session_kv_bytes_per_layer + few.inflight_bytes + few.head_session_bytes())  # fmt: skip
     args = Models(settings[0], Compute(threads=False), Notices(Hooks())).args
     # a session's hidden states on their way: its whole context (64 tokens, under the prefill window), 2-byte unit
     assert few.inflight_bytes == 64 * args.dim * 2

@@ -109,4 +109,6 @@ def test_a_node_advertises_its_offer_less_its_overhead_and_peak_bytes_is_its_inv
     for block, coord in (((0, 3), True), ((3, 6), False)):
         offer = peak_bytes(args, dtype, device, spec, block, coordinator=coord)
         unused = 0 if coord or not cpu else COORDINATOR_RUNTIME_BYTES  # a stage's share of what the advert left out
-        assert advert_memory(offer + unused, dtype, device, args) == predicted_peak(spec, block, coordinator=coord)
+        # at its own width: the coordinator's float32 logits do not widen (ModelSpec.head_session_bytes)
+        assert advert_memory(offer + unused, dtype, device, args) == predicted_peak(spec.at_width(width), block,
+                                                                                    coordinator=coord)  # fmt: skip

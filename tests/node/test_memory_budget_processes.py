@@ -25,7 +25,7 @@ import torch
 import trio
 
 from swarm import client
-from swarm.launch import LocalSwarm, sized_offers, start_local_swarm
+from swarm.launch import LocalSwarm, offer_for, sized_offers, start_local_swarm
 from swarm.model.bundled import bundled_gguf_path, default_model_dir
 from swarm.model.generate import LocalModel, generate
 from swarm.model.speculative import DEFAULT_PREFILL_WINDOW
@@ -143,6 +143,29 @@ async def test_long_prompts_at_once_keep_the_first_stage_queue_to_their_windows(
         print("three long prompts:", stage["max_queued"], "queued at most;", _assert_inside(swarm, cgroups, offers, hwm))
     assert [r["output_token_ids"] for r in got] == [want] * 3
     assert stage["chunks"] >= 3 * 19 and 1 <= stage["max_queued"] <= 3 * (DEFAULT_PREFILL_WINDOW + 1), stage
+
+
+async def test_a_head_only_coordinator_admits_what_its_offer_holds_of_eight_long_prompts() -> None:
+    """A coordinator holding no layer still takes every piece of every prompt from the tail and runs
+    the head on each session's chunks: the budget counts both per session (ModelSpec.head_session_bytes),
+    so its offer, sized for the head and 8 sessions, bounds the ring at 8 although each stage holds 9.
+    Eight 600-token prompts (10 pieces each, over the window) at once: all admitted, every node inside
+    its offer, none killed, the answers one box's."""
+    model, context = default_model_dir(), 768
+    head = offer_for(model, 0.1, context_tokens=context, coordinator=True)  # no room for a layer
+    stage = offer_for(model, 15.9, context_tokens=context, coordinator=False)  # half the layers, a 9th session
+    prompts = [[1] + [(i * 7919 + 131 * k) % 40000 + 100 for i in range(599)] for k in range(8)]
+    want = _one_box(model, prompts[:2])
+    with _swarm_inside_offers(3, model, context=context, memory_bytes=[head, stage, stage]) as (swarm, offers, cgroups):
+        async with client.open_client(swarm.addrs[0], secret=swarm.secret, swarm_id=swarm.swarm_id) as (h, peer):
+            plan = (await client.wait_ready(h, peer, timeout=300))["plan"]
+            capacity = (await client.status(h, peer, coordinator=True))["capacity"]
+        got = await _generate(swarm, 0, prompts)
+        hwm = await _own_memory(swarm, [0, 1, 2])
+        print("head-only coordinator:", capacity, _assert_inside(swarm, cgroups, offers, hwm))
+    assert plan["coordinator"] == swarm.peer_ids[0] and swarm.peer_ids[0] not in plan["blocks"], plan
+    assert capacity["sessions"] == 8, capacity  # the coordinator's 8, not the stages' 9
+    assert [r["output_token_ids"] for r in got[:2]] == want
 
 
 @pytest.mark.parametrize("source", ["bf16 safetensors", "Q4_1 GGUF"])

@@ -3,6 +3,8 @@ and the planner's feasibility agreeing with it exactly."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from swarm.errors import PlanningError
@@ -25,10 +27,11 @@ def test_the_planned_part_counts_weights_reserved_kv_activations_and_the_coordin
     assert SPEC.session_kv_bytes_per_layer == 200 and SPEC.kv_bytes_per_layer == 600
     assert SPEC.transient_bytes == 70 + 3 * 11  # a forward's activations, each session's window on its way
     assert predicted_peak(SPEC, (0, 2), coordinator=False) == 2 * 1000 + 2 * 600 + 70 + 3 * 11
-    assert predicted_peak(SPEC, (0, 2), coordinator=True, draft_bytes=9) == 2 * 1000 + 2 * 600 + 70 + 33 + 500 + 9
+    # the coordinator also holds each session's results on their way to its head (the same window)
+    assert predicted_peak(SPEC, (0, 2), coordinator=True, draft_bytes=9) == 2 * 1000 + 2 * 600 + 70 + 33 + 500 + 33 + 9
     assert predicted_peak(SPEC, (0, 2), coordinator=False, sessions=5) == 2 * 1000 + 2 * 5 * 200 + 70 + 5 * 11
-    # a head-only coordinator runs no stage: no KV, no activations, nothing on its way
-    assert predicted_peak(SPEC, (0, 0), coordinator=True) == 500
+    # a head-only coordinator runs no stage: no KV, no activations; only what its sessions send its head
+    assert predicted_peak(SPEC, (0, 0), coordinator=True) == 500 + 3 * 11
     # at load: no session's KV and no prefill chunk yet, the weights and the coordinator part already
     assert predicted_peak(SPEC, (0, 2), coordinator=False, at_load=True) == 2 * 1000
     assert predicted_peak(SPEC, (0, 2), coordinator=True, draft_bytes=9, sessions=5, at_load=True) == 2 * 1000 + 500 + 9
@@ -40,7 +43,41 @@ def test_sessions_that_fit_is_predicted_peak_solved_for_sessions() -> None:
         assert n is not None
         assert predicted_peak(SPEC, (1, 3), coordinator=True, sessions=n) <= memory
         assert predicted_peak(SPEC, (1, 3), coordinator=True, sessions=n + 1) > memory
-    assert sessions_that_fit(SPEC, 10**6, (0, 0), coordinator=True) is None  # no layers: sessions cost nothing
+    assert sessions_that_fit(SPEC, 10**6, (0, 0), coordinator=False) is None  # no layers, no head: sessions cost nothing
+    for memory in range(500, 2000, 37):  # a head-only coordinator: each session's results and logits
+        n = sessions_that_fit(HEAD, memory, (0, 0), coordinator=True)
+        assert n is not None
+        assert predicted_peak(HEAD, (0, 0), coordinator=True, sessions=n) <= memory
+        assert predicted_peak(HEAD, (0, 0), coordinator=True, sessions=n + 1) > memory
+
+
+# SPEC with a vocabulary: each session's chunk asks the head for 5 logits
+HEAD = dataclasses.replace(SPEC, head_logit_values=5)
+
+
+def test_a_head_only_coordinator_counts_each_sessions_results_and_logits() -> None:
+    """The tail sends every piece's hidden states to the coordinator, layers or none: each session
+    holds its window of them there and one chunk's float32 logits (in bf16 beside the head's bf16
+    output until it is upcast: 6 bytes a value), in the planner's unit at the peer's width."""
+    per = 11 + 5 * (4 + 2)
+    assert HEAD.head_session_bytes() == per and HEAD.coordinator_at(3) == 500 + 3 * per
+    assert predicted_peak(HEAD, (0, 0), coordinator=True) == 500 + 3 * per
+    assert predicted_peak(HEAD, (0, 0), coordinator=True, sessions=8, draft_bytes=9) == 500 + 8 * per + 9
+    assert predicted_peak(HEAD, (0, 0), coordinator=True, at_load=True) == 500  # no session yet
+    assert predicted_peak(HEAD, (0, 2), coordinator=True) == predicted_peak(SPEC, (0, 2), coordinator=True) + 3 * 5 * 6
+    # an fp32 peer: its logits are the head's own output (no copy), 20 real bytes = 10 in the unit
+    assert HEAD.at_width(4).head_session_bytes() == 11 + 10
+    assert HEAD.at_width(1).head_session_bytes() == 11 + 5 * (4 + 1) * 2  # fp8: the output and its upcast
+    # the planner counts it too (Peer.coordinator_part): a peer with room for the head alone is no coordinator
+    need = predicted_peak(HEAD, (0, 0), coordinator=True)
+    assert Peer("c", need, 1.0).layer_capacity(HEAD, coordinator=True) == 0
+    assert Peer("c", need - 1, 1.0).layer_capacity(HEAD, coordinator=True) == -1
+    lat = Latency({"c": {"s": 1.0}})
+    stage = Peer("s", predicted_peak(HEAD, (0, 4), coordinator=False), 1.0, coordinator_ok=False)
+    head_only = plan(HEAD, [Peer("c", need, 1.0), stage], lat)
+    assert head_only.coordinator == "c" and head_only.blocks == {"s": (0, 4)}
+    with pytest.raises(PlanningError, match="no peer can be coordinator"):
+        plan(HEAD, [Peer("c", need - 1, 1.0), stage], lat)
 
 
 def test_the_overhead_is_the_runtime_and_a_layer_on_cpu_and_nothing_on_cuda() -> None:

@@ -42,7 +42,7 @@ def test_at_width_states_the_compact_part_at_what_it_really_holds() -> None:
     narrow = SPEC.at_width(1)  # an fp8 peer: 800 + 100 real = 1800 here
     assert narrow.weights[0] == 1800 and narrow.weights[0] * 1 // 2 == real_bytes(SPEC, 1, 0)
     dense = dataclasses.replace(SPEC, compact_bytes_each=())
-    assert dense.at_width(4) is dense  # every byte widens: the 2-byte unit is exact already
+    assert dense.at_width(4) == dataclasses.replace(dense, width=4)  # every byte widens: the 2-byte unit is exact
     odd = dataclasses.replace(SPEC, compact_bytes_each=(801,) * 12)
     assert odd.at_width(4).weights[0] * 2 >= real_bytes(odd, 4, 0)  # rounded up, never below what it holds
     with pytest.raises(UsageError, match="dtype_bytes"):

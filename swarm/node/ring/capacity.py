@@ -9,7 +9,8 @@ memory its peer advertised, which is already what it offered less its own overhe
 (planner/budget.py: the planner, this and ``plan``/``status`` share that arithmetic). The planner
 reserves each peer's own ``NodeSettings.sessions`` sessions' KV per layer (its advert's ``sessions``;
 default MIN_SESSIONS; an advert without it: the leader's), so every planned stage holds at least
-its peer's count, all inside ``--memory``. The ring holds the least of its stages (capped at
+its peer's count, all inside ``--memory``. The ring holds the least of its stages and of its
+coordinator, which holds each session's results and logits even when it holds no layers (capped at
 MAX_SESSIONS, the stage worker's own bound): a member that reserves 2 makes it at least 2.
 
 The coordinator admits that many generations at once (:class:`SlotQueue`); the next ones wait in
@@ -51,11 +52,12 @@ def ring_capacity(spec: ModelSpec, plan: Plan, memory: Mapping[str, int], drafts
     ``widths``: the width each serves in, where its advert gives one (ModelSpec.at_width, as the
     planner states its layers)."""
     drafts, widths = drafts or {}, widths or {}
+    blocks = {plan.coordinator: (0, 0)} | plan.blocks  # a head-only coordinator too: its sessions' results and logits
     caps = [
         stage_capacity(spec.at_width(widths[p]) if p in widths else spec, memory[p], block,
                        coordinator=p == plan.coordinator, draft_bytes=drafts.get(p, 0))
         if memory.get(p) else 1
-        for p, block in plan.blocks.items()
+        for p, block in blocks.items()
     ]  # fmt: skip
     return min(caps, default=1)
 
