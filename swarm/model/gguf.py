@@ -248,15 +248,25 @@ class GGUFFile:
         Rows are dequantized a few MB at a time into the one output array: ``gguf``'s numpy
         dequantizers make several float temporaries the size of what they are given, which for
         a whole embedding (a Q8_0 one of the bundled model: 113 MB as float32) came to 2.3 times
-        the tensor beside the output (measured: a head's load peaked 382 MB over its start)."""
-        data = self.raw(info, expert)
+        the tensor beside the output (measured: a head's load peaked 382 MB over its start). The
+        stored bytes are read a chunk at a time too: Gemma 3 270M's head (262k x 640) read whole
+        beside its 671 MB output peaked 270 MB over what it holds, and a head-only coordinator at
+        its offer was OOM-killed loading it."""
+        offset, nbytes = info.offset, info.nbytes
         shape = info.shape if expert is None else info.shape[1:]
-        rows = data.reshape(-1, data.shape[-1])  # (R, bytes_per_row)
-        out = np.empty((rows.shape[0], math.prod(shape) // max(1, rows.shape[0])), dtype=np.float32)
+        if expert is not None:
+            nbytes //= info.shape[0]
+            offset += expert * nbytes
+        n_rows = math.prod(shape[:-1])
+        row_bytes = nbytes // max(1, n_rows)
+        out = np.empty((n_rows, math.prod(shape) // max(1, n_rows)), dtype=np.float32)
         step = max(1, DEQUANT_CHUNK_BYTES // max(1, out.shape[1] * 4))
+        what = f"tensor {info.name!r}" + ("" if expert is None else f" expert {expert}")
         try:
-            for r in range(0, rows.shape[0], step):
-                out[r : r + step] = self._rows_as_float(rows[r : r + step], info.qtype)
+            for r in range(0, n_rows, step):  # the stored bytes too, a chunk at a time (not the whole tensor beside ``out``)
+                n = min(step, n_rows - r)
+                rows = self._reader.tensor(offset + r * row_bytes, n * row_bytes, what).numpy().reshape(n, row_bytes)
+                out[r : r + n] = self._rows_as_float(rows, info.qtype)
         except (NotImplementedError, ValueError) as e:
             raise WeightsError(
                 f"{self.path}: cannot dequantize tensor {info.name!r} ({info.qtype.name}): {e}"

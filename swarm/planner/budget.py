@@ -61,11 +61,15 @@ from swarm.planner.spec import ModelSpec
 #   it holds the tokenizer (~40 MB here) and its head's load reads the stored tensors beside the
 #   converted copy. COORDINATOR_RUNTIME_BYTES puts a coordinator at 480 MB in all, as the single
 #   constant did before: what every advert leaves out (the module doc) does not change.
-# Not enough for a large head from a GGUF: Gemma 3 270M's (262k x 640, 671 MB in fp32) load peaks
-# ~290 MB over its planned bytes as its Q-blocks are dequantized, and a head-only coordinator at its
-# offer is OOM-killed while loading it (benchmarks/bench_head_memory.py, head_memory_gemma.json): the
-# head's own load-time peak, sized by the head as a layer's is (model/quant.layer_load_bytes), is a
-# follow-up.
+# Not enough for a model with a large tokenizer or a large head from a GGUF (Gemma 3 270M,
+# benchmarks/bench_head_memory.py, head_memory_gemma.json: a head-only coordinator at its offer was
+# OOM-killed, and with 400 MB more it held 1.13-1.19x its predicted peak):
+# - its tokenizer: HF tokenizers holds ~20x its tokenizer.json (the bundled model's 1.56 MB -> 31 MB;
+#   Gemma's 262k tokens and 515k merges, 14.4 MB -> 290 MB, nearly all of it the merges), which this
+#   constant covers for the bundled model only; sizing it by the model's tokenizer is a follow-up;
+# - its head's load: reading the GGUF's stored bytes whole beside the float32 output peaked 270 MB
+#   over the 671 MB head; the stored bytes are now read a chunk at a time (gguf.GGUFFile.dequantized):
+#   ~100 MB over, measured apart.
 # A standby (imports, host, one dense layer measured, no block) is 371-376 MB.
 RUNTIME_BYTES = 410 * 10**6
 COORDINATOR_RUNTIME_BYTES = 70 * 10**6

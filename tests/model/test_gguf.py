@@ -236,6 +236,28 @@ def test_only_requested_tensors_are_dequantized(monkeypatch: pytest.MonkeyPatch)
     assert all(s.startswith("blk.") and int(s.split(".")[1]) < 7 for s in seen)
 
 
+def test_a_large_tensor_is_read_and_dequantized_a_chunk_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stored bytes are read a chunk at a time, not whole beside the float32 output (a 262k-row
+    head read whole peaked 270 MB over what it holds), and the chunks give the same floats."""
+    src = GGUFSource(bundled_gguf_path())
+    name = "model.embed_tokens.weight"  # Q8_0, 49152 x 576: 30 MB stored
+    whole = src.load(name, torch.float32)  # the default chunk: 8 MB of output a step
+    monkeypatch.setattr(sg, "DEQUANT_CHUNK_BYTES", 1 << 20)
+    reads: list[int] = []
+    real = sg.FileReader.tensor
+
+    def counting(self: Any, offset: int, nbytes: int, what: str) -> torch.Tensor:
+        reads.append(nbytes)
+        return real(self, offset, nbytes, what)
+
+    monkeypatch.setattr(sg.FileReader, "tensor", counting)
+    small = src.load(name, torch.float32)
+    assert torch.equal(small, whole)
+    stored = 49152 * 576 // 32 * 34
+    assert sum(reads) == stored and len(reads) > 20, reads[:3]
+    assert max(reads) <= (1 << 20) // (576 * 4) * (576 // 32 * 34)
+
+
 def test_bundled_source_matches_reference_facts() -> None:
     src = GGUFSource(bundled_gguf_path())
     assert len(src.names()) == 272 and "lm_head.weight" not in src.names()  # tied
