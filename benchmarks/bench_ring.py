@@ -1,7 +1,7 @@
 """The ring end to end on the bundled model, side by side: LAN ring vs one process, WAN drafting.
 
     .venv/bin/python benchmarks/bench_ring.py [--quick] [--runs N] [--wan-runs N]
-        [--only lan|lan-auto|wan] [--drafts int4,int8,self] [--keep] [--ab TREE]
+        [--only lan|lan-auto|wan] [--drafts int4,int8,self] [--keep] [--ab TREE] [--compiled]
 
 Real node processes (swarm/launch.py) on loopback, a real client (swarm/client.py),
 greedy decoding, bf16, ``--threads`` (default 1) torch threads in EVERY process.
@@ -17,6 +17,10 @@ LAN  3 peers on loopback, ``draft="none"`` (one token per traversal), decode tok
      (pipeline_floor.py): ``floor_vs_local`` is what this machine allows a ring of those blocks
      (a forward after its process sat idle runs slower than back to back), ``ring_vs_floor``
      what our software costs on top.
+     ``--compiled``: beside them in every round, a ring of compiled nodes (``join --compile``:
+     launch.py ``compile``, spans 64 and 128, which the prompt and its tokens fit in) and one
+     compiled process (the same capacity and spans): ``lan.compiled`` holds compiled ring ÷
+     eager ring, compiled ring ÷ compiled process, and each ÷ the eager process, paired per round.
 LAN-AUTO  3 peers on loopback that hold ``auto``'s draft model (an int4 copy of the model):
      chat requests with ``draft="auto"`` against ``draft="none"``, interleaved; the coordinator
      decides per request by measured cost (swarm/node/compute/drafting.py) and says so in the receipt.
