@@ -43,6 +43,12 @@ KV at the context small enough that half the layers' offer stays below the model
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_join_split.py --gb 2 --memlimit --kv-heads 2 \
         --context 512 --new-tokens 4 --out benchmarks/results/memory_2gb.json
+
+A ``--memlimit`` run also samples every peer's memory each second (``Sampler``: /proc/PID/status
+and the cgroup's charge, anon, file, failcnt or oom events and OOM kills; issue 26) into
+``--out``'s ``_series.json`` and each phase's most into ``memory.sampled_max``, and reads each
+node's status ``held`` at each phase; ``--churn N`` adds N rounds of sessions whose clients hang
+up mid-way, then the sessions again (memory_2gb_issue26.json).
 """
 
 from __future__ import annotations
