@@ -16,8 +16,10 @@ the same ring: its longest gap between tokens is reported beside the ring's time
 
 ``--ab TREE``: a second ring of the same size whose nodes run TREE's code (a base commit's
 checkout), its prefill beside this tree's in every round (``ab``: its tok/s, its ratio, and this
-ring ÷ it per round). ``first_stage``: the most messages the first stage's inbound queue held
-(``max_queued``, from its status; a tree without it reports none).
+ring ÷ it per round). ``stages``: per node in ring order, its block, the most messages its
+stage's inbound queue held (``max_queued``, from its status: each a piece of at most 64 tokens; a
+tree without it reports none) and its VmHWM ÷ its predicted peak; ``first_stage``: the first
+stage's of those.
 
 Written to benchmarks/results/long_prompt.json (or ``--out``): medians of each, ``ratio`` = ring / one box
 (target >= 0.8). The machine is shared with other work (noisy): read ratios, not absolute speeds.
@@ -66,11 +68,22 @@ async def _ring_once(swarm: LocalSwarm, ids: list[int]) -> dict[str, Any]:
             "chunks": r["chunks"]}  # fmt: skip
 
 
-async def _first_stage(swarm: LocalSwarm, plan: dict[str, Any]) -> dict[str, Any]:
-    """The status ``stage`` of the node holding layer 0 (its inbound queue's most: ``max_queued``)."""
-    first = swarm.peer_ids.index(next(p for p, (s, e) in plan["blocks"].items() if s == 0 and e > 0))
-    async with client.open_client(swarm.addrs[first], secret=swarm.secret, swarm_id=swarm.swarm_id) as (h, peer):
-        return dict((await client.status(h, peer)).get("stage") or {})
+async def _stages(swarm: LocalSwarm, plan: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each node's own status in ring order (the coordinator first): its block, its stage's inbound
+    queue at most (``max_queued``, messages: each a 64-token piece or less) and chunks, and its
+    VmHWM over its whole predicted peak (planner/budget.py)."""
+    out = []
+    for pid in plan["ring"]:
+        i = swarm.peer_ids.index(pid)
+        async with client.open_client(swarm.addrs[i], secret=swarm.secret, swarm_id=swarm.swarm_id) as (h, peer):
+            st = await client.status(h, peer)
+        stage, mem = st.get("stage") or {}, st.get("memory") or {}
+        pred, hwm = mem.get("predicted_peak_bytes"), mem.get("measured_peak_bytes")
+        out.append({"node": i, "block": plan["blocks"].get(pid), "coordinator": pid == plan["coordinator"],
+                    "max_queued": stage.get("max_queued"), "chunks": stage.get("chunks"),
+                    "measured_peak_bytes": hwm, "predicted_peak_bytes": pred,
+                    "hwm_over_predicted": round(hwm / pred, 3) if hwm and pred else None})  # fmt: skip
+    return out
 
 
 async def run(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
@@ -98,7 +111,7 @@ async def run(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
                 else:
                     rows[kind].append(await _ring_once(swarms[kind], ids))
         assert len({r["first"] for rs in rows.values() for r in rs}) == 1, rows
-        stages = {k: await _first_stage(sw, plans[k]) for k, sw in swarms.items()}
+        stages = {k: await _stages(sw, plans[k]) for k, sw in swarms.items()}
 
         # a second session decoding while the long prompt prefills (this tree's ring)
         gaps: list[float] = []
@@ -138,7 +151,9 @@ async def run(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
         "shared": {"prefill_s_with_a_decoder": shared["prefill_s"], "decoder_tokens_during_prefill": len(gaps),
                    "decoder_gap_ms_max": 1000 * max(gaps) if gaps else None,
                    "decoder_gap_ms_median": 1000 * statistics.median(gaps) if gaps else None},  # fmt: skip
-        "first_stage": {k: {"max_queued": v.get("max_queued"), "chunks": v.get("chunks")} for k, v in stages.items()},
+        "first_stage": {k: next(({"max_queued": s["max_queued"], "chunks": s["chunks"]} for s in v
+                                 if s["block"] and s["block"][0] == 0 and s["block"][1] > 0), {}) for k, v in stages.items()},
+        "stages": stages,
         **({"ab": {"base_tree": str(args.ab), "base_tok_s_median": med(rows["base"], "tok_s"),
                    "base_ratio": med(rows["base"], "tok_s") / med(box_rows, "tok_s"),
                    "ring_over_base_per_round_median": statistics.median(
@@ -160,11 +175,13 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--ab", type=Path, default=None, help="a second ring whose nodes run this tree's code (a base)")
     args = ap.parse_args()
+    args.out = args.out.resolve()  # run() moves to the temporary directory (the nodes' working directory)
     result = trio.run(run, args, resolve_model(None))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     keys = ("ring_tok_s_median", "one_box_tok_s_median", "ratio", "ring_ms_per_prefill_chunk")
-    print(json.dumps({k: round(result[k], 3) for k in keys} | {"shared": result["shared"], "first_stage": result["first_stage"]}
+    per_stage = {k: [(s["block"], s["max_queued"], s["hwm_over_predicted"]) for s in v] for k, v in result["stages"].items()}
+    print(json.dumps({k: round(result[k], 3) for k in keys} | {"shared": result["shared"], "stages": per_stage}
                      | {k: v for k, v in result.get("ab", {}).items() if k != "base"}))
 
 

@@ -81,7 +81,8 @@ DEFAULT_PREFILL_CHUNK = 64
 # prompt while the window covers one piece at each stage plus those on the hops and at the
 # coordinator (about stages + 2); 8 leaves that room up to ~6 stages (measured on 3: a 2,048-token
 # prefill as fast as with every piece sent at once, benchmarks/bench_long_prompt.py --ab,
-# long_prompt_window.json; larger rings not measured). What a stage may hold of one session's
+# long_prompt_window.json; on 4 and 5 stages every stage's queue stays at most 7 pieces as on 3,
+# long_prompt_4stages.json, long_prompt_5stages.json). What a stage may hold of one session's
 # hidden states on their way, DEFAULT_PREFILL_WINDOW x DEFAULT_PREFILL_CHUNK tokens, is in its
 # memory budget (planner/budget.py, ModelSpec.inflight_bytes).
 DEFAULT_PREFILL_WINDOW = 8
