@@ -40,6 +40,8 @@ class ModelArgs:
     eos_token_ids: tuple[int, ...]
     sliding_window: int | None = None  # the widest attention window of any layer (None: all full)
     config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)  # config.json
+    # what its tokenizer holds loaded (tokenizer.resident_bytes; 0: not known), a coordinator's overhead
+    tokenizer_bytes: int = field(default=0, compare=False)
 
     # ----------------------------------------------------------------------------- construction
     @classmethod

@@ -73,6 +73,33 @@ def tokenizer_from_gguf(path: str | Path) -> tuple[tokenizers.Tokenizer, dict[st
     return tok, config, extra
 
 
+# What Hugging Face's tokenizers library holds for a BPE vocabulary once loaded, measured apart
+# (tokenizers.Tokenizer.from_file, VmRSS after less before): Gemma 3's 262,144 tokens alone 52 MB,
+# with its 514,906 merges 290 MB (~200 B a token, ~550 a merge); SmolLM2's 49,152 and 48,900: 31 MB
+# (the formula says 37). A coordinator holds it beside the head (planner/budget.py).
+BYTES_PER_TOKEN = 200
+BYTES_PER_MERGE = 550
+SPM_MERGES_PER_TOKEN = 1.96
+
+
+def resident_bytes(model_dir: str | Path | None = None, *, gguf_metadata: dict[str, Any] | None = None) -> int:
+    """What a checkpoint's tokenizer (a directory's tokenizer.json, or a GGUF file's metadata)
+    holds once loaded, from its counts of tokens and merges; 0 where we read none."""
+    if gguf_metadata is not None:
+        tokens, merges = gguf_metadata.get("tokenizer.ggml.tokens"), gguf_metadata.get("tokenizer.ggml.merges")
+        if not merges and gguf_metadata.get("tokenizer.ggml.model") == "llama" and tokens:
+            # a SentencePiece vocabulary: transformers' conversion derives the merges from it
+            # (Gemma 3's 262,144 tokens gave 514,906: SPM_MERGES_PER_TOKEN)
+            return int((BYTES_PER_TOKEN + BYTES_PER_MERGE * SPM_MERGES_PER_TOKEN) * len(tokens))
+    else:
+        try:
+            model = json.loads((Path(str(model_dir)) / "tokenizer.json").read_text(encoding="utf-8"))["model"]
+            tokens, merges = model.get("vocab"), model.get("merges")
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return 0
+    return BYTES_PER_TOKEN * len(tokens or ()) + BYTES_PER_MERGE * len(merges or ())
+
+
 def _keep(d: Path, tok: tokenizers.Tokenizer, config: dict[str, Any], eos: Sequence[int]) -> None:
     """Write a converted tokenizer as a directory ``from_dir`` reads (atomically; best effort)."""
     with contextlib.suppress(OSError):

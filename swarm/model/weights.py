@@ -25,6 +25,7 @@ diagnosed by reading its header ourselves and naming the first tensor whose byte
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import struct
@@ -37,6 +38,7 @@ import torch
 
 from swarm.errors import ConfigError, WeightsError
 from swarm.model.config import ModelArgs, read_config
+from swarm.model.tokenizer import resident_bytes as tokenizer_bytes
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -289,11 +291,14 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
         config = gguf.config_from_gguf(p)
         args = ModelArgs.from_config(config, where=f"{p} (GGUF metadata)")
         sha = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
-        return Checkpoint(path=p, args=args, source=gguf.GGUFSource(p), config_sha256=sha)
+        src = gguf.GGUFSource(p)
+        args = dataclasses.replace(args, tokenizer_bytes=tokenizer_bytes(gguf_metadata=src.file.metadata))
+        return Checkpoint(path=p, args=args, source=src, config_sha256=sha)
     if not p.is_dir():
         raise ConfigError(f"{p}: not a model directory or a .gguf file")
     raw, config = read_config(p)
     args = ModelArgs.from_config(config, where=str(p / "config.json"))
+    args = dataclasses.replace(args, tokenizer_bytes=tokenizer_bytes(p))
     return Checkpoint(
         path=p,
         args=args,

@@ -109,7 +109,7 @@ def overhead_bytes(args: ModelArgs, dtype: torch.dtype, device: str, *, coordina
     from swarm.planner.budget import runtime_overhead
 
     load = layer_load_bytes(args, quant, dtype.itemsize)
-    return runtime_overhead(torch.device(device).type, load, coordinator=coordinator)
+    return runtime_overhead(torch.device(device).type, load, coordinator=coordinator, tokenizer_bytes=args.tokenizer_bytes)
 
 
 def advert_memory(offered: int, dtype: torch.dtype, device: str, args: ModelArgs, quant: str = "none") -> int:

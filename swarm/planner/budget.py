@@ -61,18 +61,17 @@ from swarm.planner.spec import ModelSpec
 #   it holds the tokenizer (~40 MB here) and its head's load reads the stored tensors beside the
 #   converted copy. COORDINATOR_RUNTIME_BYTES puts a coordinator at 480 MB in all, as the single
 #   constant did before: what every advert leaves out (the module doc) does not change.
-# Not enough for a model with a large tokenizer or a large head from a GGUF (Gemma 3 270M,
-# benchmarks/bench_head_memory.py, head_memory_gemma.json: a head-only coordinator at its offer was
-# OOM-killed, and with 400 MB more it held 1.13-1.19x its predicted peak):
-# - its tokenizer: HF tokenizers holds ~20x its tokenizer.json (the bundled model's 1.56 MB -> 31 MB;
-#   Gemma's 262k tokens and 515k merges, 14.4 MB -> 290 MB, nearly all of it the merges), which this
-#   constant covers for the bundled model only; sizing it by the model's tokenizer is a follow-up;
-# - its head's load: reading the GGUF's stored bytes whole beside the float32 output peaked 270 MB
-#   over the 671 MB head; the stored bytes are now read a chunk at a time (gguf.GGUFFile.dequantized):
-#   ~100 MB over, measured apart.
+# A larger tokenizer adds what it holds beyond TOKENIZER_IN_RUNTIME (tokenizer.resident_bytes, from
+# its counts of tokens and merges; ModelArgs.tokenizer_bytes): Gemma 3 270M's holds 290 MB (262k
+# tokens, 515k merges), and without the term a head-only coordinator at its offer was OOM-killed and,
+# with 400 MB more, held 1.13-1.19x its predicted peak (benchmarks/bench_head_memory.py,
+# head_memory_gemma.json). A GGUF head's load reads its stored bytes a chunk at a time
+# (gguf.GGUFFile.dequantized): Gemma's 671 MB fp32 head ~100 MB over, where reading them whole
+# peaked 270 MB over.
 # A standby (imports, host, one dense layer measured, no block) is 371-376 MB.
 RUNTIME_BYTES = 410 * 10**6
 COORDINATOR_RUNTIME_BYTES = 70 * 10**6
+TOKENIZER_IN_RUNTIME = 40 * 10**6  # the tokenizer COORDINATOR_RUNTIME_BYTES holds; a larger one adds the rest
 PREFILL_CHUNK_TOKENS = 512  # the most tokens one forward takes (stage_worker.MAX_BATCH_TOKENS)
 
 
@@ -112,9 +111,11 @@ def sessions_that_fit(
     return (memory_bytes - base) // per_session
 
 
-def runtime_overhead(device_kind: str, layer_load_bytes: int, *, coordinator: bool = True) -> int:
+def runtime_overhead(device_kind: str, layer_load_bytes: int, *, coordinator: bool = True, tokenizer_bytes: int = 0) -> int:
     """This peer's overhead (real bytes) outside the planned part: see the module doc. The default,
-    ``coordinator``, is what an advert leaves out (a peer may be chosen to coordinate)."""
+    ``coordinator``, is what an advert leaves out (a peer may be chosen to coordinate), with its
+    tokenizer's ``tokenizer_bytes`` beyond the TOKENIZER_IN_RUNTIME that constant holds."""
     if device_kind == "cuda":
         return 0
-    return RUNTIME_BYTES + layer_load_bytes + (COORDINATOR_RUNTIME_BYTES if coordinator else 0)
+    coordinating = COORDINATOR_RUNTIME_BYTES + max(0, tokenizer_bytes - TOKENIZER_IN_RUNTIME)
+    return RUNTIME_BYTES + layer_load_bytes + (coordinating if coordinator else 0)

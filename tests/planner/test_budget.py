@@ -12,6 +12,7 @@ from swarm.planner import Latency, ModelSpec, Peer, plan
 from swarm.planner.budget import (
     COORDINATOR_RUNTIME_BYTES,
     RUNTIME_BYTES,
+    TOKENIZER_IN_RUNTIME,
     predicted_peak,
     runtime_overhead,
     sessions_that_fit,
@@ -88,6 +89,16 @@ def test_the_overhead_is_the_runtime_and_a_layer_on_cpu_and_nothing_on_cuda() ->
     assert runtime_overhead("mps", 1234) == coord
     assert runtime_overhead("cpu", 1234, coordinator=False) == RUNTIME_BYTES + 1234 < coord
     assert runtime_overhead("cuda", 1234) == runtime_overhead("cuda", 1234, coordinator=False) == 0
+
+
+def test_a_tokenizer_larger_than_the_coordinators_allowance_adds_the_rest_to_a_coordinator_only() -> None:
+    """Gemma 3's tokenizer holds ~290 MB where the coordinator's constant holds 40: a coordinator
+    (and so every advert) counts the rest, a stage nothing; one within the allowance changes nothing."""
+    coord = runtime_overhead("cpu", 1234)
+    assert runtime_overhead("cpu", 1234, tokenizer_bytes=TOKENIZER_IN_RUNTIME) == coord
+    assert runtime_overhead("cpu", 1234, tokenizer_bytes=335 * 10**6) == coord + 335 * 10**6 - TOKENIZER_IN_RUNTIME
+    assert runtime_overhead("cpu", 1234, coordinator=False, tokenizer_bytes=335 * 10**6) == RUNTIME_BYTES + 1234
+    assert runtime_overhead("cuda", 1234, tokenizer_bytes=335 * 10**6) == 0
 
 
 def test_the_planner_places_a_block_exactly_when_its_predicted_peak_fits() -> None:
