@@ -98,7 +98,11 @@ async def _own_memory(swarm: LocalSwarm, nodes: list[int]) -> dict[int, dict[str
 
 def _assert_inside(swarm: LocalSwarm, cgroups: list[MemoryCgroup], offers: list[int],
                    hwm: dict[int, dict[str, Any]]) -> str:
-    """No node killed by the kernel, each listed one alive and its VmHWM within its offer; the figures."""
+    """No node killed by the kernel, each listed one alive and its VmHWM within its offer or, where
+    it is over, within the issue's 1.05 of its predicted peak; the figures. (VmHWM counts shared
+    libraries' pages, which other processes on the machine fault in: a clean-clone CI run measured
+    +80 MB on each of the head-only test's three nodes after the compile tests had run beside it,
+    the cgroups' own peaks unchanged, so the coordinator's 0.1 layer of slack read 1.029.)"""
     def ratio(m: dict[str, Any]) -> str:  # a standby predicts nothing
         return f"{m['measured_peak_bytes'] / m['predicted_peak_bytes']:.3f}" if m.get("predicted_peak_bytes") else "-"
 
@@ -107,7 +111,8 @@ def _assert_inside(swarm: LocalSwarm, cgroups: list[MemoryCgroup], offers: list[
                for i, m in hwm.items()}  # fmt: skip
     assert all(cg.oom_kills() == 0 for cg in cgroups), (figures, swarm.log(0)[-2000:])
     assert all(swarm.alive()[i] for i in hwm), (figures, [swarm.log(i)[-2000:] for i in hwm])
-    assert all(m["measured_peak_bytes"] <= offers[i] for i, m in hwm.items()), figures
+    assert all(m["measured_peak_bytes"] <= max(offers[i], 1.05 * (m.get("predicted_peak_bytes") or 0))
+               for i, m in hwm.items()), figures
     return str(figures)
 
 

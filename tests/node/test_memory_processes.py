@@ -88,8 +88,10 @@ async def test_a_peer_that_cannot_load_its_block_offers_less_and_is_not_blamed(c
             got = await client.generate(h, peer, prompt_ids=SHORT, max_new_tokens=16, draft="none", timeout=60)
             assert got["output_token_ids"] == want
             st = await client.status(h, peer, coordinator=True)
+            # less than the two layers it could not load: one, or none where the others' offers
+            # (sized as coordinators', whose part now counts 8 sessions' head rows) hold the rest
             block = st["plan"]["blocks"].get(swarm.peer_ids[0])
-            assert block is not None and block[1] - block[0] <= 1, st["plan"]
+            assert block is None or block[1] - block[0] <= 1, st["plan"]
             assert swarm.peer_ids[0] in st["members"]  # still a member: it was not excluded
             causes = " ".join(str(r) for r in st["replans"])
             assert "fault" not in causes and "bad activations" not in causes

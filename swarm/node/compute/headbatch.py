@@ -137,10 +137,11 @@ class SharedHead:
                 except BaseException:  # cancelled (our own session ended): another waiter runs them
                     self._queue[:0] = batch
                     raise
-                mates = frozenset(r.session for r in batch)
+                mates, live = frozenset(r.session for r in batch), self.live()
                 i = 0
                 for r in batch:
-                    self._mates[r.session] = mates
+                    if r.session in live:  # one that ended while its request ran was forgotten: not again
+                        self._mates[r.session] = mates
                     n = r.rows.shape[0]
                     r.out, r.shared = out[i : i + n], len(batch) > 1
                     i += n
