@@ -38,7 +38,6 @@ import torch
 
 from swarm.errors import ConfigError, WeightsError
 from swarm.model.config import ModelArgs, read_config
-from swarm.model.tokenizer import resident_bytes as tokenizer_bytes
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -282,6 +281,9 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
 
     Reads only config and headers; tensors are read later by whoever owns them.
     """
+    # lazy: tokenizers and jinja2 cost ~24 ms to import, which a module importing this one need not pay
+    from swarm.model.tokenizer import resident_bytes as tokenizer_bytes
+
     p = Path(path)
     if p.suffix.lower() == ".gguf":
         if not p.is_file():
