@@ -53,7 +53,7 @@ from swarm.model.config import ModelArgs
 from swarm.model.kvcache import KVCache, check_kv_format
 from swarm.model.quant import check_quant, linear_paths, quantize_block
 from swarm.model.quant_dynamic import DynamicInt8
-from swarm.model.quant_formats import Packed, int8_from_float
+from swarm.model.quant_formats import Packed
 from swarm.model.weights import TensorSource
 
 if TYPE_CHECKING:
@@ -490,15 +490,14 @@ class Head(nn.Module):
         """Multiply by an int8 copy of the LM head (per-row symmetric, quant_formats.int8_from_float)
         through ``kernel`` (default: the device's, capability.choose_head_kernel) instead of the
         dense weight. The dense weight stays: the embedding reads it where the two are tied (a tied
-        head then costs V*K more bytes), and drafters copy it. ``head_scales`` (V,) are the int8
-        weight's scales; ``head_qweight`` its integers where the kernel reads them as a tensor."""
+        head then costs V*K more bytes), and drafters copy it. ``head_qweight`` (V, K) and
+        ``head_scales`` (V,) are the integers and scales where the kernel reads them as tensors;
+        fbgemm's ``head_dynamic`` holds its own packed blocks."""
         w = cast(torch.Tensor, self.lm_head.weight)
         kernel = kernel or choose_head_kernel(w.device, w.dtype)
-        if kernel == "fbgemm_dynamic":
-            q, s = int8_from_float(w, w.dtype)
+        if kernel == "fbgemm_dynamic":  # packed a block of rows at a time (quant_dynamic.BLOCK_ROWS)
             reduce_range = dynamic_reduce_range(device_capability(w.device))
-            self.head_dynamic = DynamicInt8(q, s, reduce_range=reduce_range)
-            self.register_buffer("head_scales", s, persistent=False)
+            self.head_dynamic = DynamicInt8.from_float(w, w.dtype, reduce_range=reduce_range)
             return
         spec, q, s = Packed.int8(w, w.dtype, w.device, kernel=kernel)
         self.register_buffer("head_qweight", q, persistent=False)

@@ -63,3 +63,21 @@ def test_seven_bit_activations_round_coarser_than_eight() -> None:
     err8 = (DynamicInt8(q, s, reduce_range=False).matmul(x) - exact).abs().mean()
     err7 = (DynamicInt8(q, s, reduce_range=True).matmul(x) - exact).abs().mean()
     assert err7 > 1.3 * err8  # about twice: the flag reaches the kernel
+
+
+def test_a_weight_packed_in_blocks_of_rows_multiplies_as_one_block(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A head is packed BLOCK_ROWS rows at a time (packing's copies stay a block's): the blocks'
+    products, side by side, are the one-block product bit for bit, and hold the same integers."""
+    from swarm.model import quant_dynamic
+
+    w = _weight()
+    x = torch.randn(3, K, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    whole = DynamicInt8.from_float(w, torch.bfloat16, reduce_range=True)
+    monkeypatch.setattr(quant_dynamic, "BLOCK_ROWS", 40)  # 96 rows: blocks of 40, 40 and 16
+    blocks = DynamicInt8.from_float(w, torch.bfloat16, reduce_range=True)
+    q, s = int8_from_float(w, torch.bfloat16)
+    also = DynamicInt8(q, s, reduce_range=True)
+    assert len(whole.packed) == 1 and len(blocks.packed) == len(also.packed) == 3
+    for lin in (blocks, also):
+        assert torch.equal(lin.matmul(x), whole.matmul(x))
+        assert all(torch.equal(a, b) for a, b in zip(lin.weight(), whole.weight(), strict=True))
