@@ -39,6 +39,7 @@ import trio
 
 from swarm import client
 from swarm.launch import offer_for, open_checkpoint, start_local_swarm
+from swarm.model.capability import swarm_head_quant
 from swarm.model.dtypes import resolve_dtype
 from swarm.model.generate import LocalModel, generate
 from swarm.model.packaged import resolve_model
@@ -56,11 +57,11 @@ def _prompts(n: int, tokens: int) -> list[list[int]]:
     return [[1] + [(i % 40) * 97 + 311 * k + 100 for i in range(tokens - 1)] for k in range(n)]
 
 
-def offers(model: Path, dtype: str, context: int) -> list[int]:
+def offers(model: Path, dtype: str, context: int, quant: str = "none") -> list[int]:
     """Node 0: the head and its sessions; nodes 1 and 2: half the layers each (module doc)."""
     half = math.ceil(open_checkpoint(model).args.n_layers / 2)
-    head = offer_for(model, SPARE, dtype=dtype, context_tokens=context, coordinator=True)
-    stage = offer_for(model, half + SPARE, dtype=dtype, context_tokens=context, coordinator=False)
+    head = offer_for(model, SPARE, dtype=dtype, context_tokens=context, coordinator=True, quant=quant)
+    stage = offer_for(model, half + SPARE, dtype=dtype, context_tokens=context, coordinator=False, quant=quant)
     return [head, stage, stage]
 
 
@@ -74,17 +75,19 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     model = resolve_model(args.model)
     prompts = _prompts(SESSIONS, args.prompt_tokens)
     torch.set_num_threads(1)
-    box = LocalModel.load(model, stages=1, dtype=resolve_dtype(args.dtype, torch.device("cpu")))
+    dt = resolve_dtype(args.dtype, torch.device("cpu"))
+    ck = open_checkpoint(model).args
+    # the one box holds the head as the quantized swarm's coordinator does (capability.swarm_head_quant)
+    head_quant = swarm_head_quant(args.quant, ck.head_stored, torch.device("cpu"), dt)
+    box = LocalModel.load(model, stages=1, dtype=dt, quant=args.quant, head_quant=head_quant)
     want = [generate(box, p, max_new_tokens=args.new_tokens).output_token_ids for p in prompts[:2]]
     del box
-    limits = offers(model, args.dtype, args.context)
+    limits = offers(model, args.dtype, args.context, args.quant)
     extra = int(args.head_extra_mb * 1e6)  # the coordinator's cgroup only: its offer stays the budget's
-    ck = open_checkpoint(model).args
-    dt = resolve_dtype(args.dtype, torch.device("cpu"))
-    per_session = model_spec(ck, torch.bfloat16, args.context).at_width(dt.itemsize).head_session_bytes()
+    per_session = model_spec(ck, torch.bfloat16, args.context, args.quant).at_width(dt.itemsize).head_session_bytes()
     per_session_real = per_session * dt.itemsize // 2
     with start_local_swarm(3, model, dtype=args.dtype, device="cpu", draft="ngram", context_tokens=args.context,
-                           memory_bytes=limits) as swarm, contextlib.ExitStack() as stack:  # fmt: skip
+                           memory_bytes=limits, quant=args.quant) as swarm, contextlib.ExitStack() as stack:  # fmt: skip
         cgroups = [stack.enter_context(memory_cgroup(limit + (extra if i == 0 else 0), f"bench-head-{i}"))
                    for i, limit in enumerate(limits)]  # fmt: skip
         for cg, proc in zip(cgroups, swarm.procs, strict=True):
@@ -151,9 +154,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "what": "a head-only coordinator in a memory cgroup at its offer, 8 sessions of long prompts with drafting",
         "command": "PYTHONPATH=. .venv/bin/python benchmarks/bench_head_memory.py"
                    + (f" --model {args.model}" if args.model else "")
-                   + f" --dtype {args.dtype} --context {args.context} --prompt-tokens {args.prompt_tokens} "
+                   + f" --dtype {args.dtype} --quant {args.quant} --context {args.context} --prompt-tokens {args.prompt_tokens} "
                    f"--new-tokens {args.new_tokens}" + (f" --head-extra-mb {args.head_extra_mb:g}" if args.head_extra_mb else ""),
-        "model": model.name, "vocab_size": ck.vocab_size, "dim": ck.dim, "context": args.context,
+        "model": model.name, "quant": args.quant, "head_quant": head_quant,
+        "receipt_head_quant": [g.get("head_quant") for g in got[:1]], "vocab_size": ck.vocab_size, "dim": ck.dim, "context": args.context,
         "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "sessions": SESSIONS,
         "coordinator_hwm_over_predicted": head["hwm_over_predicted"],
         "coordinator_hwm_over_predicted_without_sessions": head["hwm_over_predicted_without_sessions"],
@@ -171,6 +175,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="a packaged model's name or a path (default: the bundled one)")
     ap.add_argument("--dtype", default="fp32")
+    ap.add_argument("--quant", default="none", help="the invite's quant (a quantized swarm's coordinator holds a head "
+                    "stored in 5-8 bits int8: capability.swarm_head_quant)")
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--prompt-tokens", type=int, default=1900)
     ap.add_argument("--new-tokens", type=int, default=48)

@@ -151,7 +151,7 @@ def run_command(
         draft, ring_policy = _replay_draft(dr, draft)
         depth, draft_k = int(dr.get("max_depth", 1)), dr.get("draft_k")
         quant = str(replay.get("quant", "none"))  # how the ring held its layers
-        head_quant = str(replay.get("head_quant", "none"))  # and its LM head (a ring's: dense)
+        head_quant = str(replay.get("head_quant", "none"))  # and its LM head (capability.swarm_head_quant)
         kv_cache = str(replay.get("kv_cache", "auto"))  # and its KV cache
     if (prompt is None) == (prompt_ids is None):
         raise UsageError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")

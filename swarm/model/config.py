@@ -42,6 +42,10 @@ class ModelArgs:
     config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)  # config.json
     # what its tokenizer holds loaded (tokenizer.resident_bytes; 0: not known), a coordinator's overhead
     tokenizer_bytes: int = field(default=0, compare=False)
+    # the compact format that keeps its LM head as stored (packaged.stored_head_quant: "int8" for a
+    # head stored in 5 to 8 bits, as both bundled models' are); a quantized swarm's coordinator
+    # holds such a head int8 (capability.swarm_head_quant), which its budget counts
+    head_stored: str = field(default="none", compare=False)
 
     # ----------------------------------------------------------------------------- construction
     @classmethod
@@ -158,6 +162,13 @@ class ModelArgs:
         """Embedding + final norm + LM head (a tied head is counted once)."""
         _, emb, norm, head, _ = self._sizes(dtype_bytes)
         return (emb + norm + head) * dtype_bytes
+
+    def head_int8_bytes(self) -> int:
+        """What holding the LM head int8 beside its dense weight adds (Head.hold_head_int8): the
+        packed integers V*K and their scales, and as much again for packing's copies and the
+        allocator's slack after them (measured on the bundled model: +28 MB resident once trimmed,
+        +64 to +97 MB untrimmed, its V*K being 27 MB; Gemma 3 270M +271 MB, V*K 160 MB)."""
+        return 2 * self.vocab_size * self.dim + 8 * self.vocab_size
 
 
 # ------------------------------------------------------------------------------------ helpers

@@ -13,6 +13,7 @@ metadata). Terms: the Gemma Terms of Use (the package ships them as ``GEMMA_TERM
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -136,11 +137,21 @@ def stored_quant(model_path: Path) -> str:
 
 def stored_head_quant(model_path: Path) -> str:
     """The compact format of ours that keeps the checkpoint's LM head as published
-    (gguf_quant.stored_head_quant), found as :func:`stored_quant` finds the layers'."""
+    (gguf_quant.stored_head_quant), found as :func:`stored_quant` finds the layers' (once per file:
+    every open_checkpoint asks, and reading a GGUF's header takes ~0.1 s)."""
+    path = _published_gguf_path(model_path)
+    if path is None:
+        return "none"
+    st = path.stat()
+    return _head_quant_of(path, st.st_mtime_ns, st.st_size)
+
+
+@functools.cache
+def _head_quant_of(gguf: Path, _mtime_ns: int, _size: int) -> str:  # keyed by the file's version too
+    from swarm.model.gguf import GGUFSource
     from swarm.model.gguf_quant import stored_head_quant as of_gguf
 
-    source = _published_gguf(model_path)
-    return "none" if source is None else of_gguf(source)
+    return of_gguf(GGUFSource(gguf))
 
 
 def _published_gguf(model_path: Path) -> GGUFSource | None:
@@ -148,10 +159,16 @@ def _published_gguf(model_path: Path) -> GGUFSource | None:
     directory, None for any other directory (floats)."""
     from swarm.model.gguf import GGUFSource
 
+    path = _published_gguf_path(model_path)
+    return None if path is None else GGUFSource(path)
+
+
+def _published_gguf_path(model_path: Path) -> Path | None:
+    """:func:`_published_gguf`'s file, not opened."""
     if model_path.is_file() and model_path.suffix.lower() == ".gguf":
-        return GGUFSource(model_path)
+        return model_path
     try:
         source = json.loads((model_path / STAMP).read_text()).get("source")
     except (OSError, ValueError, AttributeError):
         return None
-    return GGUFSource(bundled_gguf_path()) if source == BUNDLED_FILE else None
+    return bundled_gguf_path() if source == BUNDLED_FILE else None

@@ -294,13 +294,18 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
         args = ModelArgs.from_config(config, where=f"{p} (GGUF metadata)")
         sha = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
         src = gguf.GGUFSource(p)
-        args = dataclasses.replace(args, tokenizer_bytes=tokenizer_bytes(gguf_metadata=src.file.metadata))
+        from swarm.model.gguf_quant import stored_head_quant as head_of_gguf
+
+        args = dataclasses.replace(args, tokenizer_bytes=tokenizer_bytes(gguf_metadata=src.file.metadata),
+                                   head_stored=head_of_gguf(src))  # fmt: skip
         return Checkpoint(path=p, args=args, source=src, config_sha256=sha)
     if not p.is_dir():
         raise ConfigError(f"{p}: not a model directory or a .gguf file")
     raw, config = read_config(p)
     args = ModelArgs.from_config(config, where=str(p / "config.json"))
-    args = dataclasses.replace(args, tokenizer_bytes=tokenizer_bytes(p))
+    from swarm.model.packaged import stored_head_quant as head_of_dir
+
+    args = dataclasses.replace(args, tokenizer_bytes=tokenizer_bytes(p), head_stored=head_of_dir(p))
     return Checkpoint(
         path=p,
         args=args,

@@ -25,7 +25,7 @@ import trio
 
 from swarm.errors import ModelError, SwarmError
 from swarm.model import rows
-from swarm.model.capability import kv_format_problem, probe
+from swarm.model.capability import kv_format_problem, probe, swarm_head_quant
 from swarm.model.config import ModelArgs
 from swarm.model.devices import synchronize
 from swarm.model.quant import quantize_block
@@ -214,13 +214,24 @@ class Models:
 
     async def head(self) -> Head:
         if self._head is None:
-            s = self.settings
             if self.fetch is not None:
                 await self.fetch.head()
-            self._head = await self.compute.run(
-                lambda: Head.load(self.args, self.ckpt.source, dtype=self.dtype, device=s.device)
-            )
+            self._head = await self.compute.run(self._load_head)
         return self._head
+
+    @property
+    def head_quant(self) -> str:
+        """How the head loaded here is held ("none" before it loads: Head.head_quant)."""
+        return "none" if self._head is None else self._head.head_quant
+
+    def _load_head(self) -> Head:
+        """The embedding, final norm and LM head; the head held int8 where a quantized swarm's
+        rule says so (capability.swarm_head_quant; the budget counts it: ModelArgs.head_int8_bytes)."""
+        s = self.settings
+        head = Head.load(self.args, self.ckpt.source, dtype=self.dtype, device=s.device)
+        if swarm_head_quant(s.quant, self.args.head_stored, torch.device(s.device), self.dtype) == "int8":
+            head.hold_head_int8()
+        return head
 
     async def load_tokenizer(self) -> None:
         if self.tokenizer is None and self.settings.model_dir is not None:

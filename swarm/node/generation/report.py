@@ -83,6 +83,9 @@ class Reporter:
             "version": __version__,
             "model": {"name": s.model_dir.name, "config_sha256": self.models.ckpt.config_sha256},
             "quant": s.quant,
+            # how this coordinator held the LM head (a quantized swarm's: int8 where stored so,
+            # capability.swarm_head_quant); run --receipt holds it the same way
+            "head_quant": self.models.head_quant,
             "kv_cache": s.kv_cache,  # how every stage held its KV cache (run --receipt holds it the same way)
             # what this (the coordinator's) node fetched of the model, and from where (swarm.fetch)
             "fetched": None if self.models.fetch is None else {
