@@ -72,12 +72,14 @@ from pipeline_floor import floor_tok_s  # noqa: E402
 from swarm import client  # noqa: E402
 from swarm.launch import LocalSwarm, start_local_swarm  # noqa: E402
 from swarm.model.bundled import default_model_dir  # noqa: E402
+from swarm.model.capability import swarm_head_quant  # noqa: E402
 from swarm.model.config import ModelArgs  # noqa: E402
 from swarm.model.drafters import NgramDrafter  # noqa: E402
 from swarm.model.draftload import load_draft_model, parse_draft  # noqa: E402
 from swarm.model.generate import DTYPES, LocalModel, generate  # noqa: E402
 from swarm.model.speculative import DEFAULT_PREFILL_CHUNK, KPolicy  # noqa: E402
 from swarm.model.tokenizer import Tokenizer  # noqa: E402
+from swarm.model.weights import open_checkpoint  # noqa: E402
 from swarm.node.compute.drafting import draft_bytes  # noqa: E402
 from swarm.node.settings import model_spec  # noqa: E402
 
@@ -403,7 +405,9 @@ def bench_lan(model_dir: Path, tok: Tokenizer, a: argparse.Namespace) -> dict[st
             [{"role": "user", "content": CHAT_PROMPT}], add_generation_prompt=True
         )
     )
-    local = LocalModel.load(model_dir, stages=1, dtype=DTYPES[a.dtype], quant=a.quant)
+    # the ring's coordinator holds the head as a swarm of this quant does (capability.swarm_head_quant)
+    head_quant = swarm_head_quant(a.quant, open_checkpoint(model_dir).args.head_stored, torch.device("cpu"), DTYPES[a.dtype])
+    local = LocalModel.load(model_dir, stages=1, dtype=DTYPES[a.dtype], quant=a.quant, head_quant=head_quant)
     ring_runs: list[dict[str, Any]] = []
     local_runs: list[dict[str, Any]] = []
     outputs: dict[str, list[int]] = {}
@@ -414,7 +418,7 @@ def bench_lan(model_dir: Path, tok: Tokenizer, a: argparse.Namespace) -> dict[st
     if a.compiled:  # one process compiled as the ring's nodes are: the same capacity and spans
         from swarm.model.compiled import warm_compiled
 
-        local_c = LocalModel.load(model_dir, stages=1, dtype=DTYPES[a.dtype], quant=a.quant)
+        local_c = LocalModel.load(model_dir, stages=1, dtype=DTYPES[a.dtype], quant=a.quant, head_quant=head_quant)
         t0 = time.perf_counter()
         for st in local_c.stages:
             st.enable_compiled(LAN_CONTEXT, COMPILE_SPAN)
@@ -499,10 +503,14 @@ def bench_lan(model_dir: Path, tok: Tokenizer, a: argparse.Namespace) -> dict[st
                                         node_env={i: env for i in range(3)})  # fmt: skip
         finally:
             uninstall_tracer()
-    swarm_c, compiled_info = None, {}
+    swarm_c, compiled_info, trace_c = None, {}, workdir(a, "lan-trace-compiled")
     if a.compiled:  # the same tree, every node compiled (join --compile), the same context and spans
-        swarm_c = start_local_swarm(3, model_dir, dtype=a.dtype, threads=a.threads, draft="none", workdir=workdir(a, "lan-compiled"),
-                                    quant=a.quant, context_tokens=LAN_CONTEXT, compile=True, compile_span=COMPILE_SPAN)  # fmt: skip
+        install_tracer(trace_c)
+        try:
+            swarm_c = start_local_swarm(3, model_dir, dtype=a.dtype, threads=a.threads, draft="none", workdir=workdir(a, "lan-compiled"),
+                                        quant=a.quant, context_tokens=LAN_CONTEXT, compile=True, compile_span=COMPILE_SPAN)  # fmt: skip
+        finally:
+            uninstall_tracer()
     with swarm, (swarm_b or contextlib.nullcontext()), (swarm_c or contextlib.nullcontext()):
         t0 = time.perf_counter()
         info = trio.run(_with_client, swarm, body)
@@ -514,11 +522,19 @@ def bench_lan(model_dir: Path, tok: Tokenizer, a: argparse.Namespace) -> dict[st
     # the same blocks as processes on pipes, no swarm code (pipeline_floor.py), the swarm stopped:
     # floor / local is what the machine allows such a ring, ring / floor what our software costs
     blocks = sorted(tuple(b) for b in plan["blocks"].values())
-    floor_runs, floor_local = [], []
+    floor_runs, floor_local, floor_c = [], [], []
     for _ in range(max(2, a.runs // 2)):
         floor_runs.append(floor_tok_s(model_dir, [(int(x), int(y)) for x, y in blocks], ids, a.lan_new_tokens, DTYPES[a.dtype],
-                                      quant=a.quant))  # fmt: skip
+                                      quant=a.quant, head_quant=head_quant))  # fmt: skip
         floor_local.append(run_local()["decode_tokens_per_s"])
+        if local_c is not None:  # the compiled ring's own shape: the coordinator's block in the head's process
+            cplan = compiled_info["plan"]
+            head = cplan["blocks"].get(cplan["coordinator"])
+            rest = [(int(x), int(y)) for x, y in sorted(b for p, b in cplan["blocks"].items() if p != cplan["coordinator"])]
+            floor_c.append((floor_tok_s(model_dir, rest, ids, a.lan_new_tokens, DTYPES[a.dtype], quant=a.quant,
+                                        compiled=(LAN_CONTEXT, COMPILE_SPAN), head_block=tuple(head) if head else None,
+                                        head_quant=head_quant),
+                            run_local(local_c, "local_compiled")["decode_tokens_per_s"]))  # fmt: skip
     ratios = [
         r["decode_tokens_per_s"] / o["decode_tokens_per_s"]
         for r, o in zip(ring_runs, local_runs, strict=True)
@@ -528,7 +544,8 @@ def bench_lan(model_dir: Path, tok: Tokenizer, a: argparse.Namespace) -> dict[st
     ring_ms, local_ms = 1000 / ring_tok_s, 1000 / local_tok_s
     return {
         "peers": 3,
-        "quant": a.quant,  # the layers' format on both sides (the swarm's setting; heads dense)
+        "quant": a.quant,  # the layers' format on both sides (the swarm's setting)
+        "head_quant": head_quant,  # the LM head's on both sides (capability.swarm_head_quant)
         "prompt": "chat: " + CHAT_PROMPT,
         "prompt_tokens": len(ids),
         "plan": plan,
@@ -562,15 +579,17 @@ def bench_lan(model_dir: Path, tok: Tokenizer, a: argparse.Namespace) -> dict[st
         "runs": ring_runs and {"ring": ring_runs, "local": local_runs},
         "wall_s": round(wall, 1),
     } | (_ab_rows(a, base_runs, ring_runs, local_runs, outputs, trace_b, base_plan) if swarm_b is not None else {}) \
-      | (_compiled_rows(compiled_runs, local_c_runs, ring_runs, local_runs, outputs, compiled_info, warm_local_s)
+      | (_compiled_rows(compiled_runs, local_c_runs, ring_runs, local_runs, outputs, compiled_info, warm_local_s, trace_c, floor_c)
          if swarm_c is not None else {})
 
 
 def _compiled_rows(comp: list[dict[str, Any]], local_c: list[dict[str, Any]], ring: list[dict[str, Any]],
                    local: list[dict[str, Any]], outputs: dict[str, list[int]], info: dict[str, Any],
-                   warm_local_s: float) -> dict[str, Any]:  # fmt: skip
+                   warm_local_s: float, trace: Path, floor: list[tuple[float, float]]) -> dict[str, Any]:  # fmt: skip
     """--compiled: the compiled ring and the compiled process beside the eager ones, same rounds;
-    every ratio the median of the per-round ratios."""
+    every ratio the median of the per-round ratios. The compiled floor: the compiled ring's blocks
+    as plain processes on pipes, the coordinator's block in the head's process (as in the ring),
+    each run beside one compiled process after the swarms stopped."""
     def tok(runs: list[dict[str, Any]]) -> list[float]:
         return [r["decode_tokens_per_s"] for r in runs]
 
@@ -586,6 +605,11 @@ def _compiled_rows(comp: list[dict[str, Any]], local_c: list[dict[str, Any]], ri
         "compiled_local_vs_eager_local": paired(tok(local_c), tok(local)),
         "eager_ring_vs_eager_local": paired(tok(ring), tok(local)),
         "compiled_ring_vs_compiled_local_runs": [round(x / y, 3) for x, y in zip(tok(comp), tok(local_c), strict=True)],
+        "floor_decode_tok_s": round(med([f for f, _ in floor]), 2),
+        "floor_vs_compiled_local": round(med([f / o for f, o in floor]), 3),
+        "floor_vs_compiled_local_runs": [round(f / o, 3) for f, o in floor],
+        "compiled_ring_vs_floor": round(med(tok(comp)) / med([f for f, _ in floor]), 3),
+        "where_the_time_goes": analyse_trace(trace, info["plan"]),
         "greedy_identical": outputs.get("compiled") == outputs.get("local") == outputs.get("local_compiled"),
         "plan": info["plan"],
         "node_status_compiled": info["status"],  # what one node's status says it compiled, and its warm-up

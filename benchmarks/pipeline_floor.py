@@ -30,33 +30,50 @@ from swarm.model.stage import Head, Stage
 from swarm.model.weights import open_checkpoint
 
 
+def _load(model_dir: Path, a: int, b: int, dtype: torch.dtype, quant: str, compiled: tuple[int, int] | None) -> Stage:
+    """Block [a, b) with session 0 open; ``compiled``: (capacity, longest span) compiled and warmed
+    as a ``--compile`` node's stage is (node/compute/runtime.py)."""
+    ck = open_checkpoint(model_dir)
+    stage = Stage.load(ck.args, ck.source, a, b, dtype=dtype, quant=quant)
+    if compiled is not None:
+        from swarm.model.compiled import warm_compiled
+
+        stage.enable_compiled(*compiled)
+        warm_compiled(stage)
+    stage.open_session(0, compiled[0] if compiled else 4096)
+    return stage
+
+
 def _stage_proc(model_dir: str, a: int, b: int, dtype: str, ready: Any, inbox: Connection, outbox: Connection,
-                quant: str = "none") -> None:  # fmt: skip
+                quant: str = "none", compiled: tuple[int, int] | None = None) -> None:  # fmt: skip
     torch.set_num_threads(1)
-    ck = open_checkpoint(Path(model_dir))
     dt = getattr(torch, dtype)
-    stage = Stage.load(ck.args, ck.source, a, b, dtype=dt, quant=quant)
-    stage.open_session(0, 4096)
+    stage = _load(Path(model_dir), a, b, dt, quant, compiled)
     ready.put(a)
     while True:
         raw = inbox.recv_bytes()
         if raw == b"stop":
             outbox.send_bytes(raw)
             return
-        h = torch.frombuffer(bytearray(raw), dtype=dt).reshape(-1, ck.args.dim)  # (T, D)
+        h = torch.frombuffer(bytearray(raw), dtype=dt).reshape(-1, stage.args.dim)  # (T, D)
         outbox.send_bytes(stage.forward(0, h).contiguous().view(torch.uint8).numpy().tobytes())
 
 
 def floor_tok_s(model_dir: Path, blocks: list[tuple[int, int]], ids: list[int], new_tokens: int, dtype: torch.dtype = torch.bfloat16,
-                quant: str = "none") -> float:  # fmt: skip
-    """Decode tok/s of the pipe ring (module doc), after the prompt's prefill."""
+                quant: str = "none", compiled: tuple[int, int] | None = None, head_block: tuple[int, int] | None = None,
+                head_quant: str = "none") -> float:  # fmt: skip
+    """Decode tok/s of the pipe ring (module doc), after the prompt's prefill. ``compiled``:
+    (capacity, longest span) of compiled stages; ``head_block``: a block run in this process with
+    the head, as a coordinator that holds a block runs it (not in ``blocks``); ``head_quant``: "int8"
+    holds the LM head int8 (Head.hold_head_int8), as a quantized swarm's coordinator does."""
     torch.set_num_threads(1)
     ctx = mp.get_context("spawn")
     n = len(blocks)
     pipes = [ctx.Pipe(duplex=False) for _ in range(n + 1)]  # pipes[i]: into stage i (pipes[n]: back to us)
     ready = ctx.Queue()
     procs = [
-        ctx.Process(target=_stage_proc, args=(str(model_dir), a, b, str(dtype).removeprefix("torch."), ready, pipes[i][0], pipes[i + 1][1], quant), daemon=True)
+        ctx.Process(target=_stage_proc, args=(str(model_dir), a, b, str(dtype).removeprefix("torch."), ready, pipes[i][0], pipes[i + 1][1], quant, compiled),
+                   daemon=True)
         for i, (a, b) in enumerate(blocks)
     ]
     for p in procs:
@@ -64,6 +81,9 @@ def floor_tok_s(model_dir: Path, blocks: list[tuple[int, int]], ids: list[int], 
     ck = open_checkpoint(model_dir)
     dt = dtype
     head = Head.load(ck.args, ck.source, dtype=dt)
+    if head_quant == "int8":
+        head.hold_head_int8()
+    own = _load(model_dir, *head_block, dt, quant, compiled) if head_block else None
     try:
         for _ in range(n):
             ready.get(timeout=600)  # every block loaded
@@ -72,6 +92,8 @@ def floor_tok_s(model_dir: Path, blocks: list[tuple[int, int]], ids: list[int], 
         def traverse(tokens: list[int]) -> int:
             with torch.inference_mode():
                 h = head.embed(torch.tensor(tokens))  # (T, D)
+                if own is not None:
+                    h = own.forward(0, h)
                 first_in.send_bytes(h.contiguous().view(torch.uint8).numpy().tobytes())
                 out = torch.frombuffer(bytearray(last_out.recv_bytes()), dtype=dt).reshape(-1, ck.args.dim)
                 return int(head.logits(out[-1:]).argmax(-1)[0])
