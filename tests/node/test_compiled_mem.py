@@ -77,6 +77,10 @@ async def test_a_compiled_node_steps_lone_sessions_compiled_and_batches_eagerly(
         seen.clear()
         got = await swarm.generate(1, PROMPT, 30, draft="none")
         assert got["output_token_ids"] == want
+        # the receipt names how each stage ran: compiled, span 64, eager from 64 (the context is 512)
+        ran = {p["id"]: p["compiled"] for p in got["peers"] if p["block"]}
+        assert ran and all(r == {"spans": [64], "eager_from": 64, "eager": None, "dtype": "fp32"} for r in ran.values()), ran
+        assert got["replay_note"] is None  # fp32 compiled stages give eager's tokens: an exact reference
         # the 11-token prompt is one eager chunk per stage; then 29 one-token steps per stage compiled
         # (the last token is sampled from the 30th step's logits: no stage sees it)
         assert seen["eager chunk"] == len(stages) and seen["compiled"] == 29 * len(stages), (seen, warmed)
@@ -136,23 +140,30 @@ async def test_a_stage_that_cannot_compile_serves_eagerly_and_says_why_once(
 ) -> None:
     """--compile on a swarm whose invite holds the KV cache as int8 (compiled.unsupported): the
     node does not fail, its stage serves eagerly with the same tokens as one box of that format,
-    and it says why once, in a notice and in its status."""
+    and it says why once, in a notice, in its status and in the receipt, which also names the
+    stage of a node started without --compile as eager."""
     torch.set_num_threads(1)
     model = LocalModel.load(ckpt, stages=1, dtype=torch.float32, kv_cache="int8")
     want = generate(model, PROMPT, eos_token_ids=(), max_new_tokens=20).output_token_ids
     seen = _counting(monkeypatch)
     async with trio.open_nursery() as nursery:
         swarm = MemSwarm(MemNet(), ckpt, nursery, layers=[2, 2],
-                         overrides={i: {"compile": True, "kv_cache": "int8"} for i in (0, 1)})  # fmt: skip
+                         overrides={0: {"compile": True, "kv_cache": "int8"}, 1: {"kv_cache": "int8"}})  # fmt: skip
         await swarm.start_all()
         await swarm.ready()
         got = await swarm.generate(1, PROMPT, 20, draft="none")
         assert got["output_token_ids"] == want and seen["compiled"] == 0 and seen["eager one-token"] > 0
+        ran = {p["id"]: p["compiled"] for p in got["peers"]}
         for i, p in swarm.peers.items():
             if p.epoch.stage is None:
                 continue
             assert p.epoch.stage.compiled is None
             status = p.serving.reporter.status()["compiled"]
-            assert status["spans"] == [] and "int8 KV cache" in status["eager"], status
+            why = ran[p.peer_id]["eager"]
+            assert ran[p.peer_id]["spans"] == [] and ran[p.peer_id]["dtype"] == "fp32", ran
+            if i == 1:  # not asked: status says nothing compiled, the receipt says why it ran eagerly
+                assert status is None and why == "not started with --compile" and "--compile:" not in swarm.logs(i)
+                continue
+            assert status["spans"] == [] and "int8 KV cache" in status["eager"] and why == status["eager"], status
             assert swarm.logs(i).count("--compile:") == 1 and "serving eagerly" in swarm.logs(i)
         nursery.cancel_scope.cancel()

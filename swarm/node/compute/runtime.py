@@ -212,6 +212,22 @@ class Models:
                          "warm_s": round(time.perf_counter() - t0, 2)}  # fmt: skip
         self.notices.event(f"compiled spans {spans} in {self.compiled['warm_s']} s")
 
+    def ran(self, block: tuple[int, int]) -> dict[str, Any]:
+        """How this node's stage of ``block`` runs its one-token decode steps, as its ``loaded``
+        reply tells the leader and receipts name it (proto/control.py ``StageRun``): the spans
+        compiled and from which position it steps eagerly, or why it runs eagerly; and its dtype,
+        since a bf16 compiled stage may flip a near-tie against an eager box (model/compiled.py)."""
+        from swarm.model.dtypes import dtype_name
+
+        c = self.compiled
+        dtype = dtype_name(self.dtype)
+        if not self.settings.compile:
+            return {"spans": [], "eager_from": 0, "eager": "not started with --compile", "dtype": dtype}
+        if c is None or c["layers"] != list(block):
+            return {"spans": [], "eager_from": 0, "eager": f"layers {list(block)} not compiled", "dtype": dtype}
+        return {"spans": list(c["spans"]), "eager_from": c["eager_from"], "eager": c["eager"][:300] if c["eager"] else None,
+                "dtype": dtype}  # fmt: skip
+
     async def head(self) -> Head:
         if self._head is None:
             s = self.settings
