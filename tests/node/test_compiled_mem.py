@@ -135,6 +135,28 @@ async def test_a_compiled_nodes_graphs_stay_within_their_bound(ckpt: Path, autoj
         nursery.cancel_scope.cancel()
 
 
+@pytest.mark.parametrize(("dtype", "compiled"), [pytest.param(torch.float32, True, marks=pytest.mark.slow),  # one graph: ~8 s cold
+                                                 (torch.float16, False)])
+async def test_a_compiled_node_measures_the_speed_it_advertises_through_its_compiled_step(
+    ckpt: Path, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, compiled: bool
+) -> None:
+    """The planner splits blocks by the ms per layer a node advertises (Models.measure): a --compile
+    node times its probe layer's one-token steps through the compiled step it will serve with (one
+    graph of one layer), not eagerly; one whose layers cannot compile (fp16 here) times them eagerly."""
+    from swarm.node.compute.runtime import Compute, Models
+    from swarm.node.notices import Hooks, Notices
+    from swarm.node.settings import NodeSettings
+
+    torch.set_num_threads(1)
+    seen = _counting(monkeypatch)
+    settings = NodeSettings(seed=b"s" * 32, swarm_id="x" * 32, secret=b"k" * 32, model_dir=ckpt, dtype=dtype, compile=True)
+    ms = await Models(settings, Compute(threads=False), Notices(Hooks())).measure()
+    assert ms > 0
+    # the warm-up step, then 15 timed ones (warm_compiled's own step besides, when it compiled)
+    timed = seen["compiled"] - 1 if compiled else seen["eager one-token"]
+    assert timed == 16 and seen["eager one-token" if compiled else "compiled"] == 0, seen
+
+
 async def test_a_stage_that_cannot_compile_serves_eagerly_and_says_why_once(
     ckpt: Path, monkeypatch: pytest.MonkeyPatch, autojump_clock: Any
 ) -> None:

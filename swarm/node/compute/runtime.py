@@ -67,10 +67,17 @@ class Compute:
 
 
 def measure_ms_per_layer(
-    args: ModelArgs, dtype: torch.dtype, device: str, *, repeats: int = 15, quant: str = "none"
+    args: ModelArgs, dtype: torch.dtype, device: str, *, repeats: int = 15, quant: str = "none", compile: bool = False
 ) -> float:
     """Median time of one decoder layer on one token, with random weights of the model's shapes
-    (on an accelerator each pass is waited for, so the figure is the work, not its launch)."""
+    (on an accelerator each pass is waited for, so the figure is the work, not its launch).
+
+    ``compile`` (join --compile): the step this node will run, the layer's one-token step through
+    the compiled graph (model/compiled.py; one graph of one layer at the shortest span, compiled
+    once per machine and loaded from inductor's on-disk cache after), where the layer can compile;
+    the eager figure where it cannot. The planner splits blocks by the advertised figure, and a
+    compiled step runs a layer 1.1-1.5x faster than eager (benchmarks/README.md, bench_ring.py
+    --compiled: the eager figure made the plan's predicted compute that much too slow)."""
     dev = torch.device(device)
     stage = Stage(args, 0, 1, dtype=dtype, device=device)
     stage = stage.to_empty(device=device).to(dtype)
@@ -80,6 +87,12 @@ def measure_ms_per_layer(
     stage.requires_grad_(False)
     quantize_block(stage, quant, dtype=dtype)
     rows.prove(stage)  # which row counts a replay may merge (rows.py): proven here, off the re-plan's path
+    if compile:
+        from swarm.model.compiled import MIN_SPAN, unsupported, warm_compiled
+
+        if unsupported(stage) is None:
+            stage.enable_compiled(min(MIN_SPAN, args.max_seq_len))  # the probe's steps all read the one span
+            warm_compiled(stage, spans=1)
     stage.open_session("probe", repeats + 2)
     h = torch.randn(1, args.dim, dtype=dtype, device=device)
     times = []
@@ -131,7 +144,7 @@ class Models:
         """This node's time per layer: measured, or ``known`` (a test's figure, no measuring)."""
         s = self.settings
         self.ms_per_layer = known if known is not None else await self.compute.run(
-            lambda: measure_ms_per_layer(self.args, self.dtype, s.device, quant=s.quant)
+            lambda: measure_ms_per_layer(self.args, self.dtype, s.device, quant=s.quant, compile=s.compile)
         )  # fmt: skip
         return self.ms_per_layer
 
