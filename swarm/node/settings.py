@@ -63,6 +63,10 @@ class NodeSettings:
     # the longest attention span compiled (join --compile-span; compiled.LONGEST_SPAN): a power of
     # two from MIN_COMPILE_SPAN; steps at later positions run eagerly (check_compile_span)
     compile_span: int = 1024
+    # the leader's wait for a planned block to load (fetch, load, compile: node/plan/leader.py); a
+    # compiling node stops adding spans once its load has taken half of it (runtime.warm_within),
+    # so compiling never makes the wait run out (every node's default is the same; tests shorten it)
+    load_timeout_s: float = 600.0
     compute_delay_s: float = 0.0  # fault injection (load tests): every forward and head call blocks this much longer
     relay: bool = False  # use the bootstrap nodes as relays and hole punch (swarm.node.members.discovery)
     mdns: bool = False  # announce and discover peers on the LAN

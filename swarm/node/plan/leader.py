@@ -89,7 +89,6 @@ from swarm.proto.signing import Signer
 
 log = logging.getLogger("swarm.node")
 
-LOAD_TIMEOUT_S = 600.0
 INFORM_TIMEOUT_S = 20.0
 REPLAN_SETTLE_S = 0.15  # after an epoch ended: re-plan as soon as membership stops changing
 # ... when membership has lost one of its members since: the view is already what the plan is
@@ -285,7 +284,9 @@ class Leader:
         # every member learns the plan (a standby can then relay requests to the coordinator);
         # only the participants' answers gate the epoch
         t0 = trio.current_time()
-        loaded = await self.ring.phase(participants, msg, ctl.Loaded, LOAD_TIMEOUT_S, best_effort=others)
+        # each participant's whole load (fetch, load, compile: NodeSettings.load_timeout_s, whose half
+        # bounds a compiling node's warm-up, runtime.warm_within)
+        loaded = await self.ring.phase(participants, msg, ctl.Loaded, self.settings.load_timeout_s, best_effort=others)
         # how each stage runs (compiled spans or eager, and why): the coordinator's receipts name it
         compiled = {p: r.compiled for p, r in loaded.items() if r.compiled is not None and p in plan.blocks}
         t1 = trio.current_time()
