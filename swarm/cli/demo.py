@@ -24,13 +24,14 @@ from swarm.cli.draftflag import REQUEST_HELP
 from swarm.errors import UsageError
 from swarm.manifest.manifest import read_manifest
 from swarm.manifest.schema import DEFAULT_CONTEXT, KV_CACHES, MAX_CONTEXT, MIN_CONTEXT, QUANTS
+from swarm.node.settings import check_compile_span, compile_span_help
 
 DEFAULT_PROMPT = "Explain in two sentences why the sky is blue."
 # a demo's one generation fits in 256 positions: 3 graphs per node (64, 128, 256) instead of join's 5,
 # so three nodes compiling at once on a small machine are serving well within --timeout
 DEMO_COMPILE_SPAN = 256
 COMPILE_HELP = ("Every node runs its stage's one-token decode steps as compiled graphs (as join --compile): "
-                "compiled before the ring serves (spans up to 256 positions, later steps eager); a stage that cannot compile serves eagerly.")
+                "compiled before the ring serves (spans up to --compile-span, later steps eager); a stage that cannot compile serves eagerly.")
 
 
 def register(app: typer.Typer) -> None:
@@ -60,6 +61,7 @@ def demo(
     timeout: float = typer.Option(300.0, "--timeout", help="Seconds to wait for the ring to form."),
     api: str | None = typer.Option(None, "--api", help="After the run, keep the swarm up and serve the OpenAI-compatible endpoint here (Ctrl-C stops)."),
     compile_: bool = typer.Option(False, "--compile/--no-compile", help=COMPILE_HELP),
+    compile_span: int | None = typer.Option(None, "--compile-span", help=compile_span_help(DEMO_COMPILE_SPAN)),
 ) -> None:
     """Start a local swarm of NODES processes on the bundled model and run one generation."""
     from swarm.cli.settings import chosen_device
@@ -69,6 +71,7 @@ def demo(
 
     if quant not in QUANTS:
         raise UsageError(f"--quant {quant!r}: choose one of {', '.join(QUANTS)}")
+    span = DEMO_COMPILE_SPAN if compile_span is None else check_compile_span(compile_span, compile=compile_)
     if kv_cache not in KV_CACHES:
         raise UsageError(f"--kv-cache {kv_cache!r}: choose one of {', '.join(KV_CACHES)}")
     dev = device_label(chosen_device(device))  # refuse a bad name or a missing device
@@ -89,7 +92,7 @@ def demo(
     context = min(context, open_checkpoint(model_dir).args.max_seq_len)  # the model's own maximum caps it
     with start_local_swarm(nodes, model_dir, dtype=dtype, device=dev, draft=draft, delay_ms=delay_ms,
                            quant=quant, context_tokens=context, kv_cache=kv_cache, compile=compile_,
-                           compile_span=DEMO_COMPILE_SPAN) as swarm:  # fmt: skip
+                           compile_span=span) as swarm:  # fmt: skip
         try:
             result = trio.run(
                 _run_one, swarm.addrs[-1], swarm.secret, swarm.swarm_id, timeout,

@@ -46,7 +46,7 @@ from swarm.manifest.pins import check_pin
 from swarm.manifest.schema import Manifest
 from swarm.net.host import SwarmHost, open_host
 from swarm.node.members.gossip import MemberEvent, MembershipService
-from swarm.node.settings import NodeSettings
+from swarm.node.settings import NodeSettings, check_compile_span, compile_span_help
 
 log = logging.getLogger("swarm.cli.join")
 
@@ -190,7 +190,7 @@ async def _run_peer(settings: NodeSettings, manifest: Manifest, *, as_json: bool
 def node_settings_of(manifest: Manifest, seed: bytes, listen: list[str], memory: int, model_dir: Path | None, *,
                      dtype: str, device: str, threads: int, mdns: bool, relay: bool,
                      draft: str = "ngram", sessions: int = NodeSettings.sessions,
-                     compile: bool = False) -> NodeSettings:  # fmt: skip
+                     compile: bool = False, compile_span: int = NodeSettings.compile_span) -> NodeSettings:  # fmt: skip
     """The node's settings, built once from the invite, the config file and the flags."""
     fastpath_host = ""
     torch_dtype = None
@@ -210,7 +210,7 @@ def node_settings_of(manifest: Manifest, seed: bytes, listen: list[str], memory:
         device=device, quant=manifest.quant, context_tokens=manifest.context_tokens,
         kv_cache=manifest.kv_cache, threads=threads or max(1, (os.cpu_count() or 2)),
         revoked=frozenset(manifest.revoked), fastpath_host=fastpath_host, relay=relay, mdns=mdns, draft=draft,
-        sessions=sessions, compile=compile,
+        sessions=sessions, compile=compile, compile_span=compile_span,
     )  # fmt: skip
 
 
@@ -291,9 +291,11 @@ def join(
     model_manifest: Path | None = typer.Option(None, "--model-manifest", help="The model manifest the invite names by hash (default: the cache, else the invite's manifest_url)."),
     disk: str | None = typer.Option(None, "--disk", help="Bound the cache of fetched model slices, e.g. 200G (default: no bound)."),
     compile_: bool = typer.Option(False, "--compile/--no-compile", help="Run this node's one-token decode steps as compiled graphs (torch.compile on a CPU; hand-written Llama-family layers, unquantized KV cache), compiled before it serves (cached on disk after the first start); a stage that cannot compile serves eagerly and says why. A per-node choice: fp32 tokens equal eager's."),
+    compile_span: int | None = typer.Option(None, "--compile-span", help=compile_span_help(NodeSettings.compile_span)),
 ) -> None:
     """Join a swarm: connect, be admitted, and show peers as they appear."""
     api_token = _api_token(api_token_file, api_token_argv)
+    span = NodeSettings.compile_span if compile_span is None else check_compile_span(compile_span, compile=compile_)
     cfg = node_settings({"node.listen": listen or None, "node.memory": memory, "node.dtype": dtype, "node.threads": threads,
                          "node.sessions": sessions})  # fmt: skip
     listen, memory = list(cfg.get("node.listen")), str(cfg.get("node.memory"))
@@ -357,7 +359,7 @@ def join(
         check_bind(api, api_token)
     settings = node_settings_of(manifest, identity.seed, listen, mem, model_dir, dtype=dtype, device=dev or "cpu",
                                 threads=threads, mdns=mdns, relay=relay, draft=draft, sessions=sessions,
-                                compile=compile_)  # fmt: skip
+                                compile=compile_, compile_span=span)  # fmt: skip
     if fetch_dir is not None and manifest.model is not None:
         settings = dataclasses.replace(settings, fetch_dir=fetch_dir, origin=manifest.model.origin, disk_bytes=disk_bytes)
     trio.run(lambda: _run_peer(settings, manifest, as_json=as_json, exit_after=exit_after, api=api, api_token=api_token))

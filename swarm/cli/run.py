@@ -237,9 +237,11 @@ def run_command(
     out_ids = result.output_token_ids
     out_text = tok.decode(out_ids) if tok is not None else None
     matches = None if replay is None else out_ids == list(replay["output_token_ids"])
+    # what the ring said a replay must know (stages compiled in bf16: node/generation/report.py)
+    note = replay.get("replay_note") if replay is not None and isinstance(replay.get("replay_note"), str) else None
     if matches is not None and not as_json:
         ui.notice(f"the receipt's output ({len(replay['output_token_ids'])} tokens) "  # type: ignore[index]
-                  + ("is reproduced exactly" if matches else "differs: see README, \"What is promised\""))  # fmt: skip
+                  + ("is reproduced exactly" if matches else f"differs: {note}" if note else "differs: see README, \"What is promised\""))  # fmt: skip
     if not as_json:
         if streamer is None:
             sys.stdout.write(",".join(map(str, out_ids)))
@@ -287,6 +289,7 @@ def run_command(
         obj["rounds"] = result.rounds
     if matches is not None:
         obj["matches_receipt"] = matches
+        obj["receipt_replay_note"] = note
     ui.print_json(obj)
 
 

@@ -60,7 +60,13 @@ class NodeSettings:
     # a stage's one-token decode steps through a compiled graph (join --compile; model/compiled.py):
     # this node's choice, compiled before it serves; a stage that cannot compile serves eagerly
     compile: bool = False
-    compile_span: int = 1024  # the longest attention span compiled (compiled.LONGEST_SPAN); later steps eager
+    # the longest attention span compiled (join --compile-span; compiled.LONGEST_SPAN): a power of
+    # two from MIN_COMPILE_SPAN; steps at later positions run eagerly (check_compile_span)
+    compile_span: int = 1024
+    # the leader's wait for a planned block to load (fetch, load, compile: node/plan/leader.py); a
+    # compiling node stops adding spans once its load has taken half of it (runtime.warm_within),
+    # so compiling never makes the wait run out (every node's default is the same; tests shorten it)
+    load_timeout_s: float = 600.0
     compute_delay_s: float = 0.0  # fault injection (load tests): every forward and head call blocks this much longer
     relay: bool = False  # use the bootstrap nodes as relays and hole punch (swarm.node.members.discovery)
     mdns: bool = False  # announce and discover peers on the LAN
@@ -69,6 +75,37 @@ class NodeSettings:
     fetch_dir: Path | None = None
     origin: tuple[str, ...] = ()
     disk_bytes: int = 0
+
+
+MIN_COMPILE_SPAN = 64  # compiled.MIN_SPAN, the shortest span a graph reads (a test holds them equal)
+
+
+def compile_span_help(default: int) -> str:
+    """``--compile-span``'s help (join, demo): what it is, its default, and the trade it sets."""
+    graphs = default.bit_length() - MIN_COMPILE_SPAN.bit_length() + 1
+    return (f"With --compile: the longest attention span this node compiles, a power of two from {MIN_COMPILE_SPAN} "
+            f"(default {default}: {graphs} graphs, spans {MIN_COMPILE_SPAN} to {default}). A longer span compiles more "
+            "graphs before the node serves (~5-25 s each on a small CPU, longer for a block of many layers; less "
+            "from inductor's on-disk cache) and leaves fewer decode steps eager (steps past it run eagerly); a "
+            "shorter one serves sooner.")
+
+
+def check_compile_span(span: int, *, compile: bool, where: str = "--compile-span") -> int:
+    """``span`` if it is a span a node can compile: a whole power of two from MIN_COMPILE_SPAN to the
+    largest context an invite may name, and asked for with ``compile``; a UsageError naming
+    ``where`` and what to give otherwise (a rounded value would compile other graphs than asked)."""
+    from swarm.manifest.schema import MAX_CONTEXT
+
+    if not compile:
+        raise UsageError(f"{where} {span}: only a compiled node compiles spans; add --compile, or drop {where}")
+    whole = isinstance(span, int) and not isinstance(span, bool)
+    if not whole or not MIN_COMPILE_SPAN <= span <= MAX_CONTEXT or span & (span - 1):
+        near = MIN_COMPILE_SPAN  # the power of two at or below it (at least the smallest span)
+        while whole and 2 * near <= min(span, MAX_CONTEXT):
+            near *= 2
+        raise UsageError(f"{where} {span!r}: expected a power of two from {MIN_COMPILE_SPAN} to {MAX_CONTEXT} "
+                         f"(a compiled graph reads a power-of-two span of the cache), such as {near}")
+    return span
 
 
 def model_type(model_dir: object) -> str | None:
@@ -219,6 +256,8 @@ def settings_from_mapping(cfg: Mapping[str, Any], *, seed: bytes, manifest: Any)
         elif isinstance(default, int | float | str):  # bool is an int
             v = type(default)(v)
         kw[name] = v
+    if "compile_span" in kw:
+        check_compile_span(kw["compile_span"], compile=bool(kw.get("compile")), where="node settings: compile_span")
     return NodeSettings(
         seed=seed, swarm_id=manifest.swarm_id, secret=manifest.secret.value, revoked=frozenset(manifest.revoked),
         quant=manifest.quant, bootstrap=tuple(manifest.bootstrap), context_tokens=manifest.context_tokens,

@@ -41,6 +41,7 @@ from swarm.errors import (
     SwarmError,
     UsageError,
 )
+from swarm.proto import fields as _fields
 from swarm.proto.fields import (
     B64,
     Bool,
@@ -145,14 +146,68 @@ register(Control)  # CONTROL frames decode to the op's class
 
 # ---------------------------------------------------------------- ring set-up and recovery
 
+MAX_SPANS = 32  # compiled spans a stage reports (powers of two: 64 .. 2^37 at most)
+MAX_WHY = 300  # characters of why a stage runs eagerly
+STAGE_DTYPES = ("fp32", "bf16", "fp16")
+
+
+@dataclass(frozen=True)
+class StageRun:
+    """How a stage runs its one-token decode steps (``join --compile``: node/compute/runtime.py
+    ``Models.ran``): ``{"spans": [64, ...], "eager_from": N or null, "eager": why or null,
+    "dtype": "bf16"}``; compiled spans and no ``eager``, or no spans and why it runs eagerly.
+    ``many``: an object of these by peer ID (at most MAX_HOPS)."""
+
+    many: bool = False
+
+    def read(self, v: Any, fail: _fields.Fail, limits: Limits) -> dict[str, Any]:
+        if not self.many:
+            return self._one(v, fail)
+        if not isinstance(v, dict) or len(v) > MAX_HOPS:
+            raise fail(f"expected an object of at most {MAX_HOPS} stages' runs by peer ID")
+        out: dict[str, Any] = {}
+        for k, x in v.items():
+            if not isinstance(k, str) or not 0 < len(k) <= MAX_PEER_ID:
+                raise fail(f"entry {str(k)[:64]!r}: expected a peer ID of at most {MAX_PEER_ID} characters")
+
+            def named(why: str, k: str = k) -> SwarmError:
+                return fail(f"stage {k[:64]!r}: {why}")
+
+            out[k] = self._one(x, named)
+        return out
+
+    @staticmethod
+    def _one(v: Any, fail: _fields.Fail) -> dict[str, Any]:
+        keys = ("spans", "eager_from", "eager", "dtype")
+        if not isinstance(v, dict) or set(v) != set(keys):
+            raise fail(f"expected an object of exactly {', '.join(keys)}")
+        spans, eager_from, eager, dtype = (v[k] for k in keys)
+        ints = isinstance(spans, list) and all(isinstance(n, int) and not isinstance(n, bool) and 0 < n < 1 << 40 for n in spans)
+        if not ints or len(spans) > MAX_SPANS:
+            raise fail(f"spans: expected a list of at most {MAX_SPANS} positive integers")
+        if eager_from is not None and (not isinstance(eager_from, int) or isinstance(eager_from, bool) or eager_from < 0):
+            raise fail("eager_from: expected a position (an integer >= 0) or null")
+        if eager is not None and (not isinstance(eager, str) or not 0 < len(eager) <= MAX_WHY):
+            raise fail(f"eager: expected why, at most {MAX_WHY} characters, or null")
+        if (eager is None) == (not spans):
+            raise fail("expected compiled spans, or why the stage runs eagerly: one of them")
+        if dtype not in STAGE_DTYPES:
+            raise fail(f"dtype: expected one of {', '.join(STAGE_DTYPES)}")
+        return dict(v)
+
+    def write(self, v: Any) -> Any:
+        return dict(v)
+
 
 @op
 @dataclass(frozen=True, slots=True)
 class Loaded(Control):
-    """A peer took a plan (and loaded its block)."""
+    """A peer took a plan (and loaded its block); ``compiled``: how its stage runs (StageRun;
+    absent for a peer that holds no block, or an older one)."""
 
     OP: ClassVar[str] = "loaded"
     epoch: int = meta("epoch", Int(0, EPOCH_MAX))
+    compiled: dict[str, Any] | None = meta("compiled", StageRun(), optional=True, default=None)
 
 
 @op
@@ -176,11 +231,13 @@ class Linked(Control):
 @op
 @dataclass(frozen=True, slots=True)
 class Serve(Control):
-    """Coordinator: start taking generations on ``epoch`` (``hops``: every hop's path label)."""
+    """Coordinator: start taking generations on ``epoch`` (``hops``: every hop's path label;
+    ``compiled``: how each stage runs, by peer, as its ``loaded`` said: for receipts)."""
 
     OP: ClassVar[str] = "serve"
     epoch: int = meta("epoch", Int(0, EPOCH_MAX))
     hops: dict[str, str] = meta("hops", StrMap(MAX_HOPS, 8, 200), optional=True, default_factory=dict)
+    compiled: dict[str, dict[str, Any]] = meta("compiled", StageRun(many=True), optional=True, default_factory=dict)
 
 
 @op

@@ -66,6 +66,25 @@ def test_run_json_on_a_tiny_checkpoint(tiny: Path, tmp_path: Path, capsys: pytes
     assert s1["output_token_ids"] == s2["output_token_ids"]
 
 
+def test_a_receipt_from_bf16_compiled_stages_says_so_when_its_replay_differs(
+    tiny: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A ring's receipt whose stages ran compiled in bf16 carries a replay note (report.replay_note):
+    an eager replay that differs says why instead of pointing at a bug; the JSON carries the note."""
+    from swarm.node.generation.report import replay_note
+
+    ran = {"spans": [64], "eager_from": 64, "eager": None, "dtype": "bf16"}
+    assert replay_note({"A" * 52: {**ran, "dtype": "fp32"}, "B" * 52: {**ran, "spans": [], "eager": "no"}}) is None
+    note = replay_note({"A" * 52: ran, "B" * 52: {**ran, "dtype": "fp32"}})
+    assert note is not None and note.startswith(f"1 stage(s) ran compiled in bf16 ({'A' * 16})") and "not a bit-exact" in note
+    receipt = tmp_path / "receipt.json"
+    receipt.write_text(json.dumps({"prompt_token_ids": [3, 14, 15], "output_token_ids": [1, 2, 3], "replay_note": note}))
+    assert main(["run", "--model", str(tiny), "--dtype", "fp32", "--threads", "1", "--receipt", str(receipt)]) == 0
+    assert f"the receipt's output (3 tokens) differs: {note}" in capsys.readouterr().err
+    replayed = run_json(capsys, ["--model", str(tiny), "--dtype", "fp32", "--receipt", str(receipt)])
+    assert replayed["matches_receipt"] is False and replayed["receipt_replay_note"] == note
+
+
 def test_run_errors_have_exit_codes(tiny: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["run", "--model", str(tiny), "--prompt", "hello", "--threads", "1"]) == 3  # no tokenizer
     assert main(["run", "--model", str(tiny), "--threads", "1"]) == 2  # no prompt

@@ -47,6 +47,10 @@ async def test_compiled_ring_equals_one_eager_box_and_resumes_identical_after_a_
                 assert comp is not None and comp["spans"] == [64, 128] and comp["capacity"] == 256 and comp["eager"] is None, (i, comp)
             got = await client.generate(h, peer, prompt_ids=PROMPT, max_new_tokens=N_NEW, draft="none", timeout=60)
             assert got["output_token_ids"] == want and got["replans"] == []
+            # the receipt names each stage node's compiled spans and where its steps turn eager
+            ran = {p["id"]: p["compiled"] for p in got["peers"] if p["block"]}
+            assert set(ran) == set(plan["ring"]) and got["replay_note"] is None, got["peers"]
+            assert all(r == {"spans": [64, 128], "eager_from": 128, "eager": None, "dtype": "fp32"} for r in ran.values()), ran
             victim = next(i for i in stages if i != coord)
             seen = [0]
 
@@ -60,6 +64,9 @@ async def test_compiled_ring_equals_one_eager_box_and_resumes_identical_after_a_
             assert not swarm.alive()[victim]
             assert again["output_token_ids"] == want
             assert len(again["replans"]) == 1 and swarm.peer_ids[victim] in again["replans"][0]["lost"], again["replans"]
+            # ... and after the re-plan, the new ring's (the standby compiled the block it took)
+            assert {p["id"] for p in again["peers"] if (p["compiled"] or {}).get("spans") == [64, 128]} == \
+                {p["id"] for p in again["peers"] if p["block"]}, again["peers"]
             now = (await client.status(h, peer))["plan"]
         for p, block in now["blocks"].items():  # the new ring's stages (a standby's block) compiled theirs
             i = swarm.peer_ids.index(p)

@@ -70,9 +70,11 @@ SAMPLES: list[Message] = [
     RangeData.of(1, 8, bytes(16), last=False),
     RangeRefused(1, "too-large", "at most 16 MiB a request"),
 ]
+RAN = {"spans": [64, 128], "eager_from": 128, "eager": None, "dtype": "bf16"}  # how a stage ran (StageRun)
 # one sample of every CONTROL op (all CONTROL frames: their class is the op's)
 CONTROLS: list[ctl.Control] = [
     ctl.Loaded(3), ctl.Connect(3), ctl.Linked({"0": "direct", "1": "relayed via x"}), ctl.Serve(3, {"0": "local"}),
+    ctl.Loaded(3, RAN), ctl.Serve(3, {}, {PEER: RAN, "x": {**RAN, "spans": [], "eager": "no --compile"}}),
     ctl.Ack(), ctl.Current(), ctl.NoPlan(), ctl.NoPlan(2, {"ring": [PEER]}), ctl.Ended(2), ctl.Leaving(),
     ctl.Leave(), ctl.Fault(PEER, 3, "NaN"), ctl.BadBytes(PEER, "model-00001.safetensors: tensor x failed sha256"), ctl.Hop(3, 1), ctl.Probe(2), SAMPLES[19],  # type: ignore[list-item]
     ctl.Gen.checked(text="hi", chat=True, temperature=0.7, top_p=0.9, top_k=5, seed=3, draft="none", depth=2,
@@ -110,6 +112,12 @@ def test_control_round_trip(msg: ctl.Control) -> None:
         (SAMPLES[19], {"max_new_tokens": 4097}, "CONTROL gen field 'max_new_tokens': 4097 outside 1..4096"),
         (SAMPLES[19], {"draft": "magic"}, "CONTROL gen field 'draft': 'magic' not one of"),
         (ctl.Fail("busy"), {"code": "no spaces"}, "CONTROL fail field 'code'"),
+        (ctl.Loaded(3, RAN), {"compiled": {**RAN, "spans": [64, "128"]}}, "loaded field 'compiled': spans: expected a list"),
+        (ctl.Loaded(3, RAN), {"compiled": {**RAN, "eager": "also eager"}}, "'compiled': expected compiled spans, or why"),
+        (ctl.Loaded(3, RAN), {"compiled": {**RAN, "dtype": "int4"}}, "'compiled': dtype: expected one of fp32"),
+        (ctl.Loaded(3, RAN), {"compiled": {"spans": [64]}}, "'compiled': expected an object of exactly spans"),
+        (ctl.Serve(3, {}, {PEER: RAN}), {"compiled": {PEER: {**RAN, "eager_from": -1}}},
+         f"CONTROL serve field 'compiled': stage '{PEER}': eager_from: expected a position"),
     ],
 )
 def test_control_schema_violations_name_the_op_and_field(

@@ -67,10 +67,17 @@ class Compute:
 
 
 def measure_ms_per_layer(
-    args: ModelArgs, dtype: torch.dtype, device: str, *, repeats: int = 15, quant: str = "none"
+    args: ModelArgs, dtype: torch.dtype, device: str, *, repeats: int = 15, quant: str = "none", compile: bool = False
 ) -> float:
     """Median time of one decoder layer on one token, with random weights of the model's shapes
-    (on an accelerator each pass is waited for, so the figure is the work, not its launch)."""
+    (on an accelerator each pass is waited for, so the figure is the work, not its launch).
+
+    ``compile`` (join --compile): the step this node will run, the layer's one-token step through
+    the compiled graph (model/compiled.py; one graph of one layer at the shortest span, compiled
+    once per machine and loaded from inductor's on-disk cache after), where the layer can compile;
+    the eager figure where it cannot. The planner splits blocks by the advertised figure, and a
+    compiled step runs a layer 1.1-1.5x faster than eager (benchmarks/README.md, bench_ring.py
+    --compiled: the eager figure made the plan's predicted compute that much too slow)."""
     dev = torch.device(device)
     stage = Stage(args, 0, 1, dtype=dtype, device=device)
     stage = stage.to_empty(device=device).to(dtype)
@@ -80,6 +87,12 @@ def measure_ms_per_layer(
     stage.requires_grad_(False)
     quantize_block(stage, quant, dtype=dtype)
     rows.prove(stage)  # which row counts a replay may merge (rows.py): proven here, off the re-plan's path
+    if compile:
+        from swarm.model.compiled import MIN_SPAN, unsupported, warm_compiled
+
+        if unsupported(stage) is None:
+            stage.enable_compiled(min(MIN_SPAN, args.max_seq_len))  # the probe's steps all read the one span
+            warm_compiled(stage, spans=1)
     stage.open_session("probe", repeats + 2)
     h = torch.randn(1, args.dim, dtype=dtype, device=device)
     times = []
@@ -93,6 +106,40 @@ def measure_ms_per_layer(
     stage.close_session("probe")
     times.sort()
     return 1000.0 * times[len(times) // 2]
+
+
+COMPILE_SHARE = 0.5  # of the leader's load wait (NodeSettings.load_timeout_s) a block's fetch, load and compile may take
+
+
+def warm_within(stage: Stage, deadline: float, clock: Callable[[], float] = time.monotonic) -> list[int]:
+    """Warm ``stage``'s compiled spans one graph at a time, shortest first, while the next one is
+    predicted to be done by ``deadline`` (``clock``'s time; predicted: it takes as long as the
+    slowest so far; the first is always compiled). Spans it leaves out run eagerly: the step's
+    ``longest`` is lowered to the last span compiled, so no graph is compiled while serving. The
+    spans compiled.
+
+    Why: a node compiles before it reports its block loaded, and the leader waits a bounded time
+    for that report (NodeSettings.load_timeout_s); a block of many layers on a slow CPU could take
+    longer to compile all its spans (~5-25 s a graph for 15 small layers on 2 cores, up to 5 graphs;
+    longer per layer on bigger models). Past the wait the set-up failed and was retried at once, and
+    the retry found the block loaded, answered while the compile still held the compute thread, and
+    the ring's first tokens waited behind it. Bounded here, the node serves in time with fewer
+    compiled spans and says so (status ``eager_from``)."""
+    from swarm.model.compiled import n_spans, warm_compiled
+
+    step = stage.compiled
+    assert step is not None
+    wanted = n_spans(step.longest)
+    spans: list[int] = []
+    slowest = 0.0
+    while len(spans) < wanted:
+        if spans and clock() + slowest > deadline:
+            step.longest = spans[-1]  # steps at later positions run eagerly (Stage.forward)
+            break
+        t0 = clock()
+        spans = warm_compiled(stage, spans=len(spans) + 1)  # the spans before it run again: one step each
+        slowest = max(slowest, clock() - t0)
+    return spans
 
 
 class Models:
@@ -116,6 +163,7 @@ class Models:
         self.tokenizer: Tokenizer | None = None
         self.ms_per_layer = 0.0
         self._stages: dict[tuple[int, int], Stage] = {}
+        self._compiled: dict[tuple[int, int], trio.Event] = {}  # set once a loaded block is compiled (or needs not be)
         self._head: Head | None = None
         # join --compile: what this node's stage compiled (status "compiled"; None: not asked)
         self.compiled: dict[str, Any] | None = None
@@ -131,7 +179,7 @@ class Models:
         """This node's time per layer: measured, or ``known`` (a test's figure, no measuring)."""
         s = self.settings
         self.ms_per_layer = known if known is not None else await self.compute.run(
-            lambda: measure_ms_per_layer(self.args, self.dtype, s.device, quant=s.quant)
+            lambda: measure_ms_per_layer(self.args, self.dtype, s.device, quant=s.quant, compile=s.compile)
         )  # fmt: skip
         return self.ms_per_layer
 
@@ -140,8 +188,14 @@ class Models:
         does not fit raises :class:`CannotLoad` (the caller lowers this peer's offer: Epochs._load)."""
         cached = self._stages.get((a, b))
         if cached is not None:
+            compiling = self._compiled.get((a, b))
+            if compiling is not None:
+                await compiling.wait()  # a second ask while its first compiles waits for it
             return cached
         s = self.settings
+        # the leader waits load_timeout_s for our answer from about now: compiling takes what the
+        # fetch and load leave of its share (warm_within)
+        deadline = time.monotonic() + COMPILE_SHARE * s.load_timeout_s
         # free the old block before loading the new one: its tensors now, although the ended epoch's
         # worker still holds the Stage until its task unwinds, which came after the new block's load
         # had begun (measured: a coordinator growing [0, 10) to [0, 15) peaked at both blocks, 889 MB
@@ -149,6 +203,7 @@ class Models:
         for old in self._stages.values():
             old.release()
         self._stages.clear()
+        self._compiled.clear()
         memory.release(s.device)
         if self.fetch is not None:
             await self.fetch.block(a, b)  # only what the cache does not hold yet moves
@@ -167,6 +222,7 @@ class Models:
             stage = Stage.load(self.args, self.ckpt.source, a, b, dtype=self.dtype, device=s.device, quant=s.quant,
                                kv_cache=s.kv_cache)
             self._stages[(a, b)] = stage  # here, not after the await: its caller may have been cancelled
+            self._compiled.setdefault((a, b), trio.Event())  # set once compiled (or not asked to)
             return stage
 
         try:
@@ -176,18 +232,23 @@ class Models:
             self.notices.life("loading", layers=[a, b], done=False, error=memory.describe(exc))
             raise memory.CannotLoad(f"cannot load layers [{a}, {b}): {memory.describe(exc)}") from None
         self.notices.life("loading", layers=[a, b], done=True, seconds=round(trio.current_time() - t0, 3))
-        if s.compile:
-            await self._compile(stage)
+        ready = self._compiled.setdefault((a, b), trio.Event())
+        try:
+            if s.compile:
+                await self._compile(stage, deadline)
+        finally:
+            ready.set()
         self._stages[(a, b)] = stage
         return stage
 
-    async def _compile(self, stage: Stage) -> None:
+    async def _compile(self, stage: Stage, deadline: float) -> None:
         """join --compile: the stage's one-token decode step compiled for the swarm's context (the
         capacity every session's cache already has: StageWorker opens each at ``context_tokens``,
         which the budget counts) and its spans up to ``compile_span`` warmed, before the block is
-        reported loaded, so no user token pays for it. A stage that cannot compile serves eagerly
-        and says why, once."""
-        from swarm.model.compiled import unsupported, warm_compiled
+        reported loaded, so no user token pays for it; as many of them as fit before ``deadline``
+        (``time.monotonic``: warm_within), the rest eager. A stage that cannot compile serves
+        eagerly and says why, once."""
+        from swarm.model.compiled import n_spans, unsupported
 
         s = self.settings
         why = unsupported(stage)
@@ -200,17 +261,41 @@ class Models:
         self.notices.event(f"compiling the decode step of layers [{stage.start}, {stage.end}) (cached after the first start)")
         t0 = time.perf_counter()
 
+        asked = 0
+
         def build() -> list[int]:
+            nonlocal asked
             if stage.compiled is None:  # a second ask for a block while it loads shares its step (stage())
                 stage.enable_compiled(self.context_tokens, s.compile_span)
-            return warm_compiled(stage)
+            assert stage.compiled is not None
+            asked = n_spans(stage.compiled.longest)
+            return warm_within(stage, deadline)
 
         spans = await self.compute.run(build)
         assert stage.compiled is not None
         self.compiled = {"layers": [stage.start, stage.end], "eager": None, "spans": spans, "capacity": stage.compiled.capacity,
                          "eager_from": stage.compiled.longest if stage.compiled.longest < stage.compiled.capacity else None,
                          "warm_s": round(time.perf_counter() - t0, 2)}  # fmt: skip
-        self.notices.event(f"compiled spans {spans} in {self.compiled['warm_s']} s")
+        cut = "" if len(spans) == asked else (
+            f"; {asked - len(spans)} longer span(s) left eager: compiling them would pass half the leader's "
+            f"{s.load_timeout_s:.0f} s wait for this block (steps from position {spans[-1]} run eagerly)")
+        self.notices.event(f"compiled spans {spans} in {self.compiled['warm_s']} s{cut}")
+
+    def ran(self, block: tuple[int, int]) -> dict[str, Any]:
+        """How this node's stage of ``block`` runs its one-token decode steps, as its ``loaded``
+        reply tells the leader and receipts name it (proto/control.py ``StageRun``): the spans
+        compiled and from which position it steps eagerly, or why it runs eagerly; and its dtype,
+        since a bf16 compiled stage may flip a near-tie against an eager box (model/compiled.py)."""
+        from swarm.model.dtypes import dtype_name
+
+        c = self.compiled
+        dtype = dtype_name(self.dtype)
+        if not self.settings.compile:
+            return {"spans": [], "eager_from": 0, "eager": "not started with --compile", "dtype": dtype}
+        if c is None or c["layers"] != list(block):
+            return {"spans": [], "eager_from": 0, "eager": f"layers {list(block)} not compiled", "dtype": dtype}
+        return {"spans": list(c["spans"]), "eager_from": c["eager_from"], "eager": c["eager"][:300] if c["eager"] else None,
+                "dtype": dtype}  # fmt: skip
 
     async def head(self) -> Head:
         if self._head is None:

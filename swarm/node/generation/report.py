@@ -72,6 +72,9 @@ class Reporter:
                 "ms_per_layer": adv.layer_us / 1000 if adv else None,
                 "block": list(plan.blocks[pid]) if pid in plan.blocks else None,
                 "role": "coordinator" if pid == plan.coordinator else ("stage" if pid in plan.blocks else "standby"),
+                # how its stage ran the decode steps: compiled spans and eager_from, or eager and why
+                # (control.StageRun, as its loaded reply said); None: no block, or not reported
+                "compiled": ep.compiled.get(pid),
             })  # fmt: skip
         tms = gen.traversal_ms
         self.runs.append({"ended_unix": round(time.time(), 3), "epoch": plan.epoch, "tokens": len(gen.output_token_ids),
@@ -115,6 +118,7 @@ class Reporter:
             "hops": hop_report(ep),
             "replans": list(self.epochs.replans),
             "started_unix": started,
+            "replay_note": replay_note(ep.compiled),
         }
 
     def status(self, *, loop_window_s: int = 60) -> dict[str, Any]:
@@ -245,6 +249,19 @@ def _members_only(st: dict[str, Any]) -> None:
     pf = st["peers_file"] = dict(st["peers_file"])
     pf["peers"] = [p for p in pf.get("peers", []) if p.get("id") in members]
     st["peer_info"] = {p: v for p, v in st["peer_info"].items() if p in members}
+
+
+def replay_note(compiled: dict[str, dict[str, Any]]) -> str | None:
+    """What a reader of a receipt must know before replaying it with ``run --receipt`` (eager):
+    stages that ran compiled in bf16 or fp16 may flip a near-tie against an eager box
+    (model/compiled.py), so the receipt is no bit-exact reference; None where nothing says so
+    (fp32 compiled stages give eager's tokens)."""
+    loose = sorted(p for p, c in compiled.items() if c["spans"] and c["dtype"] != "fp32")
+    if not loose:
+        return None
+    return (f"{len(loose)} stage(s) ran compiled in {'/'.join(sorted({compiled[p]['dtype'] for p in loose}))} "
+            f"({', '.join(p[:16] for p in loose)}): a near-tie may flip against an eager box, so this receipt is "
+            "not a bit-exact reference for run --receipt (README, Compiled nodes)")
 
 
 def hop_report(ep: Epoch) -> list[dict[str, str]]:

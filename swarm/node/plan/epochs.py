@@ -66,6 +66,9 @@ class Epoch:
     msg: PlanMsg | None = None  # the signed plan as received (a peer catching up is shown it)
     phases: set[str] = field(default_factory=set)  # set-up steps taken ("connect", "serve"): once each
     hop_labels: dict[int, str] = field(default_factory=dict)  # hop -> "direct", "hole-punched", "relayed via …"
+    # stage peer -> how it runs its decode steps (compiled spans or eager and why: control.StageRun), as
+    # the leader's serve passed on each stage's loaded reply; for receipts
+    compiled: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def wait_inbound(self, hop: int) -> trio.Event:
         return self.inbound_ready.setdefault(hop, trio.Event())

@@ -89,7 +89,6 @@ from swarm.proto.signing import Signer
 
 log = logging.getLogger("swarm.node")
 
-LOAD_TIMEOUT_S = 600.0
 INFORM_TIMEOUT_S = 20.0
 REPLAN_SETTLE_S = 0.15  # after an epoch ended: re-plan as soon as membership stops changing
 # ... when membership has lost one of its members since: the view is already what the plan is
@@ -285,7 +284,11 @@ class Leader:
         # every member learns the plan (a standby can then relay requests to the coordinator);
         # only the participants' answers gate the epoch
         t0 = trio.current_time()
-        await self.ring.phase(participants, msg, ctl.Loaded, LOAD_TIMEOUT_S, best_effort=others)
+        # each participant's whole load (fetch, load, compile: NodeSettings.load_timeout_s, whose half
+        # bounds a compiling node's warm-up, runtime.warm_within)
+        loaded = await self.ring.phase(participants, msg, ctl.Loaded, self.settings.load_timeout_s, best_effort=others)
+        # how each stage runs (compiled spans or eager, and why): the coordinator's receipts name it
+        compiled = {p: r.compiled for p, r in loaded.items() if r.compiled is not None and p in plan.blocks}
         t1 = trio.current_time()
         answers, linked, errors = await self.ring.ask_each(participants, ctl.Connect(plan.epoch), ctl.Linked, CONNECT_REPLY_S)
         if errors:
@@ -293,8 +296,8 @@ class Leader:
             raise PeerError(f"connect of epoch {plan.epoch}: " + "; ".join(errors))
         t2 = trio.current_time()
         labels = {k: v for reply in linked.values() for k, v in reply.hops.items()}
-        served, _replies, errors = await self.ring.ask_each([plan.coordinator], ctl.Serve(plan.epoch, labels), ctl.Ack,
-                                                             CONNECT_REPLY_S)  # fmt: skip
+        served, _replies, errors = await self.ring.ask_each([plan.coordinator], ctl.Serve(plan.epoch, labels, compiled),
+                                                             ctl.Ack, CONNECT_REPLY_S)  # fmt: skip
         if errors:
             await self._blame_setup(plan, answers, serve="served" if served[plan.coordinator] == "linked" else served[plan.coordinator])
             raise PeerError(f"serve of epoch {plan.epoch}: " + "; ".join(errors))
@@ -476,8 +479,9 @@ class Leader:
     # -- the ring protocol's requests about epochs -----------------------------------------------
 
     async def on_plan(self, peer: str, msg: PlanMsg) -> Message:
-        await self.epochs.accept(peer, msg, taken=self.took_plan)
-        return ctl.Loaded(msg.epoch)
+        ep = await self.epochs.accept(peer, msg, taken=self.took_plan)
+        block = ep.plan.blocks.get(self.peer_id)
+        return ctl.Loaded(msg.epoch, compiled=self.epochs.models.ran(block) if block is not None else None)
 
     async def on_current(self, peer: str, msg: ctl.Current) -> Message:
         """What we serve, for a peer catching up (an ended epoch's plan still says who held what)."""

@@ -86,7 +86,7 @@ class Wiring:
 
     async def on_serve(self, peer: str, msg: ctl.Serve) -> ctl.Ack:
         """The signer's ``serve``: every hop's path label (by hop index) for status; we serve."""
-        await self.serve(msg.epoch, {int(k): v for k, v in msg.hops.items() if k.isdigit()})
+        await self.serve(msg.epoch, {int(k): v for k, v in msg.hops.items() if k.isdigit()}, msg.compiled)
         return ctl.Ack()
 
     async def connect(self, epoch: int) -> dict[int, str]:
@@ -267,9 +267,10 @@ class Wiring:
 
     # -- serve: the coordinator takes generations ------------------------------------------
 
-    async def serve(self, epoch: int, hop_labels: dict[int, str]) -> None:
+    async def serve(self, epoch: int, hop_labels: dict[int, str], compiled: dict[str, dict[str, Any]] | None = None) -> None:
         ep = self.epochs.get(epoch)
         ep.hop_labels = dict(hop_labels)
+        ep.compiled = {p: c for p, c in (compiled or {}).items() if p in ep.plan.blocks}
         if ep.coordinator is None:
             raise ProtocolError(f"{self.peer_id} is not the coordinator of epoch {epoch}")
         if "serve" in ep.phases:
