@@ -71,7 +71,8 @@ def demo(
 
     if quant not in QUANTS:
         raise UsageError(f"--quant {quant!r}: choose one of {', '.join(QUANTS)}")
-    span = DEMO_COMPILE_SPAN if compile_span is None else check_compile_span(compile_span, compile=compile_)
+    span = check_compile_span(compile_span, compile=compile_) if compile_span is not None else (
+        DEMO_COMPILE_SPAN if compile_ else None)  # an eager node takes no span (settings refuse one)
     if kv_cache not in KV_CACHES:
         raise UsageError(f"--kv-cache {kv_cache!r}: choose one of {', '.join(KV_CACHES)}")
     dev = device_label(chosen_device(device))  # refuse a bad name or a missing device

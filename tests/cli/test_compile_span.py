@@ -92,11 +92,12 @@ def test_demo_passes_the_span_to_every_node_and_refuses_nonsense_before_starting
     monkeypatch.setattr("swarm.launch.start_local_swarm", fake_swarm)
     assert main(["demo", "--model", str(tiny), "--compile", "--compile-span", "128"]) == 2
     assert main(["demo", "--model", str(tiny), "--compile"]) == 2
-    assert [(kw["compile"], kw["compile_span"]) for kw in started] == [(True, 128), (True, 256)]  # demo's own default
+    assert main(["demo", "--model", str(tiny)]) == 2  # an eager demo's nodes get no span: their settings refuse one
+    assert [(kw["compile"], kw["compile_span"]) for kw in started] == [(True, 128), (True, 256), (False, None)]
     capsys.readouterr()
     assert main(["demo", "--model", str(tiny), "--compile", "--compile-span", "100"]) == 2
     assert "--compile-span 100: expected a power of two from 64" in capsys.readouterr().err
-    assert len(started) == 2
+    assert len(started) == 3
 
 
 def test_a_settings_file_span_is_checked_like_the_flag(tiny: Path) -> None:
