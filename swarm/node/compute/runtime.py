@@ -322,8 +322,6 @@ class Models:
 
         c = self.compiled
         dtype = dtype_name(self.dtype)
-        if not self.settings.compile:
-            return {"spans": [], "eager_from": 0, "eager": "not started with --compile", "dtype": dtype}
         if c is None or c["layers"] != list(block):
             return {"spans": [], "eager_from": 0, "eager": f"layers {list(block)} not compiled", "dtype": dtype}
         return {"spans": list(c["spans"]), "eager_from": c["eager_from"], "eager": c["eager"][:300] if c["eager"] else None,
