@@ -7,7 +7,8 @@
 
 Two 3-node swarms of compiled nodes (``join --compile``: launch.py ``compile=True``, spans 64 and
 128, context 1,024) on the bundled model, 1 thread a node: one whose nodes import this tree, one
-whose nodes import ``--ab`` (PYTHONPATH). The planner splits the layers by each node's advertised
+whose nodes import ``--ab`` (PYTHONPATH), started one after the other (the second once the first
+serves, so their start-up speed probes do not share the cores). The planner splits the layers by each node's advertised
 ms per layer, and the plan predicts its compute (``predicted_compute_ms``: each stage's layers x
 its advertised figure). In rounds that alternate which swarm goes first, each swarm runs one
 generation of ``--new-tokens`` tokens from a 3-token prompt (no drafting: one-token chunks, the
@@ -55,6 +56,11 @@ async def _stage_counts(sw: LocalSwarm, stages: list[int]) -> dict[int, tuple[fl
         st = (await _status(sw, i))["stage"] or {}
         out[i] = (float(st.get("compute_s", 0.0)), int(st.get("chunks", 0)))
     return out
+
+
+async def _ready(sw: LocalSwarm) -> None:
+    async with client.open_client(sw.addrs[0], secret=sw.secret, swarm_id=sw.swarm_id, timeout=60) as (h, p):
+        await client.wait_ready(h, p, timeout=READY_S)
 
 
 async def _bench(swarms: dict[str, LocalSwarm], a: argparse.Namespace) -> dict[str, Any]:
@@ -125,6 +131,8 @@ def main() -> None:
                 3, model_dir, dtype=a.dtype, threads=1, draft="none", workdir=a.workdir / side, context_tokens=1024,
                 compile=True, compile_span=128, node_env={i: {"PYTHONPATH": str(tree)} for i in range(3)},
             )  # fmt: skip
+            trio.run(_ready, swarms[side])  # the next swarm starts once this one serves: its nodes'
+            # start-up speed probes (what the plan predicts from) do not share the cores with those
         res = trio.run(_bench, swarms, a)
     finally:
         for sw in swarms.values():

@@ -203,7 +203,7 @@ class StageRun:
 @dataclass(frozen=True, slots=True)
 class Loaded(Control):
     """A peer took a plan (and loaded its block); ``compiled``: how its stage runs (StageRun;
-    absent for a peer that holds no block, or an older one)."""
+    absent unless it runs ``--compile`` and holds a block)."""
 
     OP: ClassVar[str] = "loaded"
     epoch: int = meta("epoch", Int(0, EPOCH_MAX))
@@ -237,7 +237,8 @@ class Serve(Control):
     OP: ClassVar[str] = "serve"
     epoch: int = meta("epoch", Int(0, EPOCH_MAX))
     hops: dict[str, str] = meta("hops", StrMap(MAX_HOPS, 8, 200), optional=True, default_factory=dict)
-    compiled: dict[str, dict[str, Any]] = meta("compiled", StageRun(many=True), optional=True, default_factory=dict)
+    # absent when no stage reported (none runs --compile): a coordinator of an older version reads no such field
+    compiled: dict[str, dict[str, Any]] | None = meta("compiled", StageRun(many=True), optional=True, default=None)
 
 
 @op

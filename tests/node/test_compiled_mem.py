@@ -258,8 +258,8 @@ async def test_a_stage_that_cannot_compile_serves_eagerly_and_says_why_once(
 ) -> None:
     """--compile on a swarm whose invite holds the KV cache as int8 (compiled.unsupported): the
     node does not fail, its stage serves eagerly with the same tokens as one box of that format,
-    and it says why once, in a notice, in its status and in the receipt, which also names the
-    stage of a node started without --compile as eager."""
+    and it says why once, in a notice, in its status and in the receipt; a node started without
+    --compile says nothing of it (its receipt entry null)."""
     torch.set_num_threads(1)
     model = LocalModel.load(ckpt, stages=1, dtype=torch.float32, kv_cache="int8")
     want = generate(model, PROMPT, eos_token_ids=(), max_new_tokens=20).output_token_ids
@@ -277,11 +277,11 @@ async def test_a_stage_that_cannot_compile_serves_eagerly_and_says_why_once(
                 continue
             assert p.epoch.stage.compiled is None
             status = p.serving.reporter.status()["compiled"]
+            if i == 1:  # not asked: status and receipt say nothing of compiling (an older node reads no such field)
+                assert status is None and ran[p.peer_id] is None and "--compile:" not in swarm.logs(i)
+                continue
             why = ran[p.peer_id]["eager"]
             assert ran[p.peer_id]["spans"] == [] and ran[p.peer_id]["dtype"] == "fp32", ran
-            if i == 1:  # not asked: status says nothing compiled, the receipt says why it ran eagerly
-                assert status is None and why == "not started with --compile" and "--compile:" not in swarm.logs(i)
-                continue
             assert status["spans"] == [] and "int8 KV cache" in status["eager"] and why == status["eager"], status
             assert swarm.logs(i).count("--compile:") == 1 and "serving eagerly" in swarm.logs(i)
         nursery.cancel_scope.cancel()

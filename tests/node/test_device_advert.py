@@ -4,6 +4,7 @@ against it (CUDA faked: this machine has none; see tests/model/test_devices.py).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -112,3 +113,32 @@ def test_a_node_advertises_its_offer_less_its_overhead_and_peak_bytes_is_its_inv
         # at its own width: the coordinator's float32 logits do not widen (ModelSpec.head_session_bytes)
         assert advert_memory(offer + unused, dtype, device, args) == predicted_peak(spec.at_width(width), block,
                                                                                     coordinator=coord)  # fmt: skip
+
+
+def test_the_speed_probe_runs_through_more_layers_than_the_cache_holds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A block's weights stream from memory; one small layer alone runs from the cache and measured
+    half a block's time per layer (benchmarks/bench_probe_compiled.py). The probe takes enough
+    synthetic layers for twice the last-level cache (at most 8; one where a layer is that big),
+    and reports the time per layer."""
+    from swarm.model.config import ModelArgs
+    from swarm.model.quant import layer_bytes
+    from swarm.node.compute import runtime
+    from swarm.testing.checkpoints import TinySpec, tiny_config
+
+    mb = 1 << 20
+    assert runtime.probe_layers(14 * mb, 32 * mb) == 5 and runtime.probe_layers(7 * mb, 32 * mb) == 8
+    assert runtime.probe_layers(2000 * mb, 32 * mb) == 1 and runtime.probe_layers(16 * mb, None) == 4
+    args = ModelArgs.from_config(tiny_config(TinySpec(family="llama", n_layers=6)))
+    built: list[int] = []
+
+    class Counted(runtime.Stage):  # type: ignore[misc, name-defined]
+        def __init__(self, *a: Any, **kw: Any) -> None:
+            super().__init__(*a, **kw)
+            built.append(self.end - self.start)
+
+    monkeypatch.setattr(runtime, "Stage", Counted)
+    one = layer_bytes(args, "none", 4)
+    monkeypatch.setattr(runtime, "last_level_cache_bytes", lambda: 3 * one // 2)  # three layers' worth of probe
+    assert runtime.measure_ms_per_layer(args, torch.float32, "cpu", repeats=3) > 0 and built == [3]
+    monkeypatch.setattr(runtime, "last_level_cache_bytes", lambda: 100 * one)  # capped by the model's own layers
+    assert runtime.measure_ms_per_layer(args, torch.float32, "cpu", repeats=3) > 0 and built[-1] == 6

@@ -98,6 +98,14 @@ def test_control_round_trip(msg: ctl.Control) -> None:
     assert decode_message(msg.encode()) == msg
 
 
+def test_set_up_replies_without_compiled_stages_carry_no_compiled_field() -> None:
+    """A node that does not compile answers loaded as before, and a serve with no stage's report
+    has no compiled field: a peer of an older version, which refuses fields it does not know, meets
+    the field only from nodes started with --compile."""
+    assert ctl.Loaded(3).to_frame().meta["body"] == {"epoch": 3}
+    assert "compiled" not in ctl.Serve(3, {"0": "direct"}).to_frame().meta["body"]
+
+
 @pytest.mark.parametrize(
     ("msg", "changes", "match"),
     [

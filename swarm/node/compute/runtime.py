@@ -66,11 +66,40 @@ class Compute:
         return await trio.to_thread.run_sync(fn, *args, limiter=use, abandon_on_cancel=abandon_on_cancel)  # type: ignore[call-arg]
 
 
+PROBE_CACHE_BYTES = 32 * 1024 * 1024  # a last-level cache assumed where none can be read (this box's L3)
+MAX_PROBE_LAYERS = 8
+
+
+def last_level_cache_bytes() -> int | None:
+    """The CPU's largest cache in bytes (Linux sysfs), or None where it cannot be read."""
+    import pathlib
+
+    sizes = []
+    for f in pathlib.Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        with contextlib.suppress(OSError, ValueError):
+            text = f.read_text().strip().upper()
+            sizes.append(int(text[:-1]) * {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[text[-1]] if text[-1] in "KMG" else int(text))
+    return max(sizes) if sizes else None
+
+
+def probe_layers(layer_bytes: int, cache_bytes: int | None) -> int:
+    """How many synthetic layers the ms-per-layer probe runs through: enough that their weights
+    are twice the last-level cache, as a block's are (``cache_bytes``; None: PROBE_CACHE_BYTES),
+    at most MAX_PROBE_LAYERS; one where a layer alone is that big (a large model's). One small
+    layer alone runs from the cache: on the bundled model it measured 0.49-0.66 of a real block's
+    time per layer, over 4-8 layers 0.96-1.0 (benchmarks/bench_probe_compiled.py), and the plan
+    predicted about half the compute its ring then ran (bench_compiled_plan.py)."""
+    want = 2 * (cache_bytes or PROBE_CACHE_BYTES)
+    return max(1, min(MAX_PROBE_LAYERS, -(-want // max(1, layer_bytes))))
+
+
 def measure_ms_per_layer(
     args: ModelArgs, dtype: torch.dtype, device: str, *, repeats: int = 15, quant: str = "none", compile: bool = False
 ) -> float:
     """Median time of one decoder layer on one token, with random weights of the model's shapes
-    (on an accelerator each pass is waited for, so the figure is the work, not its launch).
+    (on an accelerator each pass is waited for, so the figure is the work, not its launch),
+    through as many layers as take twice the CPU's cache (probe_layers: a block's weights come
+    from memory, not the cache), divided by their count.
 
     ``compile`` (join --compile): the step this node will run, the layer's one-token step through
     the compiled graph (model/compiled.py; one graph of one layer at the shortest span, compiled
@@ -78,8 +107,11 @@ def measure_ms_per_layer(
     the eager figure where it cannot. The planner splits blocks by the advertised figure, and a
     compiled step runs a layer 1.1-1.5x faster than eager (benchmarks/README.md, bench_ring.py
     --compiled: the eager figure made the plan's predicted compute that much too slow)."""
+    from swarm.model.quant import layer_bytes
+
     dev = torch.device(device)
-    stage = Stage(args, 0, 1, dtype=dtype, device=device)
+    n = probe_layers(layer_bytes(args, quant, dtype.itemsize), last_level_cache_bytes())
+    stage = Stage(args, 0, min(n, args.n_layers), dtype=dtype, device=device)
     stage = stage.to_empty(device=device).to(dtype)
     with torch.no_grad():
         for p in stage.parameters():
@@ -105,7 +137,7 @@ def measure_ms_per_layer(
         times.append(time.perf_counter() - t0)
     stage.close_session("probe")
     times.sort()
-    return 1000.0 * times[len(times) // 2]
+    return 1000.0 * times[len(times) // 2] / (stage.end - stage.start)
 
 
 COMPILE_SHARE = 0.5  # of the leader's load wait (NodeSettings.load_timeout_s) a block's fetch, load and compile may take
@@ -290,8 +322,6 @@ class Models:
 
         c = self.compiled
         dtype = dtype_name(self.dtype)
-        if not self.settings.compile:
-            return {"spans": [], "eager_from": 0, "eager": "not started with --compile", "dtype": dtype}
         if c is None or c["layers"] != list(block):
             return {"spans": [], "eager_from": 0, "eager": f"layers {list(block)} not compiled", "dtype": dtype}
         return {"spans": list(c["spans"]), "eager_from": c["eager_from"], "eager": c["eager"][:300] if c["eager"] else None,

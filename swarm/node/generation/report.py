@@ -73,7 +73,7 @@ class Reporter:
                 "block": list(plan.blocks[pid]) if pid in plan.blocks else None,
                 "role": "coordinator" if pid == plan.coordinator else ("stage" if pid in plan.blocks else "standby"),
                 # how its stage ran the decode steps: compiled spans and eager_from, or eager and why
-                # (control.StageRun, as its loaded reply said); None: no block, or not reported
+                # (control.StageRun, as its loaded reply said); None: no block, or not started with --compile
                 "compiled": ep.compiled.get(pid),
             })  # fmt: skip
         tms = gen.traversal_ms

@@ -296,7 +296,7 @@ class Leader:
             raise PeerError(f"connect of epoch {plan.epoch}: " + "; ".join(errors))
         t2 = trio.current_time()
         labels = {k: v for reply in linked.values() for k, v in reply.hops.items()}
-        served, _replies, errors = await self.ring.ask_each([plan.coordinator], ctl.Serve(plan.epoch, labels, compiled),
+        served, _replies, errors = await self.ring.ask_each([plan.coordinator], ctl.Serve(plan.epoch, labels, compiled or None),
                                                              ctl.Ack, CONNECT_REPLY_S)  # fmt: skip
         if errors:
             await self._blame_setup(plan, answers, serve="served" if served[plan.coordinator] == "linked" else served[plan.coordinator])
@@ -481,7 +481,9 @@ class Leader:
     async def on_plan(self, peer: str, msg: PlanMsg) -> Message:
         ep = await self.epochs.accept(peer, msg, taken=self.took_plan)
         block = ep.plan.blocks.get(self.peer_id)
-        return ctl.Loaded(msg.epoch, compiled=self.epochs.models.ran(block) if block is not None else None)
+        # only a --compile node says how its stage runs: a leader of an older version reads no such field
+        ran = self.epochs.models.ran(block) if block is not None and self.settings.compile else None
+        return ctl.Loaded(msg.epoch, compiled=ran)
 
     async def on_current(self, peer: str, msg: ctl.Current) -> Message:
         """What we serve, for a peer catching up (an ended epoch's plan still says who held what)."""
