@@ -39,9 +39,9 @@ The rules, and the fact behind each:
   fbgemm (x86-64) that kernel is fbgemm's dynamic int8 linear (:func:`head_kernel`,
   quant_dynamic.py: 2.2-2.6x int8pack's speed here, the activation quantized to 8 bits per call, 7
   without AVX512-VNNI), at any serving dtype; elsewhere int8pack at bf16. A swarm whose invite
-  quantizes the layers holds its coordinator's head the same way (:func:`swarm_head_quant`: one
-  token of the bundled model's head 6.9 -> 1.1 ms, Gemma-3-270M's 53 -> 13 ms); a dense swarm's head
-  stays dense.
+  quantizes the layers holds its coordinator's head the same way where it serves narrower than fp32
+  (:func:`swarm_head_quant`: one token of the bundled model's head 6.9 -> 1.1 ms, Gemma-3-270M's 53
+  -> 13 ms); a dense swarm's head, and an fp32 coordinator's, stay dense.
 """
 
 from __future__ import annotations
@@ -214,10 +214,17 @@ def choose_head_quant(stored_head: str, device: torch.device, dtype: torch.dtype
 
 def swarm_head_quant(quant: str, stored_head: str, device: torch.device, dtype: torch.dtype) -> str:
     """How a swarm's coordinator holds the LM head: as ``run --quant auto`` does on ``device``
-    (:func:`choose_head_quant`) where the invite quantizes the layers (``quant`` not "none"), dense
-    in a dense swarm (as ``run --quant none``). A receipt names it (``head_quant``), so ``run
-    --receipt`` holds the head as the ring did."""
-    return "none" if quant == "none" else choose_head_quant(stored_head, device, dtype)
+    (:func:`choose_head_quant`) where the invite quantizes the layers (``quant`` not "none") and it
+    serves narrower than fp32; dense in a dense swarm (as ``run --quant none``) and in fp32. Why not
+    fp32: fbgemm's int8 head quantizes a chunk's rows with one activation scale, so a verified
+    draft's logits would differ from the same rows decoded one at a time by about 1% of their range,
+    and in fp32 the ring promises greedy tokens that do not depend on how the coordinator drafted
+    (bf16 rows already differ in their last bits with the chunk's shape: there the promise is the
+    replay of the same schedule). A receipt names it (``head_quant``), so ``run --receipt`` holds
+    the head as the ring did."""
+    if quant == "none" or dtype == torch.float32:
+        return "none"
+    return choose_head_quant(stored_head, device, dtype)
 
 
 def choose_quant(stored: str, device: torch.device, dtype: torch.dtype, shapes: list[tuple[int, int]]) -> str:

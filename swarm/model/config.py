@@ -44,7 +44,7 @@ class ModelArgs:
     tokenizer_bytes: int = field(default=0, compare=False)
     # the compact format that keeps its LM head as stored (packaged.stored_head_quant: "int8" for a
     # head stored in 5 to 8 bits, as both bundled models' are); a quantized swarm's coordinator
-    # holds such a head int8 (capability.swarm_head_quant), which its budget counts
+    # holds such a head int8 below fp32 (capability.swarm_head_quant), which its budget counts
     head_stored: str = field(default="none", compare=False)
 
     # ----------------------------------------------------------------------------- construction

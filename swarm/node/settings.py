@@ -205,8 +205,10 @@ def model_spec(args: ModelArgs, dtype: torch.dtype, context_tokens: int, quant: 
         # what keeps its size at any width, so a peer's own width can be stated (ModelSpec.at_width)
         compact_bytes_each=tuple(layer_compact_bytes_each(args, quant)) if nbytes == 2 else (),
         kv_bytes_per_token_per_layer=kv_bytes_per_token_per_layer(args, kv_cache, nbytes),
-        # a quantized swarm's coordinator may hold the head int8 beside it (capability.swarm_head_quant)
-        coordinator_bytes=args.head_bytes(nbytes) + (args.head_int8_bytes() if quant != "none" and args.head_stored == "int8" else 0),
+        coordinator_bytes=args.head_bytes(nbytes),
+        # a quantized swarm's coordinator serving narrower than fp32 holds the head int8 beside it
+        # (capability.swarm_head_quant): ModelSpec.coordinator_at counts it at such widths
+        head_int8_bytes=args.head_int8_bytes() if quant != "none" and args.head_stored == "int8" else 0,
         context_tokens=context_tokens,
         sessions=max(1, NodeSettings.sessions if sessions is None else sessions),
         activation_bytes=args.activation_bytes(PREFILL_CHUNK_TOKENS, nbytes),

@@ -55,6 +55,10 @@ class ModelSpec:
     inflight_bytes: int = 0
     head_logit_values: int = 0
     width: int = 2
+    # real bytes of an int8 copy of the LM head a coordinator holds beside the dense one where it
+    # serves narrower than fp32 (capability.swarm_head_quant; ModelArgs.head_int8_bytes): memory,
+    # not disk, and not widened with the values (its integers keep their size)
+    head_int8_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.n_layers < 1:
@@ -67,6 +71,7 @@ class ModelSpec:
             "activation_bytes",
             "inflight_bytes",
             "head_logit_values",
+            "head_int8_bytes",
         ):
             if getattr(self, name) < 0:
                 raise UsageError(f"model: {name} must not be negative, got {getattr(self, name)}")
@@ -141,8 +146,10 @@ class ModelSpec:
 
     def coordinator_at(self, sessions: int) -> int:
         """What the coordinator holds besides layers and a draft model with ``sessions`` sessions
-        in flight: embedding, final norm and head, and each session's :meth:`head_session_bytes`."""
-        return self.coordinator_bytes + sessions * self.head_session_bytes()
+        in flight: embedding, final norm and head (and the head's int8 copy where this width holds
+        one: ``head_int8_bytes``), and each session's :meth:`head_session_bytes`."""
+        int8_head = -(-self.head_int8_bytes * 2 // self.width) if self.width < 4 else 0
+        return self.coordinator_bytes + int8_head + sessions * self.head_session_bytes()
 
     @property
     def transient_bytes(self) -> int:
