@@ -10,7 +10,8 @@ leaves (a leaving leader hands leadership to the next one), the leader re-plans 
 if it held part of the ring, and the process exits 0 at most LEAVE_TIMEOUT_S (5 s) plus the
 host's close (about a second) after the signal, whatever the others do. With ``--json`` the
 node's life comes as events too: ``plan`` (epoch, role, block, coordinator, ring, cause,
-pause_s), ``loading`` (layers, done, seconds), ``serving``, ``waiting`` (why it cannot plan yet,
+pause_s), ``loading`` (layers, done, seconds), ``compiled`` (with ``--compile``: layers, spans,
+eager_from, seconds, or eager and why), ``serving``, ``waiting`` (why it cannot plan yet,
 once per reason), ``replan`` (the epoch that ended and why), ``leaving`` and ``handover``.
 
 ``--diagnose`` checks reachability instead (swarm.net.nat: dial-back through a bootstrap node,

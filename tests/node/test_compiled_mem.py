@@ -224,6 +224,8 @@ async def test_a_node_short_of_time_compiles_fewer_spans_and_serves_the_rest_eag
                 status = p.serving.reporter.status()["compiled"]
                 assert status["spans"] == [64] and status["eager_from"] == 64, status
                 assert "1 longer span(s) left eager" in swarm.logs(i)
+                assert "'event': 'compiled', 'layers': [0, 2], 'spans': [64], 'eager_from': 64" in swarm.logs(i) or \
+                    "'event': 'compiled', 'layers': [2, 4], 'spans': [64], 'eager_from': 64" in swarm.logs(i)  # join --json
         got = await swarm.generate(1, PROMPT, 80, draft="none")
         assert got["output_token_ids"] == want
         assert all(p["compiled"]["eager_from"] == 64 for p in got["peers"] if p["block"]), got["peers"]
@@ -284,4 +286,5 @@ async def test_a_stage_that_cannot_compile_serves_eagerly_and_says_why_once(
             assert ran[p.peer_id]["spans"] == [] and ran[p.peer_id]["dtype"] == "fp32", ran
             assert status["spans"] == [] and "int8 KV cache" in status["eager"] and why == status["eager"], status
             assert swarm.logs(i).count("--compile:") == 1 and "serving eagerly" in swarm.logs(i)
+            assert "'event': 'compiled'" in swarm.logs(i) and "'spans': [], 'eager_from': 0, 'eager': " in swarm.logs(i)
         nursery.cancel_scope.cancel()

@@ -289,6 +289,7 @@ class Models:
                 self.notices.event(f"--compile: {why}; serving eagerly")
             self.compiled = {"layers": [stage.start, stage.end], "eager": why, "spans": [], "capacity": None,
                              "eager_from": 0, "warm_s": None}  # fmt: skip
+            self.notices.life("compiled", layers=[stage.start, stage.end], spans=[], eager_from=0, eager=why)
             return
         self.notices.event(f"compiling the decode step of layers [{stage.start}, {stage.end}) (cached after the first start)")
         t0 = time.perf_counter()
@@ -312,6 +313,8 @@ class Models:
             f"; {asked - len(spans)} longer span(s) left eager: compiling them would pass half the leader's "
             f"{s.load_timeout_s:.0f} s wait for this block (steps from position {spans[-1]} run eagerly)")
         self.notices.event(f"compiled spans {spans} in {self.compiled['warm_s']} s{cut}")
+        self.notices.life("compiled", layers=[stage.start, stage.end], spans=spans, eager_from=self.compiled["eager_from"],
+                          eager=None, seconds=self.compiled["warm_s"])  # fmt: skip
 
     def ran(self, block: tuple[int, int]) -> dict[str, Any]:
         """How this node's stage of ``block`` runs its one-token decode steps, as its ``loaded``
