@@ -122,7 +122,7 @@ def run_command(
     device: str | None = typer.Option(None, "--device", help="auto (CUDA, then MPS, else CPU), cpu, cuda, cuda:N or mps (default: node.device, else auto)."),
     threads: int | None = typer.Option(None, "--threads", help="torch threads (default: all cores, or measured with --tune)."),
     tune: bool = typer.Option(False, "--tune/--no-tune", help="On a CPU, choose --dtype auto, the threads and the quantized kernels by a start-up measurement cached per machine (opt-in: a measurement taken under load is cached as it is; default: auto = bf16 where native, all cores)."),
-    compile_: bool = typer.Option(False, "--compile/--no-compile", help="Run one-token decode steps as a compiled static-shape graph (torch.compile on a CPU; hand-written Llama-family layers, dense or int8/int4; compiled before the first token). fp32 gives eager's tokens; bf16 may differ at near-ties."),
+    compile_: bool = typer.Option(False, "--compile/--no-compile", help="Run decode steps and drafted verify chunks (up to 8 rows) as compiled static-shape graphs (torch.compile on a CPU; hand-written Llama-family layers, dense or int8/int4; compiled before the first token). fp32 gives eager's tokens; bf16 may differ at near-ties."),
     chat: bool = typer.Option(True, "--chat/--no-chat", help="Wrap --prompt in the chat template."),
     as_json: bool = typer.Option(False, "--json", help="Print a JSON result instead of streaming text."),
 ) -> None:
@@ -318,8 +318,8 @@ def _auto_head_quant(model_path: Path, dev: torch.device, dtype: torch.dtype) ->
 
 
 def _compile_stages(lm: LocalModel, max_len: int) -> dict[str, Any]:
-    """Compile every stage's one-token decode step for sessions of ``max_len`` tokens and warm
-    it, so the first token pays no compile time (ModelError naming why where a stage cannot)."""
+    """Compile every stage's decode step (one token, and verify chunks at compiled.ROWS rows) for
+    sessions of ``max_len`` tokens and warm it, so the first token pays no compile time (ModelError naming why where a stage cannot)."""
     import time
 
     from swarm.model.compiled import warm_compiled
@@ -336,7 +336,8 @@ def _compile_stages(lm: LocalModel, max_len: int) -> dict[str, Any]:
             except ModelError as exc:
                 raise ModelError(f"--compile: {exc} (run without --compile)") from None
             spans = warm_compiled(st)
-    return {"capacity": capacity, "spans": spans, "warm_s": round(time.perf_counter() - t0, 2)}
+    rows = list(lm.stages[0].compiled.rows) if lm.stages[0].compiled is not None else []
+    return {"capacity": capacity, "spans": spans, "rows": rows, "warm_s": round(time.perf_counter() - t0, 2)}
 
 
 def _policy_from(settings: dict[str, Any]) -> Any:

@@ -1,12 +1,14 @@
-"""A static-shape, compiled one-token decode step for a stage (issue 30, opt-in: ``--compile``).
+"""A static-shape, compiled decode step for a stage: one-token steps and drafted verify chunks
+(issue 30, opt-in: ``--compile``).
 
 Theory of operation
 -------------------
 On small models the eager decode step is dominated by Python dispatch: a layer of the bundled
 SmolLM2-135M is a handful of tiny GEMMs, and each op pays torch's per-call overhead. This module
 runs the *same* hand-written layer math (llama_layers.py: RMSNorm, RoPE, packed-GQA SDPA, SwiGLU)
-for one token through all of a stage's layers as one ``torch.compile`` graph (inductor,
-``fullgraph=True``, ``dynamic=False``), so the step costs one call and fused C++ kernels.
+for a token, or a small chunk of them, through all of a stage's layers as one ``torch.compile``
+graph (inductor, ``fullgraph=True``, ``dynamic=False``), so the step costs one call and fused C++
+kernels.
 
 Static shapes, so that a growing session does not recompile at every token:
 
@@ -14,18 +16,34 @@ Static shapes, so that a growing session does not recompile at every token:
   (the cache's layout (1, KV, capacity, hd) is then the same tensor shape and strides for all
   sessions; the eager path uses the same buffers, so chunks, rollbacks and batches interleave
   with compiled steps freely).
-- The position is a 0-d int64 tensor, not a Python int: the new key and value are written with
-  ``index_copy_`` and the rotary row is an ``index_select`` of a (capacity, hd) table built once.
-- Attention reads a *span* of the cache, the position rounded up to a power of two (at least
-  ``MIN_SPAN``), with the keys past the position masked out. One graph per span, so a session of
-  n tokens compiles at most ``1 + log2(n / MIN_SPAN)`` graphs, shared by all sessions.
-  ``torch._dynamo``'s recompile limit is raised to that count (it defaults to 8).
+- The positions are an int64 tensor, not Python ints: the new keys and values are written with
+  ``index_copy_`` and the rotary rows are an ``index_select`` of a (capacity, hd) table built once.
+- Attention reads a *span* of the cache, the chunk's end rounded up to a power of two (at least
+  ``MIN_SPAN``), with the keys past each row's position masked out. One graph per span and row
+  count, so a session of n tokens compiles at most ``(1 + log2(n / MIN_SPAN)) * len(ROWS)``
+  graphs, shared by all sessions. ``torch._dynamo``'s recompile limit is raised to that count
+  (it defaults to 8).
+
+Verify chunks (1 + K drafted tokens, K <= KPolicy.k_max = 8) are padded up to a row count of
+:data:`ROWS` (1, 2, 4, 8; a 9-row chunk runs eagerly). Row i sits at position ``pos + i`` and
+sees keys ``0 .. pos + i`` (the mask is causal inside the chunk), so no real row sees a later row
+or a padded one. The padded rows are zeros (finite: a masked key's value times 0 stays 0) and
+write their keys and values past the real rows, so past ``cache.length`` once the chunk has
+advanced it: garbage by the cache's contract, never read, overwritten by the next chunk (a
+rollback only moves the length back further). A chunk whose padded end would pass the cache's
+capacity, or whose real rows reach past the compiled ``longest`` span, runs eagerly
+(:meth:`CompiledStep.takes`; ``step`` refuses it too). Which row counts, by measurement
+(benchmarks/README.md: the bundled model, 10 layers, 1 thread): the compiled step's time grows
+with its rows as eager's does (bf16 int4: 4.3 ms at 2 rows, 5.5 at 4, 9.3 at 8; eager 5.8, 7.1,
+11.0), so padding costs about what the padded rows would cost eagerly; 1, 2, 4, 8 keep every
+padded chunk near or under eager's time, where more row counts would each add a graph per span
+(about 15 s each to compile for 10 layers) for little.
 
 No host syncs inside the step: nothing is read back to Python between layers.
 
 What is promised: in fp32 the compiled step's greedy tokens equal the eager step's, dense or
-int8/int4 (the tests check it on the bundled model, and with drafted verify chunks run eagerly between compiled
-steps); the arithmetic differs only in summation order (fused kernels, the masked padded span),
+int8/int4 (the tests check it on the bundled model, and with the drafter's verify chunks through
+the compiled chunk graphs, rolled back part-way as rejected drafts are); the arithmetic differs only in summation order (fused kernels, the masked padded span),
 so logits agree to ~1e-5. In bf16 the bits differ (inductor keeps fp32 intermediates inside a
 fused kernel where eager rounds after every op): the compiled logits stay within 5% of the logit
 range of eager bf16's (8% with int8/int4 layers, whose packed kernels' outputs are rounded to bf16
@@ -40,8 +58,9 @@ are aten ops, which inductor calls as extern kernels inside the graph, and the s
 so a compiled int4 step multiplies by the same integers and scales; a ``dequant`` layer's
 dequantization is traced like any other op). Anything else (transformers' layers: MoE, Gemma,
 windows; int8/fp8 KV; CUDA/MPS, not measured) raises :class:`ModelError` saying why, and the
-caller runs eagerly. Only one-token steps are compiled: prefill and verify chunks, batches of
-sessions (batched.py) and row groups (rows.py) keep the eager path.
+caller runs eagerly. Compiled: a lone session's one-token steps and chunks of up to 8 rows
+(drafted verify chunks); prompt pieces (64 rows), 9-row chunks, batches of sessions (batched.py)
+and row groups (rows.py) keep the eager path on the same caches.
 
 Inductor's CPU kernels take the thread count at compile time: set ``torch.set_num_threads``
 before :func:`warm_compiled` (the CLI does).
@@ -50,8 +69,8 @@ In a node (``join --compile``; node/compute/runtime.py ``Models._compile``): the
 swarm's context, the length every StageWorker session's cache already has (so a compiled stage
 holds no more KV than an eager one, and the budget counts it as is), and only the spans up to
 the node's ``compile_span`` (default :data:`LONGEST_SPAN`) are compiled before the block is
-reported loaded; steps at later positions run eagerly, so no graph is ever compiled while
-serving. The ring's contract with compiled stages: in fp32 its greedy tokens equal one eager
+reported loaded, each at every row count; chunks reaching later positions run eagerly, so no
+graph is ever compiled while serving. The ring's contract with compiled stages: in fp32 its greedy tokens equal one eager
 box's, also after a re-plan whose replay rebuilds caches through the eager row path and
 continues compiled (tests/node/test_compiled_processes.py); the compiled step's hidden states
 differ from eager's in the last bits (~1e-5), as batched rows do, so the promise is the tokens,
@@ -79,6 +98,9 @@ MIN_SPAN = 64  # the smallest attention span compiled: positions 0..63 share one
 # graphs (~20 s each on a 2-core box, the bundled model), steps at later positions run eagerly;
 # a span marked dynamic (one graph) measured slower than eager (benchmarks/README.md)
 LONGEST_SPAN = 1024
+# the row counts compiled: one-token steps, and drafted verify chunks (2..9 rows: KPolicy.k_max
+# drafts and the bonus row) padded up to the next of these; a longer chunk runs eagerly
+ROWS = (1, 2, 4, 8)
 _graph_budget = 0  # graphs the CompiledSteps of this process may compile (recompile_limit)
 
 
@@ -129,23 +151,28 @@ def unsupported(stage: Stage) -> str | None:
 
 
 class CompiledStep:
-    """One-token decode through all layers of a stage, compiled; sessions of ``capacity`` tokens.
+    """A chunk of up to ``max(ROWS)`` rows (a one-token step, a drafted verify chunk) through all
+    layers of a stage, compiled; sessions of ``capacity`` tokens.
 
     Built by :meth:`Stage.enable_compiled` (or ``Stage.load(..., compile=True)``), which checks
-    :func:`unsupported` first. ``step`` is the only entry; :meth:`Stage.forward` calls it for a
-    one-token chunk of a session whose cache has this capacity.
+    :func:`unsupported` first. :meth:`takes` says whether a chunk goes through it, :meth:`step`
+    runs it; :meth:`Stage.forward` calls both for a lone session's chunk.
     """
 
-    def __init__(self, stage: Stage, capacity: int, max_span: int | None = None) -> None:
+    def __init__(self, stage: Stage, capacity: int, max_span: int | None = None,
+                 rows: tuple[int, ...] = ROWS) -> None:
         if (why := unsupported(stage)) is not None:
             raise ModelError(why)
         if not 1 <= capacity <= stage.args.max_seq_len:
             raise ModelError(
                 f"compiled capacity {capacity} outside 1..{stage.args.max_seq_len} (the model's positions)"
             )
+        if not rows or rows[0] != 1 or list(rows) != sorted(set(rows)):
+            raise ModelError(f"compiled row counts {rows}: ascending, distinct, starting at 1")
         self.capacity = capacity
-        # steps that would read a longer span run eagerly (Stage.forward): positions < longest
+        # chunks that would read a longer span run eagerly (takes): positions < longest
         self.longest = longest_span(capacity, max_span)
+        self.rows = rows  # each chunk is padded up to the first of these that holds it
         self.layers = cast(list[llama_layers.DecoderLayer], list(stage.layers))
         largs = llama_layers.ModelArgs.from_config(stage.args.config)
         self.kv_heads, self.head_dim = largs.n_kv_heads, largs.head_dim
@@ -153,16 +180,34 @@ class CompiledStep:
         inv_freq = llama_layers.rope_inv_freq(largs)
         self._cos, self._sin = llama_layers.rope_tables(inv_freq, capacity, stage.dtype, stage.device)  # (C, hd)
         # every CompiledStep traces the same function, so dynamo keeps one cache for all of them:
-        # stages of other layer counts, dtypes or capacities add their spans' graphs to it
+        # stages of other layer counts, dtypes or capacities add their graphs to it
         global _graph_budget
-        _graph_budget += n_spans(self.longest)
+        _graph_budget += n_spans(self.longest) * len(rows)
         dyn = cast(Any, torch._dynamo.config)
         if dyn.recompile_limit < _graph_budget + 2:  # and a margin for a guard we did not foresee
             dyn.recompile_limit = _graph_budget + 2
-        with torch.inference_mode():  # the fixed input buffer; an inference tensor like a forward's
-            self._x = torch.zeros(1, 1, stage.args.dim, dtype=stage.dtype, device=stage.device)
+        with torch.inference_mode():  # the fixed input buffers, one per row count; inference tensors like a forward's
+            self._x = {r: torch.zeros(1, r, stage.args.dim, dtype=stage.dtype, device=stage.device) for r in rows}
         self._fn = torch.compile(_decode, backend="inductor", fullgraph=True, dynamic=False)
-        self.compiled_spans: set[int] = set()  # spans run so far (each compiled once per process)
+        self.compiled_graphs: set[tuple[int, int]] = set()  # (span, rows) run so far (each compiled once per process)
+
+    @property
+    def compiled_spans(self) -> set[int]:
+        """The spans run so far, at any row count."""
+        return {span for span, _ in self.compiled_graphs}
+
+    def bucket(self, rows: int) -> int | None:
+        """The row count a chunk of ``rows`` rows is padded to (None: more than any)."""
+        return next((r for r in self.rows if r >= rows), None)
+
+    def takes(self, cache: KVCache, rows: int) -> bool:
+        """Whether a chunk of ``rows`` rows at ``cache.length`` runs here: a cache of this
+        capacity, a compiled row count that holds it, every real row's span compiled (positions
+        < ``longest``) and the padded rows' writes inside the cache (< ``capacity``)."""
+        b = self.bucket(rows)
+        pos = cache.length
+        return (b is not None and cache.max_len == self.capacity and pos + rows <= self.longest
+                and pos + b <= self.capacity)
 
     def buffers(self, cache: KVCache) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """This stage's (1, KV, capacity, hd) key and value buffers in ``cache``, allocated on
@@ -176,67 +221,81 @@ class CompiledStep:
 
     @torch.inference_mode()
     def step(self, cache: KVCache, h: torch.Tensor) -> torch.Tensor:
-        """h (1, D) at position ``cache.length`` -> (1, D); writes that position's keys and values."""
-        pos = cache.begin(1)
-        span = span_for(pos + 1, self.capacity)
+        """h (T, D) at positions ``cache.length`` .. +T-1 -> (T, D); writes those positions' keys
+        and values (and the padded rows', past ``cache.length`` once it has moved: never read)."""
+        T = h.shape[0]
+        b = self.bucket(T)
+        pos = cache.begin(T)
+        if b is None or pos + b > self.capacity or cache.max_len != self.capacity:
+            raise ModelError(f"a compiled chunk of {T} rows at {pos} does not fit (rows {self.rows}, "
+                             f"capacity {self.capacity}, cache {cache.max_len}): run it eagerly")
+        span = span_for(pos + T, self.capacity)
         ks, vs = self.buffers(cache)
-        pos_t = torch.tensor([pos], dtype=torch.int64, device=self.device)  # (1,)
-        self._x.copy_(h.reshape(1, 1, -1))  # (1, 1, D): the same input tensor every step
-        out = self._fn(self.layers, self._x, self._cos, self._sin, pos_t, ks, vs, span)
-        self.compiled_spans.add(span)
-        cache.advance(1)
-        return cast(torch.Tensor, out).reshape(1, -1)  # (1, D)
+        pos_t = torch.arange(pos, pos + b, dtype=torch.int64, device=self.device)  # (b,)
+        x = self._x[b]  # (1, b, D): the same input tensor every chunk of this size
+        x[0, :T].copy_(h)
+        if b > T:
+            x[0, T:].zero_()  # padded rows: finite, so a masked key's value times 0 stays 0
+        out = self._fn(self.layers, x, self._cos, self._sin, pos_t, ks, vs, span)
+        self.compiled_graphs.add((span, b))
+        cache.advance(T)
+        return cast(torch.Tensor, out)[0, :T]  # (T, D)
 
 
 def _decode(
     layers: list[llama_layers.DecoderLayer],
-    x: torch.Tensor,  # (1, 1, D)
+    x: torch.Tensor,  # (1, T, D): T rows (padded ones last)
     cos_table: torch.Tensor,  # (C, hd)
     sin_table: torch.Tensor,  # (C, hd)
-    pos: torch.Tensor,  # (1,) int64: the new token's position
+    pos: torch.Tensor,  # (T,) int64: the rows' positions, consecutive
     ks: list[torch.Tensor],  # per layer (1, KV, C, hd), written at pos
     vs: list[torch.Tensor],
-    span: int,  # static: attention reads keys [0, span), those after pos masked
+    span: int,  # static: attention reads keys [0, span), those after a row's position masked
 ) -> torch.Tensor:
-    """The eager DecoderLayer.forward for T == 1 (llama_layers.py), with the cache write and the
-    key range made static. Traced by torch.compile; never called eagerly in production."""
-    cos = cos_table.index_select(0, pos)  # (1, hd)
+    """The eager DecoderLayer.forward (llama_layers.py), with the cache write and the key range
+    made static: row i at position pos[i] sees keys 0..pos[i] (causal inside the chunk too).
+    Traced by torch.compile; never called eagerly in production."""
+    T = x.shape[1]
+    cos = cos_table.index_select(0, pos)  # (T, hd)
     sin = sin_table.index_select(0, pos)
-    visible = (torch.arange(span, device=x.device) <= pos)[None, None, None]  # (1, 1, 1, span)
+    visible = torch.arange(span, device=x.device)[None, :] <= pos[:, None]  # (T, span)
     for layer, k_buf, v_buf in zip(layers, ks, vs, strict=True):
         attn: Any = layer.self_attn
-        h = layer.input_layernorm(x)  # (1, 1, D)
-        H, KV, hd = attn.n_heads, attn.n_kv_heads, attn.head_dim
-        q = llama_layers.apply_rope(attn.q_proj(h).reshape(1, 1, H, hd).transpose(1, 2), cos, sin)  # (1, H, 1, hd)
-        k = llama_layers.apply_rope(attn.k_proj(h).reshape(1, 1, KV, hd).transpose(1, 2), cos, sin)  # (1, KV, 1, hd)
-        v = attn.v_proj(h).reshape(1, 1, KV, hd).transpose(1, 2)  # (1, KV, 1, hd)
+        h = layer.input_layernorm(x)  # (1, T, D)
+        H, KV, hd, rep = attn.n_heads, attn.n_kv_heads, attn.head_dim, attn.n_rep
+        q = llama_layers.apply_rope(attn.q_proj(h).reshape(1, T, H, hd).transpose(1, 2), cos, sin)  # (1, H, T, hd)
+        k = llama_layers.apply_rope(attn.k_proj(h).reshape(1, T, KV, hd).transpose(1, 2), cos, sin)  # (1, KV, T, hd)
+        v = attn.v_proj(h).reshape(1, T, KV, hd).transpose(1, 2)  # (1, KV, T, hd)
         k_buf.index_copy_(2, pos, k)
         v_buf.index_copy_(2, pos, v)
-        qp = q.reshape(1, KV, attn.n_rep, hd)  # (1, KV, n_rep, hd): the eager decode packing
+        # the eager decode packing, for T rows: the rep query heads sharing a KV head, each of
+        # their T rows, as one sequence of rep*T queries (keys and values never repeated)
+        qp = q.reshape(1, KV, rep * T, hd)  # (1, KV, rep*T, hd): row r*T + t is head r's row t
+        mask = visible.repeat(rep, 1)[None, None]  # (1, 1, rep*T, span)
         out = F.scaled_dot_product_attention(
-            qp, k_buf[:, :, :span], v_buf[:, :, :span], attn_mask=visible, scale=attn.scale
-        )  # (1, KV, n_rep, hd)
-        out = out.reshape(1, H, 1, hd).transpose(1, 2).reshape(1, 1, H * hd)
+            qp, k_buf[:, :, :span], v_buf[:, :, :span], attn_mask=mask, scale=attn.scale
+        )  # (1, KV, rep*T, hd)
+        out = out.reshape(1, H, T, hd).transpose(1, 2).reshape(1, T, H * hd)
         x = x + attn.o_proj(out)
-        x = x + cast(nn.Module, layer.mlp)(layer.post_attention_layernorm(x))  # (1, 1, D)
+        x = x + cast(nn.Module, layer.mlp)(layer.post_attention_layernorm(x))  # (1, T, D)
     return x
 
 
 def warm_compiled(stage: Stage, spans: int | None = None) -> list[int]:
     """Compile the graphs of the first ``spans`` spans (all the step runs by default: up to its
-    ``longest``) on a scratch session, so no user token pays compile time; returns the spans
-    compiled. The scratch session's cache is one session's at capacity, freed before this
-    returns (a node warms before it serves: no session is open). Inductor's kernels take the
-    current ``torch.get_num_threads()``: set it first."""
+    ``longest``), each at every compiled row count, on a scratch session, so no user token pays
+    compile time; returns the spans compiled. The scratch session's cache is one session's at
+    capacity, freed before this returns (a node warms before it serves: no session is open).
+    Inductor's kernels take the current ``torch.get_num_threads()``: set it first."""
     step = stage.compiled
     if step is None:
         raise ModelError(f"stage [{stage.start}, {stage.end}) was not built with compile=True")
-    wanted: list[tuple[int, int]] = []  # (span, the first cache length that uses it)
+    wanted: list[int] = []
     length = 1
     while spans is None or len(wanted) < spans:
         span = span_for(length, step.capacity)
-        if not wanted or wanted[-1][0] != span:
-            wanted.append((span, length))
+        if not wanted or wanted[-1] != span:
+            wanted.append(span)
         if length >= step.longest:
             break
         length = min(span + 1, step.longest)
@@ -244,10 +303,13 @@ def warm_compiled(stage: Stage, spans: int | None = None) -> list[int]:
     stage.open_session(scratch, step.capacity)
     try:
         cache = stage._cache(scratch)
-        h = torch.zeros(1, stage.args.dim, dtype=stage.dtype)
-        for _, length in wanted:
-            cache.length = length - 1  # the step writes position length - 1: this span's graph
-            step.step(cache, h)
+        for span in wanted:
+            for rows in step.rows:
+                # a chunk of ``rows`` rows ending at the span's last position: this (span, rows)
+                # graph; a span shorter than the rows is one no chunk can use (takes)
+                if rows <= span:
+                    cache.length = span - rows
+                    step.step(cache, torch.zeros(rows, stage.args.dim, dtype=stage.dtype))
     finally:
         stage.close_session(scratch)
-    return [span for span, _ in wanted]
+    return wanted

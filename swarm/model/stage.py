@@ -150,7 +150,7 @@ class Stage(nn.Module):
         a source with compact blocks (GGUF Q4_*) hands int4 groups to the hand-written layers
         without a float copy. ``kernel_dtype``: the dtype quantized linears are packed in where
         it is not ``dtype`` (quant.quantize_block; chosen by measurement in autotune.py).
-        ``compile``: one-token decode steps run compiled (:meth:`enable_compiled`, ModelError
+        ``compile``: decode steps and verify chunks run compiled (:meth:`enable_compiled`, ModelError
         where the stage is not supported); call ``compiled.warm_compiled`` before serving.
         """
         check_quant(quant)
@@ -179,19 +179,22 @@ class Stage(nn.Module):
             stage.enable_compiled(compile_capacity)
         return stage
 
-    def enable_compiled(self, capacity: int | None = None, max_span: int | None = None) -> None:
-        """Run one-token decode steps through a compiled static-shape graph (compiled.py).
+    def enable_compiled(self, capacity: int | None = None, max_span: int | None = None,
+                        rows: tuple[int, ...] | None = None) -> None:
+        """Run a lone session's one-token steps and small chunks (drafted verify chunks) through
+        compiled static-shape graphs (compiled.py), a chunk padded up to one of ``rows``
+        (default compiled.ROWS).
 
         Every session opened from now on holds a KV cache of ``capacity`` positions (default:
         the model's, capped at 4096), so all share the graphs; a session asking for more runs
-        eagerly, and so do steps at positions past ``max_span`` (compiled.longest_span; None:
+        eagerly, and so do chunks reaching past ``max_span`` (compiled.longest_span; None:
         every span up to ``capacity`` is compiled). ModelError naming why where this stage is
         not supported (then run eagerly).
         """
-        from swarm.model.compiled import CompiledStep
+        from swarm.model.compiled import ROWS, CompiledStep
 
         cap = capacity if capacity is not None else min(self.args.max_seq_len, 4096)
-        self.compiled = CompiledStep(self, cap, max_span)
+        self.compiled = CompiledStep(self, cap, max_span, ROWS if rows is None else rows)
 
     def _load_layers(self, source: TensorSource, progress: Progress | None, compact: Any,
                      kernel_dtype: torch.dtype | None) -> None:
@@ -316,8 +319,8 @@ class Stage(nn.Module):
         self._check_rows(h)
         T = h.shape[0]
         step = self.compiled
-        if T == 1 and step is not None and cache.max_len == step.capacity and cache.length < step.longest:
-            return step.step(cache, h)  # (1, D)
+        if step is not None and step.takes(cache, T):
+            return step.step(cache, h)  # (T, D)
         (out,) = self._walk([[(cache, cache.begin(T), h)]])
         cache.advance(T)
         return out  # (T, D)

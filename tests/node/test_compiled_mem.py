@@ -1,8 +1,8 @@
 """A node's stage with ``join --compile`` (NodeSettings.compile), in an in-memory swarm: the stage
-is compiled before the ring serves, a lone session's one-token decode steps go through the
-compiled graph while prefill and verify chunks and batches of sessions keep the eager path, fp32
-tokens equal one box's, and the graphs stay within their bound whatever lengths and batch sizes
-come (model/compiled.py)."""
+is compiled before the ring serves, a lone session's one-token decode steps and drafted verify
+chunks go through the compiled graphs while prefill and batches of sessions keep the eager path,
+fp32 tokens equal one box's, and the graphs stay within their bound whatever lengths, drafts and
+batch sizes come (model/compiled.py)."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def _counting(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
     step, walk = CompiledStep.step, Stage._walk
 
     def counted_step(self: CompiledStep, cache: Any, h: torch.Tensor) -> torch.Tensor:
-        seen["compiled"] += 1
+        seen["compiled" if h.shape[0] == 1 else "compiled chunk"] += 1
         return step(self, cache, h)
 
     def counted_walk(self: Stage, units: list[list[Any]]) -> list[torch.Tensor]:
@@ -103,10 +103,13 @@ async def test_a_compiled_node_steps_lone_sessions_compiled_and_batches_eagerly(
 
 
 @pytest.mark.slow
-async def test_a_compiled_nodes_graphs_stay_within_their_bound(ckpt: Path, autojump_clock: Any) -> None:
+async def test_a_compiled_nodes_graphs_stay_within_their_bound(
+    ckpt: Path, monkeypatch: pytest.MonkeyPatch, autojump_clock: Any
+) -> None:
     """Sessions of several lengths (across spans and past the longest compiled span), drafted
-    verify chunks and rollbacks, batches of 1 to 3 sessions: the graphs compiled while serving
-    stay within 1 + log2(longest / 64) per stage, all of them compiled before the ring served."""
+    verify chunks (compiled, padded to a compiled row count) and rollbacks, batches of 1 to 3
+    sessions: no graph is compiled while serving (all of them, one per span and row count,
+    1 + log2(longest / 64) spans, were compiled before the ring served)."""
     jobs = [(PROMPT, 20), (PROMPT * 6, 40), (PROMPT[:3], 150), (PROMPT * 2, 90)]
     want = [_reference(ckpt, p, n) for p, n in jobs]
     async with trio.open_nursery() as nursery:
@@ -117,6 +120,7 @@ async def test_a_compiled_nodes_graphs_stay_within_their_bound(ckpt: Path, autoj
         steps = [p.epoch.stage.compiled for p in swarm.peers.values() if p.epoch.stage is not None]
         assert steps and all(s is not None and s.longest == 128 and s.compiled_spans == {64, 128} for s in steps)
         before = int(counters["stats"]["unique_graphs"])
+        seen = _counting(monkeypatch)
         got: list[list[int]] = [[] for _ in jobs]
 
         async def one(k: int, draft: str) -> None:
@@ -132,6 +136,7 @@ async def test_a_compiled_nodes_graphs_stay_within_their_bound(ckpt: Path, autoj
         # every graph was compiled before the ring served: none while serving
         assert int(counters["stats"]["unique_graphs"]) == before
         assert all(s is not None and s.compiled_spans == {64, 128} for s in steps)  # and none longer
+        assert seen["compiled chunk"] > 0, seen  # the ngram drafter's verify chunks went compiled
         nursery.cancel_scope.cancel()
 
 

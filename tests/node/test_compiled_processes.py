@@ -1,6 +1,7 @@
 """Compiled stages through the real stack (``join --compile``: launch.py's ``compile``): node
-processes compile their stage's decode step before the ring serves, the ring's fp32 greedy
-tokens equal one eager process's, and a stage killed mid-generation re-plans onto the survivors,
+processes compile their stage's decode step (one-token steps and verify chunks) before the ring
+serves, the ring's fp32 greedy tokens equal one eager process's (without drafting, and with the
+ngram drafter's verify chunks through the compiled graphs), and a stage killed mid-generation re-plans onto the survivors,
 which compile their new blocks, replay the session and end exactly as one box does.
 
 Inductor's on-disk cache (its default, /tmp/torchinductor_$USER) is shared by the node processes
@@ -45,6 +46,7 @@ async def test_compiled_ring_equals_one_eager_box_and_resumes_identical_after_a_
                 async with client.open_client(swarm.addrs[i], secret=swarm.secret, swarm_id=swarm.swarm_id) as (hi, pi):
                     comp = (await client.status(hi, pi))["compiled"]
                 assert comp is not None and comp["spans"] == [64, 128] and comp["capacity"] == 256 and comp["eager"] is None, (i, comp)
+                assert comp["rows"] == [1, 2, 4, 8], comp  # verify chunks of up to 8 rows compiled too
             got = await client.generate(h, peer, prompt_ids=PROMPT, max_new_tokens=N_NEW, draft="none", timeout=60)
             assert got["output_token_ids"] == want and got["replans"] == []
             # the receipt names each stage node's compiled spans and where its steps turn eager

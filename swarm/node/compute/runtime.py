@@ -274,7 +274,8 @@ class Models:
         return stage
 
     async def _compile(self, stage: Stage, deadline: float) -> None:
-        """join --compile: the stage's one-token decode step compiled for the swarm's context (the
+        """join --compile: the stage's decode step (one token, and verify chunks padded to
+        compiled.ROWS: a graph per span and row count) compiled for the swarm's context (the
         capacity every session's cache already has: StageWorker opens each at ``context_tokens``,
         which the budget counts) and its spans up to ``compile_span`` warmed, before the block is
         reported loaded, so no user token pays for it; as many of them as fit before ``deadline``
@@ -287,7 +288,7 @@ class Models:
         if why is not None:
             if self.compiled is None or self.compiled.get("eager") != why:
                 self.notices.event(f"--compile: {why}; serving eagerly")
-            self.compiled = {"layers": [stage.start, stage.end], "eager": why, "spans": [], "capacity": None,
+            self.compiled = {"layers": [stage.start, stage.end], "eager": why, "spans": [], "rows": [], "capacity": None,
                              "eager_from": 0, "warm_s": None}  # fmt: skip
             self.notices.life("compiled", layers=[stage.start, stage.end], spans=[], eager_from=0, eager=why)
             return
@@ -306,7 +307,8 @@ class Models:
 
         spans = await self.compute.run(build)
         assert stage.compiled is not None
-        self.compiled = {"layers": [stage.start, stage.end], "eager": None, "spans": spans, "capacity": stage.compiled.capacity,
+        self.compiled = {"layers": [stage.start, stage.end], "eager": None, "spans": spans,
+                         "rows": list(stage.compiled.rows), "capacity": stage.compiled.capacity,
                          "eager_from": stage.compiled.longest if stage.compiled.longest < stage.compiled.capacity else None,
                          "warm_s": round(time.perf_counter() - t0, 2)}  # fmt: skip
         cut = "" if len(spans) == asked else (
