@@ -30,7 +30,7 @@ DEFAULT_PROMPT = "Explain in two sentences why the sky is blue."
 # a demo's one generation fits in 256 positions: 3 graphs per node (64, 128, 256) instead of join's 5,
 # so three nodes compiling at once on a small machine are serving well within --timeout
 DEMO_COMPILE_SPAN = 256
-COMPILE_HELP = ("Every node runs its stage's one-token decode steps as compiled graphs (as join --compile): "
+COMPILE_HELP = ("Every node runs its stage's one-token decode steps and drafted verify chunks (up to 8 rows) as compiled graphs (as join --compile): "
                 "compiled before the ring serves (spans up to --compile-span, later steps eager); a stage that cannot compile serves eagerly.")
 
 

@@ -291,7 +291,7 @@ def join(
     draft: str = typer.Option("ngram", "--draft", help=JOIN_HELP),
     model_manifest: Path | None = typer.Option(None, "--model-manifest", help="The model manifest the invite names by hash (default: the cache, else the invite's manifest_url)."),
     disk: str | None = typer.Option(None, "--disk", help="Bound the cache of fetched model slices, e.g. 200G (default: no bound)."),
-    compile_: bool = typer.Option(False, "--compile/--no-compile", help="Run this node's one-token decode steps as compiled graphs (torch.compile on a CPU; hand-written Llama-family layers, unquantized KV cache), compiled before it serves (cached on disk after the first start); a stage that cannot compile serves eagerly and says why. A per-node choice: fp32 tokens equal eager's."),
+    compile_: bool = typer.Option(False, "--compile/--no-compile", help="Run this node's one-token decode steps and drafted verify chunks (up to 8 rows) as compiled graphs (torch.compile on a CPU; hand-written Llama-family layers, unquantized KV cache), compiled before it serves (cached on disk after the first start); a stage that cannot compile serves eagerly and says why. A per-node choice: fp32 tokens equal eager's."),
     compile_span: int | None = typer.Option(None, "--compile-span", help=compile_span_help(NodeSettings.compile_span)),
 ) -> None:
     """Join a swarm: connect, be admitted, and show peers as they appear."""

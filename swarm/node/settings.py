@@ -57,7 +57,7 @@ class NodeSettings:
     # --sessions, node.sessions): in its advert, so a leader plans its block with this count (Peer.sessions),
     # and its spec's, the count a leader plans peers whose advert lacks one with
     sessions: int = 8
-    # a stage's one-token decode steps through a compiled graph (join --compile; model/compiled.py):
+    # a stage's one-token decode steps and verify chunks through compiled graphs (join --compile; model/compiled.py):
     # this node's choice, compiled before it serves; a stage that cannot compile serves eagerly
     compile: bool = False
     # the longest attention span compiled (join --compile-span; compiled.LONGEST_SPAN): a power of
