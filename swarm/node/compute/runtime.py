@@ -102,7 +102,7 @@ def measure_ms_per_layer(
     from memory, not the cache), divided by their count.
 
     ``compile`` (join --compile): the step this node will run, the layer's one-token step through
-    the compiled graph (model/compiled.py; one graph of one layer at the shortest span, compiled
+    the compiled graph (model/compiled.py; one graph of the probe's layers at the shortest span and one row, compiled
     once per machine and loaded from inductor's on-disk cache after), where the layer can compile;
     the eager figure where it cannot. The planner splits blocks by the advertised figure, and a
     compiled step runs a layer 1.1-1.5x faster than eager (benchmarks/README.md, bench_ring.py
@@ -123,7 +123,8 @@ def measure_ms_per_layer(
         from swarm.model.compiled import MIN_SPAN, unsupported, warm_compiled
 
         if unsupported(stage) is None:
-            stage.enable_compiled(min(MIN_SPAN, args.max_seq_len))  # the probe's steps all read the one span
+            # the probe's steps all read the one span, one row each: one graph, not one per row count
+            stage.enable_compiled(min(MIN_SPAN, args.max_seq_len), rows=(1,))
             warm_compiled(stage, spans=1)
     stage.open_session("probe", repeats + 2)
     h = torch.randn(1, args.dim, dtype=dtype, device=device)
