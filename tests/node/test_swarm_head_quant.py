@@ -1,8 +1,8 @@
 """A quantized swarm's coordinator serving narrower than fp32 holds the LM head as ``run --quant
 auto`` does (int8 where the checkpoint stores it in 5 to 8 bits and this device has an int8 kernel:
 capability.swarm_head_quant), counts it in its budget (ModelArgs.head_int8_bytes, in memory, not
-disk) and names it in receipts; a dense swarm's head, and an fp32 one's, stay dense. On the bundled model (its tied head stored Q8_0) one token's head costs 6.9 ms dense and
-1.1 ms int8 here, the largest single cost of a ring's token."""
+disk) and names it in receipts; a dense swarm's head, and an fp32 one's, stay dense. On the bundled model (its tied head stored Q8_0) one token's head costs 7.0 ms dense and
+2.0 ms int8 (benchmarks/results/head_matmul.json), the largest single cost of a ring's token."""
 
 from __future__ import annotations
 
