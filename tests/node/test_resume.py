@@ -129,6 +129,32 @@ async def test_a_planning_problem_that_clears_restarts_the_grace(autojump_clock:
     assert not isinstance(info.value, PlanningError)
 
 
+async def test_a_planning_check_slower_than_its_second_keeps_the_run_waiting(autojump_clock: trio.testing.MockClock) -> None:
+    """The once-a-second planning check costs CPU: on a busy node it took longer than the second
+    to the next one, whose deadline was then past when the wait was computed (a negative timeout
+    crashed the run's handler, and its client saw the stream close: CI, stop 40). The run waits on
+    and takes the next epoch when it serves."""
+    epochs = _epochs()
+    checks = [0]
+
+    def slow_check() -> str | None:
+        checks[0] += 1
+        autojump_clock.jump(1.7)  # the check ran 1.7 s on the node's clock
+        return None
+
+    resumer, _ = _resumer(epochs)
+    resumer.planning_problem = slow_check
+
+    async def serve_later() -> None:
+        await trio.sleep(6.0)
+        _take(epochs, _plan(1), serving=True)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(serve_later)
+        ep = await resumer.next_epoch(0, timeout=60)
+    assert ep.plan.epoch == 1 and checks[0] >= 2
+
+
 class _Coordinator:
     """Fails each run with the next of ``errors`` (None: the run finishes)."""
 

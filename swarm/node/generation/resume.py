@@ -127,7 +127,9 @@ class Resumer:
         next_notice = start + NOTICE_EVERY_S
         with trio.move_on_after(timeout):
             while True:  # woken by the epochs the moment one is taken or serves; else by our duties
-                ep = await self.epochs.wait_for(ready, min(next_check, next_notice) - trio.current_time())
+                # (the check below may take longer than the second it waits: a busy node's
+                # planner, a mock clock's jump; a deadline already past waits no more)
+                ep = await self.epochs.wait_for(ready, max(0.0, min(next_check, next_notice) - trio.current_time()))
                 if ep is not None:
                     return ep
                 now = trio.current_time()

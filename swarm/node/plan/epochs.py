@@ -194,8 +194,9 @@ class Epochs:
 
     async def wait_for(self, ready: Callable[[], T | None], timeout: float) -> T | None:
         """``ready()``'s first value that is not None, checked now and again each time an epoch is
-        taken, starts serving or ends (never by polling); None if none came within ``timeout``."""
-        with trio.move_on_after(timeout):
+        taken, starts serving or ends (never by polling); None if none came within ``timeout``
+        (one that is already past, as a deadline computed before slow work makes it: checked once)."""
+        with trio.move_on_after(max(0.0, timeout)):
             while True:
                 value = ready()
                 if value is not None:
