@@ -131,6 +131,21 @@ async def test_without_a_serving_ring_a_generation_waits_what_it_asked_then_fail
             await client.generate(me, peer, prompt_ids=[1, 2], max_new_tokens=2)
 
 
+async def test_a_request_that_crashes_the_service_is_answered_with_an_error_naming_the_node(autojump_clock: Any) -> None:
+    """A bug while serving (here: the planning check raising) reaches the client as a typed
+    failure naming the node and the error, not as a stream closed without a word (stop 40's CI
+    failure read as a lost peer), and the node serves the next request."""
+
+    def broken() -> str | None:
+        raise ValueError("seconds must be non-negative")
+
+    async with _served(problem=broken) as (me, peer, reporter):
+        with pytest.raises(PeerError, match=rf"peer {peer} hit an internal error serving the request "
+                                            r"\(ValueError: seconds must be non-negative\); its log has the traceback"):  # fmt: skip
+            await client.generate(me, peer, prompt_ids=[1, 2], max_new_tokens=2)
+        assert await client.status(me, peer) == {"peer_id": "me", "epoch": None}
+
+
 def _tokenizer() -> Tokenizer:
     """One token per lower-case letter or space, a BOS, and a chat template."""
     vocab = {"<s>": 0, "<unk>": 1, " ": 2, **{chr(c): c - 94 for c in range(97, 123)}}

@@ -106,7 +106,8 @@ class GenService:
     async def serve(self, peer: str, fs: Stream) -> None:
         """``/shard-swarm/gen/1``: one ``gen`` or ``status`` request from ``peer`` (a long prompt
         after its parts). A frame that breaks the wire protocol is not answered: it ends the
-        stream (and the host drops its sender); a bad message is answered with a Fail."""
+        stream (and the host drops its sender); a bad message, or an error of our own, is answered
+        with a Fail."""
         joined, msg = Assembler(), None
         while msg is None:
             try:
@@ -129,6 +130,12 @@ class GenService:
         except SwarmError as exc:
             log.info("request from %s failed: %s", peer, exc)
             await fs.send_message(ctl.fail_of(exc))
+        except Exception as exc:  # a bug here: its client is told so, never left with a bare closed stream
+            log.exception("request from %s crashed", peer)
+            await fs.send_message(ctl.fail_of(PeerError(
+                f"peer {self.peer_id} hit an internal error serving the request ({type(exc).__name__}: {exc}); "
+                "its log has the traceback"
+            )))  # fmt: skip
 
     async def status(self, req: ctl.Status) -> dict[str, Any]:
         """This node's status, or (``req.coordinator``) the serving coordinator's, relayed."""
