@@ -36,6 +36,8 @@ from swarm.node.compute.drafting import draft_bytes
 from swarm.node.ring.capacity import MIN_SESSIONS
 from swarm.node.settings import model_spec, overhead_bytes, peak_bytes, plan_memory, planned_part
 
+LOG_TAIL = 6000  # characters of each node's log printed when the code using a LocalSwarm fails
+
 
 def free_ports(n: int) -> list[int]:
     socks, ports = [], []
@@ -75,8 +77,9 @@ class LocalSwarm:
         with contextlib.suppress(ProcessLookupError):
             self.procs[i].send_signal(sig)
 
-    def stop(self, grace: float = 5.0) -> None:
-        """SIGTERM every node (they leave cleanly), SIGKILL what is left after ``grace`` s."""
+    def stop(self, grace: float = 5.0, *, keep_files: bool = False) -> None:
+        """SIGTERM every node (they leave cleanly), SIGKILL what is left after ``grace`` s; then
+        the work directory goes (if it was made here), unless ``keep_files``."""
         for p in self.procs:
             if p.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
@@ -92,6 +95,10 @@ class LocalSwarm:
         if self.proxy is not None and self.proxy.poll() is None:
             self.proxy.kill()
             self.proxy.wait(timeout=5)
+        if not keep_files:
+            self._cleanup()
+
+    def _cleanup(self) -> None:
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
@@ -142,8 +149,13 @@ class LocalSwarm:
     def __enter__(self) -> LocalSwarm:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+    def __exit__(self, typ: type[BaseException] | None, *exc: object) -> None:
+        self.stop(keep_files=True)  # first: a node's last words (its leaving) are in its log
+        if typ is not None:  # the caller failed: what each node said goes with the failure (CI keeps no files)
+            for i in range(len(self.procs)):
+                with contextlib.suppress(OSError):
+                    print(f"--- node{i}.log, its end ---\n{_log_tail(self.log(i))}", file=sys.stderr)
+        self._cleanup()
 
 
 def start_local_swarm(
@@ -310,6 +322,24 @@ def _start_delay_proxy(delay_ms: float, targets: list[int], workdir: Path) -> tu
         log = (workdir / "proxy.log").read_text(errors="replace")[-2000:]
         raise RuntimeError(f"the delay proxy did not start within {PROXY_START_S:.0f} s (its log: {log!r})")
     return proc, [int(p) for p in parts[1:]]
+
+
+def _log_tail(text: str) -> str:
+    """The last LOG_TAIL characters of a node's log with runs of one repeated line (a dial that
+    keeps failing) folded into one."""
+    lines: list[str] = []
+    repeats = 0
+    for line in text.splitlines():
+        if lines and line == lines[-1]:
+            repeats += 1
+            continue
+        if repeats:
+            lines.append(f"  (the line above {repeats} more times)")
+            repeats = 0
+        lines.append(line)
+    if repeats:
+        lines.append(f"  (the line above {repeats} more times)")
+    return "\n".join(lines)[-LOG_TAIL:]
 
 
 def _log_file(path: Path, *, append: bool = False) -> int:
