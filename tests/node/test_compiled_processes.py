@@ -36,7 +36,10 @@ async def test_compiled_ring_equals_one_eager_box_and_resumes_identical_after_a_
     memory = offer_for(ckpt, 3, context_tokens=256)  # each holds 3 of the 6 layers: two serve, one stands by
     with start_local_swarm(3, ckpt, dtype="fp32", memory_bytes=[memory] * 3, context_tokens=256, chunk_timeout=5.0,
                            compile=True, compile_span=128) as swarm:  # fmt: skip
-        async with client.open_client(swarm.addrs[0], secret=swarm.secret, swarm_id=swarm.swarm_id) as (h, peer):
+        # a --compile node listens once its speed probe ran through a compiled step: on a loaded
+        # box (two workers, cold graphs) that alone took over a minute, so the dial gets the ring's wait
+        async with client.open_client(swarm.addrs[0], secret=swarm.secret, swarm_id=swarm.swarm_id,
+                                      timeout=240) as (h, peer):  # fmt: skip
             st = await client.wait_ready(h, peer, timeout=240)
         plan = st["plan"]
         coord = swarm.peer_ids.index(plan["coordinator"])
