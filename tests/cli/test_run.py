@@ -77,6 +77,9 @@ def test_a_receipt_from_bf16_compiled_stages_says_so_when_its_replay_differs(
     assert replay_note({"A" * 52: {**ran, "dtype": "fp32"}, "B" * 52: {**ran, "spans": [], "eager": "no"}}) is None
     note = replay_note({"A" * 52: ran, "B" * 52: {**ran, "dtype": "fp32"}})
     assert note is not None and note.startswith(f"1 stage(s) ran compiled in bf16 ({'A' * 16})") and "not a bit-exact" in note
+    # a run re-planned off a ring that ran compiled in bf16 onto an fp32 one: its first tokens still came from bf16
+    fp32 = {"C" * 52: {**ran, "dtype": "fp32"}}
+    assert replay_note(fp32) is None and replay_note(fp32, {"A" * 52: ran}) == note
     receipt = tmp_path / "receipt.json"
     receipt.write_text(json.dumps({"prompt_token_ids": [3, 14, 15], "output_token_ids": [1, 2, 3], "replay_note": note}))
     assert main(["run", "--model", str(tiny), "--dtype", "fp32", "--threads", "1", "--receipt", str(receipt)]) == 0

@@ -69,6 +69,10 @@ async def test_compiled_ring_equals_one_eager_box_and_resumes_identical_after_a_
             assert not swarm.alive()[victim]
             assert again["output_token_ids"] == want
             assert len(again["replans"]) == 1 and swarm.peer_ids[victim] in again["replans"][0]["lost"], again["replans"]
+            # the ring it left ran compiled too (fp32: no replay note), as the re-plan's entry says
+            left = again["replans"][0]["compiled"]
+            assert set(left) == set(plan["ring"]) and all(r["spans"] == [64, 128] for r in left.values()), left
+            assert again["replay_note"] is None
             # ... and after the re-plan, the new ring's (the standby compiled the block it took)
             assert {p["id"] for p in again["peers"] if (p["compiled"] or {}).get("spans") == [64, 128]} == \
                 {p["id"] for p in again["peers"] if p["block"]}, again["peers"]

@@ -181,6 +181,7 @@ def _run() -> Any:
 async def test_a_failed_ring_ends_its_epoch_and_the_run_resumes_on_the_next(autojump_clock: trio.testing.MockClock) -> None:
     epochs = _epochs()
     first = _take(epochs, _plan(3, ring=("A", "B")), serving=True)
+    first.compiled = {"B": {"spans": [64], "eager_from": 64, "eager": None, "dtype": "bf16"}}
     coord = _Coordinator([PeerLost("B went away")])
     first.coordinator = coord  # type: ignore[assignment]
     resumer, faults = _resumer(epochs)
@@ -203,6 +204,7 @@ async def test_a_failed_ring_ends_its_epoch_and_the_run_resumes_on_the_next(auto
     (rec,) = replans
     assert (rec["from_epoch"], rec["to_epoch"], rec["lost"], rec["cause"]) == (3, 4, ["B"], "peer B is lost")
     assert (rec["blocks_changed"], rec["replayed_chunks"], rec["resumed_at_token"]) == ({"D": [3, 6]}, 4, 3)
+    assert rec["compiled"] == first.compiled  # how the ring it left ran: the receipt's replay note reads it
     assert told[0].startswith("paused after 3 tokens: B went away")
     assert told[-1].startswith("resuming on epoch 4") and "replaying 4 chunks" in told[-1]
 
@@ -212,6 +214,7 @@ async def test_a_faulty_peer_is_reported_and_a_moved_coordinator_takes_the_run(
 ) -> None:
     epochs = _epochs()
     first = _take(epochs, _plan(5), serving=True)
+    first.compiled = {"B": {"spans": [64], "eager_from": 64, "eager": None, "dtype": "bf16"}}
     first.coordinator = _Coordinator([FaultyPeer("B", "NaN in hidden states")])  # type: ignore[assignment]
     resumer, faults = _resumer(epochs)
 
@@ -224,4 +227,4 @@ async def test_a_faulty_peer_is_reported_and_a_moved_coordinator_takes_the_run(
         with pytest.raises(CoordinatorMoved) as info:
             await resumer.drive(first, _run(), [], [0.0])
     assert faults == [("B", "NaN in hidden states", 5)]
-    assert info.value.coordinator == "A" and info.value.epoch.plan.epoch == 6
+    assert info.value.coordinator == "A" and info.value.epoch.plan.epoch == 6 and info.value.ran == first.compiled

@@ -14,6 +14,7 @@ import dataclasses
 import json
 import statistics
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from swarm import __version__
@@ -57,7 +58,9 @@ class Reporter:
         # one line per generation this node coordinated, for the console's speed history
         self.runs: collections.deque[dict[str, Any]] = collections.deque(maxlen=RUNS_KEPT)
 
-    def receipt(self, ep: Epoch, gen: GenerationResult, params: SamplingParams, *, started: float) -> dict[str, Any]:
+    def receipt(self, ep: Epoch, gen: GenerationResult, params: SamplingParams, *, started: float,
+                replans: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:  # fmt: skip
+        """The run's receipt; ``replans``: the rings it left before ``ep``'s (resume.py)."""
         plan = ep.plan
         view = self.service.membership.view()
         pf = self.service.membership.peers_file()
@@ -116,9 +119,9 @@ class Reporter:
             "chunks": len(gen.chunks),
             "predicted_traversal_ms": plan.predicted_traversal_ms,
             "hops": hop_report(ep),
-            "replans": list(self.epochs.replans),
+            "replans": list(replans),
             "started_unix": started,
-            "replay_note": replay_note(ep.compiled),
+            "replay_note": replay_note(ep.compiled, *(r.get("compiled") or {} for r in replans)),
         }
 
     def status(self, *, loop_window_s: int = 60) -> dict[str, Any]:
@@ -251,15 +254,17 @@ def _members_only(st: dict[str, Any]) -> None:
     st["peer_info"] = {p: v for p, v in st["peer_info"].items() if p in members}
 
 
-def replay_note(compiled: dict[str, dict[str, Any]]) -> str | None:
+def replay_note(*rings: dict[str, dict[str, Any]]) -> str | None:
     """What a reader of a receipt must know before replaying it with ``run --receipt`` (eager):
     stages that ran compiled in bf16 or fp16 may flip a near-tie against an eager box
     (model/compiled.py), so the receipt is no bit-exact reference; None where nothing says so
-    (fp32 compiled stages give eager's tokens)."""
-    loose = sorted(p for p, c in compiled.items() if c["spans"] and c["dtype"] != "fp32")
+    (fp32 compiled stages give eager's tokens). ``rings``: how each ring the run went through
+    ran its stages (peer -> control.StageRun), the last one and those a re-plan left."""
+    dtypes = {p: c["dtype"] for ring in rings for p, c in ring.items() if c["spans"] and c["dtype"] != "fp32"}
+    loose = sorted(dtypes)
     if not loose:
         return None
-    return (f"{len(loose)} stage(s) ran compiled in {'/'.join(sorted({compiled[p]['dtype'] for p in loose}))} "
+    return (f"{len(loose)} stage(s) ran compiled in {'/'.join(sorted(set(dtypes.values())))} "
             f"({', '.join(p[:16] for p in loose)}): a near-tie may flip against an eager box, so this receipt is "
             "not a bit-exact reference for run --receipt (README, Compiled nodes)")
 

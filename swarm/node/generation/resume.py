@@ -36,11 +36,14 @@ PROBLEM_GRACE_S = 3.0  # how long the planner may call the swarm too small befor
 
 
 class CoordinatorMoved(PeerError):
-    """The run's next ring is coordinated by ``coordinator`` (epoch ``epoch``), not by us."""
+    """The run's next ring is coordinated by ``coordinator`` (epoch ``epoch``), not by us;
+    ``ran``: how the ring it left ran its stages (the receipt's replay note)."""
 
-    def __init__(self, message: str, coordinator: str, epoch: Epoch, failed_at: float) -> None:
+    def __init__(self, message: str, coordinator: str, epoch: Epoch, failed_at: float,
+                 ran: dict[str, dict[str, Any]] | None = None) -> None:  # fmt: skip
         super().__init__(message)
         self.coordinator, self.epoch, self.failed_at = coordinator, epoch, failed_at
+        self.ran = ran or {}
 
 
 @dataclass
@@ -67,7 +70,7 @@ class Resumer:
                 return ep
             except PeerError as exc:  # the ring failed (lost, timed out, an error from a stage)
                 failed_at = time.time()
-                old = ep.plan
+                old, ran = ep.plan, dict(ep.compiled)  # how its stages ran (the receipt's replay note)
                 # Whatever broke (a lost peer, a hop gone silent, a stage's error), this ring cannot
                 # carry the run: end its epoch here. A loss already ended it; a ring that stalls with
                 # every peer alive (a relayed stream that died silently) ends only here, and ending
@@ -86,7 +89,7 @@ class Resumer:
                 if ep.plan.coordinator != self.peer_id:
                     raise CoordinatorMoved(
                         f"epoch {ep.plan.epoch} is coordinated by {ep.plan.coordinator} ({exc})", ep.plan.coordinator,
-                        ep, failed_at,
+                        ep, failed_at, ran,
                     ) from None
                 moved = {p: list(b) for p, b in ep.plan.blocks.items() if old.blocks.get(p) != b}
                 replans.append({
@@ -102,6 +105,9 @@ class Resumer:
                     "blocks_changed": moved,
                     "replayed_chunks": len(run.fed_log),
                     "resumed_at_token": len(run.decoder.output_ids),
+                    # how the ring the run left ran its stages (control.StageRun; {}: none compiled):
+                    # tokens it committed count for the receipt's replay note too
+                    "compiled": ran,
                 })  # fmt: skip
                 resumed = (
                     f"resuming on epoch {ep.plan.epoch} after {time.time() - failed_at:.1f} s "

@@ -43,7 +43,7 @@ from swarm.node.dispatch import Dispatcher
 from swarm.node.errors_util import unwrap
 from swarm.node.generation.genstream import GenSink, GenStream, stitch_receipt
 from swarm.node.generation.genwire import send_message
-from swarm.node.generation.report import Reporter
+from swarm.node.generation.report import Reporter, replay_note
 from swarm.node.generation.resume import CoordinatorMoved, Resumer
 from swarm.node.hosting import Host, Stream
 from swarm.node.members.view import MemberView
@@ -325,9 +325,8 @@ class GenService:
         if moved is not None:
             return _handed_over_receipt(handed_over, prompt, moved, replans, t0)
         gen = run.result()
-        receipt = self.reporter.receipt(ep, gen, params, started=t0)
+        receipt = self.reporter.receipt(ep, gen, params, started=t0, replans=replans)
         self.reporter.recent.append((gen.tokens_per_s, gen.tokens_per_traversal))
-        receipt["replans"] = replans
         # a ring shared with others says nothing about its traversal alone (auto's figure)
         alone = not replans and not choice.shared_with
         drafts.learn(choice, run.decoder, gen.traversal_ms if alone else None, ep.plan.epoch)
@@ -381,13 +380,17 @@ def _handed_over_receipt(
     (stitched as a client stitches a resumed run's, genstream.stitch_receipt)."""
     n = len(rest["prompt_token_ids"]) - len(prompt)  # tokens committed here before the hand-over
     old = moved.epoch
+    here = [*replans, {
+        "reason": str(moved)[:300], "cause": old.cause, "moved_to": moved.coordinator,
+        "detected_unix": round(moved.failed_at, 3), "to_epoch": old.plan.epoch, "resumed_at_token": n,
+        "compiled": moved.ran,
+    }]  # fmt: skip
     return {
         **stitch_receipt(rest, n),
         "started_unix": started,
-        "replans": [*replans, {
-            "reason": str(moved)[:300], "cause": old.cause, "moved_to": moved.coordinator,
-            "detected_unix": round(moved.failed_at, 3), "to_epoch": old.plan.epoch, "resumed_at_token": n,
-        }, *rest.get("replans", [])],  # fmt: skip
+        "replans": [*here, *rest.get("replans", [])],
+        # the rings here count too (the new coordinator's note covers only the rings it drove)
+        "replay_note": rest.get("replay_note") or replay_note(*(r.get("compiled") or {} for r in here)),
     }
 
 
