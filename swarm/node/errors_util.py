@@ -6,11 +6,22 @@ our own error types (SwarmError subclasses) so that they can answer a client or 
 
 from __future__ import annotations
 
+import trio
+
 
 def unwrap(exc: BaseException) -> BaseException:
-    """The single leaf of nested one-member exception groups (else the group itself)."""
-    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
-        exc = exc.exceptions[0]
+    """The single leaf of nested one-member exception groups (else the group itself). The
+    Cancelled of an enclosing scope (the node leaving while a link fails) does not count as a
+    second error: the error comes out alone, and the next checkpoint raises the cancellation
+    again (trio's cancellation is level-triggered), so nothing that should stop keeps running."""
+    while isinstance(exc, BaseExceptionGroup):
+        if len(exc.exceptions) == 1:
+            exc = exc.exceptions[0]
+            continue
+        cancelled, rest = exc.split(trio.Cancelled)
+        if cancelled is None or rest is None:
+            break
+        exc = rest
     return exc
 
 
