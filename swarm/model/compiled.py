@@ -224,11 +224,11 @@ class CompiledStep:
         """h (T, D) at positions ``cache.length`` .. +T-1 -> (T, D); writes those positions' keys
         and values (and the padded rows', past ``cache.length`` once it has moved: never read)."""
         T = h.shape[0]
-        b = self.bucket(T)
+        if not self.takes(cache, T):
+            raise ModelError(f"a compiled chunk of {T} rows at {cache.length} does not fit (rows {self.rows}, "
+                             f"capacity {self.capacity}, compiled to {self.longest}, cache {cache.max_len}): run it eagerly")
+        b = cast(int, self.bucket(T))
         pos = cache.begin(T)
-        if b is None or pos + b > self.capacity or cache.max_len != self.capacity:
-            raise ModelError(f"a compiled chunk of {T} rows at {pos} does not fit (rows {self.rows}, "
-                             f"capacity {self.capacity}, cache {cache.max_len}): run it eagerly")
         span = span_for(pos + T, self.capacity)
         ks, vs = self.buffers(cache)
         pos_t = torch.arange(pos, pos + b, dtype=torch.int64, device=self.device)  # (b,)
